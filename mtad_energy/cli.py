@@ -1,0 +1,130 @@
+"""The ``mtad-energy`` command line (typer + rich)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
+                  no_args_is_help=True, add_completion=False)
+console = Console()
+
+
+def parse_sets(sets: list[str] | None) -> dict[str, str]:
+    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}."""
+    out: dict[str, str] = {}
+    for item in sets or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def quiet_libraries() -> None:
+    """Hide transformers' per-load progress bars and info logs on the command line."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _fail(error: Exception) -> None:
+    console.print(f"[bold red]error:[/] {error}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
+    """List every decoder with its parameters, defaults and one line of help."""
+    from mtad_energy.decoding.registry import DECODERS, param_specs
+
+    specs = {name: {"help": cls.help, "needs_draft": cls.needs_draft, "params": param_specs(cls)}
+             for name, cls in DECODERS.items()}
+    if as_json:
+        print(json.dumps(specs, indent=2, default=str))
+        return
+    for name, spec in specs.items():
+        table = Table(title=f"[bold]{name}[/] - {spec['help']}"
+                      + (" [dim](needs a draft)[/]" if spec["needs_draft"] else ""),
+                      title_justify="left", show_edge=False)
+        for col in ("parameter", "type", "default", "help"):
+            table.add_column(col)
+        for p in spec["params"]:
+            table.add_row(p["name"], p["type"], str(p["default"]), p["help"])
+        console.print(table)
+        console.print()
+
+
+@app.command()
+def models():
+    """List the model-pair aliases."""
+    from mtad_energy.models import ALIASES
+
+    table = Table("alias", "target", "draft", "note", show_edge=False)
+    for name, spec in ALIASES.items():
+        table.add_row(name, spec.target, spec.draft or "-", spec.note)
+    console.print(table)
+
+
+def stats_table(rows: list[tuple[str, dict]]) -> Table:
+    """One row per (label, stats dict)."""
+    table = Table(show_edge=False)
+    for col in ("decoder", "tokens", "tokens/s", "block eff.", "accept rate", "perplexity",
+                "draft s", "target s", "other s"):
+        table.add_column(col, justify="right" if col != "decoder" else "left")
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for label, s in rows:
+        table.add_row(label, str(s["tokens_emitted"]), f(s["tokens_per_s"], "{:.1f}"),
+                      f(s["block_efficiency"]), f(s["acceptance_rate"]), f(s["perplexity"], "{:.3f}"),
+                      f(s["time_draft_s"]), f(s["time_target_s"]), f(s["time_other_s"]))
+    return table
+
+
+@app.command()
+def generate(
+    decoder: Annotated[str, typer.Option(help="decoder name (see `mtad-energy decoders`)")] = "mtad",
+    model: Annotated[str, typer.Option(help="pair alias (see `mtad-energy models`)")] = "smollm2",
+    prompt: Annotated[str, typer.Option(help="prompt text")] = "Write a Python function that "
+    "checks whether a number is prime.",
+    target: Annotated[Optional[str], typer.Option(help="target hub id or local dir")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="draft hub id, local dir or self:...")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="decoder param key=value")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: Annotated[Optional[str], typer.Option(help="fp32|bf16|fp16 (default: bf16 GPU, fp32 CPU)")] = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="apply the chat template (default: when the tokenizer has one)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+):
+    """Decode one prompt and print the text and its statistics."""
+    from mtad_energy.decoding.generate import generate as run
+    from mtad_energy.decoding.registry import get_decoder
+    from mtad_energy.models import load_pair
+
+    quiet_libraries()
+    try:
+        dec = get_decoder(decoder, **parse_sets(set_))
+        pair = load_pair(model, target=target, draft=draft, device=device, dtype=dtype,
+                         with_draft=dec.needs_draft)
+        gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat)
+    except (ValueError, RuntimeError, OSError) as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps({**gen.to_dict(), "pair": pair.describe()}, indent=2))
+        return
+    console.rule(f"{decoder} on {pair.name} ({pair.target_id} + {pair.draft_id or 'no draft'})")
+    console.print(gen.text, markup=False, highlight=False)
+    console.rule()
+    console.print(stats_table([(decoder, gen.to_dict()["stats"])]))
+
+
+if __name__ == "__main__":
+    app()

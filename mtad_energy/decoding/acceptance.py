@@ -1,0 +1,161 @@
+"""Acceptance rules as pure tensor functions (no models, no caches).
+
+Shapes: gamma draft tokens, vocabulary V. ``p`` is the warped target, ``q`` the warped draft.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtad_energy.decoding.sampling import residual, sample
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
+                       generator: torch.Generator | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan/Chen speculative sampling for one sequence.
+
+    p: ``[gamma+1, V]`` target at each draft position plus the bonus position.
+    q: ``[gamma, V]`` draft distributions the draft tokens were sampled from.
+    draft: ``[gamma]`` draft tokens.
+    Returns ``(n_accepted, next_token)`` as 0-d tensors: the first n draft tokens are accepted and
+    next_token is drawn from the residual at the first rejection, or from p[gamma] if none.
+    """
+    gamma = draft.shape[0]
+    idx = torch.arange(gamma, device=draft.device)
+    p_x = p[idx, draft]
+    q_x = q[idx, draft]
+    u = torch.rand(gamma, generator=generator, device=p.device)
+    # accept while u * q(x) <= p(x), i.e. u <= min(1, p/q); q(x) > 0 because x was drawn from q
+    accepted = (u * q_x <= p_x) & (p_x > 0)
+    n = accepted.long().cumprod(0).sum()
+    q_pad = torch.cat([q, torch.zeros_like(p[:1])])  # the bonus row has no draft: residual == p
+    next_dist = residual(p[n], q_pad[n])
+    return n, sample(next_dist, generator)
+
+
+def joint_accept_length(log_p: torch.Tensor, log_q: torch.Tensor, log_tau: float) -> torch.Tensor:
+    """MTAD's accepted length eta for one draft.
+
+    log_p, log_q: ``[gamma]`` per-token warped log-probabilities of the draft tokens under the
+    target and draft. With L_j = sum_{i<=j} (log_p_i - log_q_i), eta = max{j : L_j > log tau},
+    0 if none. It is the *longest* passing prefix: an earlier failing prefix does not stop it.
+    """
+    ratio = (log_p - log_q).cumsum(0)  # [gamma]
+    lengths = torch.arange(1, ratio.shape[0] + 1, device=ratio.device)
+    return torch.where(ratio > log_tau, lengths, torch.zeros_like(lengths)).max()
+
+
+# --- Spectr: k-sequential selection (Sun et al. 2023) ---------------------------------------------
+
+def spectr_beta(p: torch.Tensor, q: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """beta(rho) = sum_x min(q(x), p(x)/rho): p, q ``[..., V]``, rho ``[...]`` -> ``[...]``."""
+    return torch.minimum(q, p / rho[..., None]).sum(-1)
+
+
+def spectr_rho(p: torch.Tensor, q: torch.Tensor, k: int | torch.Tensor, iters: int = 24,
+               support: int = 0) -> torch.Tensor:
+    """The rho in [1, k] solving 1 - (1 - beta(rho))^k = rho * beta(rho), by bisection.
+
+    p, q: ``[..., V]``; k: int or ``[...]`` (number of drafts). Returns rho ``[...]``.
+    f(rho) = 1 - (1-beta)^k - rho*beta is non-increasing (beta falls, rho*beta = sum min(rho q, p)
+    rises), f(1) >= 0 and f(k) <= 0 (Bernoulli), so bisection keeps the root bracketed. 24 halvings
+    of [1, k] reach float32 resolution. k = 1 gives rho = 1 exactly (the interval is empty).
+    ``support > 0``: only tokens where q > 0 count in beta, so sum over q's ``support`` most likely
+    tokens (exact when q has at most that many nonzeros, e.g. 2 * top_k after a top-k warp).
+    """
+    if 0 < support < q.shape[-1]:
+        idx = q.topk(support, -1).indices
+        p, q = p.gather(-1, idx), q.gather(-1, idx)
+    k = torch.as_tensor(k, dtype=p.dtype, device=p.device).expand(p.shape[:-1])
+    lo, hi = torch.ones_like(k), k.clone()
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        beta = spectr_beta(p, q, mid)
+        # 1 - (1-beta)^k without cancellation for small beta
+        f = -torch.expm1(k * torch.log1p(-beta.clamp(max=1.0))) - mid * beta
+        below = f > 0  # root lies above mid
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return (lo + hi) / 2
+
+
+def spectr_residual(p: torch.Tensor, q: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """Distribution to sample when all k drafts are rejected: ``[..., V]``.
+
+    DESIGN's [p - min(q, p/rho) * (1-(1-beta)^k)/beta] / (1-beta)^k. At the root
+    (1-(1-beta)^k)/beta = rho, so the numerator is max(0, p - rho*q) and the denominator its mass;
+    we normalise that form, which stays a valid distribution at any bisection tolerance.
+    """
+    return residual(p, rho[..., None] * q)
+
+
+def spectr_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                  generator: torch.Generator | None = None, support: int = 0,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-draft k-sequential selection over k i.i.d. draft sequences, lossless w.r.t. p.
+
+    p: ``[k, gamma+1, V]`` target along each draft (plus the bonus position).
+    q: ``[k, gamma, V]`` draft distributions the drafts were sampled from.
+    drafts: ``[k, gamma]``.
+    At position t, over the drafts consistent with the emitted prefix (k' of them; given that
+    prefix their tokens at t are i.i.d. ~q), accept draft i's token x with prob
+    min(1, p(x) / (rho_k' q(x))) in index order; the first acceptance emits x and the drafts with x
+    there stay consistent. If none is accepted, sample ``spectr_residual`` and stop. If a draft
+    survives all gamma positions, sample the bonus token from p.
+    The consistent set at t is fixed by the drafts alone (drafts sharing the accepted draft's first
+    t tokens), so every rho and coin is computed up front in one batch; only a gamma-step walk of
+    small tensor ops remains, with no host sync.
+    Returns 0-d ``(n_accepted, next_token, row)``: the first n tokens of ``drafts[row]`` are
+    accepted. ``support``: see ``spectr_rho``.
+    """
+    k, gamma = drafts.shape
+    # same[r, j, t]: drafts r and j agree on their first t tokens, t = 0..gamma
+    eq = (drafts[:, None, :] == drafts[None, :, :]).long()  # [k, k, gamma]
+    same = torch.cat([torch.ones_like(eq[..., :1]), eq.cumprod(-1)], -1).bool()  # [k, k, gamma+1]
+    k_alive = same[..., :gamma].sum(1)  # [k, gamma]: consistent drafts at t if r is
+    rho = spectr_rho(p[:, :gamma], q, k_alive, support=support)  # [k, gamma]
+    p_x = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]  # [k, gamma]
+    q_x = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(k, gamma, generator=generator, device=p.device)
+    ok = (u * rho * q_x <= p_x) & (p_x > 0)  # [k, gamma] each draft's coin at each position
+    going = torch.ones((), dtype=torch.bool, device=p.device)  # every position so far accepted
+    n = torch.zeros((), dtype=torch.long, device=p.device)
+    row = torch.zeros(1, dtype=torch.long, device=p.device)  # the last accepted draft
+    for t in range(gamma):
+        cand = same[:, :, t].index_select(0, row)[0] & ok[:, t]  # [k] consistent and accepted
+        hit = going & cand.any()
+        row = torch.where(hit, cand.long().argmax().view(1), row)  # argmax: first in order
+        n = n + hit.long()
+        going = hit
+    # next token at (row, n): residual after a rejection; q = 0 at the bonus position gives p
+    at = row * (gamma + 1) + n  # [1] flat index into [k, gamma+1]
+    q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], 1)
+    rho_pad = torch.cat([rho, torch.ones_like(rho[:, :1])], 1)
+    vocab = p.shape[-1]
+    next_dist = spectr_residual(p.reshape(-1, vocab).index_select(0, at)[0],
+                                q_pad.reshape(-1, vocab).index_select(0, at)[0],
+                                rho_pad.reshape(-1).index_select(0, at)[0])
+    return n, sample(next_dist, generator), row[0]
+
+
+# --- Medusa's typical acceptance and BiLD's rollback ---------------------------------------------
+
+def typical_accept_length(p: torch.Tensor, draft: torch.Tensor, eps: float,
+                          delta: float) -> torch.Tensor:
+    """Longest prefix of ``draft [gamma]`` with p(x_i) > min(eps, delta * exp(-H(p_i))) at every i.
+
+    p: ``[gamma, V]`` the distribution the test uses (typical.py: temperature-scaled, untruncated).
+    Returns a 0-d long tensor.
+    """
+    entropy = -torch.special.xlogy(p, p).sum(-1)  # [gamma]; 0 log 0 = 0
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=eps)
+    p_x = p.gather(-1, draft[:, None])[:, 0]
+    return (p_x > threshold).long().cumprod(0).sum()
+
+
+def rollback_length(nll: torch.Tensor, threshold: float) -> torch.Tensor:
+    """BiLD: draft tokens kept before the first rollback, ``nll [m]`` = -log p(x_i) -> 0-d long.
+
+    A position rolls back when -log p(x) > threshold; everything from there on is discarded.
+    """
+    return (nll <= threshold).long().cumprod(0).sum()

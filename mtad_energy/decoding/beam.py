@@ -1,0 +1,31 @@
+"""Beam sampling with the target over the whole output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtad_energy.decoding.base import (Decoder, DecoderParams, DecodeState, StepResult, param,
+                                       require)
+from mtad_energy.decoding.beams import beam_sample
+
+
+@dataclass(frozen=True)
+class BeamParams(DecoderParams):
+    beam_width: int = param(4, "W beams")
+    stochastic: bool = param(True, "sample (beam, token) pairs by joint ~p; false = keep top W")
+
+    def validate(self) -> None:
+        require(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
+
+
+class Beam(Decoder):
+    name = "beam"
+    help = "beam sampling with the target over the whole output; emits the most likely beam"
+    Params = BeamParams
+
+    def step(self, s: DecodeState) -> StepResult:
+        p = self.params
+        beams = beam_sample(s.target, s.last_token, s.remaining, p.beam_width, p.warp,
+                            s.generator, p.stochastic, s.eos_token_id)
+        beams.keep(s.target, beams.best)
+        return StepResult(beams.best_seq)

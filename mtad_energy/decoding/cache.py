@@ -1,0 +1,58 @@
+"""KV-cache helpers over transformers' ``DynamicCache``.
+
+We slice ``cache.layers[i].keys/values`` (shape ``[B, H_kv, T, D]``) ourselves rather than call
+``DynamicCache.crop``: its argument changed meaning between transformers 5.17 (absolute length)
+and 5.23 (tokens to remove), and the project supports both.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def _layers(cache: DynamicCache):
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError(
+                f"{type(layer).__name__}: sliding-window KV caches cannot be rolled back by "
+                "mtad-energy; use a model with full attention layers (Llama, OPT, SmolLM2).")
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+            yield layer
+
+
+def cache_len(cache: DynamicCache) -> int:
+    """Number of cached positions (T)."""
+    return max((layer.keys.shape[-2] for layer in _layers(cache)), default=0)
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions (roll back rejected tokens)."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Gather batch rows (beam reorder / keep the best beam): ``rows [B']``."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+
+
+def repeat_rows(cache: DynamicCache, n: int) -> None:
+    """Expand a batch-1 cache to n identical rows (start of a beam search)."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys.expand(n, -1, -1, -1).contiguous()
+        layer.values = layer.values.expand(n, -1, -1, -1).contiguous()
+
+
+def keep_positions(cache: DynamicCache, positions: torch.Tensor) -> None:
+    """Keep only the given positions along T (e.g. the accepted path of a token tree)."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys.index_select(2, positions)
+        layer.values = layer.values.index_select(2, positions)

@@ -1,0 +1,205 @@
+"""The one generate loop: prefill, iterate a decoder, EOS / max_new_tokens, rollback, stats."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from mtad_energy.decoding.base import Decoder, DecodeState, ModelRunner, PhaseTimer
+from mtad_energy.models import ModelPair
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One decoder iteration."""
+
+    emitted: int
+    proposed: int
+    accepted: int
+    draft_forwards: int
+    target_forwards: int
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    iterations: int
+    tokens_emitted: int
+    draft_proposed: int
+    draft_accepted: int
+    draft_forwards: int
+    target_forwards: int
+    prefill_time_s: float
+    decode_time_s: float
+    time_draft_s: float
+    time_target_s: float
+    time_other_s: float
+    tokens_per_s: float
+    block_efficiency: float  # tokens emitted per target forward
+    acceptance_rate: float | None  # accepted / proposed draft tokens; None without drafts
+    perplexity: float | None  # exp(mean NLL) of the output under the *unwarped* target
+    stop_reason: str  # "eos" | "max_new_tokens"
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens only
+    text: str
+    prompt_len: int
+    stats: GenerationStats
+    steps: list[StepStats] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_len": self.prompt_len,
+                "stats": asdict(self.stats), "config": self.config,
+                "accepted_lengths": [s.accepted for s in self.steps]}
+
+
+def encode_prompt(pair: ModelPair, prompt: str | Sequence[int] | torch.Tensor,
+                  chat: bool | None = None) -> list[int]:
+    """Token ids of a prompt. Text gets the tokenizer's chat template when it has one (chat=None)
+    or when chat=True."""
+    if isinstance(prompt, torch.Tensor):
+        return [int(t) for t in prompt.reshape(-1).tolist()]
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    tok = pair.tokenizer
+    if chat is None:
+        chat = bool(getattr(tok, "chat_template", None))
+    if chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return list(ids)
+    return tok(prompt)["input_ids"]
+
+
+def _check_lengths(pair: ModelPair, decoder: Decoder, prompt_len: int, max_new_tokens: int) -> None:
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ctx = pair.context_length
+    if ctx is None:
+        return
+    if prompt_len >= ctx:
+        raise ValueError(f"the prompt is {prompt_len} tokens, longer than the target's context of "
+                         f"{ctx}; shorten the prompt")
+    need = prompt_len + max_new_tokens + decoder.lookahead
+    if need > ctx:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + the decoder's lookahead "
+            f"({decoder.lookahead}) = {need} exceeds the target's context of {ctx}; lower "
+            f"max_new_tokens to at most {ctx - prompt_len - decoder.lookahead}")
+
+
+@torch.inference_mode()
+def perplexity(model, ids: torch.Tensor, prompt_len: int) -> float | None:
+    """exp(mean NLL) of ``ids[prompt_len:]`` given what precedes, under ``model`` (unwarped)."""
+    if ids.shape[0] <= prompt_len:
+        return None
+    logits = model(input_ids=ids[None]).logits[0, prompt_len - 1:-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[prompt_len:])
+    return math.exp(nll.item())
+
+
+@torch.inference_mode()
+def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_new_tokens: int,
+                 seed: int = 0, compute_perplexity: bool = True) -> Generation:
+    if decoder.needs_draft and pair.draft is None:
+        raise ValueError(f"decoder {decoder.name!r} needs a draft model, but the pair has none; "
+                         "load one with draft=... (e.g. 'self:int8') or pick ar/beam/mtjd")
+    prompt_len = len(prompt_ids)
+    _check_lengths(pair, decoder, prompt_len, max_new_tokens)
+    device = pair.device
+    timer = PhaseTimer(device)
+    ids = torch.zeros(prompt_len + max_new_tokens, dtype=torch.long, device=device)
+    ids[:prompt_len] = torch.tensor(prompt_ids, dtype=torch.long)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    target = ModelRunner(pair.target, timer, "target")
+    draft = ModelRunner(pair.draft, timer, "draft") if decoder.needs_draft else None
+    state = DecodeState(ids, prompt_len, prompt_len, max_new_tokens, target, draft, generator,
+                        pair.eos_token_id)
+
+    t0 = time.perf_counter()
+    if prompt_len > 1:  # everything but the last prompt token (see the cache invariant in base.py)
+        target(ids[None, :prompt_len - 1])
+        if draft is not None:
+            draft(ids[None, :prompt_len - 1])
+    timer.sync()
+    t_prefill = time.perf_counter()
+    phase_before = dict(timer.time_s)
+    fwd0 = (target.forwards, draft.forwards if draft else 0)
+
+    eos = pair.eos_token_id
+    steps: list[StepStats] = []
+    new_tokens: list[int] = []
+    stop = "max_new_tokens"
+    while state.remaining > 0:
+        before = (target.forwards, draft.forwards if draft else 0)
+        result = decoder.step(state)
+        tokens = result.tokens[:state.remaining]
+        token_list = tokens.tolist()  # the one host sync per iteration
+        if eos is not None and eos in token_list:
+            cut = token_list.index(eos) + 1
+            tokens, token_list = tokens[:cut], token_list[:cut]
+            stop = "eos"
+        state.append(tokens)
+        new_tokens.extend(token_list)
+        steps.append(StepStats(len(token_list), result.proposed, result.accepted,
+                               (draft.forwards if draft else 0) - before[1],
+                               target.forwards - before[0]))
+        if stop == "eos":
+            break
+        # roll the caches back to the cache invariant: target sees all but the last token
+        target.crop(state.n - 1)
+        if draft is not None:
+            draft.crop(min(len(draft), state.n - 1))
+    timer.sync()
+    t_end = time.perf_counter()
+
+    decode_s = t_end - t_prefill
+    draft_s = timer.time_s.get("draft", 0.0) - phase_before.get("draft", 0.0)
+    target_s = timer.time_s.get("target", 0.0) - phase_before.get("target", 0.0)
+    target_fw = target.forwards - fwd0[0]
+    proposed = sum(s.proposed for s in steps)
+    accepted = sum(s.accepted for s in steps)
+    ppl = perplexity(pair.target, ids[:state.n], prompt_len) if compute_perplexity else None
+    stats = GenerationStats(
+        iterations=len(steps), tokens_emitted=len(new_tokens), draft_proposed=proposed,
+        draft_accepted=accepted, draft_forwards=(draft.forwards - fwd0[1]) if draft else 0,
+        target_forwards=target_fw, prefill_time_s=t_prefill - t0, decode_time_s=decode_s,
+        time_draft_s=draft_s, time_target_s=target_s,
+        time_other_s=max(0.0, decode_s - draft_s - target_s),
+        tokens_per_s=len(new_tokens) / decode_s if decode_s > 0 else float("inf"),
+        block_efficiency=len(new_tokens) / target_fw if target_fw else 0.0,
+        acceptance_rate=accepted / proposed if proposed else None,
+        perplexity=ppl, stop_reason=stop)
+    text = pair.tokenizer.decode(new_tokens, skip_special_tokens=True)
+    config = {**decoder.config(), "max_new_tokens": max_new_tokens, "seed": seed}
+    return Generation(new_tokens, text, prompt_len, stats, steps, config)
+
+
+def generate(decoder: Decoder | str, pair: ModelPair,
+             prompt: str | Sequence[int] | torch.Tensor | list[str],
+             max_new_tokens: int = 128, seed: int = 0, chat: bool | None = None,
+             compute_perplexity: bool = True, **params) -> Generation | list[Generation]:
+    """Decode ``prompt`` (text or ids) with ``decoder`` (an instance or a registry name plus its
+    params). A list of text prompts gives a list of Generations, decoded one at a time (batch
+    size 1 per sequence, as in the paper); prompt i uses seed + i."""
+    from mtad_energy.decoding.registry import get_decoder
+
+    if isinstance(decoder, str):
+        decoder = get_decoder(decoder, **params)
+    elif params:
+        raise TypeError("pass decoder parameters either in the Decoder or as keywords, not both")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return [generate_ids(decoder, pair, encode_prompt(pair, p, chat), max_new_tokens, seed + i,
+                             compute_perplexity) for i, p in enumerate(prompt)]
+    return generate_ids(decoder, pair, encode_prompt(pair, prompt, chat), max_new_tokens, seed,
+                        compute_perplexity)

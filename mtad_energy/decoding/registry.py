@@ -1,0 +1,67 @@
+"""The decoder registry: a plain dict from name to class, and parameter validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from mtad_energy.decoding.ar import Multinomial
+from mtad_energy.decoding.base import Decoder
+from mtad_energy.decoding.beam import Beam
+from mtad_energy.decoding.mtad import Mtad
+from mtad_energy.decoding.mtjd import Mtjd
+from mtad_energy.decoding.spd import SpeculativeDecoding
+
+DECODERS: dict[str, type[Decoder]] = {
+    "ar": Multinomial,
+    "beam": Beam,
+    "mtjd": Mtjd,
+    "spd": SpeculativeDecoding,
+    "mtad": Mtad,
+}
+
+
+def _coerce(value: Any, kind: type, name: str) -> Any:
+    """Turn CLI strings ('0.3', 'true', '4,2,2') into the parameter's type."""
+    if not isinstance(value, str):
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+    try:
+        if kind is bool:
+            if value.lower() in {"1", "true", "yes", "on"}:
+                return True
+            if value.lower() in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(value)
+        if typing.get_origin(kind) is tuple:
+            (item, *_) = typing.get_args(kind)
+            return tuple(item(v) for v in value.split(",") if v.strip())
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"parameter {name}={value!r} is not a valid {getattr(kind, '__name__', kind)}"
+                         ) from None
+
+
+def param_specs(cls: type[Decoder]) -> list[dict[str, Any]]:
+    """Name, type, default and help of every parameter of a decoder class."""
+    hints = typing.get_type_hints(cls.Params)
+    return [{"name": f.name, "type": getattr(hints[f.name], "__name__", str(hints[f.name])),
+             "default": f.default, "help": f.metadata.get("help", "")}
+            for f in dataclasses.fields(cls.Params)]
+
+
+def get_decoder(name: str, **params: Any) -> Decoder:
+    """A decoder by registry name, with validated parameters (strings are coerced)."""
+    if name not in DECODERS:
+        raise ValueError(f"unknown decoder {name!r}; available: {', '.join(DECODERS)} "
+                         "(`mtad-energy decoders` lists their parameters)")
+    cls = DECODERS[name]
+    hints = typing.get_type_hints(cls.Params)
+    unknown = sorted(set(params) - set(hints))
+    if unknown:
+        raise ValueError(f"decoder {name!r} has no parameter {', '.join(unknown)}; its parameters "
+                         f"are: {', '.join(hints)}")
+    kwargs = {k: _coerce(v, hints[k], k) for k, v in params.items()}
+    return cls(cls.Params(**kwargs))

@@ -1,0 +1,93 @@
+"""Warping and sampling as small pure tensor functions.
+
+Warping follows the paper (and DESIGN.md section 3): temperature, then keep the top-k tokens and
+renormalise, then top-p where a token is dropped when the probability mass *strictly before it*
+already exceeds p (so the most likely token is always kept). The same warp is applied to p and q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Warp:
+    """Sampling warp. ``temperature == 0`` means greedy (a one-hot distribution)."""
+
+    temperature: float = 1.0
+    top_k: int = 10
+    top_p: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = keep all tokens), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
+               top_p: float = 0.9) -> torch.Tensor:
+    """Warped distribution ``[..., V]`` (float32) from logits ``[..., V]``."""
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = mass_before > top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def log_probs(probs: torch.Tensor) -> torch.Tensor:
+    """log of a (warped) distribution; zeros become -inf, never NaN."""
+    return probs.log()
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row: probs ``[..., V]`` -> token ids ``[...]``."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) along the last axis; falls back to p where the residual is empty.
+
+    An empty residual only happens when p == q (then no rejection can occur), but float error
+    can produce it; p is the correct limit.
+    """
+    r = (p - q).clamp_min(0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(1e-30), p)
+
+
+def gumbel_topk(log_weights: torch.Tensor, k: int, generator: torch.Generator | None = None,
+                stochastic: bool = True) -> torch.Tensor:
+    """Indices of k draws *without replacement* proportional to exp(log_weights) ``[N] -> [k]``.
+
+    Gumbel-top-k: adding i.i.d. Gumbel noise and keeping the k largest keys is exactly sequential
+    sampling without replacement. ``stochastic=False`` keeps the k largest weights (beam search).
+    Entries with weight 0 (-inf) are only returned when fewer than k have positive weight.
+    """
+    keys = log_weights
+    if stochastic:
+        u = torch.rand(log_weights.shape, generator=generator, device=log_weights.device)
+        keys = log_weights - torch.log(-torch.log(u.clamp_min(1e-20)))
+    return keys.topk(k).indices

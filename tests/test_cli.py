@@ -1,0 +1,36 @@
+import json
+
+from typer.testing import CliRunner
+
+from mtad_energy.cli import app
+
+runner = CliRunner()
+
+
+def test_decoders_json_lists_every_decoder_with_params():
+    from mtad_energy.decoding import DECODERS
+
+    out = runner.invoke(app, ["decoders", "--json"])
+    assert out.exit_code == 0, out.output
+    specs = json.loads(out.output)
+    assert set(specs) == set(DECODERS)
+    tau = next(p for p in specs["mtad"]["params"] if p["name"] == "tau")
+    assert tau["default"] == 0.5 and tau["type"] == "float"
+
+
+def test_generate_json_on_a_local_pair(model_dirs):
+    out = runner.invoke(app, ["generate", "--decoder", "mtad", "--target", model_dirs["llama"],
+                              "--draft", model_dirs["llama-draft"], "--prompt", "w1 w2 w3",
+                              "--set", "tau=0.3", "--set", "beam_width=2",
+                              "--max-new-tokens", "6", "--json"])
+    assert out.exit_code == 0, out.output
+    res = json.loads(out.output)
+    assert res["config"]["tau"] == 0.3 and res["config"]["beam_width"] == 2
+    assert res["stats"]["tokens_emitted"] == 6
+
+
+def test_generate_reports_bad_input_clearly():
+    out = runner.invoke(app, ["generate", "--decoder", "nope"])
+    assert out.exit_code == 2 and "unknown decoder 'nope'" in out.output
+    out = runner.invoke(app, ["generate", "--set", "tau"])
+    assert out.exit_code != 0 and "key=value" in out.output

