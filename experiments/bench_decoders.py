@@ -62,7 +62,7 @@ def main() -> None:
 
     rows = []
     for name in track(names, description="decoders", console=console):
-        for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
+        for i, (p, ids) in enumerate(zip(prompts, prompt_ids, strict=False)):
             g = me.generate(name, pair, ids, max_new_tokens=args.max_new_tokens, seed=i)
             rows.append({"decoder": name, "prompt": p.id, **g.to_dict()["stats"]})
     hf = []

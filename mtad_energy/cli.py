@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -94,14 +94,15 @@ def generate(
     model: Annotated[str, typer.Option(help="pair alias (see `mtad-energy models`)")] = "smollm2",
     prompt: Annotated[str, typer.Option(help="prompt text")] = "Write a Python function that "
     "checks whether a number is prime.",
-    target: Annotated[Optional[str], typer.Option(help="target hub id or local dir")] = None,
-    draft: Annotated[Optional[str], typer.Option(help="draft hub id, local dir or self:...")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="decoder param key=value")] = None,
+    target: Annotated[str | None, typer.Option(help="target hub id or local dir")] = None,
+    draft: Annotated[str | None, typer.Option(help="draft hub id, local dir or self:...")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="decoder param key=value")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     seed: int = 0,
     device: str = "auto",
-    dtype: Annotated[Optional[str], typer.Option(help="fp32|bf16|fp16 (default: bf16 GPU, fp32 CPU)")] = None,
-    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="apply the chat template (default: when the tokenizer has one)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16 (default: bf16 GPU, fp32 CPU)")] = None,
+    chat: Annotated[bool | None, typer.Option(
+        "--chat/--no-chat", help="apply the chat template (default: when the tokenizer has one)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ):
     """Decode one prompt and print the text and its statistics."""

@@ -4,8 +4,13 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.models import (ModelNotAvailableError, TokenizerMismatchError, _parse_layers,
-                                check_tokenizers, load_pair)
+from mtad_energy.models import (
+    ModelNotAvailableError,
+    TokenizerMismatchError,
+    _parse_layers,
+    check_tokenizers,
+    load_pair,
+)
 from tests import tiny
 
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 
 from mtad_energy.models import ModelPair
 

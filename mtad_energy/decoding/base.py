@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 

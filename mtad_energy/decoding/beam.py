@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtad_energy.decoding.base import (Decoder, DecoderParams, DecodeState, StepResult, param,
-                                       require)
+from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, param, require
 from mtad_energy.decoding.beams import beam_sample
 
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.acceptance import joint_accept_length
-from mtad_energy.decoding.base import (Decoder, DecoderParams, DecodeState, StepResult, param,
-                                       require)
+from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, param, require
 from mtad_energy.decoding.beams import beam_sample
 from mtad_energy.decoding.sampling import sample
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtad_energy.decoding.base import (Decoder, DecoderParams, DecodeState, StepResult, param,
-                                       require)
+from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, param, require
 from mtad_energy.decoding.beams import beam_sample
 
 

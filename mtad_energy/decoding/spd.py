@@ -7,8 +7,15 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.acceptance import speculative_accept
-from mtad_energy.decoding.base import (Decoder, DecoderParams, DecodeState, ModelRunner,
-                                       StepResult, param, require)
+from mtad_energy.decoding.base import (
+    Decoder,
+    DecoderParams,
+    DecodeState,
+    ModelRunner,
+    StepResult,
+    param,
+    require,
+)
 from mtad_energy.decoding.sampling import Warp, sample
 
 

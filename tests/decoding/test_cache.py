@@ -29,7 +29,7 @@ def test_select_rows_keeps_a_beam_and_keep_positions_gathers_along_time(llama_pa
         kv.select_rows(cache, torch.tensor([1]))
         solo = kv.new_cache(model)
         model(input_ids=torch.tensor([[1, 2, 3, 5]]), past_key_values=solo, use_cache=True)
-    for a, b in zip(cache.layers, solo.layers):
+    for a, b in zip(cache.layers, solo.layers, strict=False):
         assert torch.allclose(a.keys, b.keys, atol=1e-5)
         assert torch.allclose(a.values, b.values, atol=1e-5)
     before = cache.layers[0].keys.clone()

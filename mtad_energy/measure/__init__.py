@@ -1,0 +1,130 @@
+"""Measurement core: energy meters, window(), error mitigation, FLOP/byte accounting.
+
+Typical use::
+
+    from mtad_energy.measure import get_meter, window
+
+    with get_meter("auto") as meter, window(meter, "generate") as w:
+        run()
+    print(w.measurement.energy_j, w.measurement.flags)
+
+This package never imports `mtad_energy.decoding`; torch, pynvml, Zeus and scipy are imported
+only when a backend needs them.
+"""
+
+from mtad_energy.measure.base import (
+    FLAG_COUNTER_RESET,
+    FLAG_COUNTER_WRAP,
+    FLAG_DEVICE_ORDER,
+    FLAG_FEW_SAMPLES,
+    FLAG_MISSING_DEVICE,
+    FLAG_POWER_FALLBACK,
+    FLAG_SHORT_WINDOW,
+    FLAG_ZERO_ENERGY,
+    EnergyMeter,
+    Flag,
+    MeasureError,
+    Measurement,
+    MeterUnavailableError,
+    MigNotSupportedError,
+    PowerSample,
+    WindowHandle,
+    default_sync,
+    no_sync,
+    window,
+)
+from mtad_energy.measure.env import EnvSnapshot, GpuInfo, preflight_check, snapshot
+from mtad_energy.measure.integrate import trapezoid_energy_j
+from mtad_energy.measure.mitigation import (
+    GroupResult,
+    MitigatedEnergy,
+    MitigationConfig,
+    measure_mitigated,
+)
+from mtad_energy.measure.none import NoneMeter
+from mtad_energy.measure.nvml import NvmlCounterMeter, NvmlPowerMeter
+from mtad_energy.measure.profiler import (
+    DevicePeaks,
+    OpRecord,
+    ProfileResult,
+    export_trace,
+    get_peaks,
+    measure_peaks,
+    profile_ops,
+)
+from mtad_energy.measure.rapl import RaplMeter
+from mtad_energy.measure.select import METER_NAMES, MeterChoice, get_meter, select_meter
+from mtad_energy.measure.sensor import (
+    PRESETS,
+    PowerProfile,
+    PowerTrace,
+    SensorModel,
+    SensorPreset,
+    get_preset,
+    polled_energy_j,
+)
+from mtad_energy.measure.simulated import SimClock, SimulatedGPU, SimulatedMeter
+from mtad_energy.measure.zeus_meter import (
+    PowerTimeline,
+    ZeusMeter,
+    zeus_power_timelines,
+)
+
+__all__ = [
+    "FLAG_COUNTER_RESET",
+    "FLAG_COUNTER_WRAP",
+    "FLAG_DEVICE_ORDER",
+    "FLAG_FEW_SAMPLES",
+    "FLAG_MISSING_DEVICE",
+    "FLAG_POWER_FALLBACK",
+    "FLAG_SHORT_WINDOW",
+    "FLAG_ZERO_ENERGY",
+    "METER_NAMES",
+    "PRESETS",
+    "DevicePeaks",
+    "EnergyMeter",
+    "EnvSnapshot",
+    "Flag",
+    "GpuInfo",
+    "GroupResult",
+    "MeasureError",
+    "Measurement",
+    "MeterChoice",
+    "MeterUnavailableError",
+    "MigNotSupportedError",
+    "MitigatedEnergy",
+    "MitigationConfig",
+    "NoneMeter",
+    "NvmlCounterMeter",
+    "NvmlPowerMeter",
+    "OpRecord",
+    "PowerProfile",
+    "PowerSample",
+    "PowerTimeline",
+    "PowerTrace",
+    "ProfileResult",
+    "RaplMeter",
+    "SensorModel",
+    "SensorPreset",
+    "SimClock",
+    "SimulatedGPU",
+    "SimulatedMeter",
+    "WindowHandle",
+    "ZeusMeter",
+    "default_sync",
+    "export_trace",
+    "get_meter",
+    "get_peaks",
+    "get_preset",
+    "measure_mitigated",
+    "measure_peaks",
+    "no_sync",
+    "polled_energy_j",
+    "preflight_check",
+    "profile_ops",
+    "select_meter",
+    "snapshot",
+    "trapezoid_energy_j",
+    "window",
+    "zeus_power_timelines",
+]

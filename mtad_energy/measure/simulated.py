@@ -1,0 +1,182 @@
+"""The `simulated` meter: a simulated GPU seen through a simulated sensor.
+
+Two ways to drive it:
+
+* simulated time (tests, `experiments/sensor_error.py`): a `SimulatedGPU` on a `SimClock`;
+  `gpu.run(profile)` is one workload repetition and `gpu.idle(s)` is the sleep function, so
+  the whole window / mitigation path runs in microseconds of real time;
+* live (`get_meter("simulated")`): real clock; the true power is `busy_power_w` while a window
+  is open and `idle_power_w` otherwise, so a CPU-only pipeline produces plausible joules.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Self
+
+import numpy as np
+
+from mtad_energy.measure.base import Clock, Measurement, PowerSample, WindowBook
+from mtad_energy.measure.integrate import trapezoid_energy_j
+from mtad_energy.measure.nvml import DEFAULT_POLL_INTERVAL_S, short_window_flag
+from mtad_energy.measure.sensor import PowerProfile, PowerTrace, SensorModel, get_preset
+
+
+class SimClock:
+    """A clock that moves only when told to (seconds)."""
+
+    def __init__(self, start_s: float = 0.0):
+        self._now_s = float(start_s)
+
+    def __call__(self) -> float:
+        return self._now_s
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"cannot move a clock back by {seconds} s")
+        self._now_s += seconds
+
+
+class SimulatedGPU:
+    """Records the true power of a simulated device as a piecewise-constant trace.
+
+    Args:
+        idle_power_w: power when nothing runs (watts).
+        clock: a `SimClock` for simulated time, or a real clock for live use.
+    """
+
+    def __init__(self, idle_power_w: float = 60.0, clock: Clock | None = None):
+        self.idle_power_w = float(idle_power_w)
+        self.clock: Clock = clock if clock is not None else SimClock()
+        now = self.clock()
+        self._change_s: list[float] = [now]
+        self._power_w: list[float] = [self.idle_power_w]
+
+    def set_power(self, power_w: float) -> None:
+        """True power becomes `power_w` from now on."""
+        now = self.clock()
+        if now < self._change_s[-1]:
+            raise ValueError("simulated clock went backwards")
+        if now == self._change_s[-1]:
+            self._power_w[-1] = float(power_w)  # a later change at the same instant wins
+        else:
+            self._change_s.append(now)
+            self._power_w.append(float(power_w))
+
+    def _sim_clock(self) -> SimClock:
+        if not isinstance(self.clock, SimClock):
+            raise TypeError(
+                "run()/idle() need a SimulatedGPU on a SimClock; live GPUs follow meter windows"
+            )
+        return self.clock
+
+    def run(self, profile: PowerProfile) -> None:
+        """Run one repetition: the power follows `profile`, the clock advances by its duration."""
+        clock = self._sim_clock()
+        for d, p in zip(profile.durations_s, profile.power_w, strict=True):
+            self.set_power(p)
+            clock.advance(d)
+        self.set_power(self.idle_power_w)
+
+    def idle(self, seconds: float) -> None:
+        """Sleep: idle power for `seconds` (the protocol's injectable sleep)."""
+        self.set_power(self.idle_power_w)
+        self._sim_clock().advance(seconds)
+
+    def trace(self) -> PowerTrace:
+        return PowerTrace.from_changes(self._change_s, self._power_w)
+
+    def true_energy_j(self, start_s: float, end_s: float) -> float:
+        return self.trace().energy_j(start_s, end_s)
+
+
+class SimulatedMeter:
+    """A meter that polls a `SensorModel` watching a `SimulatedGPU`, like `nvml-power` does.
+
+    Polls happen every `poll_interval_s` from the window start plus one at the end; energy is
+    their trapezoid integral (exactly what the NVML power meter computes).
+
+    Args:
+        gpu: the simulated device (default: a live one on the real clock).
+        preset: sensor preset name (see `sensor.PRESETS`), used when `sensor` is None.
+        field: ``"instant"`` (fastest field) or ``"draw"`` (nvidia-smi power.draw).
+        sensor: an explicit sensor model (overrides preset/field).
+        busy_power_w: live mode only: true power while a window is open.
+    """
+
+    name = "simulated"
+
+    def __init__(
+        self,
+        gpu: SimulatedGPU | None = None,
+        preset: str = "a100-h100",
+        field: str = "instant",
+        sensor: SensorModel | None = None,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        busy_power_w: float = 300.0,
+        keep_samples: bool = True,
+    ):
+        self.live = gpu is None
+        self.gpu = gpu if gpu is not None else SimulatedGPU(clock=time.perf_counter)
+        self.sensor = sensor if sensor is not None else get_preset(preset).field(field)
+        self.poll_interval_s = poll_interval_s
+        self.busy_power_w = busy_power_w
+        self.keep_samples = keep_samples
+        self._book = WindowBook()
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return ("sim0",)
+
+    @property
+    def update_period_s(self) -> float | None:
+        return self.sensor.update_period_s
+
+    def now(self) -> float:
+        return self.gpu.clock()
+
+    def begin_window(self, key: str) -> None:
+        self._book.open(key, self.now())
+        if self.live:
+            self.gpu.set_power(self.busy_power_w)
+
+    def end_window(self, key: str) -> Measurement:
+        start_s = self._book.close(key)
+        end_s = self.now()
+        polls = np.append(np.arange(start_s, end_s, self.poll_interval_s), end_s)
+        if self.live and len(self._book) == 0:
+            self.gpu.set_power(self.gpu.idle_power_w)
+        readings = self.sensor.readings_w(self.gpu.trace(), polls)
+        energy = trapezoid_energy_j(polls, readings, start_s, end_s)
+        samples = (
+            tuple(
+                PowerSample("sim0", float(t), float(p))
+                for t, p in zip(polls, readings, strict=True)
+            )
+            if self.keep_samples
+            else ()
+        )
+        return Measurement(
+            name=key,
+            meter=self.name,
+            time_s=end_s - start_s,
+            start_timestamp_s=start_s,
+            end_timestamp_s=end_s,
+            energy_j=energy,
+            device_energy_j={"sim0": energy},
+            samples=samples,
+            flags=tuple(short_window_flag(self.name, end_s - start_s, self.update_period_s)),
+        )
+
+    def true_energy_j(self, start_s: float, end_s: float) -> float:
+        """The true energy of the simulated device over [start_s, end_s] (joules)."""
+        return self.gpu.true_energy_j(start_s, end_s)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
