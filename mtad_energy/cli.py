@@ -71,6 +71,32 @@ def models():
     console.print(table)
 
 
+@app.command()
+def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
+    """Environment snapshot (GPUs, driver, power limits, clocks, libraries, git) and the meter that
+    `--meter auto` would pick, with why the others were not."""
+    from mtad_energy.measure import preflight_check, select_meter, snapshot
+
+    snap, choice = snapshot(), select_meter()
+    warnings = preflight_check(warn=False)
+    if as_json:
+        print(json.dumps({**snap.to_dict(), "meter": choice.to_dict(), "preflight": warnings},
+                         indent=2, default=str))
+        return
+    table = Table("field", "value", show_edge=False, show_header=False)
+    for key, value in snap.to_dict().items():
+        if key not in ("gpus", "libraries"):
+            table.add_row(key, str(value))
+    for name, version in snap.libraries.items():
+        table.add_row(f"lib {name}", str(version))
+    for gpu in snap.to_dict()["gpus"]:
+        table.add_row(f"gpu {gpu.get('index')}", ", ".join(f"{k}={v}" for k, v in gpu.items()))
+    console.print(table)
+    console.print(f"[bold]meter auto ->[/] {choice.name}: {choice.reason}")
+    for w in warnings:
+        console.print(f"[yellow]preflight:[/] {w}")
+
+
 def stats_table(rows: list[tuple[str, dict]]) -> Table:
     """One row per (label, stats dict)."""
     table = Table(show_edge=False)

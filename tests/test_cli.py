@@ -34,3 +34,11 @@ def test_generate_reports_bad_input_clearly():
     assert out.exit_code == 2 and "unknown decoder 'nope'" in out.output
     out = runner.invoke(app, ["generate", "--set", "tau"])
     assert out.exit_code != 0 and "key=value" in out.output
+
+
+def test_env_json_has_a_snapshot_id_and_the_auto_meter_with_its_reason():
+    out = runner.invoke(app, ["env", "--json"])
+    assert out.exit_code == 0, out.output
+    res = json.loads(out.output)
+    assert len(res["snapshot_id"]) >= 8 and res["libraries"]["torch"]
+    assert res["meter"]["name"] and res["meter"]["reason"]

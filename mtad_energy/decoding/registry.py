@@ -9,9 +9,15 @@ from typing import Any
 from mtad_energy.decoding.ar import Multinomial
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.beam import Beam
+from mtad_energy.decoding.bild import Bild
+from mtad_energy.decoding.mcss import Mcss
+from mtad_energy.decoding.mmtad import Mmtad
 from mtad_energy.decoding.mtad import Mtad
 from mtad_energy.decoding.mtjd import Mtjd
 from mtad_energy.decoding.spd import SpeculativeDecoding
+from mtad_energy.decoding.specinfer import SpecInfer
+from mtad_energy.decoding.spectr import Spectr
+from mtad_energy.decoding.typical import Typical
 
 DECODERS: dict[str, type[Decoder]] = {
     "ar": Multinomial,
@@ -19,6 +25,12 @@ DECODERS: dict[str, type[Decoder]] = {
     "mtjd": Mtjd,
     "spd": SpeculativeDecoding,
     "mtad": Mtad,
+    "mmtad": Mmtad,
+    "specinfer": SpecInfer,
+    "mcss": Mcss,
+    "spectr": Spectr,
+    "bild": Bild,
+    "typical": Typical,
 }
 
 

@@ -1,0 +1,103 @@
+"""Big-Little Decoder (Kim et al. 2023), sampling form. Lossy.
+
+Fallback: the draft samples from ~q while it is confident (max ~q >= ``fallback``), up to
+``max_draft`` tokens. Rollback: the target scores [last, x_1..x_m] in one forward; the first
+draft token with -log p(x_i) > ``rollback`` and everything after it are discarded and replaced by a
+sample from ~p at that position. If nothing rolls back, a bonus token is sampled from ~p after x_m:
+it is free (same forward) and it is the target's own token at the position where the draft lost
+confidence, as in the paper's fallback.
+
+Which p the rollback test uses: the temperature-scaled but *untruncated* target softmax (the
+paper's cross-entropy on the model's output distribution). The top-k / top-p warp would give every
+token outside the target's nucleus -log p = inf, turning the threshold into a support check; the
+thresholds are calibrated on the model's distribution. At temperature 0 (a one-hot warp) the test
+uses temperature 1, as in the paper's greedy runs; the emitted tokens are then the draft's argmax
+until the target finds one unlikely, and the target's argmax there.
+
+Host syncs: one per draft token (the fallback decision is data-dependent control flow, inherent
+to BiLD) and one for the rollback position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtad_energy.decoding.acceptance import rollback_length
+from mtad_energy.decoding.base import (
+    Decoder,
+    DecoderParams,
+    DecodeState,
+    ModelRunner,
+    StepResult,
+    param,
+    require,
+)
+from mtad_energy.decoding.sampling import Warp, sample
+
+
+@dataclass(frozen=True)
+class BildParams(DecoderParams):
+    fallback: float = param(0.9, "fall back to the target once max ~q < this, in [0, 1]")
+    rollback: float = param(2.0, "roll back at the first draft token with -log p(x) > this")
+    max_draft: int = param(10, "draft length cap per iteration")
+
+    def validate(self) -> None:
+        require(0.0 <= self.fallback <= 1.0,
+                f"fallback must be in [0, 1] (a probability; 0 = draft up to max_draft), "
+                f"got {self.fallback}")
+        require(self.rollback > 0, f"rollback must be > 0 (an NLL threshold in nats; inf = never "
+                                   f"roll back), got {self.rollback}")
+        require(self.max_draft >= 1, f"max_draft must be >= 1, got {self.max_draft}")
+
+
+def draft_until_unsure(draft: ModelRunner, pending: torch.Tensor, cap: int, fallback: float,
+                       warp: Warp, generator: torch.Generator) -> torch.Tensor:
+    """BiLD's fallback policy: sample from ~q while max ~q >= fallback, at most cap tokens.
+
+    Returns the draft tokens ``[m]``, 0 <= m <= cap (m = 0: the target takes over at once).
+    """
+    tokens = []
+    ids = pending
+    for _ in range(cap):
+        q = warp.probs(draft(ids)[0, -1])  # [V]
+        if float(q.max()) < fallback:  # the draft is unsure here: the target decides
+            break
+        tok = sample(q, generator)
+        tokens.append(tok)
+        ids = tok.view(1, 1)
+    if not tokens:
+        return pending.new_empty(0)
+    return torch.stack(tokens)
+
+
+def rollback_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p for the rollback test: temperature-scaled, untruncated; T=0 uses T=1. ``[..., V]``."""
+    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
+
+
+class Bild(Decoder):
+    name = "bild"
+    help = "BiLD: draft while max ~q >= fallback, roll back where -log p(x) > rollback (lossy)"
+    Params = BildParams
+    needs_draft = True
+
+    @property
+    def lookahead(self) -> int:
+        return self.params.max_draft
+
+    def step(self, s: DecodeState) -> StepResult:
+        prm = self.params
+        warp = prm.warp
+        cap = min(prm.max_draft, s.remaining - 1)
+        draft = draft_until_unsure(s.draft, s.draft_pending(), cap, prm.fallback, warp,
+                                   s.generator)  # [m]
+        m = draft.shape[0]
+        logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [m+1, V]
+        log_p = rollback_log_probs(logits[:m], prm.temperature)  # [m, V]
+        nll = -log_p.gather(-1, draft[:, None])[:, 0]  # [m]
+        n = int(rollback_length(nll, prm.rollback))
+        # rollback: replace x_{n+1} by a sample from ~p there; none: bonus token from ~p after x_m
+        nxt = sample(warp.probs(logits[n]), s.generator)
+        return StepResult(torch.cat([draft[:n], nxt[None]]), m, n)

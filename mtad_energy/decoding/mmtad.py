@@ -1,0 +1,108 @@
+"""Multi-candidate MTAD (MMTAD): verify every node of the draft beam tree in one target forward.
+
+The draft runs stochastic beam sampling exactly as MTAD (W nodes per depth, gamma depths). The
+target scores the whole beam tree (the last emitted token at the root, then node (d, b) at flat
+index 1 + d*W + b) in one tree-attention forward. Node (d, b) passes if
+logP(d, b) - logQ*_d > log tau, where logP is the node's cumulative log ~p along its own path and
+logQ*_d the cumulative log ~q of the first d tokens of the final best beam y*, traced through its
+ancestors. eta = deepest depth with a passing node; there the passing node with the highest logP
+(ties: lowest index) is chosen; its path is emitted plus one token from ~p at that node. Dead beam
+nodes (log ~q = -inf) never pass. Lossy by design.
+
+Stats: ``proposed`` = gamma * W tree nodes shown to the target; ``accepted`` = eta.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtad_energy.decoding.base import Decoder, DecodeState, StepResult
+from mtad_energy.decoding.beams import beam_sample
+from mtad_energy.decoding.mtad import MtadParams
+from mtad_energy.decoding.sampling import sample
+from mtad_energy.decoding.tree import ancestors, keep_path, tree_forward
+
+
+def lineage(parents: torch.Tensor) -> torch.Tensor:
+    """``lin [D, W, D]``: ``lin[d, b, e]`` = index at depth e of the ancestor of node (d, b)
+    (itself at e = d); entries with e > d are 0 and meaningless. parents: ``[D, W]``."""
+    depth, width = parents.shape
+    own = torch.arange(width, device=parents.device)[:, None]  # [W, 1]
+    lin = [own]
+    for d in range(1, depth):  # D tiny gathers; no host sync
+        lin.append(torch.cat([lin[-1][parents[d]], own], 1))  # [W, d+1]
+    return torch.stack([F.pad(x, (0, depth - x.shape[1])) for x in lin])
+
+
+def mmtad_select(log_p_tok: torch.Tensor, log_q: torch.Tensor, parents: torch.Tensor,
+                 best: torch.Tensor, log_tau: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+    """MMTAD's acceptance rule on a beam tree (pure; no models).
+
+    log_p_tok: ``[D, W]`` log ~p of node (d, b)'s token given its own path (conditional).
+    log_q: ``[D, W]`` cumulative log ~q of each node (-inf = dead). parents: ``[D, W]``.
+    best: 0-d index of the final best beam y*.
+    Returns ``(eta, b, path)``: eta 0-d (0 = nothing passes), the chosen node's index b at depth
+    eta (0 when eta = 0) and ``path [D]``, its ancestors' indices per depth (first eta valid).
+    """
+    depth, width = log_p_tok.shape
+    lin = lineage(parents)  # [D, W, D]
+    d_idx = torch.arange(depth, device=lin.device)
+    on_path = d_idx[None, None, :] <= d_idx[:, None, None]  # [D, 1, D]: depth e is on the path
+    tok_lp = log_p_tok[d_idx[None, None, :].expand_as(lin), lin]  # [D, W, D]
+    log_p = torch.where(on_path, tok_lp, 0.0).sum(-1)  # [D, W] cumulative along own path
+    log_q_star = log_q[d_idx, lin[-1, best]]  # [D]: y*'s ancestors, not the node at index best
+    passes = (log_p - log_q_star[:, None] > log_tau) & (log_q > float("-inf"))
+    lengths = torch.where(passes.any(1), d_idx + 1, 0)  # [D]
+    eta = lengths.max()
+    row = (eta - 1).clamp_min(0)
+    score = torch.where(passes[row], log_p[row], float("-inf"))  # [W]
+    b = torch.where(eta > 0, score.argmax(), 0)  # argmax returns the first (lowest) index on ties
+    return eta, b, lin[row, b]
+
+
+class Mmtad(Decoder):
+    name = "mmtad"
+    help = "MMTAD: verify the whole draft beam tree in one tree-attention forward, keep the best"
+    Params = MtadParams
+    needs_draft = True
+
+    @property
+    def lookahead(self) -> int:
+        return self.params.gamma
+
+    def step(self, s: DecodeState) -> StepResult:
+        prm = self.params
+        warp = prm.warp
+        width = prm.beam_width
+        gamma = min(prm.gamma, s.remaining - 1)
+        if gamma == 0:
+            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+        n = s.n
+        beams = beam_sample(s.draft, s.draft_pending(), gamma, width, warp, s.generator)
+        dev = beams.tokens.device
+        # flat target tree: root = last token (0), node (d, b) -> 1 + d*W + b
+        flat_par = torch.cat([beams.parents.new_full((1,), -1), beams.parents.new_zeros(width),
+                              1 + (torch.arange(gamma - 1, device=dev)[:, None] * width
+                                   + beams.parents[1:]).reshape(-1)])
+        anc = ancestors(flat_par)
+        tokens = torch.cat([s.last_token[0], beams.tokens.reshape(-1)])  # [1 + D*W]
+        p = warp.probs(tree_forward(s.target, tokens, anc, n - 1))  # [1 + D*W, V]
+        log_p_tok = p[flat_par[1:], tokens[1:]].log().view(gamma, width)
+        eta, b, path = mmtad_select(log_p_tok, beams.log_q, beams.parents, beams.best,
+                                    prm.log_tau)
+        d_idx = torch.arange(gamma, device=dev)
+        path_tok = beams.tokens[d_idx, path]  # [D]; the first eta are the accepted tokens
+        node = torch.where(eta > 0, 1 + (eta - 1) * width + b, 0)
+        nxt = sample(p[node], s.generator)
+        # draft cache: the final beam sharing the longest token prefix with the chosen path
+        valid = d_idx < eta
+        lcp = ((beams.seqs == path_tok[None]) & valid[None]).long().cumprod(1).sum(1)  # [W]
+        row = lcp.argmax()
+        eta, lcp_i = torch.stack([eta, lcp[row]]).tolist()  # the one host sync
+        beams.keep(s.draft, row)
+        s.draft.crop(n + lcp_i)
+        path_nodes = 1 + d_idx[:eta] * width + path[:eta]
+        keep_path(s.target, n - 1, torch.cat([path_nodes.new_zeros(1), path_nodes]))
+        return StepResult(torch.cat([path_tok[:eta], nxt[None]]), gamma * width, eta)

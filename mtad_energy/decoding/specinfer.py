@@ -1,0 +1,125 @@
+"""SpecInfer (Miao et al. 2024): a draft token tree verified with multi-step speculative sampling.
+
+The draft builds a static tree level by level (branching per level, default 4,2,2 = 28 nodes):
+children are drawn i.i.d. from ~q at their parent. Each level is one draft forward with tree
+attention over the draft cache (the leaves need none), so depth L costs L draft forwards, as a
+chain of L tokens does in spd. The target scores root + all nodes in one tree-attention forward;
+``tree_accept.tree_speculative_accept`` walks the tree. Lossless w.r.t. ~p.
+
+Stats: ``proposed`` = all draft tree nodes shown to the target (28 by default); ``accepted`` =
+accepted path length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from mtad_energy.decoding.base import (
+    Decoder,
+    DecoderParams,
+    DecodeState,
+    ModelRunner,
+    StepResult,
+    param,
+    require,
+)
+from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.decoding.tree import ancestors, keep_path, level_parents, tree_forward
+from mtad_energy.decoding.tree_accept import tree_speculative_accept
+
+MAX_TREE_NODES = 1024
+
+
+@dataclass(frozen=True)
+class SpecInferParams(DecoderParams):
+    branching: tuple[int, ...] = param((4, 2, 2), "children per node at each tree level (4,2,2)")
+
+    def validate(self) -> None:
+        try:
+            branching = tuple(int(b) for b in self.branching)
+        except (TypeError, ValueError):
+            raise ValueError(f"branching must be a list of ints such as 4,2,2, got "
+                             f"{self.branching!r}") from None
+        object.__setattr__(self, "branching", branching)  # frozen: normalise lists to a tuple
+        require(len(branching) >= 1, "branching must name at least one level, e.g. 4,2,2")
+        require(all(b >= 1 for b in branching),
+                f"every branching factor must be >= 1, got {branching}")
+        nodes = sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
+        require(nodes <= MAX_TREE_NODES, f"branching {branching} gives {nodes} tree nodes; at "
+                f"most {MAX_TREE_NODES} fit one verification forward")
+
+
+@lru_cache(maxsize=32)
+def tree_structure(branching: tuple[int, ...], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor matrices of the static tree: draft ``[N, N]`` (levels on the prefix) and target
+    ``[1 + N, 1 + N]`` (the last emitted token at the root)."""
+    parents = level_parents(branching, device)
+    return ancestors(parents), ancestors(torch.cat([parents.new_full((1,), -1), parents + 1]))
+
+
+def draw_children(q: torch.Tensor, b: int, generator: torch.Generator,
+                  without_replacement: bool) -> torch.Tensor:
+    """``[C, V]`` -> ``[C, b]`` children per row: i.i.d., or without replacement (Gumbel-top-k:
+    exactly sequential sampling; slots beyond q's support get q = 0 tokens)."""
+    if not without_replacement:
+        return torch.multinomial(q, b, replacement=True, generator=generator)
+    u = torch.rand(q.shape, generator=generator, device=q.device)
+    keys = q.log() - torch.log(-torch.log(u.clamp_min(1e-20)))
+    return keys.topk(b, -1).indices
+
+
+def draft_tree(draft: ModelRunner, pending: torch.Tensor, branching: tuple[int, ...],
+               anc: torch.Tensor, warp: Warp, generator: torch.Generator,
+               without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grow the tree level by level -> ``(tokens [N], q [1 + N_int, V])``.
+
+    The draft cache ends as prefix + the internal nodes (in index order). anc: ``[N, N]``.
+    """
+    prefix_len = len(draft) + pending.shape[1]
+    qs = [warp.probs(draft(pending)[0, -1:])]  # [1, V] at the root
+    tokens: list[torch.Tensor] = []
+    fed = 0
+    for level, b in enumerate(branching):
+        children = draw_children(qs[-1], b, generator, without_replacement).reshape(-1)
+        tokens.append(children)
+        if level + 1 < len(branching):
+            end = fed + children.shape[0]
+            qs.append(warp.probs(tree_forward(draft, children, anc[:end, :end], prefix_len)))
+            fed = end
+    return torch.cat(tokens), torch.cat(qs)
+
+
+class SpecInfer(Decoder):
+    name = "specinfer"
+    help = "SpecInfer: i.i.d. draft token tree, one tree forward, multi-step speculative sampling"
+    Params = SpecInferParams
+    needs_draft = True
+    without_replacement = False
+
+    @property
+    def lookahead(self) -> int:
+        return len(self.params.branching)
+
+    def step(self, s: DecodeState) -> StepResult:
+        warp = self.params.warp
+        branching = self.params.branching[:max(0, s.remaining - 1)]
+        if not branching:  # one token left: no point drafting
+            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+        n = s.n
+        anc_d, anc_t = tree_structure(branching, s.ids.device)
+        tokens, q = draft_tree(s.draft, s.draft_pending(), branching, anc_d, warp, s.generator,
+                               self.without_replacement)
+        p = warp.probs(tree_forward(s.target, torch.cat([s.last_token[0], tokens]), anc_t, n - 1))
+        u = torch.rand(tokens.shape, generator=s.generator, device=tokens.device)
+        depth, path, dist = tree_speculative_accept(p, q, tokens, branching, u,
+                                                    self.without_replacement)
+        nxt = sample(dist, s.generator)
+        depth = int(depth)  # the one host sync
+        keep_path(s.target, n - 1, torch.cat([path.new_zeros(1), 1 + path[:depth]]))
+        keep_path(s.draft, n, path[:min(depth, len(branching) - 1)])
+        return StepResult(torch.cat([tokens[path[:depth]], nxt[None]]), tokens.shape[0], depth)

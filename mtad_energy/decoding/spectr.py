@@ -1,0 +1,93 @@
+"""SpecTr (Sun et al. 2023): k i.i.d. draft sequences, k-sequential selection. Lossless w.r.t. ~p.
+
+Verification layout: the k drafts are verified as k *batch rows* (the target cache is expanded to
+k rows for one forward of ``[k, gamma+1]`` tokens, then the row of the accepted draft is kept),
+not as a token tree. Why: it needs nothing but the runner's ``repeat_rows``/``select_rows`` and
+works for every architecture (no custom 4-D attention mask); at batch 1 the forward is bound by
+reading the weights, which the k rows share, so its cost is close to one chain verification. The
+price is k copies of the KV cache per iteration (KV bytes are small next to the weights for the
+paper's contexts); a tree would also merge drafts that share a prefix.
+
+The draft does the same: its first distribution is shared by all k drafts (one batch-1 forward,
+k i.i.d. samples), then the draft cache is expanded to k rows for the remaining gamma-1 steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtad_energy.decoding.acceptance import spectr_accept
+from mtad_energy.decoding.base import (
+    Decoder,
+    DecoderParams,
+    DecodeState,
+    ModelRunner,
+    StepResult,
+    param,
+    require,
+)
+from mtad_energy.decoding.sampling import Warp, sample
+
+
+@dataclass(frozen=True)
+class SpectrParams(DecoderParams):
+    num_drafts: int = param(4, "k i.i.d. draft sequences per iteration")
+    gamma: int = param(4, "tokens per draft sequence")
+
+    def validate(self) -> None:
+        require(self.num_drafts >= 1, f"num_drafts (k) must be >= 1, got {self.num_drafts}")
+        require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
+
+
+def draft_sequences(draft: ModelRunner, pending: torch.Tensor, k: int, gamma: int, warp: Warp,
+                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """k i.i.d. sequences of gamma tokens from ~q: ``(drafts [k, gamma], q [k, gamma, V])``.
+
+    Leaves the draft cache at k rows when gamma > 1 (row i holds draft i's first gamma-1 tokens).
+    """
+    q = warp.probs(draft(pending)[0, -1]).expand(k, -1)  # [k, V] shared first position
+    tok = sample(q, generator)  # [k]
+    tokens, qs = [tok], [q]
+    if gamma > 1:
+        draft.repeat_rows(k)
+    for _ in range(1, gamma):
+        q = warp.probs(draft(tok[:, None])[:, -1])  # [k, V]
+        tok = sample(q, generator)
+        tokens.append(tok), qs.append(q)
+    return torch.stack(tokens, 1), torch.stack(qs, 1)
+
+
+class Spectr(Decoder):
+    name = "spectr"
+    help = "SpecTr: k i.i.d. drafts verified as k rows, k-sequential selection (lossless)"
+    Params = SpectrParams
+    needs_draft = True
+
+    @property
+    def lookahead(self) -> int:
+        return self.params.gamma
+
+    def step(self, s: DecodeState) -> StepResult:
+        warp, k = self.params.warp, self.params.num_drafts
+        gamma = min(self.params.gamma, s.remaining - 1)
+        if gamma == 0:  # one token left: no point drafting
+            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+        drafts, q = draft_sequences(s.draft, s.draft_pending(), k, gamma, warp, s.generator)
+        if k > 1:
+            s.target.repeat_rows(k)
+        ids = torch.cat([s.last_token.expand(k, 1), drafts], 1)  # [k, gamma+1]
+        p = warp.probs(s.target(ids))  # [k, gamma+1, V]
+        # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
+        support = 2 * self.params.top_k
+        n, nxt, row = spectr_accept(p, q, drafts, s.generator, support)
+        # back to batch 1 on the row consistent with the emitted prefix (the loop then crops)
+        if k > 1:
+            s.target.select_rows(row[None])
+            if gamma > 1:
+                s.draft.select_rows(row[None])
+        n = int(n)
+        kept = drafts.index_select(0, row[None])[0, :n]
+        # proposed = every draft token shown to the target (k * gamma), as for tree decoders
+        return StepResult(torch.cat([kept, nxt[None]]), k * gamma, n)

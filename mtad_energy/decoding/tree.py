@@ -1,0 +1,121 @@
+"""Token trees: tree attention mask, position ids, one-forward verification and path keeping.
+
+A tree of N nodes is a parent vector ``parents [N]`` (long) with ``parents[i] < i`` (nodes are in
+topological order, e.g. level by level) and -1 for a node attached directly to the prefix. Nodes
+are fed to a model in index order, so node i lands at cache position ``prefix_len + i``.
+
+Each node sees the whole prefix, its ancestors and itself (SpecInfer's tree attention). Depth
+counts ancestors-or-self inside the tree (a node hanging off the prefix has depth 1), so a node's
+position id is ``prefix_len + depth - 1``: exactly where it would sit in a sequential run of its
+path. Callers that verify with the target put the prefix's last token at the root (node 0,
+parent -1) and pass ``prefix_len = n - 1`` (the cache invariant of ``base.py``).
+
+The 4-D float mask ``[1, 1, K, past + K]`` (0 allowed, dtype-min elsewhere) goes through
+transformers' custom-mask path (``masking_utils`` returns a 4-D mask as-is) with explicit
+``position_ids``; verified for the architectures in ``TREE_MODEL_TYPES`` with eager and sdpa.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mtad_energy.decoding import cache as kv
+from mtad_energy.decoding.base import ModelRunner
+
+# model_type values whose HF implementation takes a custom 4-D additive mask plus position_ids
+# (tested in tests/decoding/test_tree.py); others may silently ignore or rebuild the mask.
+TREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "opt"})
+TREE_ATTN = frozenset({"eager", "sdpa"})
+
+
+def check_tree_support(model) -> None:
+    """Raise NotImplementedError naming the architecture if it cannot run a token tree."""
+    cfg = model.config
+    arch = type(model).__name__
+    model_type = getattr(cfg, "model_type", "?")
+    attn = getattr(cfg, "_attn_implementation", None) or "eager"
+    if model_type not in TREE_MODEL_TYPES:
+        raise NotImplementedError(
+            f"tree attention needs a custom 4-D attention mask, which {arch} "
+            f"(model_type={model_type!r}) is not known to accept; supported model types: "
+            f"{', '.join(sorted(TREE_MODEL_TYPES))}. Use a chain decoder (spd, mtad) instead.")
+    if attn not in TREE_ATTN:
+        raise NotImplementedError(
+            f"tree attention on {arch} needs attn_implementation in {sorted(TREE_ATTN)} "
+            f"(a custom 4-D mask), got {attn!r}; reload the model with attn_implementation='sdpa'")
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``anc [N, N]`` bool: ``anc[i, j]`` iff j is i or an ancestor of i.
+
+    Transitive closure by repeated squaring of (I + parent edges): ceil(log2 N) tiny matmuls, no
+    host sync (a walk up the tree would need one per level to know when to stop).
+    """
+    n = parents.shape[0]
+    idx = torch.arange(n, device=parents.device)
+    a = torch.eye(n, device=parents.device)
+    par = parents.clamp_min(0)  # a prefix-attached node maps onto itself or node 0: harmless
+    a[idx, par] = torch.maximum(a[idx, par], (parents >= 0).float())
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+        a = (a @ a).clamp_max(1.0)
+    return a > 0
+
+
+def depths(anc: torch.Tensor) -> torch.Tensor:
+    """``[N]`` long: 1 for a node on the prefix, parent's depth + 1 otherwise."""
+    return anc.sum(1)
+
+
+def tree_mask(anc_rows: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[1, 1, K, prefix_len + M + K]`` for K new nodes.
+
+    anc_rows: ``[K, M + K]`` ancestor rows of the new nodes over all tree nodes (the M earlier
+    ones are already in the cache after the prefix).
+    """
+    k = anc_rows.shape[0]
+    allowed = torch.cat([anc_rows.new_ones(k, prefix_len), anc_rows], 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=anc_rows.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def tree_forward(runner: ModelRunner, tokens: torch.Tensor, anc: torch.Tensor,
+                 prefix_len: int) -> torch.Tensor:
+    """Run the last K nodes of a tree through ``runner`` in one forward -> logits ``[K, V]``.
+
+    tokens: ``[K]`` tokens of the new nodes. anc: ``[M + K, M + K]`` ancestor matrix of the whole
+    tree (``ancestors(parents)``); the cache must hold ``prefix_len + M`` positions: the prefix
+    followed by tree nodes 0..M-1 (M = 0 for a tree fed at once).
+    """
+    check_tree_support(runner.model)
+    k = tokens.shape[0]
+    m = anc.shape[0] - k
+    if len(runner) != prefix_len + m:
+        raise ValueError(f"cache holds {len(runner)} positions, expected prefix_len + M = "
+                         f"{prefix_len} + {m}")
+    rows = anc[m:]
+    dtype = getattr(runner.model, "dtype", torch.float32)  # first floating parameter's dtype
+    mask = tree_mask(rows, prefix_len, dtype)
+    pos = (prefix_len - 1 + depths(rows))[None]  # [1, K]
+    return runner(tokens[None], attention_mask=mask, position_ids=pos)[0]
+
+
+def keep_path(runner: ModelRunner, prefix_len: int, nodes: torch.Tensor) -> None:
+    """Keep the prefix and the KV entries of tree nodes ``nodes [m]`` (root first), dropping the
+    rest of the tree: afterwards the cache equals a sequential run of that path (no recompute)."""
+    dev = nodes.device
+    keep = torch.cat([torch.arange(prefix_len, device=dev), prefix_len + nodes])
+    kv.keep_positions(runner.cache, keep)
+
+
+def level_parents(branching: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
+    """Parents ``[N]`` of a static tree: every node at level l has ``branching[l]`` children,
+    levels stored one after another, children of a node contiguous; level-1 parents are -1."""
+    parents, prev_off, width = [], -1, 1
+    for b in branching:
+        off = sum(p.shape[0] for p in parents)
+        par = torch.arange(width * b, device=device) // b
+        parents.append(par + prev_off if prev_off >= 0 else torch.full_like(par, -1))
+        prev_off, width = off, width * b
+    return torch.cat(parents)

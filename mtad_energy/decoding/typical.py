@@ -1,0 +1,65 @@
+"""Typical acceptance (Medusa, Cai et al. 2024) with a chain draft from ~q. Lossy.
+
+Accept draft token x_i if p_i(x_i) > min(eps, delta * exp(-H(p_i))); keep the longest accepted
+prefix; the next token is sampled from ~p after it (the same target forward).
+
+Which p the test uses: as in Medusa's code, the temperature-scaled but *untruncated* target
+softmax, for both p(x) and the entropy H: the thresholds (eps = 0.09, delta = 0.3 = sqrt(eps))
+are calibrated on the model's distribution, and top-k / top-p truncation would shrink H and give
+tokens outside the nucleus p = 0. At temperature 0 p is one-hot (H = 0), so a token is accepted iff
+it is the target's argmax: greedy typical equals greedy ``ar``, Medusa's greedy mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtad_energy.decoding.acceptance import typical_accept_length
+from mtad_energy.decoding.base import (
+    Decoder,
+    DecoderParams,
+    DecodeState,
+    StepResult,
+    param,
+    require,
+)
+from mtad_energy.decoding.sampling import sample, warp_probs
+from mtad_energy.decoding.spd import draft_chain
+
+
+@dataclass(frozen=True)
+class TypicalParams(DecoderParams):
+    gamma: int = param(4, "draft tokens per iteration")
+    eps: float = param(0.09, "hard threshold: accept x if p(x) > min(eps, delta*exp(-H(p)))")
+    delta: float = param(0.3, "entropy-scaled threshold factor (Medusa's alpha)")
+
+    def validate(self) -> None:
+        require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
+        require(0.0 < self.eps <= 1.0, f"eps must be in (0, 1] (a probability), got {self.eps}")
+        require(self.delta > 0.0, f"delta must be > 0, got {self.delta}")
+
+
+class Typical(Decoder):
+    name = "typical"
+    help = "typical acceptance: keep draft tokens with p(x) > min(eps, delta*exp(-H(p))) (lossy)"
+    Params = TypicalParams
+    needs_draft = True
+
+    @property
+    def lookahead(self) -> int:
+        return self.params.gamma
+
+    def step(self, s: DecodeState) -> StepResult:
+        prm = self.params
+        warp = prm.warp
+        gamma = min(prm.gamma, s.remaining - 1)
+        if gamma == 0:  # one token left: no point drafting
+            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+        draft, _ = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)  # [gamma]
+        logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [gamma+1, V]
+        p_test = warp_probs(logits[:gamma], prm.temperature, top_k=0, top_p=1.0)  # [gamma, V]
+        n = int(typical_accept_length(p_test, draft, prm.eps, prm.delta))
+        nxt = sample(warp.probs(logits[n]), s.generator)  # only the row we sample from is warped
+        return StepResult(torch.cat([draft[:n], nxt[None]]), gamma, n)
