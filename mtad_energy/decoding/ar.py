@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult
-from mtad_energy.decoding.sampling import sample
+from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, target_step
 
 
 class Multinomial(Decoder):
@@ -12,5 +11,4 @@ class Multinomial(Decoder):
     Params = DecoderParams
 
     def step(self, s: DecodeState) -> StepResult:
-        p = self.params.warp.probs(s.target(s.last_token)[0, -1])  # [V]
-        return StepResult(sample(p, s.generator)[None])
+        return target_step(s, self.params.warp)

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from mtad_energy.decoding import cache as kv
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.sampling import Warp, sample
 
 
 def param(default: Any, help: str) -> Any:
@@ -146,6 +146,12 @@ class DecodeState:
         m = tokens.shape[0]
         self.ids[self.n:self.n + m] = tokens
         self.n += m
+
+
+def target_step(s: DecodeState, warp: Warp) -> StepResult:
+    """One token sampled from warped p after the sequence: ``ar``'s step, and what a drafting
+    decoder does when only one token is left (drafting would be wasted)."""
+    return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
 
 
 class Decoder:

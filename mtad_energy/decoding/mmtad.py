@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtad_energy.decoding.base import Decoder, DecodeState, StepResult
+from mtad_energy.decoding.base import Decoder, DecodeState, StepResult, target_step
 from mtad_energy.decoding.beams import beam_sample
 from mtad_energy.decoding.mtad import MtadParams
 from mtad_energy.decoding.sampling import sample
@@ -78,7 +78,7 @@ class Mmtad(Decoder):
         width = prm.beam_width
         gamma = min(prm.gamma, s.remaining - 1)
         if gamma == 0:
-            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+            return target_step(s, warp)
         n = s.n
         beams = beam_sample(s.draft, s.draft_pending(), gamma, width, warp, s.generator)
         dev = beams.tokens.device

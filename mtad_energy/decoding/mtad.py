@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.acceptance import joint_accept_length
-from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, param, require
+from mtad_energy.decoding.base import (
+    Decoder,
+    DecoderParams,
+    DecodeState,
+    StepResult,
+    param,
+    require,
+    target_step,
+)
 from mtad_energy.decoding.beams import beam_sample
 from mtad_energy.decoding.sampling import sample
 
@@ -50,7 +58,7 @@ class Mtad(Decoder):
         warp = prm.warp
         gamma = min(prm.gamma, s.remaining - 1)
         if gamma == 0:
-            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+            return target_step(s, warp)
         beams = beam_sample(s.draft, s.draft_pending(), gamma, prm.beam_width, warp, s.generator)
         beams.keep(s.draft, beams.best)
         y = beams.best_seq  # [gamma]

@@ -15,6 +15,7 @@ from mtad_energy.decoding.base import (
     StepResult,
     param,
     require,
+    target_step,
 )
 from mtad_energy.decoding.sampling import Warp, sample
 
@@ -54,7 +55,7 @@ class SpeculativeDecoding(Decoder):
         warp = self.params.warp
         gamma = min(self.params.gamma, s.remaining - 1)
         if gamma == 0:  # one token left: no point drafting
-            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+            return target_step(s, warp)
         draft, q = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)
         p = warp.probs(s.target(torch.cat([s.last_token[0], draft])[None])[0])  # [gamma+1, V]
         n, nxt = speculative_accept(p, q, draft, s.generator)

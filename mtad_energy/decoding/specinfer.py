@@ -26,6 +26,7 @@ from mtad_energy.decoding.base import (
     StepResult,
     param,
     require,
+    target_step,
 )
 from mtad_energy.decoding.sampling import Warp, sample
 from mtad_energy.decoding.tree import ancestors, keep_path, level_parents, tree_forward
@@ -109,7 +110,7 @@ class SpecInfer(Decoder):
         warp = self.params.warp
         branching = self.params.branching[:max(0, s.remaining - 1)]
         if not branching:  # one token left: no point drafting
-            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+            return target_step(s, warp)
         n = s.n
         anc_d, anc_t = tree_structure(branching, s.ids.device)
         tokens, q = draft_tree(s.draft, s.draft_pending(), branching, anc_d, warp, s.generator,

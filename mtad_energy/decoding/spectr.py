@@ -27,6 +27,7 @@ from mtad_energy.decoding.base import (
     StepResult,
     param,
     require,
+    target_step,
 )
 from mtad_energy.decoding.sampling import Warp, sample
 
@@ -73,7 +74,7 @@ class Spectr(Decoder):
         warp, k = self.params.warp, self.params.num_drafts
         gamma = min(self.params.gamma, s.remaining - 1)
         if gamma == 0:  # one token left: no point drafting
-            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+            return target_step(s, warp)
         drafts, q = draft_sequences(s.draft, s.draft_pending(), k, gamma, warp, s.generator)
         if k > 1:
             s.target.repeat_rows(k)

@@ -24,6 +24,7 @@ from mtad_energy.decoding.base import (
     StepResult,
     param,
     require,
+    target_step,
 )
 from mtad_energy.decoding.sampling import sample, warp_probs
 from mtad_energy.decoding.spd import draft_chain
@@ -56,7 +57,7 @@ class Typical(Decoder):
         warp = prm.warp
         gamma = min(prm.gamma, s.remaining - 1)
         if gamma == 0:  # one token left: no point drafting
-            return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+            return target_step(s, warp)
         draft, _ = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)  # [gamma]
         logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [gamma+1, V]
         p_test = warp_probs(logits[:gamma], prm.temperature, top_k=0, top_p=1.0)  # [gamma, V]
