@@ -22,6 +22,8 @@ _EXPORTS = {
     "DECODERS": "mtad_energy.decoding",
     "Generation": "mtad_energy.decoding",
     "Warp": "mtad_energy.decoding",
+    "load_results": "mtad_energy.results",
+    "ResultStore": "mtad_energy.results",
 }
 
 __all__ = sorted(_EXPORTS)

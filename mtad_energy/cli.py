@@ -6,36 +6,13 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from mtad_energy.cli_bench import register
+from mtad_energy.cli_common import console, fail, parse_sets, quiet_libraries
 
 app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
                   no_args_is_help=True, add_completion=False)
-console = Console()
-
-
-def parse_sets(sets: list[str] | None) -> dict[str, str]:
-    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}."""
-    out: dict[str, str] = {}
-    for item in sets or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def quiet_libraries() -> None:
-    """Hide transformers' per-load progress bars and info logs on the command line."""
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def _fail(error: Exception) -> None:
-    console.print(f"[bold red]error:[/] {error}")
-    raise typer.Exit(2)
 
 
 @app.command()
@@ -143,7 +120,7 @@ def generate(
                          with_draft=dec.needs_draft)
         gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat)
     except (ValueError, RuntimeError, OSError) as error:
-        _fail(error)
+        fail(error)
     if as_json:
         print(json.dumps({**gen.to_dict(), "pair": pair.describe()}, indent=2))
         return
@@ -152,6 +129,8 @@ def generate(
     console.rule()
     console.print(stats_table([(decoder, gen.to_dict()["stats"])]))
 
+
+register(app)
 
 if __name__ == "__main__":
     app()

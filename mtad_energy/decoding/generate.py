@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -109,9 +109,19 @@ def perplexity(model, ids: torch.Tensor, prompt_len: int) -> float | None:
     return math.exp(nll.item())
 
 
+PhaseHook = Callable[[str], None]
+"""Called with "prefill", "decode" and "end" at the phase boundaries, after the device is synced,
+so a caller can open and close measurement windows without this module knowing about meters."""
+
+
+def _no_hook(phase: str) -> None:
+    pass
+
+
 @torch.inference_mode()
 def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_new_tokens: int,
-                 seed: int = 0, compute_perplexity: bool = True) -> Generation:
+                 seed: int = 0, compute_perplexity: bool = True,
+                 on_phase: PhaseHook | None = None) -> Generation:
     if decoder.needs_draft and pair.draft is None:
         raise ValueError(f"decoder {decoder.name!r} needs a draft model, but the pair has none; "
                          "load one with draft=... (e.g. 'self:int8') or pick ar/beam/mtjd")
@@ -127,6 +137,9 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
     state = DecodeState(ids, prompt_len, prompt_len, max_new_tokens, target, draft, generator,
                         pair.eos_token_id)
 
+    hook = on_phase or _no_hook
+    timer.sync()
+    hook("prefill")
     t0 = time.perf_counter()
     if prompt_len > 1:  # everything but the last prompt token (see the cache invariant in base.py)
         target(ids[None, :prompt_len - 1])
@@ -134,6 +147,8 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
             draft(ids[None, :prompt_len - 1])
     timer.sync()
     t_prefill = time.perf_counter()
+    hook("decode")
+    t_decode = time.perf_counter()  # after the hook, so a meter's bookkeeping is not billed to decode
     phase_before = dict(timer.time_s)
     fwd0 = (target.forwards, draft.forwards if draft else 0)
 
@@ -163,8 +178,9 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
             draft.crop(min(len(draft), state.n - 1))
     timer.sync()
     t_end = time.perf_counter()
+    hook("end")
 
-    decode_s = t_end - t_prefill
+    decode_s = t_end - t_decode
     draft_s = timer.time_s.get("draft", 0.0) - phase_before.get("draft", 0.0)
     target_s = timer.time_s.get("target", 0.0) - phase_before.get("target", 0.0)
     target_fw = target.forwards - fwd0[0]

@@ -237,6 +237,17 @@ def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     packet = func._overloadpacket
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    aten = torch.ops.aten
+    if packet is aten.linear:
+        # under inference_mode linear reaches the dispatcher whole (not as addmm/mm), and the
+        # flop registry has no entry for it: 2 * (rows of x) * in * out
+        x, w = args[0], args[1]
+        return 2 * x.numel() * w.shape[0]
+    if packet in (aten._scaled_dot_product_flash_attention_for_cpu, aten.scaled_dot_product_attention):
+        # q [B, H, L, D], k/v [B, H_kv, S, D]: Q K^T and P V, 2 flops per multiply-add each
+        q, k = args[0], args[1]
+        b, h, l, d = q.shape
+        return 4 * b * h * l * k.shape[-2] * d
     if torch.Tag.pointwise in func.tags:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         return int(sum(t.numel() for t in outs))

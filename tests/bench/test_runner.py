@@ -1,0 +1,156 @@
+"""The profile runner: rows per (prompt, decoder, repeat), phase windows, resume, interruption."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from mtad_energy.bench.prompts import Prompt
+from mtad_energy.bench.runner import Runner, run_profile, shard, work_units
+from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
+from mtad_energy.measure import Measurement, NoneMeter
+from mtad_energy.results import ResultStore, load_results
+
+PROMPTS = [Prompt(f"p{i}", " ".join(f"w{(i * 7 + j) % 50 + 2}" for j in range(6)), "toy",
+                  reference="w2 w3 w4") for i in range(3)]
+
+
+class WattMeter:
+    """A meter with exactly `power_w` watts while a window is open (energy = power x time)."""
+
+    name = "fake-watt"
+    devices = ("gpu0",)
+    update_period_s = None
+
+    def __init__(self, power_w: float = 100.0):
+        self.power_w = power_w
+        self.opened: dict[str, float] = {}
+        self.windows: list[str] = []
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def begin_window(self, key: str) -> None:
+        self.opened[key] = self.now()
+
+    def end_window(self, key: str) -> Measurement:
+        start, end = self.opened.pop(key), self.now()
+        self.windows.append(key)
+        return Measurement(key, self.name, end - start, start, end, self.power_w * (end - start),
+                           {"gpu0": self.power_w * (end - start)})
+
+    def close(self) -> None:
+        pass
+
+
+def config(**kw) -> RunConfig:
+    base = dict(decoders=(DecoderSpec("ar"), DecoderSpec.of("spd", gamma="3")),
+                model=ModelSpec(alias=None), datasets=("toy",), n_prompts=3, max_new_tokens=6,
+                measure=MeasureConfig("none", "off"))
+    return RunConfig(**(base | kw))
+
+
+def test_one_row_per_prompt_decoder_repeat_with_steps(tmp_path, llama_pair):
+    store = ResultStore(tmp_path)
+    rep = run_profile(config(repeats=2), store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS)
+    assert (rep.ran, rep.skipped) == (12, 0)
+    runs = load_results(tmp_path)
+    assert len(runs) == 12 and runs["run_key"].is_unique
+    assert set(runs["decoder"]) == {"ar", "spd"}
+    assert sorted(runs["repeat"].unique()) == [0, 1]
+    assert set(runs.loc[runs.decoder == "spd", "param_gamma"]) == {3}
+    assert json.loads(runs.loc[runs.decoder == "spd", "params_json"].iloc[0])["gamma"] == 3
+    steps = load_results(tmp_path, "steps")
+    per_run = steps.groupby("run_key").size()
+    assert (per_run[runs.set_index("run_key").index] == runs.set_index("run_key")["iterations"]).all()
+    assert runs["perplexity"].notna().all()
+    # no energy meter: energy is null and the reason is kept
+    assert runs["energy_j"].isna().all() and runs["energy_per_token_j"].isna().all()
+    assert runs["energy_reason"].str.contains("no energy meter").all()
+
+
+def test_prefill_and_decode_get_their_own_windows_and_energy_adds_up(tmp_path, llama_pair):
+    meter = WattMeter(100.0)
+    cfg = config(decoders=(DecoderSpec("ar"),), n_prompts=1, warmup=False)
+    rep = run_profile(cfg, ResultStore(tmp_path), pair=llama_pair, meter=meter, prompts=PROMPTS[:1])
+    row = rep.rows[0]
+    assert [w.rsplit("/", 1)[1] for w in meter.windows] == ["prefill", "decode"]
+    assert row["energy_j"] == pytest.approx(row["prefill_energy_j"] + row["decode_energy_j"])
+    assert row["energy_per_token_j"] == pytest.approx(row["energy_j"] / row["tokens_emitted"])
+    # the decode window covers the decode loop, whose time generate() reports
+    assert row["decode_energy_j"] / 100.0 == pytest.approx(row["decode_time_s"], rel=0.2, abs=2e-3)
+    assert row["meter"] == "fake-watt" and json.loads(row["energy_flags"]) == []
+
+
+def test_rerun_skips_stored_rows_and_never_duplicates(tmp_path, llama_pair):
+    store = ResultStore(tmp_path)
+    run_profile(config(), store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS)
+    rep = run_profile(config(), store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS)
+    assert (rep.ran, rep.skipped, len(rep.rows)) == (0, 6, 6)
+    assert len(load_results(tmp_path)) == 6
+
+
+def test_an_interrupted_run_keeps_finished_rows_and_resumes(tmp_path, llama_pair):
+    calls = {"n": 0}
+
+    def scorer(prompt, gen):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return {}
+
+    store = ResultStore(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run_profile(config(), store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS, scorer=scorer)
+    assert len(load_results(tmp_path)) == 3
+    rep = run_profile(config(), ResultStore(tmp_path), pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS)
+    assert (rep.ran, rep.skipped) == (3, 3)
+    runs = load_results(tmp_path)
+    assert len(runs) == 6 and runs["run_key"].is_unique
+    steps = load_results(tmp_path, "steps")
+    assert steps.groupby("run_key").size().sum() == runs["iterations"].sum()
+
+
+def test_mitigation_repeats_the_generation_and_stores_the_interval(tmp_path, llama_pair):
+    cfg = config(decoders=(DecoderSpec("ar"),), n_prompts=1,
+                 measure=MeasureConfig("fake-watt", "on", mitigation_repetitions=4, mitigation_min_s=0.0))
+    runner = Runner(cfg, ResultStore(tmp_path), pair=llama_pair, meter=WattMeter(50.0),
+                    sleep=lambda s: None)
+    row = runner.run_unit(work_units(cfg, PROMPTS[:1])[0])
+    assert row["mitigated"] and row["mitigation_repetitions"] >= 4
+    assert row["energy_ci_low_j"] <= row["energy_j"] <= row["energy_ci_high_j"]
+    assert row["energy_j"] == pytest.approx(50.0 * row["mitigation_time_s"])
+    assert row["single_window_energy_j"] is not None
+
+
+def test_scores_are_computed_outside_the_windows_and_stored(tmp_path, llama_pair):
+    from mtad_energy.bench.runner import quality_scorer
+
+    cfg = config(decoders=(DecoderSpec("ar"),), n_prompts=1)
+    rep = run_profile(cfg, ResultStore(tmp_path), pair=llama_pair, meter=NoneMeter(),
+                      prompts=PROMPTS[:1], scorer=quality_scorer())
+    assert 0.0 <= rep.rows[0]["rouge_l"] <= 1.0
+
+
+def test_shards_partition_the_work():
+    units = work_units(config(repeats=2), PROMPTS)
+    parts = [shard(units, i, 3) for i in range(3)]
+    assert sorted(len(p) for p in parts) == [4, 4, 4]
+    flat = [id(u) for p in parts for u in p]
+    assert len(flat) == len(set(flat)) == len(units) and set(flat) == {id(u) for u in units}
+    with pytest.raises(ValueError, match="shard index 3 is outside 0..2"):
+        shard(units, 3, 3)
+
+
+def test_bad_decoder_parameters_fail_before_anything_is_loaded(tmp_path):
+    cfg = config(decoders=(DecoderSpec.of("mtad", tau="1.5"),))
+    with pytest.raises(ValueError, match="tau"):
+        Runner(cfg, ResultStore(tmp_path), meter=NoneMeter())
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_round_trips_through_json():
+    cfg = config(decoders=(DecoderSpec.of("mmtad", gamma="4", tau="0.3"),), repeats=3)
+    assert RunConfig.from_json(cfg.to_json()) == cfg

@@ -1,0 +1,82 @@
+"""notebooks/jpt_vs_speedup.ipynb runs top to bottom against the fixture stores and draws its figures.
+
+The kernel is ipykernel's built-in ``python3`` spec, looked up with no kernel directories, so it is
+this interpreter (the test's venv) whatever kernelspecs the machine has installed, and nothing has
+to be installed with ``ipykernel install``. The two runs (energy / no energy) share one event loop
+and run side by side: most of each is kernel start-up and imports, so this halves the wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "jpt_vs_speedup.ipynb"
+FIGURE_TAGS = {"figure:jpt_vs_speedup", "figure:ppl_vs_block_efficiency", "figure:batch_energy"}
+
+
+async def _execute(store: Path) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
+    client = NotebookClient(nb, km=km, timeout=120, shutdown_kernel="immediate",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    # raises CellExecutionError (with the cell and traceback) if any cell fails
+    await client.async_execute(env={**os.environ, "MTAD_ENERGY_RESULTS": str(store)})
+    return nb
+
+
+@pytest.fixture(scope="module")
+def executed(store_dir, no_energy_store_dir) -> dict[str, nbformat.NotebookNode]:
+    async def both():
+        return await asyncio.gather(_execute(store_dir), _execute(no_energy_store_dir))
+
+    energy, no_energy = asyncio.run(both())
+    return {"energy": energy, "no_energy": no_energy}
+
+
+def _figures_by_tag(nb) -> dict[str, int]:
+    found = {}
+    for cell in nb.cells:
+        for tag in cell.metadata.get("tags", []):
+            found[tag] = sum("image/png" in out.get("data", {}) for out in cell.outputs)
+    return found
+
+
+def _text(nb) -> str:
+    return "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                   for out in cell.outputs)
+
+
+def test_notebook_is_stored_without_outputs():
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
+    tags = {t for c in code for t in c.get("metadata", {}).get("tags", [])}
+    assert FIGURE_TAGS <= tags
+
+
+@pytest.mark.slow
+def test_notebook_runs_with_energy(executed):
+    nb = executed["energy"]
+    figures = _figures_by_tag(nb)
+    assert all(figures[tag] >= 1 for tag in FIGURE_TAGS), figures
+    assert not any(out.output_type == "error" for c in nb.cells for out in c.get("outputs", []))
+    assert "No energy" not in _text(nb)
+
+
+@pytest.mark.slow
+def test_notebook_explains_missing_energy(executed):
+    nb = executed["no_energy"]
+    figures = _figures_by_tag(nb)
+    assert all(figures[tag] >= 1 for tag in FIGURE_TAGS), figures
+    text = _text(nb)
+    assert "No energy readings in these runs" in text and "no GPU energy counter" in text
+    assert "No energy in the batch sweep" in text
