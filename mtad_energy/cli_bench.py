@@ -370,13 +370,17 @@ def sweep_batch_size(
         print(json.dumps({"output": str(out), "meter": m.name,
                           "rows": json.loads(table.to_json(orient="records"))}, indent=2))
         return
-    t = Table(title="batch size vs energy", title_justify="left", show_edge=False)
+    t = Table(title="batch size vs energy", title_justify="left", show_edge=False,
+              caption_justify="left")
     for col in table.columns:
         t.add_column(str(col), justify="right")
     for _, r in table.iterrows():
         t.add_row(*[str(int(v)) if c == table.columns[0] else
-                    energy_text(v, rows[0].get("energy_reason")) if "Energy" in c else fmt(v, "{:.4g}")
+                    energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
                     for c, v in r.items()])
+    reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
+    if reasons:
+        t.caption = "Energy " + "; ".join(sorted(reasons))
     console.print(t)
     console.print(f"[dim]results in {out}[/]")
 
