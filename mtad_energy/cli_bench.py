@@ -144,8 +144,12 @@ def _interrupted(out: Path) -> typing.NoReturn:
 
 
 # -- running a configuration -------------------------------------------------------------------
-def run_config(config: RunConfig, out: Path, as_json: bool, title: str):
-    """Run/resume ``config`` into ``out`` with a progress bar; print and return the summary."""
+def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers: int = 1,
+               cluster: str = "local"):
+    """Run/resume ``config`` into ``out`` with a progress bar (or as ``workers`` submitit jobs);
+    print and return the summary."""
+    if workers > 1:
+        return run_distributed(config, out, as_json, title, workers, cluster)
     from mtad_energy.bench.runner import Runner, load_config_prompts, quality_scorer, work_units
     from mtad_energy.results import ResultStore
     from mtad_energy.results.analysis import decoder_summary
@@ -195,6 +199,36 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str):
     return summary
 
 
+def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str):
+    """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
+    from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
+    from mtad_energy.results import load_results
+    from mtad_energy.results.analysis import decoder_summary
+
+    try:
+        jobs = submit_sweep(config, out, workers=workers, cluster=cluster)
+        if not as_json:
+            console.print(f"submitted {len(jobs)} {cluster} job(s): "
+                          f"{', '.join(str(j.job_id) for j in jobs)}; waiting (Ctrl-C leaves them running)")
+        results = wait(jobs)
+    except KeyboardInterrupt:
+        _interrupted(out)
+    except (ValueError, RuntimeError, OSError, SweepError) as error:
+        fail(error)
+    runs = load_results(out)
+    runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
+    summary = decoder_summary(runs)
+    ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
+    if as_json:
+        print(json.dumps({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
+                          "summary": json.loads(summary.to_json(orient="records"))}, indent=2))
+    else:
+        console.print(summary_table(summary, title))
+        console.print(f"[dim]{ran} run(s) measured by {len(results)} job(s), {skipped} already stored; "
+                      f"results in {out}[/]")
+    return summary
+
+
 def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
             seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep):
     alias = None if target and model == "smollm2" else model  # a custom target is not "smollm2"
@@ -220,6 +254,8 @@ Output = Annotated[Path | None, typer.Option(help="results directory (default re
 Json = Annotated[bool, typer.Option("--json", help="print JSON")]
 Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")]
 Ops = Annotated[bool, typer.Option("--ops", help="also profile FLOPs/bytes per decoder (for decompose)")]
+Workers = Annotated[int, typer.Option(min=1, help="split the work over N submitit jobs, one GPU each")]
+Cluster = Annotated[str, typer.Option(help="where --workers jobs run: local|slurm|debug")]
 AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
                                          help="run HumanEval tests on generated code (sandboxed)")]
 
@@ -232,7 +268,7 @@ def profile(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
-    as_json: Json = False,
+    workers: Workers = 1, cluster: Cluster = "local", as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -243,7 +279,7 @@ def profile(
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile")
     except ValueError as error:
         fail(error)
-    run_config(config, output or Path("results/profile"), as_json, "profile")
+    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster)
 
 
 def compare(
@@ -256,7 +292,7 @@ def compare(
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
-    as_json: Json = False,
+    workers: Workers = 1, cluster: Cluster = "local", as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout (best bold, second underlined
     in the markdown export)."""
@@ -269,7 +305,7 @@ def compare(
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
-    summary = run_config(config, out, as_json, "compare")
+    summary = run_config(config, out, as_json, "compare", workers, cluster)
     table = main_table(summary)
     md = to_markdown(table)
     path = markdown or out.with_suffix(".md")
@@ -288,7 +324,8 @@ def sweep_param(
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
-    ops: Ops = False, output: Output = None, as_json: Json = False,
+    ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
+    as_json: Json = False,
 ):
     """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
     import itertools
@@ -307,7 +344,8 @@ def sweep_param(
                          repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}")
     except ValueError as error:
         fail(error)
-    run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep")
+    run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
+               cluster)
 
 
 def sweep_batch_size(

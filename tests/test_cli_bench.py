@@ -121,3 +121,15 @@ def test_ranges_and_sizes():
     assert parse_sizes("1,2,16") == [1, 2, 16]
     with pytest.raises(UsageError, match="positive integers"):
         parse_sizes("0,2")
+
+
+def test_profile_with_workers_runs_submitit_jobs_into_one_store(model_dirs, prompts_file, tmp_path):
+    out = tmp_path / "dist"
+    res = runner.invoke(app, ["profile", "--decoder", "ar,spd", *pair_args(model_dirs), "--dataset",
+                              prompts_file, "--n-prompts", "2", "--workers", "2", "--cluster", "debug",
+                              "--output", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output[res.output.index("{"):])
+    assert summary["ran"] == 4 and len(summary["jobs"]) == 2
+    runs = load_results(out)
+    assert len(runs) == 4 and runs["run_key"].is_unique

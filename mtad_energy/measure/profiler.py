@@ -7,7 +7,7 @@ attention); pointwise ops count one FLOP per output element (a convention: PyTor
 
 Each op is compute-bound when its intensity (FLOPs per byte) reaches the device's roofline
 ridge, peak FLOP/s / peak bytes/s, both measured once (a matmul and a copy) and cached per device
-in ``$MTAD_ENERGY_CACHE_DIR/roofline.json`` (default ``~/.cache/mtad-energy/``).
+in ``$MTAD_ENERGY_CACHE/roofline.json`` (default ``~/.cache/mtad_energy/``).
 
 Per-op times are taken with a device sync around every op: this is an accounting pass, run
 apart from the energy measurement.
@@ -28,16 +28,16 @@ from typing import Any
 
 from mtad_energy.measure.base import Clock, SyncFn, no_sync
 
-CACHE_ENV_VAR = "MTAD_ENERGY_CACHE_DIR"
+CACHE_ENV_VAR = "MTAD_ENERGY_CACHE"  # the same cache root as the converted models
 COMPUTE, MEMORY, OTHER = "compute", "memory", "other"
 
 
 def cache_dir() -> Path:
-    """$MTAD_ENERGY_CACHE_DIR, else $XDG_CACHE_HOME/mtad-energy, else ~/.cache/mtad-energy."""
+    """$MTAD_ENERGY_CACHE, else $XDG_CACHE_HOME/mtad_energy, else ~/.cache/mtad_energy."""
     if override := os.environ.get(CACHE_ENV_VAR):
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mtad-energy"
+    return Path(base) / "mtad_energy"
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,10 @@ def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     return 0
 
 
+# ops that return a new tensor aliasing their input's storage without moving bytes
+_ALIASING_COPIES = frozenset({"_unsafe_view", "alias", "lift_fresh"})
+
+
 def _make_recorder(clock: Clock, sync: SyncFn) -> Any:
     # imported now so their import time (torch._dynamo: ~1.5 s, pulled in by entering a dispatch
     # mode) is not billed to T_other
@@ -274,7 +278,7 @@ def _make_recorder(clock: Clock, sync: SyncFn) -> Any:
             sync()
             elapsed = clock() - t0
             name = str(func.overloadpacket.__name__)
-            if func.is_view:
+            if func.is_view or name in _ALIASING_COPIES:
                 nbytes, flops, shapes = 0, 0, []
             else:
                 in_bytes, in_shapes = _tensor_bytes((args, kwargs))

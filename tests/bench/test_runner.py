@@ -154,3 +154,16 @@ def test_bad_decoder_parameters_fail_before_anything_is_loaded(tmp_path):
 def test_config_round_trips_through_json():
     cfg = config(decoders=(DecoderSpec.of("mmtad", gamma="4", tau="0.3"),), repeats=3)
     assert RunConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_ops_profiles_one_generation_per_decoder(tmp_path, llama_pair, monkeypatch):
+    monkeypatch.setenv("MTAD_ENERGY_CACHE", str(tmp_path / "cache"))  # roofline peaks cache
+    cfg = config(ops=True, n_prompts=1)
+    store = ResultStore(tmp_path / "s")
+    run_profile(cfg, store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS[:1])
+    ops = load_results(tmp_path / "s", "ops")
+    assert sorted(ops["decoder"]) == ["ar", "spd"]
+    assert (ops["flops"] > 0).all() and (ops["bytes"] > 0).all()
+    assert (ops["t_flop_s"] + ops["t_mem_s"] <= ops["wall_time_s"] + 1e-9).all()
+    run_profile(cfg, store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS[:1])
+    assert len(load_results(tmp_path / "s", "ops")) == 2  # stored once
