@@ -96,6 +96,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 # --- extracting code from a generation ----------------------------------------------------------------
 
 _FENCE = re.compile(r"```[ \t]*[\w+-]*[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_DEMO_LINE = re.compile(r"^(?:print\(|assert\b|#|if\b|for\b|while\b|>>>)", re.MULTILINE)
 _MAIN_GUARD = re.compile(r"^if\s+__name__\s*==\s*['\"]__main__['\"]\s*:", re.MULTILINE)
 
 
@@ -106,7 +107,11 @@ def completion_from_generation(prompt: str, generated: str) -> str:
     2. Output that starts indented continues the function body, and a ``` fence only ends it.
        Otherwise, with ``` fences, the first fenced block that defines the entry point (the last
        top-level ``def`` of the prompt) is used, else the first block.
-    3. A trailing ``if __name__ == "__main__":`` demo is cut (it may read stdin or run long).
+    3. A trailing ``if __name__ == "__main__":`` demo is cut (it may read stdin or run long), and so
+       is top-level demo code after the body (after the first ``def`` when it is restated): a line
+       at column 0 starting with ``print(``, ``assert``, ``#``, ``if``, ``for``, ``while`` or
+       ``>>>``, as in HumanEval's stop sequences. An example cut off by max_new_tokens would
+       otherwise fail the whole sample with a SyntaxError.
 
     A completion that restates ``def <entry point>`` is kept whole: appended after the prompt it simply
     redefines the function, which is valid Python."""
@@ -122,6 +127,10 @@ def completion_from_generation(prompt: str, generated: str) -> str:
     guard = _MAIN_GUARD.search(text)
     if guard:
         text = text[:guard.start()]
+    first_def = re.search(r"^def\s", text, re.MULTILINE)
+    demo = _DEMO_LINE.search(text, first_def.end() if first_def else 0)
+    if demo:
+        text = text[:demo.start()]
     return text.rstrip() + "\n"
 
 

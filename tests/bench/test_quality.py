@@ -166,3 +166,12 @@ def test_completion_from_generation():
     code = completion_from_generation(prompt, fenced)
     assert code.startswith("from typing import List") and "__main__" not in code and "```" not in code
     assert humaneval_pass(HE0, code, allow_code_execution=True).passed
+
+
+def test_top_level_demo_code_after_a_restated_function_is_cut():
+    generated = ("def add(a, b):\n    # sum\n    return a + b\n\n# Example usage:\n"
+                 "print(add(1, [2, 3\n")
+    assert completion_from_generation("def add(a, b):\n    \"\"\"Sum.\"\"\"\n", generated) == (
+        "def add(a, b):\n    # sum\n    return a + b\n")
+    # a continued body (the prompt echoed) is cut the same way
+    assert completion_from_generation("def add(a, b):\n", generated) == "    # sum\n    return a + b\n"
