@@ -50,8 +50,10 @@ def models():
 
 @app.command()
 def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
-    """Environment snapshot (GPUs, driver, power limits, clocks, libraries, git) and the meter that
-    `--meter auto` would pick, with why the others were not."""
+    """Environment snapshot and the meter `--meter auto` would pick.
+
+    Shows GPUs, driver, power limits, clocks, libraries and git, and why the other meters were
+    not picked."""
     from mtad_energy.measure import preflight_check, select_meter, snapshot
 
     snap, choice = snapshot(), select_meter()

@@ -294,8 +294,9 @@ def compare(
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", as_json: Json = False,
 ):
-    """All decoders side by side in the paper's main-table layout (best bold, second underlined
-    in the markdown export)."""
+    """All decoders side by side in the paper's main-table layout.
+
+    The markdown export marks the best value of each column in bold and the second underlined."""
     from mtad_energy.results.analysis import main_table, to_markdown
 
     try:
@@ -359,8 +360,10 @@ def sweep_batch_size(
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
     seed: int = 0, output: Output = None, as_json: Json = False,
 ):
-    """The paper's batch-size study: a fixed number of target runs at each batch size; energy,
-    energy/run, energy/input, time, time/run, time/input."""
+    """The paper's batch-size study: energy and time per run and per input.
+
+    A fixed number of target runs at each batch size; prints and stores energy, energy/run,
+    energy/input, time, time/run, time/input."""
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
     from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
     from mtad_energy.models import load_pair
@@ -427,8 +430,10 @@ def decompose(
     results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and profile runs")],
     as_json: Json = False,
 ):
-    """Fit E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (non-negative least squares) on a batch
-    sweep's rows, print the fit quality, then each decoder's energy split into the three terms."""
+    """Split energy into static, compute and memory terms.
+
+    Fits E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (non-negative least squares) on a batch
+    sweep's rows, prints the fit quality, then each decoder's energy split into the three terms."""
     from mtad_energy.results.breakdown import decoder_breakdown, fit_from_stores
 
     try:
