@@ -150,7 +150,9 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     print and return the summary."""
     if workers > 1:
         return run_distributed(config, out, as_json, title, workers, cluster)
-    from mtad_energy.bench.runner import Runner, load_config_prompts, quality_scorer, work_units
+    import pandas as pd
+
+    from mtad_energy.bench.runner import Runner, load_config_prompts, quality_scorer, run_profile, work_units
     from mtad_energy.results import ResultStore
     from mtad_energy.results.analysis import decoder_summary
 
@@ -167,27 +169,22 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
                       f"{runner.pair.draft_id or 'no draft'} on {runner.device} ({runner.dtype}), "
                       f"loaded in {runner.pair.load_time_s:.1f} s")
         console.print(f"[bold]meter[/] {runner.meter.name}: {runner.meter_reason.split(';')[0]}")
-    units = work_units(config, prompts)
     try:
         with _progress() as bar:
-            task = bar.add_task(config.sweep, total=len(units), note="")
-            ran = skipped = 0
-            for row, unit in runner.iter_run(units):
-                ran, skipped = ran + (row is not None), skipped + (row is None)
-                note = f"{unit.decoder.label} {unit.prompt.id}" + (" (stored)" if row is None else
-                                                                  f" {row['tokens_per_s']:.1f} tok/s")
+            task = bar.add_task(config.sweep, total=len(work_units(config, prompts)), note="")
+
+            def step(row: dict | None, unit) -> None:
+                note = f"{unit.decoder.label} {unit.prompt.id}" + (
+                    " (stored)" if row is None else f" {row['tokens_per_s']:.1f} tok/s")
                 bar.update(task, advance=1, note=note)
-            if config.ops:
-                for spec in config.decoders:
-                    bar.update(task, note=f"profiling FLOPs/bytes of {spec.label}")
-                    runner.profile_ops(spec, prompts[0])
+
+            rep = run_profile(config, store, runner=runner, prompts=prompts, progress=step)
     except KeyboardInterrupt:
         _interrupted(out)
     except (ValueError, RuntimeError) as error:
         fail(error)
-    runs = store.load("runs")
-    keys = {runner.run_key(u) for u in units}
-    runs = runs[runs["run_key"].isin(keys)]
+    ran, skipped = rep.ran, rep.skipped
+    runs = pd.DataFrame(rep.rows)
     summary = decoder_summary(runs)
     if as_json:
         print(json.dumps({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,

@@ -36,8 +36,8 @@ from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore
 
-Progress = Callable[[dict[str, Any], bool], None]
-"""Called once per work unit with its row and whether it was already stored (skipped)."""
+Progress = Callable[[dict[str, Any] | None, "WorkUnit"], None]
+"""Called once per work unit with its new row, or None when it was already stored (skipped)."""
 
 Scorer = Callable[[Prompt, Generation], dict[str, Any]]
 """Quality columns of one generation (e.g. rouge_l, passed); runs outside every window."""
@@ -148,9 +148,8 @@ class Runner:
 
     # -- identity -----------------------------------------------------------------------------
     def _params(self, spec: DecoderSpec) -> dict[str, Any]:
-        cfg = self._decoders[spec].config()
-        cfg.pop("decoder", None)
-        return cfg
+        """Every parameter of the decoder, defaults included (what identifies its rows)."""
+        return {k: v for k, v in self._decoders[spec].config().items() if k != "decoder"}
 
     def run_key(self, unit: WorkUnit) -> str:
         c = self.config
@@ -221,13 +220,14 @@ class Runner:
 
         s = gen.stats
         tokens = s.tokens_emitted
+        params = self._params(unit.decoder)
         row: dict[str, Any] = {
             "run_key": key, "sweep": c.sweep, "created_unix_s": time.time(), "env_id": self.env_id,
             "model": c.model.label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
             "decoder": unit.decoder.name, "label": unit.decoder.label,
-            "params_json": params_json(self._params(unit.decoder)),
+            "params_json": params_json(params),
             **{f"param_{k}": (json.dumps(v) if isinstance(v, tuple | list) else v)
-               for k, v in self._params(unit.decoder).items()},
+               for k, v in params.items()},
             "dataset": unit.prompt.dataset, "prompt_id": unit.prompt.id,
             "max_new_tokens": c.max_new_tokens, "seed": seed, "repeat": unit.repeat,
             "meter": self.meter.name, "device": self.device, "dtype": self.dtype,
@@ -288,28 +288,29 @@ class Runner:
                 yield self.run_unit(unit), unit
 
 
-def run_profile(config: RunConfig, store: ResultStore, *, pair: ModelPair | None = None,
-                meter: EnergyMeter | None = None, prompts: Sequence[Prompt] | None = None,
-                scorer: Scorer | None = None, progress: Progress | None = None,
-                shard_index: int = 0, shard_count: int = 1) -> RunReport:
-    """Run (or resume) a configuration into ``store``; returns every row it asked for."""
-    runner = Runner(config, store, pair=pair, meter=meter, scorer=scorer)
+def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None = None,
+                pair: ModelPair | None = None, meter: EnergyMeter | None = None,
+                prompts: Sequence[Prompt] | None = None, scorer: Scorer | None = None,
+                progress: Progress | None = None, shard_index: int = 0,
+                shard_count: int = 1) -> RunReport:
+    """Run (or resume) a configuration into ``store``; returns every row it asked for.
+
+    ``runner`` is an already built `Runner` for ``config`` and ``store`` (the CLI builds it first
+    to show the model and meter); otherwise one is built from ``pair``, ``meter`` and ``scorer``."""
+    runner = runner or Runner(config, store, pair=pair, meter=meter, scorer=scorer)
     prompts = list(prompts) if prompts is not None else load_config_prompts(config)
     units = shard(work_units(config, prompts), shard_index, shard_count)
-    keys = [runner.run_key(u) for u in units]
     ran = skipped = 0
-    for row, _unit in runner.iter_run(units):
-        if row is None:
-            skipped += 1
-        else:
-            ran += 1
+    for row, unit in runner.iter_run(units):
+        ran, skipped = ran + (row is not None), skipped + (row is None)
         if progress is not None:
-            progress(row or {}, row is None)
+            progress(row, unit)
     if config.ops:
         for spec in config.decoders:
             runner.profile_ops(spec, prompts[0])
+    keys = {runner.run_key(u) for u in units}
     stored = store.load("runs")
-    rows = stored[stored["run_key"].isin(set(keys))].to_dict("records") if len(stored) else []
+    rows = stored[stored["run_key"].isin(keys)].to_dict("records") if len(stored) else []
     return RunReport(rows, ran, skipped, runner.meter.name, runner.meter_reason, runner.env_id)
 
 

@@ -57,9 +57,9 @@ def run_shard(config_json: str, store_dir: str, shard_index: int, shard_count: i
     store = ResultStore(store_dir, create=False)
     counts = {"ran": 0, "skipped": 0}
 
-    def progress(_row: dict[str, Any], skipped: bool) -> None:
+    def progress(row: dict[str, Any] | None, _unit: Any) -> None:
         # goes to the job's stdout log, to follow a long job with `tail -f`
-        counts["skipped" if skipped else "ran"] += 1
+        counts["skipped" if row is None else "ran"] += 1
         print(f"shard {shard_index}/{shard_count}: ran {counts['ran']}, skipped {counts['skipped']}",
               flush=True)
 

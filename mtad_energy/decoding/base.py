@@ -170,6 +170,11 @@ class Decoder:
         """Positions beyond the emitted ones the target may see in one iteration."""
         return 0
 
+    def draft_len(self, s: DecodeState) -> int:
+        """Draft positions worth proposing this iteration: the lookahead, capped one short of the
+        tokens still wanted (the bonus token from p fills the last). 0: take a `target_step`."""
+        return max(0, min(self.lookahead, s.remaining - 1))
+
     def step(self, s: DecodeState) -> StepResult:
         raise NotImplementedError
 

@@ -90,7 +90,7 @@ class Bild(Decoder):
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
-        cap = min(prm.max_draft, s.remaining - 1)
+        cap = self.draft_len(s)
         draft = draft_until_unsure(s.draft, s.draft_pending(), cap, prm.fallback, warp,
                                    s.generator)  # [m]
         m = draft.shape[0]

@@ -76,7 +76,7 @@ class Mmtad(Decoder):
         prm = self.params
         warp = prm.warp
         width = prm.beam_width
-        gamma = min(prm.gamma, s.remaining - 1)
+        gamma = self.draft_len(s)
         if gamma == 0:
             return target_step(s, warp)
         n = s.n

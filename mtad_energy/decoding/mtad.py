@@ -56,7 +56,7 @@ class Mtad(Decoder):
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
-        gamma = min(prm.gamma, s.remaining - 1)
+        gamma = self.draft_len(s)
         if gamma == 0:
             return target_step(s, warp)
         beams = beam_sample(s.draft, s.draft_pending(), gamma, prm.beam_width, warp, s.generator)

@@ -53,7 +53,7 @@ class SpeculativeDecoding(Decoder):
 
     def step(self, s: DecodeState) -> StepResult:
         warp = self.params.warp
-        gamma = min(self.params.gamma, s.remaining - 1)
+        gamma = self.draft_len(s)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         draft, q = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)

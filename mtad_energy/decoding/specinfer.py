@@ -108,7 +108,7 @@ class SpecInfer(Decoder):
 
     def step(self, s: DecodeState) -> StepResult:
         warp = self.params.warp
-        branching = self.params.branching[:max(0, s.remaining - 1)]
+        branching = self.params.branching[:self.draft_len(s)]
         if not branching:  # one token left: no point drafting
             return target_step(s, warp)
         n = s.n

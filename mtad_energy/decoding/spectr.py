@@ -72,7 +72,7 @@ class Spectr(Decoder):
 
     def step(self, s: DecodeState) -> StepResult:
         warp, k = self.params.warp, self.params.num_drafts
-        gamma = min(self.params.gamma, s.remaining - 1)
+        gamma = self.draft_len(s)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         drafts, q = draft_sequences(s.draft, s.draft_pending(), k, gamma, warp, s.generator)

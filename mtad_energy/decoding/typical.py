@@ -55,7 +55,7 @@ class Typical(Decoder):
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
-        gamma = min(prm.gamma, s.remaining - 1)
+        gamma = self.draft_len(s)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         draft, _ = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)  # [gamma]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 Clock = Callable[[], float]
 """A clock returning seconds (monotonic). Injected so tests can run on simulated time."""
@@ -134,6 +134,62 @@ def total_energy(
     if missing:
         return None, f"energy missing for device(s) {', '.join(missing)}; see flags"
     return float(sum(e for e in device_energy_j.values() if e is not None)), None
+
+
+def short_window_flag(meter: str, time_s: float, update_period_s: float | None) -> list[Flag]:
+    """A `FLAG_SHORT_WINDOW` flag when a window is shorter than the sensor's update period."""
+    if update_period_s is None or time_s >= update_period_s:
+        return []
+    return [
+        Flag(
+            FLAG_SHORT_WINDOW,
+            f"window of {time_s:.6g} s is shorter than the {meter} sensor update period "
+            f"({update_period_s:g} s), so its energy is unreliable; measure a longer window or "
+            "repeat the workload with measure.mitigation.",
+        )
+    ]
+
+
+def device_measurement(
+    key: str,
+    meter: str,
+    start_s: float,
+    end_s: float,
+    device_energy_j: Mapping[str, float | None],
+    flags: list[Flag],
+    *,
+    time_s: float | None = None,
+    samples: tuple[PowerSample, ...] = (),
+    reason: str | None = None,
+) -> Measurement:
+    """A window's `Measurement` from per-device energies: the total is their sum, or None with
+    the reason (``reason`` overrides the generic one) when a device is missing."""
+    energy, why = total_energy(device_energy_j)
+    return Measurement(
+        name=key,
+        meter=meter,
+        time_s=end_s - start_s if time_s is None else time_s,
+        start_timestamp_s=start_s,
+        end_timestamp_s=end_s,
+        energy_j=energy,
+        device_energy_j=dict(device_energy_j),
+        samples=samples,
+        flags=tuple(flags),
+        reason=None if energy is not None else (reason or why),
+    )
+
+
+class MeterBase:
+    """What every meter shares: a no-op `close` and use as a context manager that closes it."""
+
+    def close(self) -> None:
+        """Nothing to release unless a backend overrides it."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @runtime_checkable

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Self
 
-from mtad_energy.measure.base import Clock, Measurement, WindowBook
+from mtad_energy.measure.base import Clock, Measurement, MeterBase, WindowBook
 
 
-class NoneMeter:
+class NoneMeter(MeterBase):
     """Measures time only; every measurement carries `reason` for the missing energy."""
 
     name = "none"
@@ -47,11 +46,3 @@ class NoneMeter:
             reason=self.reason,
         )
 
-    def close(self) -> None:
-        """Nothing to release."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Self
 
 import numpy as np
 
@@ -27,15 +26,16 @@ from mtad_energy.measure.base import (
     FLAG_FEW_SAMPLES,
     FLAG_MISSING_DEVICE,
     FLAG_POWER_FALLBACK,
-    FLAG_SHORT_WINDOW,
     FLAG_ZERO_ENERGY,
     Clock,
     Flag,
     Measurement,
+    MeterBase,
     MeterUnavailableError,
     PowerSample,
     WindowBook,
-    total_energy,
+    device_measurement,
+    short_window_flag,
 )
 from mtad_energy.measure.integrate import trapezoid_energy_j
 
@@ -49,20 +49,7 @@ DEFAULT_UPDATE_PERIOD_S = 0.1
 """Typical NVML power/energy update period on A100/H100 and Ampere/Ada (Yang et al. 2023)."""
 
 
-def short_window_flag(meter: str, time_s: float, update_period_s: float | None) -> list[Flag]:
-    if update_period_s is None or time_s >= update_period_s:
-        return []
-    return [
-        Flag(
-            FLAG_SHORT_WINDOW,
-            f"window of {time_s:.6g} s is shorter than the {meter} sensor update period "
-            f"({update_period_s:g} s), so its energy is unreliable; measure a longer window or "
-            "repeat the workload with measure.mitigation.",
-        )
-    ]
-
-
-class _NvmlMeterBase:
+class _NvmlMeterBase(MeterBase):
     """NVML start-up, device resolution and window bookkeeping shared by both NVML meters."""
 
     name = "nvml"
@@ -108,12 +95,6 @@ class _NvmlMeterBase:
         if not self._closed:
             self._closed = True
             shutdown_nvml(self._pynvml)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class NvmlCounterMeter(_NvmlMeterBase):
@@ -213,18 +194,7 @@ class NvmlCounterMeter(_NvmlMeterBase):
                     )
                 )
         flags += short_window_flag(self.name, time_s, self._update_period_s)
-        energy, reason = total_energy(device_j)
-        return Measurement(
-            name=key,
-            meter=self.name,
-            time_s=time_s,
-            start_timestamp_s=start_s,
-            end_timestamp_s=end_s,
-            energy_j=energy,
-            device_energy_j=device_j,
-            flags=tuple(flags),
-            reason=reason,
-        )
+        return device_measurement(key, self.name, start_s, end_s, device_j, flags)
 
 
 @dataclass(frozen=True)
@@ -445,19 +415,7 @@ class NvmlPowerMeter(_NvmlMeterBase):
             if self.keep_samples:
                 kept += [PowerSample(label, float(a), float(b)) for a, b in zip(t, w, strict=True)]
         flags += short_window_flag(self.name, time_s, self._update_period_s)
-        energy, reason = total_energy(device_j)
-        return Measurement(
-            name=key,
-            meter=self.name,
-            time_s=time_s,
-            start_timestamp_s=start_s,
-            end_timestamp_s=end_s,
-            energy_j=energy,
-            device_energy_j=device_j,
-            samples=tuple(kept),
-            flags=tuple(flags),
-            reason=reason,
-        )
+        return device_measurement(key, self.name, start_s, end_s, device_j, flags, samples=tuple(kept))
 
     def close(self) -> None:
         try:

@@ -11,18 +11,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 from mtad_energy.measure.base import (
     FLAG_COUNTER_WRAP,
     FLAG_MISSING_DEVICE,
-    FLAG_SHORT_WINDOW,
     Clock,
     Flag,
     Measurement,
+    MeterBase,
     MeterUnavailableError,
     WindowBook,
-    total_energy,
+    device_measurement,
+    short_window_flag,
 )
 
 POWERCAP_ROOT = Path("/sys/class/powercap")
@@ -90,7 +90,7 @@ def _zone(label: str, path: Path) -> RaplZone:
     )
 
 
-class RaplMeter:
+class RaplMeter(MeterBase):
     """CPU energy per RAPL zone; counter wrap-around at `max_energy_range_uj` is corrected.
 
     Args:
@@ -179,31 +179,5 @@ class RaplMeter:
                     )
                 )
             device_j[zone.label] = delta / 1e6
-        if time_s < RAPL_UPDATE_PERIOD_S:
-            flags.append(
-                Flag(
-                    FLAG_SHORT_WINDOW,
-                    f"window of {time_s:.6g} s is shorter than the RAPL update period (0.001 s).",
-                )
-            )
-        energy, reason = total_energy(device_j)
-        return Measurement(
-            name=key,
-            meter=self.name,
-            time_s=time_s,
-            start_timestamp_s=start_s,
-            end_timestamp_s=end_s,
-            energy_j=energy,
-            device_energy_j=device_j,
-            flags=tuple(flags),
-            reason=reason,
-        )
-
-    def close(self) -> None:
-        """Nothing to release (files are opened per read)."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        flags += short_window_flag(self.name, time_s, RAPL_UPDATE_PERIOD_S)
+        return device_measurement(key, self.name, start_s, end_s, device_j, flags)

@@ -12,13 +12,12 @@ Two ways to drive it:
 from __future__ import annotations
 
 import time
-from typing import Self
 
 import numpy as np
 
-from mtad_energy.measure.base import Clock, Measurement, PowerSample, WindowBook
+from mtad_energy.measure.base import Clock, Measurement, MeterBase, PowerSample, WindowBook, short_window_flag
 from mtad_energy.measure.integrate import trapezoid_energy_j
-from mtad_energy.measure.nvml import DEFAULT_POLL_INTERVAL_S, short_window_flag
+from mtad_energy.measure.nvml import DEFAULT_POLL_INTERVAL_S
 from mtad_energy.measure.sensor import PowerProfile, PowerTrace, SensorModel, get_preset
 
 
@@ -90,7 +89,7 @@ class SimulatedGPU:
         return self.trace().energy_j(start_s, end_s)
 
 
-class SimulatedMeter:
+class SimulatedMeter(MeterBase):
     """A meter that polls a `SensorModel` watching a `SimulatedGPU`, like `nvml-power` does.
 
     Polls happen every `poll_interval_s` from the window start plus one at the end; energy is
@@ -172,11 +171,3 @@ class SimulatedMeter:
         """The true energy of the simulated device over [start_s, end_s] (joules)."""
         return self.gpu.true_energy_j(start_s, end_s)
 
-    def close(self) -> None:
-        """Nothing to release."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

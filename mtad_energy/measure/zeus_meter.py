@@ -10,18 +10,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 from mtad_energy.measure.base import (
-    FLAG_SHORT_WINDOW,
     FLAG_ZERO_ENERGY,
     Clock,
     Flag,
     Measurement,
+    MeterBase,
     MeterUnavailableError,
     MigNotSupportedError,
     WindowBook,
-    total_energy,
+    device_measurement,
+    short_window_flag,
 )
 from mtad_energy.measure.integrate import trapezoid_energy_j
 
@@ -58,7 +59,7 @@ def _default_monitor(gpu_indices: list[int] | None, include_cpu: bool) -> Any:
     )
 
 
-class ZeusMeter:
+class ZeusMeter(MeterBase):
     """Window energy from `zeus.monitor.ZeusMonitor.begin_window` / `end_window`.
 
     Device sync is left to `window()`, so Zeus is called with ``sync_execution=False``.
@@ -126,10 +127,9 @@ class ZeusMeter:
             device_j[f"cpu{i}"] = float(e)
         for i, e in sorted((zm.dram_energy or {}).items()):
             device_j[f"cpu{i}/dram"] = float(e)
-        if not zm.gpu_energy:
-            energy, reason, device_j = None, NO_GPU_REASON, {}
+        if not zm.gpu_energy:  # no GPU: CPU-only readings would pass for GPU energy
+            device_j = {}
         else:
-            energy, reason = total_energy(device_j)
             for label, e in device_j.items():
                 if e == 0.0 and time_s > 0:
                     flags.append(
@@ -139,36 +139,9 @@ class ZeusMeter:
                             "shorter than the energy counter update period.",
                         )
                     )
-            if self._update_period_s is not None and time_s < self._update_period_s:
-                flags.append(
-                    Flag(
-                        FLAG_SHORT_WINDOW,
-                        f"window of {time_s:.6g} s is shorter than the zeus sensor update "
-                        f"period ({self._update_period_s:g} s), so its energy is unreliable; "
-                        "measure a longer "
-                        "window or repeat the workload with measure.mitigation.",
-                    )
-                )
-        return Measurement(
-            name=key,
-            meter=self.name,
-            time_s=time_s,
-            start_timestamp_s=start_s,
-            end_timestamp_s=end_s,
-            energy_j=energy,
-            device_energy_j=device_j,
-            flags=tuple(flags),
-            reason=reason,
-        )
-
-    def close(self) -> None:
-        """ZeusMonitor holds no resources that need an explicit release."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            flags += short_window_flag(self.name, time_s, self._update_period_s)
+        return device_measurement(key, self.name, start_s, end_s, device_j, flags, time_s=time_s,
+                                  reason=NO_GPU_REASON if not zm.gpu_energy else None)
 
 
 @dataclass(frozen=True)

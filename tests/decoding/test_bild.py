@@ -16,14 +16,6 @@ from mtad_energy.decoding.sampling import Warp
 PROMPT = [5, 9, 12, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads; on a busy 2-core box they make sampling 5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.mark.parametrize("nll, kept", [([0.1, 1.9, 2.5, 0.1], 2),  # first above 2 at index 2
                                        ([0.1, 1.9, 2.0, 0.3], 4),  # == threshold is kept

@@ -10,7 +10,6 @@ from __future__ import annotations
 from unittest import mock
 
 import pytest
-import torch
 
 from mtad_energy.decoding import acceptance
 from mtad_energy.decoding.registry import get_decoder
@@ -19,14 +18,6 @@ from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_count
 
 PROMPT = [1, 0]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads; on a busy 2-core box they make sampling 5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import mtad_energy as me
 from mtad_energy.decoding.acceptance import joint_accept_length
 from mtad_energy.decoding.mmtad import lineage, mmtad_select
 from mtad_energy.decoding.registry import get_decoder
-from tests.decoding.threads import one_thread  # noqa: F401
 from tests.tiny import lossless_pair
 
 LOG_TAU = math.log(0.5)

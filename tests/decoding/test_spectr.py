@@ -24,14 +24,6 @@ from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_count
 PROMPT = [5, 9, 12, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads; on a busy 2-core box they make sampling 5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def random_tables(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n pairs of distributions ``[n, V]`` with some zeros (as after top-k / top-p)."""

@@ -23,7 +23,6 @@ from mtad_energy.decoding.tree import (
     tree_forward,
     tree_mask,
 )
-from tests.decoding.threads import one_thread  # noqa: F401
 from tests.tiny import llama, opt
 
 VOCAB = 40

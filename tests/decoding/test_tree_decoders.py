@@ -11,7 +11,6 @@ import mtad_energy as me
 from mtad_energy.decoding.base import Decoder, DecodeState, StepResult
 from mtad_energy.decoding.registry import get_decoder
 from mtad_energy.models import ModelPair
-from tests.decoding.threads import one_thread  # noqa: F401
 from tests.tiny import llama, word_tokenizer
 
 TREE_DECODERS = ["specinfer", "mcss", "mmtad"]

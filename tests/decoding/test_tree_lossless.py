@@ -19,7 +19,6 @@ from mtad_energy.decoding.sampling import Warp, sample
 from mtad_energy.decoding.specinfer import draw_children
 from mtad_energy.decoding.tree_accept import tree_speculative_accept
 from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_counts
-from tests.decoding.threads import one_thread  # noqa: F401
 from tests.tiny import lossless_pair
 
 P = torch.tensor([0.05, 0.10, 0.15, 0.30, 0.40, 0.00])

@@ -14,14 +14,6 @@ from mtad_energy.models import ModelPair
 PROMPT = [5, 9, 12, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads; on a busy 2-core box they make sampling 5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def accepted(rows: list[list[float]], draft: list[int], eps=0.09, delta=0.3) -> int:
     return int(typical_accept_length(torch.tensor(rows), torch.tensor(draft), eps, delta))

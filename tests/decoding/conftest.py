@@ -1,6 +1,5 @@
-"""A module-scoped autouse fixture: run tiny-model tests on one intra-op thread.
+"""Every decoding test module runs on one intra-op thread (a module-scoped autouse fixture).
 
-Import it into a test module (``from tests.decoding.threads import one_thread  # noqa: F401``).
 Tiny models gain nothing from intra-op parallelism; on 2 shared cores the extra threads only
 contend, making the generate loop about 10x slower.
 """
