@@ -47,7 +47,10 @@ def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
         logits = logits.masked_fill(logits < kth, NEG_INF)
     probs = logits.softmax(-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
+        # order by logit, not by probability: tokens whose float32 probabilities tie must still
+        # keep their logit order, or the nucleus could drop the most likely token
+        order = logits.argsort(-1, descending=True)
+        sorted_p = probs.gather(-1, order)
         mass_before = sorted_p.cumsum(-1) - sorted_p
         drop_sorted = mass_before > top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)

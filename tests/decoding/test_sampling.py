@@ -88,3 +88,9 @@ def test_sample_follows_probs():
     draws = torch.stack([sample(probs, g) for _ in range(4000)])
     assert (draws != 1).all()
     assert abs((draws == 2).float().mean().item() - 0.9) < 0.02
+
+
+def test_top_p_keeps_the_top_logit_when_float32_probabilities_tie():
+    # found by hypothesis: the two probabilities are equal in float32, the logits are not
+    logits = torch.tensor([0.0, 2.275717378754497e-13], dtype=torch.float64)
+    assert warp_probs(logits, 1.0, 0, 0.25).tolist() == [0.0, 1.0]
