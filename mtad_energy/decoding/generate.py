@@ -23,6 +23,12 @@ class StepStats:
     accepted: int
     draft_forwards: int
     target_forwards: int
+    # seconds of this iteration: GPU time of its draft / target forwards (wall time on CPU), and
+    # the rest of its wall time; iterations tile the decode phase, so each column sums to the
+    # generation's time_draft_s / time_target_s / time_other_s
+    time_draft_s: float = 0.0
+    time_target_s: float = 0.0
+    time_other_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,19 @@ def perplexity(model, ids: torch.Tensor, prompt_len: int) -> float | None:
     return math.exp(nll.item())
 
 
+def _draft_target(timer: PhaseTimer) -> tuple[float, float]:
+    t = timer.time_s
+    return t.get("draft", 0.0), t.get("target", 0.0)
+
+
+def _split(wall_s: float, before: tuple[float, float], after: tuple[float, float]
+           ) -> tuple[float, float, float]:
+    """(draft, target, other) seconds of a span of ``wall_s`` between two `_draft_target`
+    readings; other is the rest, clamped at 0 against rounding."""
+    draft_s, target_s = after[0] - before[0], after[1] - before[1]
+    return draft_s, target_s, max(0.0, wall_s - draft_s - target_s)
+
+
 PhaseHook = Callable[[str], None]
 """Called with "prefill", "decode" and "end" at the phase boundaries, after the device is synced,
 so a caller can open and close measurement windows without this module knowing about meters."""
@@ -128,7 +147,7 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
     prompt_len = len(prompt_ids)
     _check_lengths(pair, decoder, prompt_len, max_new_tokens)
     device = pair.device
-    timer = PhaseTimer(device)
+    timer = PhaseTimer.for_device(device)
     ids = torch.zeros(prompt_len + max_new_tokens, dtype=torch.long, device=device)
     ids[:prompt_len] = torch.tensor(prompt_ids, dtype=torch.long)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -149,11 +168,12 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
     t_prefill = time.perf_counter()
     hook("decode")
     t_decode = time.perf_counter()  # after the hook, so a meter's bookkeeping is not billed to decode
-    phase_before = dict(timer.time_s)
     fwd0 = (target.forwards, draft.forwards if draft else 0)
 
     eos = pair.eos_token_id
-    steps: list[StepStats] = []
+    counts: list[tuple[int, int, int, int, int]] = []  # emitted, proposed, accepted, forwards
+    phase_times: list[tuple[float, float]] = [_draft_target(timer)]  # cumulative, per iteration
+    bounds = [t_decode]  # iteration boundaries (wall clock)
     new_tokens: list[int] = []
     stop = "max_new_tokens"
     while state.remaining > 0:
@@ -161,28 +181,33 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
         result = decoder.step(state)
         tokens = result.tokens[:state.remaining]
         token_list = tokens.tolist()  # the one host sync per iteration
+        timer.flush()  # this iteration's events are complete now: reading them does not stall
         if eos is not None and eos in token_list:
             cut = token_list.index(eos) + 1
             tokens, token_list = tokens[:cut], token_list[:cut]
             stop = "eos"
         state.append(tokens)
         new_tokens.extend(token_list)
-        steps.append(StepStats(len(token_list), result.proposed, result.accepted,
-                               (draft.forwards if draft else 0) - before[1],
-                               target.forwards - before[0]))
+        counts.append((len(token_list), result.proposed, result.accepted,
+                       (draft.forwards if draft else 0) - before[1], target.forwards - before[0]))
+        phase_times.append(_draft_target(timer))
         if stop == "eos":
+            bounds.append(time.perf_counter())
             break
         # roll the caches back to the cache invariant: target sees all but the last token
         target.crop(state.n - 1)
         if draft is not None:
             draft.crop(min(len(draft), state.n - 1))
+        bounds.append(time.perf_counter())
     timer.sync()
     t_end = time.perf_counter()
     hook("end")
 
     decode_s = t_end - t_decode
-    draft_s = timer.time_s.get("draft", 0.0) - phase_before.get("draft", 0.0)
-    target_s = timer.time_s.get("target", 0.0) - phase_before.get("target", 0.0)
+    bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode_s
+    steps = [StepStats(*c, *_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1]))
+             for i, c in enumerate(counts)]
+    draft_s, target_s, _ = _split(decode_s, phase_times[0], phase_times[-1])
     target_fw = target.forwards - fwd0[0]
     proposed = sum(s.proposed for s in steps)
     accepted = sum(s.accepted for s in steps)
