@@ -220,6 +220,9 @@ class NvmlPowerMeter(_NvmlMeterBase):
         poll_interval_s: polling period of the background thread (seconds).
         background: start the polling thread (tests drive `sample_now()` themselves instead).
         keep_samples: attach the samples to each Measurement.
+        field: ``"instant"`` (default; falls back to power.draw where unsupported) or
+            ``"power.draw"`` to read `nvmlDeviceGetPowerUsage` on purpose, as the naive
+            nvidia-smi polling that Yang et al. measured (to quantify its error).
     """
 
     name = "nvml-power"
@@ -232,11 +235,16 @@ class NvmlPowerMeter(_NvmlMeterBase):
         update_period_s: float | None = DEFAULT_UPDATE_PERIOD_S,
         background: bool = True,
         keep_samples: bool = True,
+        field: str = "instant",
     ):
         super().__init__(env, clock, update_period_s)
         if poll_interval_s <= 0:
             self.close()
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
+        if field not in ("instant", "power.draw"):
+            self.close()
+            raise ValueError(f"field must be 'instant' or 'power.draw', got {field!r}")
+        self.field = field
         self.poll_interval_s = poll_interval_s
         self.background = background
         self.keep_samples = keep_samples
@@ -265,6 +273,15 @@ class NvmlPowerMeter(_NvmlMeterBase):
         def usage_mw() -> int:
             return int(nv.nvmlDeviceGetPowerUsage(dev.handle))
 
+        if self.field == "power.draw":
+            try:
+                usage_mw()
+            except nv.NVMLError as err:
+                raise MeterUnavailableError(
+                    f"nvml-power cannot read power.draw on {dev.describe()} "
+                    f"(nvmlDeviceGetPowerUsage failed: {err}). Use field='instant'."
+                ) from err
+            return _PowerReader(dev, usage_mw, "power.draw", None)
         try:
             instant_mw()
             return _PowerReader(dev, instant_mw, "instant", None)
@@ -305,8 +322,16 @@ class NvmlPowerMeter(_NvmlMeterBase):
                 self._samples[label].append((t, power_w))
 
     def _poll(self, stop: threading.Event) -> None:
-        # time.sleep, not stop.wait(timeout): a timed Event.wait costs about twice the CPU per
-        # wake-up, which matters at 200 wake-ups a second; stopping waits at most one interval.
+        # Short intervals: time.sleep, not stop.wait(timeout): a timed Event.wait costs about
+        # twice the CPU per wake-up, which matters at 200 wake-ups a second, and stopping waits at
+        # most one short interval. Long intervals (e.g. the naive 1 s polling): stop.wait, so
+        # closing a window never blocks for up to a whole interval (seen on an H100: a 1 s poller
+        # held the windows of meters measured beside it open 1 s too long).
+        if self.poll_interval_s >= 0.05:
+            while not stop.is_set():
+                self.sample_now()
+                stop.wait(self.poll_interval_s)
+            return
         sleep = time.sleep
         while not stop.is_set():
             self.sample_now()

@@ -4,6 +4,7 @@ an iteration of the generate loop makes exactly one host synchronisation (the to
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import traceback
@@ -90,7 +91,10 @@ def _no_cuda(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, boom)
 
 
-def test_cpu_timer_makes_no_cuda_calls(llama_pair, monkeypatch):
+def test_cpu_timer_makes_no_cuda_calls(model_dirs, monkeypatch):
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
     assert isinstance(PhaseTimer(torch.device("cpu")), CpuPhaseTimer)
     assert isinstance(PhaseTimer.for_device("cpu"), CpuPhaseTimer)
     _no_cuda(monkeypatch)
@@ -100,7 +104,7 @@ def test_cpu_timer_makes_no_cuda_calls(llama_pair, monkeypatch):
     timer.sync()
     timer.flush()
     assert timer.time_s["draft"] >= 0.0
-    gen = generate("spd", llama_pair, [5, 6, 7], max_new_tokens=6, compute_perplexity=False)
+    gen = generate("spd", pair, [5, 6, 7], max_new_tokens=6, compute_perplexity=False)
     assert gen.stats.time_draft_s > 0 and gen.stats.time_target_s > 0
 
 
@@ -225,8 +229,9 @@ def test_one_host_sync_per_iteration_on_gpu(model_dirs, decoder):
     in_loop = [s for s in syncs if not _is_boundary_sync(s)]
     others = [s for s in in_loop if not any(f.name == "generate_ids" and "tolist" in (f.line or "")
                                             for f in s)]
-    report = "\n".join(f"  {_where(s)}" for s in others[:40])
+    places = collections.Counter(_where(s) for s in others)
+    report = "\n".join(f"  {n:4d} x {where}" for where, n in places.most_common())
     assert len(in_loop) == st.iterations and not others, (
         f"{decoder}: {len(in_loop)} host syncs in {st.iterations} iterations "
         f"({len(in_loop) / st.iterations:.2f} per iteration; expected exactly 1, the token "
-        f"read-back); {len(others)} elsewhere:\n{report}")
+        f"read-back); {len(others)} elsewhere, by place:\n{report}")

@@ -319,6 +319,32 @@ class TestPower:
             "average), which lags and smooths short phases."
         )
 
+    def test_power_draw_on_request_reads_usage_without_a_fallback_flag(
+        self, fake_nvml: FakeNvml
+    ) -> None:
+        fake_nvml.gpus = fake_nvml.gpus[:1]
+        fake_nvml.gpus[0].instant_mw = 400_000  # available, but power.draw was asked for
+        fake_nvml.gpus[0].usage_mw = 150_000
+        clock = StepClock(0.0)
+        with power_meter(clock, field="power.draw") as meter:
+            assert meter.power_fields == {"gpu0": "power.draw"}
+            meter.begin_window("w")
+            clock.now_s = 2.0
+            m = meter.end_window("w")
+        assert m.energy_j == 300.0
+        assert m.flags == ()
+
+    def test_power_draw_unreadable_and_bad_field(self, fake_nvml: FakeNvml) -> None:
+        fake_nvml.gpus[0].usage_mw = None
+        with pytest.raises(MeterUnavailableError) as err:
+            power_meter(StepClock(), field="power.draw")
+        assert str(err.value) == (
+            "nvml-power cannot read power.draw on gpu0 (NVIDIA H100 80GB HBM3, NVML index 0) "
+            "(nvmlDeviceGetPowerUsage failed: Not Supported). Use field='instant'."
+        )
+        with pytest.raises(ValueError, match="field must be 'instant' or 'power.draw', got 'avg'"):
+            power_meter(StepClock(), field="avg")
+
     def test_no_power_at_all_is_unavailable(self, fake_nvml: FakeNvml) -> None:
         fake_nvml.gpus[0].instant_mw = None
         fake_nvml.gpus[0].usage_mw = None
@@ -363,3 +389,20 @@ class TestPower:
         finally:
             meter.close()
         assert not any(t.name == "mtad-nvml-power" for t in threading.enumerate())
+
+
+def test_closing_a_window_does_not_wait_out_a_long_poll_interval(fake_nvml: FakeNvml) -> None:
+    """A 1 s+ poller must stop at once: it is measured beside other meters whose windows would
+    otherwise stay open until its sleep ends."""
+    import time
+
+    meter = NvmlPowerMeter(env=NO_ENV, poll_interval_s=30.0)
+    try:
+        meter.begin_window("w")
+        assert meter.polling
+        t0 = time.perf_counter()
+        meter.end_window("w")
+        assert time.perf_counter() - t0 < 5.0
+        assert not meter.polling
+    finally:
+        meter.close()

@@ -1,0 +1,678 @@
+"""GPU validation kit: record real figures on a lent GPU, stage by stage.
+
+    python experiments/gpu/run.py all                 # on a GPU: every stage, ~25 min on an H100
+    python experiments/gpu/run.py meters --out DIR    # one stage (each fits in one 10-min command)
+    python experiments/gpu/run.py all --smoke --out /tmp/kit   # CPU rehearsal, tiny shapes, < 1 min
+
+Stages (each writes CSV/JSON under --out, default experiments/results/gpu/<gpu-name>/, and appends
+to run.log there):
+
+    env       environment snapshot and the meter `--meter auto` picks
+    meters    a steady and a bursty decode-like workload measured side by side by nvml-counter,
+              nvml-power (instant, 5 ms), zeus and naive 1 s power.draw polling, each plain and
+              under the Yang et al. protocol; memory_average power beside the device's; idle power
+    batch     the paper's batch-size study at OPT-13B and Llama-3-8B shapes (random weights),
+              batch 1..16, then the energy decomposition fit (resumes through the results store)
+    decoders  cost per iteration and J/iteration of every decoder at Llama-3.1-8B / Llama-3.2-1B
+              shapes (random weights), projected tokens/s and J/token at the block efficiencies
+              measured on the real CPU pair; MMTAD tree vs chain verification time
+    floor     target forward time at batch 1 (eager and static-cache + torch.compile) against
+              weight bytes / measured copy bandwidth
+    plots     PNG figures of the above
+
+Random weights are valid for time and energy (the arithmetic does not depend on the values), not
+for acceptance or quality: every table that uses them says so. Never change the card's clocks,
+power limits or modes: this kit only reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "experiments"))
+
+STAGES = ("env", "meters", "batch", "decoders", "floor", "plots")
+RANDOM_NOTE = ("random weights at real shapes: valid for time and energy per forward, not for "
+               "acceptance, block efficiency or quality")
+# The paper's table "effect of batch size" (OPT-13B, L40): energy/run and time/run at b = 1..16.
+PAPER_L40 = pd.DataFrame({"batch_size": [1, 2, 4, 8, 16],
+                          "energy_per_run_j": [14.1, 16.5, 17.7, 19.7, 24.7],
+                          "time_per_run_s": [0.376, 0.397, 0.392, 0.403, 0.418]})
+
+
+@dataclass
+class Plan:
+    """Sizes of every stage: full on a GPU, tiny in --smoke."""
+
+    smoke: bool
+    device: torch.device
+    dtype: torch.dtype
+    batch_models: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    batch_runs: int
+    target: str
+    draft: str
+    decode_tokens: int
+    decode_repeats: int
+    floor_models: tuple[str, ...]
+    compile_backend: str
+    workload_s: float  # side-by-side window length in `meters`
+    matrix_n: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, smoke: bool) -> Plan:
+        if smoke:
+            return cls(True, torch.device("cpu"), torch.float32, ("tiny-opt", "tiny-llama"),
+                       (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
+                       "eager", 0.3, 256)
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke")
+        return cls(False, torch.device("cuda"), torch.bfloat16, ("opt-13b", "llama3-8b"),
+                   (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
+                   ("llama3.1-8b", "llama3.2-1b"), "inductor", 3.0, 16384)
+
+    def mitigation(self):
+        from mtad_energy.measure import MitigationConfig
+
+        if self.smoke:
+            return MitigationConfig(min_repetitions=4, min_duration_s=0.05, groups=2, gap_s=0.001,
+                                    drop_s=0.005, warmup_s=0.01, idle_s=0.02)
+        return MitigationConfig()  # Yang et al.: >= 32 reps and >= 5 s in 4 groups
+
+
+def gpu_name() -> str:
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+class Kit:
+    def __init__(self, out: Path, plan: Plan):
+        self.out, self.plan = out, plan
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = out / "run.log"
+
+    def log(self, text: str) -> None:
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}"
+        print(line, flush=True)
+        with self.log_path.open("a") as f:
+            f.write(line + "\n")
+
+    def table(self, name: str, df: pd.DataFrame, title: str, note: str = "") -> None:
+        df.to_csv(self.out / f"{name}.csv", index=False)
+        self.log(f"{title} -> {name}.csv" + (f" ({note})" if note else ""))
+        with pd.option_context("display.width", 200, "display.max_columns", 40):
+            print(df.to_string(index=False, float_format=lambda x: f"{x:.4g}"), flush=True)
+
+    def json(self, name: str, obj: Any) -> None:
+        (self.out / f"{name}.json").write_text(json.dumps(obj, indent=2, default=str))
+
+    def sync(self) -> None:
+        if self.plan.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- env
+
+def stage_env(kit: Kit) -> None:
+    from mtad_energy.measure import preflight_check, select_meter, snapshot
+
+    snap, choice = snapshot(), select_meter()
+    kit.json("env", {**snap.to_dict(), "meter": choice.to_dict(), "preflight": preflight_check(warn=False),
+                     "torch_cuda": torch.version.cuda, "smoke": kit.plan.smoke})
+    choice.meter.close()
+    kit.log(f"env: {len(snap.gpus)} GPU(s) {[g.name for g in snap.gpus]}, driver {snap.driver_version}; "
+            f"meter auto -> {choice.name}: {choice.reason}")
+
+
+# --------------------------------------------------------------------------- meters
+
+def _meters(plan: Plan) -> dict[str, Callable[[], Any]]:
+    """The meters compared side by side (simulated sensors with the same roles in --smoke)."""
+    if plan.smoke:
+        from mtad_energy.measure import SimulatedMeter
+
+        return {"nvml-counter": lambda: SimulatedMeter(field="instant", poll_interval_s=0.005),
+                "nvml-power": lambda: SimulatedMeter(field="instant", poll_interval_s=0.005),
+                "zeus": lambda: SimulatedMeter(field="instant", poll_interval_s=0.005),
+                "power.draw-1s": lambda: SimulatedMeter(field="draw", poll_interval_s=1.0)}
+    from mtad_energy.measure import NvmlCounterMeter, NvmlPowerMeter, ZeusMeter
+
+    return {"nvml-counter": NvmlCounterMeter,
+            "nvml-power": lambda: NvmlPowerMeter(poll_interval_s=0.005, keep_samples=False),
+            "zeus": lambda: ZeusMeter(gpu_indices=[0]),
+            "power.draw-1s": lambda: NvmlPowerMeter(poll_interval_s=1.0, field="power.draw",
+                                                    keep_samples=False)}
+
+
+class Workload:
+    """A decode-like memory-bound repetition: `k` matrix-vector products over a weight matrix
+    far larger than L2 (each reads the whole matrix, like a batch-1 decode forward). `bursty`
+    adds a host-side idle gap after every repetition, as a Python decode loop does."""
+
+    def __init__(self, plan: Plan, bursty: bool, rep_ms: float = 10.0):
+        n = plan.matrix_n
+        self.w = torch.randn(n, n, device=plan.device, dtype=plan.dtype)
+        self.x = torch.randn(n, 1, device=plan.device, dtype=plan.dtype)
+        self.plan, self.bursty, self.k = plan, bursty, 1
+        self.sync = (torch.cuda.synchronize if plan.device.type == "cuda" else (lambda: None))
+        # calibrate k so one repetition takes about rep_ms (after a warm-up: the first product
+        # pays for library initialisation)
+        self.k = 4
+        self._time_one()
+        t = min(self._time_one() for _ in range(3))
+        self.k = max(1, round(self.k * rep_ms / 1e3 / max(t, 1e-6)))
+        self.rep_s = self._time_one()
+
+    def _time_one(self) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        self.run_busy()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def run_busy(self) -> None:
+        for _ in range(self.k):
+            self.x = (self.w @ self.x) * (1.0 / math.sqrt(self.w.shape[0]))
+
+    def __call__(self) -> None:
+        self.run_busy()
+        if self.bursty:
+            self.sync()
+            time.sleep(1.5 * self.rep_s)  # idle gap: the GPU waits for the host
+
+
+class MemoryPower:
+    """Polls NVML's average power of the whole board and of the memory (H100:
+    NVML_FI_DEV_POWER_AVERAGE with NVML_POWER_SCOPE_MEMORY) every 10 ms while open."""
+
+    def __init__(self):
+        import pynvml as nv
+
+        nv.nvmlInit()
+        self.nv, self.h = nv, nv.nvmlDeviceGetHandleByIndex(0)
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._read()  # raises where the field is unsupported
+
+    def _read(self) -> tuple[float, float]:
+        nv = self.nv
+        avg = nv.NVML_FI_DEV_POWER_AVERAGE
+        vals = nv.nvmlDeviceGetFieldValues(self.h, [(avg, nv.NVML_POWER_SCOPE_GPU),
+                                                    (avg, nv.NVML_POWER_SCOPE_MEMORY)])
+        for v in vals:
+            if v.nvmlReturn != nv.NVML_SUCCESS:
+                raise nv.NVMLError(v.nvmlReturn)
+        return vals[0].value.uiVal / 1e3, vals[1].value.uiVal / 1e3
+
+    def __enter__(self):
+        def poll():
+            while not self._stop.wait(0.01):
+                self.samples.append(self._read())
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.nv.nvmlShutdown()
+
+    def means_w(self) -> tuple[float | None, float | None]:
+        if not self.samples:
+            return None, None
+        return (statistics.fmean(s[0] for s in self.samples), statistics.fmean(s[1] for s in self.samples))
+
+
+def stage_meters(kit: Kit) -> None:
+    from mtad_energy.measure import MeterUnavailableError, measure_mitigated
+
+    plan = kit.plan
+    factories = _meters(plan)
+    meters: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for name, make in factories.items():
+        try:
+            meters[name] = make()
+        except (MeterUnavailableError, Exception) as err:  # one missing meter must not end the stage
+            kit.log(f"meters: {name} unavailable: {type(err).__name__}: {err}")
+            rows.append({"workload": "-", "meter": name, "protocol": "-", "error": str(err)})
+    try:
+        # idle baseline, every meter at once
+        time.sleep(0.5 if not plan.smoke else 0.0)
+        idle_s = 2.0 if not plan.smoke else 0.05
+        with _all_windows(meters, "idle", kit.sync) as handles:
+            time.sleep(idle_s)
+        for name, h in handles.items():
+            m = h.result()
+            rows.append({"workload": "idle", "meter": name, "protocol": "plain", "reps": 0,
+                         "time_s": m.time_s, "energy_j": m.energy_j, "power_w": m.power_w,
+                         "flags": ",".join(m.flag_codes), "reason": m.reason})
+        for bursty in (False, True):
+            work = Workload(plan, bursty)
+            label = "bursty" if bursty else "steady"
+            kit.log(f"meters: {label} workload, {work.k} mat-vecs of {plan.matrix_n}^2 per repetition "
+                    f"({work.rep_s * 1e3:.1f} ms busy" + (", then 1.5x idle)" if bursty else ")"))
+            for _ in range(3):
+                work()  # warm-up
+            kit.sync()
+            mem = None
+            if not plan.smoke:
+                try:
+                    mem = MemoryPower()
+                except Exception as err:  # noqa: BLE001 - reported, not fatal
+                    kit.log(f"meters: memory_average power unavailable: {err}")
+            reps = 0
+            with _all_windows(meters, label, kit.sync) as handles, (mem or _Null()):
+                t0 = time.perf_counter()
+                while reps < 8 or time.perf_counter() - t0 < plan.workload_s:
+                    work()
+                    reps += 1
+            mem_w = mem.means_w() if mem else (None, None)
+            for name, h in handles.items():
+                m = h.result()
+                rows.append({"workload": label, "meter": name, "protocol": "plain", "reps": reps,
+                             "time_s": m.time_s, "energy_j": m.energy_j, "power_w": m.power_w,
+                             "energy_per_rep_j": None if m.energy_j is None else m.energy_j / reps,
+                             "board_average_power_w": mem_w[0], "memory_average_power_w": mem_w[1],
+                             "flags": ",".join(m.flag_codes), "reason": m.reason})
+            for name, meter in meters.items():
+                t0 = time.perf_counter()
+                mit = measure_mitigated(work, meter, plan.mitigation(), sync=kit.sync)
+                rows.append({"workload": label, "meter": name, "protocol": "mitigated",
+                             "reps": mit.repetitions_kept, "time_s": mit.time_per_rep_s * mit.repetitions_kept
+                             if mit.time_per_rep_s else None,
+                             "energy_j": None, "power_w": None, "energy_per_rep_j": mit.energy_per_rep_j,
+                             "ci_low_j": mit.ci_low_j, "ci_high_j": mit.ci_high_j,
+                             "idle_power_w": mit.idle_power_w,
+                             "dynamic_energy_per_rep_j": mit.dynamic_energy_per_rep_j,
+                             "flags": ",".join(f.code for f in mit.flags), "reason": mit.reason,
+                             "protocol_wall_s": time.perf_counter() - t0})
+            del work
+    finally:
+        for meter in meters.values():
+            meter.close()
+    df = pd.DataFrame(rows)
+    # the spread: each meter against the energy counter, same workload and protocol
+    # (idle rows compare power, workload rows energy per repetition)
+    df["value"] = df["energy_per_rep_j"].where(df["workload"] != "idle", df["power_w"])
+    ref = (df[df.meter == "nvml-counter"][["workload", "protocol", "value"]]
+           .rename(columns={"value": "counter_value"}))
+    df = df.merge(ref, on=["workload", "protocol"], how="left")
+    df["vs_counter"] = df["value"] / df["counter_value"] - 1.0
+    kit.table("meters", df, "meters: energy per repetition (idle: W) side by side; vs_counter = "
+              "relative difference to the NVML energy counter",
+              "simulated sensors in --smoke" if plan.smoke else "")
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _all_windows:
+    """Open one window on every meter (nested, closed in reverse order, always)."""
+
+    def __init__(self, meters: dict[str, Any], key: str, sync: Callable[[], None]):
+        self.meters, self.key, self.sync = meters, key, sync
+        self.handles: dict[str, Any] = {}
+        self._stack: list[Any] = []
+
+    def __enter__(self):
+        from mtad_energy.measure import window
+
+        try:
+            for name, meter in self.meters.items():
+                cm = window(meter, self.key, self.sync)
+                self.handles[name] = cm.__enter__()
+                self._stack.append(cm)
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self.handles
+
+    def __exit__(self, *exc):
+        while self._stack:
+            self._stack.pop().__exit__(*exc)
+        return False
+
+
+# --------------------------------------------------------------------------- batch
+
+def stage_batch(kit: Kit) -> None:
+    from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
+    from mtad_energy.bench.shapes import random_pair
+    from mtad_energy.measure import get_meter, snapshot
+    from mtad_energy.measure.decompose import fit_energy_model
+    from mtad_energy.results.store import ResultStore
+
+    plan = kit.plan
+    store = ResultStore(kit.out / "store")
+    env_id = snapshot().snapshot_id
+    meter = get_meter("simulated") if plan.smoke else get_meter("auto")
+    rows: list[dict[str, Any]] = []
+    try:
+        for shape in plan.batch_models:
+            t0 = time.perf_counter()
+            pair = random_pair(shape, device=plan.device, dtype=plan.dtype, max_positions=512)
+            kit.log(f"batch: {shape} built in {time.perf_counter() - t0:.1f} s ({RANDOM_NOTE})")
+            got = batch_sweep(pair, plan.batch_sizes, plan.batch_runs, store, meter, model=shape,
+                              context_len=128 if not plan.smoke else 16, forwards_per_run=8,
+                              mitigation=plan.mitigation(), profile=True, sweep="gpu-kit",
+                              env_id=env_id,
+                              progress=lambda b, r: kit.log(
+                                  f"batch: {r['model']} b={b} time/run {r['time_per_run_s']:.4f} s, "
+                                  f"energy/run {r['energy_per_run_j']} J"))
+            rows += got
+            del pair
+            if plan.device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        meter.close()
+    df = pd.DataFrame(rows)
+    keep = ["model", "batch_size", "runs", "forwards_per_run", "context_len", "meter", "mitigated",
+            "energy_j", "energy_per_run_j", "energy_per_run_ci_low_j", "energy_per_run_ci_high_j",
+            "energy_per_input_j", "time_s", "time_per_run_s", "time_per_input_s", "power_w",
+            "idle_power_w", "t_flop_s", "t_mem_s", "t_other_s", "flops_per_run", "bytes_per_run",
+            "energy_flags", "energy_reason"]
+    df = df[[c for c in keep if c in df.columns]]
+    for model, part in df.groupby("model", sort=False):
+        base = part[part.batch_size == part.batch_size.min()].iloc[0]
+        df.loc[part.index, "energy_per_run_vs_b1"] = pd.to_numeric(part.energy_per_run_j) / (
+            base.energy_per_run_j if base.energy_per_run_j else float("nan"))
+        df.loc[part.index, "time_per_run_vs_b1"] = part.time_per_run_s / base.time_per_run_s
+        print(f"\n{model} ({RANDOM_NOTE}):")
+        print(batch_table(part.drop(columns=["energy_per_run_vs_b1", "time_per_run_vs_b1"],
+                                    errors="ignore")).to_string(index=False))
+    kit.table("batch", df, "batch: paper columns per shape; *_vs_b1 = ratio to batch 1",
+              RANDOM_NOTE)
+    paper = PAPER_L40.assign(energy_per_run_vs_b1=PAPER_L40.energy_per_run_j / 14.1,
+                             time_per_run_vs_b1=PAPER_L40.time_per_run_s / 0.376)
+    paper.to_csv(kit.out / "batch_paper_l40.csv", index=False)
+    kit.log("batch: the paper's OPT-13B on an L40: energy/run rises 1.75x and time/run 1.11x from "
+            "b=1 to b=16 (batch_paper_l40.csv)")
+    fits: dict[str, Any] = {}
+    for model, part in [("all", df), *df.groupby("model", sort=False)]:
+        try:
+            fit = fit_energy_model(pd.to_numeric(part.energy_j).to_numpy(float), part.time_s.to_numpy(float),
+                                   part.t_flop_s.to_numpy(float), part.t_mem_s.to_numpy(float))
+            fits[model] = fit.to_dict()
+            kit.log(f"decompose [{model}]: P_static {fit.p_static_w:.1f} W, PW_flop {fit.pw_flop_w:.1f} W, "
+                    f"PW_mem {fit.pw_mem_w:.1f} W; R^2 {fit.r2:.3f}, max rel err "
+                    f"{fit.max_abs_rel_error:.3f}, cond {fit.condition_number:.1f}"
+                    + (f"; warnings: {' | '.join(fit.warnings)}" if fit.warnings else ""))
+        except ValueError as err:
+            fits[model] = {"error": str(err)}
+            kit.log(f"decompose [{model}]: {err}")
+    kit.json("decompose", fits)
+
+
+# --------------------------------------------------------------------------- decoders
+
+def cpu_block_efficiency() -> dict[str, float]:
+    """Block efficiency per decoder measured on the real CPU pair (mean over the datasets)."""
+    path = ROOT / "experiments" / "results" / "cpu" / "compare_smollm2.csv"
+    if not path.is_file():
+        return {}
+    df = pd.read_csv(path)
+    return df.groupby("label")["block_efficiency"].mean().to_dict()
+
+
+def stage_decoders(kit: Kit) -> None:
+    from mtad_energy.bench.shapes import random_pair
+    from mtad_energy.decoding.generate import generate_ids
+    from mtad_energy.decoding.registry import DECODERS, get_decoder
+    from mtad_energy.measure import get_meter
+
+    plan = kit.plan
+    t0 = time.perf_counter()
+    pair = random_pair(plan.target, plan.draft, device=plan.device, dtype=plan.dtype, max_positions=1024)
+    kit.log(f"decoders: {plan.target} + {plan.draft} built in {time.perf_counter() - t0:.1f} s "
+            f"({RANDOM_NOTE})")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, pair.target.config.vocab_size, (128 if not plan.smoke else 16,),
+                           generator=gen).tolist()
+    block_eff = cpu_block_efficiency()
+    meter = get_meter("simulated") if plan.smoke else get_meter("auto")
+    rows = []
+    try:
+        for name in DECODERS:
+            dec = get_decoder(name)
+            generate_ids(dec, pair, prompt, 4, seed=0, compute_perplexity=False)  # warm-up
+            for rep in range(plan.decode_repeats):
+                windows: dict[str, Any] = {}
+
+                def hook(phase: str, windows=windows, key=f"{name}-{rep}") -> None:
+                    if phase == "decode":
+                        meter.begin_window(key)
+                    elif phase == "end":
+                        windows["m"] = meter.end_window(key)
+
+                g = generate_ids(dec, pair, prompt, plan.decode_tokens, seed=rep,
+                                 compute_perplexity=False, on_phase=hook)
+                s, m = g.stats, windows["m"]
+                it = max(s.iterations, 1)
+                rows.append({
+                    "decoder": name, "repeat": rep, "iterations": s.iterations,
+                    "tokens": s.tokens_emitted, "decode_time_s": s.decode_time_s,
+                    "cost_per_iter_ms": s.decode_time_s / it * 1e3,
+                    "target_forwards_per_iter": s.target_forwards / it,
+                    "draft_forwards_per_iter": s.draft_forwards / it,
+                    "draft_ms_per_iter": s.time_draft_s / it * 1e3,
+                    "target_ms_per_iter": s.time_target_s / it * 1e3,
+                    "other_ms_per_iter": s.time_other_s / it * 1e3,
+                    "decode_energy_j": m.energy_j,
+                    "j_per_iter": None if m.energy_j is None else m.energy_j / it,
+                    "energy_flags": ",".join(m.flag_codes),
+                    "random_weights_block_eff": s.block_efficiency,
+                })
+            kit.log(f"decoders: {name}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration")
+    finally:
+        meter.close()
+    df = pd.DataFrame(rows)
+    agg = df.groupby("decoder", sort=False).median(numeric_only=True).reset_index().drop(columns="repeat")
+    agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
+    agg["projected_tokens_per_s"] = agg.cpu_pair_block_eff / (agg.cost_per_iter_ms / 1e3)
+    agg["projected_j_per_token"] = agg.j_per_iter / agg.cpu_pair_block_eff
+    ar = agg[agg.decoder == "ar"]
+    if not ar.empty:
+        agg["projected_speedup_vs_ar"] = agg.projected_tokens_per_s / ar.projected_tokens_per_s.iloc[0]
+    agg["compiled"] = "n/a: no compiled decoder path yet (issue 11 item 4); see floor.csv"
+    df.to_csv(kit.out / "decoders_raw.csv", index=False)
+    kit.table("decoders", agg, "decoders: eager cost per iteration (median of repeats); projected = "
+              "CPU-pair block efficiency / cost per iteration", RANDOM_NOTE)
+    del pair
+    _tree_vs_chain(kit)
+
+
+def _tree_vs_chain(kit: Kit) -> None:
+    from bench_tree_verify import bench
+
+    from mtad_energy.bench.shapes import random_pair
+
+    plan = kit.plan
+    pair = random_pair(plan.target, device=plan.device, dtype=plan.dtype, max_positions=1024)
+    rows = bench(pair, 128 if not plan.smoke else 16, 4, 4, 30 if not plan.smoke else 3, 5 if not
+                 plan.smoke else 1, 0)
+    kit.table("tree_verify", pd.DataFrame(rows), "decoders: MMTAD tree verification (1 + W*gamma = 17 "
+              "nodes) vs chain verification (gamma + 1 = 5), W=4, gamma=4, one target forward each",
+              RANDOM_NOTE)
+    del pair
+
+
+# --------------------------------------------------------------------------- floor
+
+def stage_floor(kit: Kit) -> None:
+    from mtad_energy.bench.floor import copy_bandwidth, decode_forward_time, weight_bytes
+    from mtad_energy.bench.shapes import random_model
+
+    plan = kit.plan
+    bw = copy_bandwidth(plan.device, 1 << 31 if not plan.smoke else 1 << 24)
+    kit.log(f"floor: copy bandwidth {bw / 1e12:.3f} TB/s (bytes read + written)")
+    rows = []
+    for shape in plan.floor_models:
+        model = random_model(shape, plan.device, plan.dtype, max_positions=1024)
+        wb = weight_bytes(model)
+        floor_ms = wb / bw * 1e3
+        for mode in ("eager", "compiled"):
+            try:
+                t = decode_forward_time(model, mode, context_len=128 if not plan.smoke else 16,
+                                        forwards=32 if not plan.smoke else 4,
+                                        repeats=5 if not plan.smoke else 2, backend=plan.compile_backend)
+                rows.append({"model": shape, "mode": mode, "batch_size": 1, "weight_gb": wb / 1e9,
+                             "copy_tb_per_s": bw / 1e12, "floor_ms": floor_ms,
+                             "forward_ms": t.forward_ms, "forward_ms_min": t.forward_ms_min,
+                             "x_floor": t.forward_ms / floor_ms, "tokens_per_s": 1e3 / t.forward_ms,
+                             "warmup_s": t.compile_s, "detail": t.detail, "error": None})
+            except Exception as err:  # noqa: BLE001 - one failing variant must not end the stage
+                kit.log(f"floor: {shape} {mode} failed: {type(err).__name__}: {str(err)[:300]}")
+                rows.append({"model": shape, "mode": mode, "batch_size": 1, "weight_gb": wb / 1e9,
+                             "floor_ms": floor_ms, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+            kit.log(f"floor: {shape} {mode}: {rows[-1].get('forward_ms')} ms vs floor {floor_ms:.3f} ms")
+        del model
+        if plan.device.type == "cuda":
+            torch.cuda.empty_cache()
+    kit.table("floor", pd.DataFrame(rows), "floor: decode forward (batch 1, 128 cached tokens) vs "
+              "weight bytes / copy bandwidth", RANDOM_NOTE)
+
+
+# --------------------------------------------------------------------------- plots
+
+def stage_plots(kit: Kit) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="talk", font_scale=0.7)
+    made = []
+    batch = kit.out / "batch.csv"
+    if batch.is_file():
+        df = pd.read_csv(batch)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for model, part in df.groupby("model", sort=False):
+            axes[0].plot(part.batch_size, part.energy_per_run_vs_b1, "o-", label=f"{model} (this GPU)")
+            axes[1].plot(part.batch_size, part.energy_per_input_j, "o-", label=f"{model} (this GPU)")
+        axes[0].plot(PAPER_L40.batch_size, PAPER_L40.energy_per_run_j / 14.1, "k--",
+                     label="OPT-13B, L40 (paper)")
+        axes[0].set(xscale="log", xlabel="batch size", ylabel="energy per run / batch 1",
+                    title="Energy per run vs batch size")
+        axes[1].set(xscale="log", yscale="log", xlabel="batch size", ylabel="J per input",
+                    title="Energy per input")
+        for ax in axes:
+            ax.set_xticks([1, 2, 4, 8, 16], labels=["1", "2", "4", "8", "16"])
+            ax.legend(fontsize=8)
+        fig.suptitle(f"Batch-size study ({RANDOM_NOTE})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(kit.out / "batch_energy.png", dpi=120)
+        plt.close(fig)
+        made.append("batch_energy.png")
+    dec = kit.out / "decoders.csv"
+    if dec.is_file():
+        df = pd.read_csv(dec)
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        parts = df.set_index("decoder")[["draft_ms_per_iter", "target_ms_per_iter", "other_ms_per_iter"]]
+        parts.columns = ["draft", "target", "other"]
+        parts.plot.bar(stacked=True, ax=axes[0], color=["#8da0cb", "#fc8d62", "#b3b3b3"])
+        axes[0].set(ylabel="ms per iteration", xlabel="", title="Cost per iteration (eager)")
+        if df["projected_j_per_token"].notna().any():
+            df.plot.bar(x="decoder", y="projected_j_per_token", ax=axes[1], legend=False, color="#66c2a5")
+            axes[1].set(ylabel="J per token (projected)", xlabel="",
+                        title="J/token at the CPU pair's block efficiency")
+        else:
+            df.plot.bar(x="decoder", y="projected_tokens_per_s", ax=axes[1], legend=False, color="#66c2a5")
+            axes[1].set(ylabel="tokens/s (projected)", xlabel="", title="Projected tokens/s (no energy)")
+        fig.suptitle(f"Decoders at Llama-3.1-8B / 3.2-1B shapes ({RANDOM_NOTE})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(kit.out / "decoders.png", dpi=120)
+        plt.close(fig)
+        made.append("decoders.png")
+    floor = kit.out / "floor.csv"
+    if floor.is_file():
+        df = pd.read_csv(floor).dropna(subset=["forward_ms"])
+        if not df.empty:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            sns.barplot(df, x="model", y="forward_ms", hue="mode", ax=ax)
+            for i, (_, fl) in enumerate(df.groupby("model", sort=False)["floor_ms"].first().items()):
+                ax.hlines(fl, i - 0.4, i + 0.4, colors="k", linestyles="--",
+                          label="weight bytes / copy bandwidth" if i == 0 else None)
+            ax.set(ylabel="ms per decode forward (batch 1)", xlabel="", title="Forward time vs floor")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(kit.out / "floor.png", dpi=120)
+            plt.close(fig)
+            made.append("floor.png")
+    kit.log(f"plots: {', '.join(made) or 'nothing to plot yet (run the other stages first)'}")
+
+
+# --------------------------------------------------------------------------- main
+
+RUNNERS: dict[str, Callable[[Kit], None]] = {
+    "env": stage_env, "meters": stage_meters, "batch": stage_batch, "decoders": stage_decoders,
+    "floor": stage_floor, "plots": stage_plots,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("stages", nargs="+", choices=[*STAGES, "all"], metavar="STAGE",
+                    help=f"one or more of {', '.join(STAGES)}, or all")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default experiments/results/gpu/<gpu-name>/)")
+    ap.add_argument("--smoke", action="store_true", help="CPU rehearsal at tiny shapes, simulated meter")
+    args = ap.parse_args(argv)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    plan = Plan.make(args.smoke)
+    out = args.out or ROOT / "experiments" / "results" / "gpu" / (
+        gpu_name() + ("-smoke" if args.smoke else ""))
+    kit = Kit(out, plan)
+    stages = list(STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
+    failed = []
+    for stage in stages:
+        t0 = time.perf_counter()
+        kit.log(f"== stage {stage} start (smoke={plan.smoke}, device={plan.device})")
+        try:
+            RUNNERS[stage](kit)
+        except Exception as err:  # noqa: BLE001 - log it, go on with the next stage
+            failed.append(stage)
+            kit.log(f"== stage {stage} FAILED after {time.perf_counter() - t0:.1f} s: "
+                    f"{type(err).__name__}: {err}")
+            with kit.log_path.open("a") as f:
+                f.write(traceback.format_exc())
+            traceback.print_exc()
+        else:
+            kit.log(f"== stage {stage} ok in {time.perf_counter() - t0:.1f} s")
+        finally:
+            if plan.device.type == "cuda":
+                torch.cuda.empty_cache()
+    kit.log(f"done: {len(stages) - len(failed)} of {len(stages)} stage(s) ok"
+            + (f"; failed: {', '.join(failed)}" if failed else "") + f"; results in {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

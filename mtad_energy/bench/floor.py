@@ -1,0 +1,135 @@
+"""The memory-bandwidth floor of a decode forward, and how close eager and compiled forwards get.
+
+At batch 1 a decode forward reads every weight once, so it cannot run faster than
+``weight bytes / copy bandwidth`` (DESIGN.md 7). `decode_forward_time` times consecutive
+one-token forwards of a model over a cached context, each fed the argmax of the previous one on
+the device (no host sync inside the timed loop), in two ways:
+
+* ``eager``: a `DynamicCache` and the plain Hugging Face forward (what the decoders run today);
+* ``compiled``: a transformers `StaticCache` and ``torch.compile`` of the forward; on CUDA with
+  ``mode="reduce-overhead"`` (CUDA graphs), the way gpt-fast and serving engines remove launch
+  overhead. The static cache is what lets the graph be captured once and replayed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (tied tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """Seconds of ``fn()`` on ``device``: CUDA events on a GPU, perf_counter on the CPU."""
+    if device.type == "cuda":
+        def cuda_time(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return cuda_time
+
+    def cpu_time(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return cpu_time
+
+
+def copy_bandwidth(device: str | torch.device = "cuda", nbytes: int = 1 << 30,
+                   repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written
+    (the best of ``repeats`` copies of ``nbytes``)."""
+    device = torch.device(device)
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    time_of = _timer(device)
+    def copy() -> None:
+        dst.copy_(src)
+
+    copy()  # warm-up
+    best = min(time_of(copy) for _ in range(repeats))
+    return 2 * src.numel() * src.element_size() / best
+
+
+@dataclass(frozen=True)
+class ForwardTiming:
+    mode: str  # "eager" | "compiled"
+    forward_ms: float  # median per forward
+    forward_ms_min: float
+    forwards: int
+    compile_s: float | None  # warm-up incl. compilation / graph capture (compiled only)
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forwards: int = 32,
+                        repeats: int = 5, batch_size: int = 1, backend: str = "inductor",
+                        compile_mode: str | None = None, seed: int = 0) -> ForwardTiming:
+    """Median time of one decode forward (``batch_size`` rows, one new token each) over a cache
+    of ``context_len`` tokens, from ``repeats`` timed blocks of ``forwards`` consecutive forwards.
+
+    ``compile_mode`` defaults to ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``None`` on CPU.
+    """
+    from transformers import DynamicCache, StaticCache
+
+    if mode not in ("eager", "compiled"):
+        raise ValueError(f"mode must be 'eager' or 'compiled', got {mode!r}")
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    prompt = torch.randint(0, vocab, (batch_size, context_len), generator=gen).to(device)
+    total = context_len + forwards * (repeats + 3) + 1
+    time_of = _timer(device)
+
+    if mode == "eager":
+        cache = DynamicCache(config=model.config)
+        step = model.forward
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=total)
+        if compile_mode is None and device.type == "cuda" and backend == "inductor":
+            compile_mode = "reduce-overhead"
+        step = torch.compile(model.forward, backend=backend, mode=compile_mode, fullgraph=True,
+                             dynamic=False)
+    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                   cache_position=torch.arange(context_len, device=device)).logits
+    state = {"ids": logits[:, -1:].argmax(-1), "pos": context_len}
+
+    def block():
+        ids, pos = state["ids"], state["pos"]
+        for _ in range(forwards):
+            out = step(input_ids=ids, past_key_values=cache, use_cache=True,
+                       cache_position=torch.tensor([pos], device=device))
+            ids = out.logits[:, -1:].argmax(-1)
+            pos += 1
+        state["ids"], state["pos"] = ids, pos
+
+    t0 = time.perf_counter()
+    for _ in range(2):  # warm-up: compilation, graph capture, allocator, clocks
+        block()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    warm_s = time.perf_counter() - t0
+    times = [time_of(block) / forwards for _ in range(repeats)]
+    return ForwardTiming(mode, statistics.median(times) * 1e3, min(times) * 1e3, forwards * repeats,
+                         warm_s if mode == "compiled" else None,
+                         f"backend={backend}, mode={compile_mode}" if mode == "compiled" else "")

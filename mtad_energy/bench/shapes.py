@@ -1,0 +1,131 @@
+"""Random-weight models of real architectures, for timing and energy at real shapes.
+
+The arithmetic and memory traffic of a forward pass do not depend on the weight values, so a
+randomly initialised Llama-3.1-8B costs what the real one costs per forward; its outputs are
+noise, so acceptance rates, block efficiencies and quality measured on it mean nothing. Combine
+per-iteration costs measured here with block efficiencies measured on real pairs (DESIGN.md 7).
+
+Shapes are written out (no hub access needed); ``tiny-*`` shapes serve CPU smoke runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mtad_energy.models import ModelPair
+
+
+@dataclass(frozen=True)
+class Shape:
+    """An architecture at the size of a published checkpoint (config fields only)."""
+
+    family: str  # "llama" | "opt"
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie_embeddings: bool = False
+    note: str = ""
+
+
+SHAPES: dict[str, Shape] = {
+    "llama3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, note="meta-llama/Llama-3.1-8B"),
+    "llama3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128256, tie_embeddings=True,
+                         note="meta-llama/Llama-3.2-1B"),
+    "opt-13b": Shape("opt", 5120, 20480, 40, 40, 40, 50272, tie_embeddings=True,
+                     note="facebook/opt-13b"),
+    "opt-125m": Shape("opt", 768, 3072, 12, 12, 12, 50272, tie_embeddings=True,
+                      note="facebook/opt-125m"),
+    "tiny-llama": Shape("llama", 64, 128, 2, 4, 2, 256, note="CPU smoke runs"),
+    "tiny-llama-draft": Shape("llama", 32, 64, 1, 4, 2, 256, note="CPU smoke runs"),
+    "tiny-opt": Shape("opt", 64, 128, 2, 4, 4, 256, tie_embeddings=True, note="CPU smoke runs"),
+}
+# Llama-3-8B and Llama-3.1-8B have the same tensor shapes (they differ in RoPE scaling only).
+SHAPES["llama3-8b"] = SHAPES["llama3.1-8b"]
+
+
+def get_shape(name: str) -> Shape:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def config_for(shape: Shape | str, max_positions: int = 4096) -> Any:
+    """A transformers config with the shape's sizes (``max_positions`` bounds RoPE tables)."""
+    from transformers import LlamaConfig, OPTConfig
+
+    s = get_shape(shape) if isinstance(shape, str) else shape
+    if s.family == "llama":
+        return LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                           num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                           num_key_value_heads=s.kv_heads, max_position_embeddings=max_positions,
+                           rope_theta=500000.0, tie_word_embeddings=s.tie_embeddings,
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if s.family == "opt":
+        return OPTConfig(vocab_size=s.vocab, hidden_size=s.hidden, ffn_dim=s.intermediate,
+                         num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                         word_embed_proj_dim=s.hidden, max_position_embeddings=max_positions,
+                         tie_word_embeddings=s.tie_embeddings, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    raise ValueError(f"unknown family {s.family!r}")
+
+
+@torch.no_grad()
+def random_model(shape: Shape | str, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int = 0, max_positions: int = 4096,
+                 attn_implementation: str = "sdpa"):
+    """A causal LM of ``shape`` with random weights, built directly on ``device`` (an 8B model
+    never touches host memory). Weights are N(0, 0.02), so activations stay finite in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    config = config_for(shape, max_positions)
+    config._attn_implementation = attn_implementation
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # norms and biases
+            p.fill_(1.0 if "norm" in name or "layer_norm" in name else 0.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():  # non-persistent buffers (rotary inv_freq) were left empty
+        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for buf_name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, buf_name, buf)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def synthetic_tokenizer(vocab: int):
+    """A real word-level fast tokenizer with ``vocab`` tokens ('t0', 't1', ...) and no EOS, so
+    random-weight generations run to max_new_tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<unk>"] + [f"t{i}" for i in range(vocab - 1)]
+    tk = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def random_pair(target: str, draft: str | None = None, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, seed: int = 0,
+                max_positions: int = 4096) -> ModelPair:
+    """A `ModelPair` of random-weight models at real shapes (target ``p``, optional draft ``q``)."""
+    t, d = get_shape(target), get_shape(draft) if draft else None
+    if d is not None and d.vocab != t.vocab:
+        raise ValueError(f"shapes {target!r} and {draft!r} have different vocabularies "
+                         f"({t.vocab} vs {d.vocab}); a draft must share the target's")
+    p = random_model(t, device, dtype, seed, max_positions)
+    q = random_model(d, device, dtype, seed + 1, max_positions) if d else None
+    return ModelPair(p, q, synthetic_tokenizer(t.vocab), name=f"random:{target}",
+                     target_id=f"random:{target}", draft_id=f"random:{draft}" if draft else None)

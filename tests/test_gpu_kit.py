@@ -1,0 +1,99 @@
+"""The GPU validation kit rehearsed on the CPU (`experiments/gpu/run.py all --smoke`), so it
+cannot rot between the sessions that are lent a GPU; plus the real-shape model builders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from mtad_energy.bench.floor import decode_forward_time, weight_bytes
+from mtad_energy.bench.shapes import SHAPES, config_for, random_model, random_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_all_stages_smoke_on_cpu(tmp_path):
+    out = tmp_path / "kit"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "all", "--smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("env.json", "meters.csv", "batch.csv", "batch_paper_l40.csv", "decompose.json",
+                 "decoders.csv", "tree_verify.csv", "floor.csv", "batch_energy.png", "decoders.png",
+                 "floor.png", "run.log"):
+        assert (out / name).is_file(), name
+    log = (out / "run.log").read_text()
+    assert "done: 6 of 6 stage(s) ok" in log and "FAILED" not in log
+    meters = pd.read_csv(out / "meters.csv")
+    # four meters, idle + (steady, bursty) x (plain, mitigated)
+    assert set(meters.meter) == {"nvml-counter", "nvml-power", "zeus", "power.draw-1s"}
+    assert len(meters) == 4 * (1 + 2 * 2)
+    assert (meters[meters.meter == "nvml-counter"].vs_counter == 0).all()
+    batch = pd.read_csv(out / "batch.csv")
+    assert sorted(set(batch.model)) == ["tiny-llama", "tiny-opt"]
+    assert (batch.groupby("model").batch_size.apply(list) == pd.Series(
+        {"tiny-llama": [1, 2, 4], "tiny-opt": [1, 2, 4]})).all()
+    decoders = pd.read_csv(out / "decoders.csv")
+    from mtad_energy.decoding.registry import DECODERS
+
+    assert list(decoders.decoder) == list(DECODERS)
+    assert (decoders.cost_per_iter_ms > 0).all() and decoders.projected_tokens_per_s.notna().all()
+    floor = pd.read_csv(out / "floor.csv")
+    assert list(floor["mode"]) == ["eager", "compiled"] and floor.error.isna().all()
+    assert json.loads((out / "env.json").read_text())["meter"]["name"] in ("none", "rapl")
+
+    # re-running a stage resumes through the store: the batch rows are not measured again
+    again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batch", "--smoke",
+                            "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    from mtad_energy.results.store import ResultStore
+
+    assert len(ResultStore(out / "store").load("batch")) == 6
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_random_model_matches_a_normally_built_model_with_the_same_weights(name):
+    from transformers import AutoModelForCausalLM
+
+    model = random_model(name)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    ref = AutoModelForCausalLM.from_config(config_for(name)).eval()
+    ref.load_state_dict(model.state_dict())
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_real_shapes_have_the_published_parameter_counts():
+    from transformers import AutoModelForCausalLM
+
+    def params(name):
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(config_for(name))
+        return sum(p.numel() for p in m.parameters())  # tied embeddings counted once
+
+    assert params("llama3.1-8b") == pytest.approx(8.03e9, rel=0.01)
+    assert params("llama3.2-1b") == pytest.approx(1.24e9, rel=0.01)
+    assert params("opt-13b") == pytest.approx(12.85e9, rel=0.01)
+    assert SHAPES["llama3-8b"] == SHAPES["llama3.1-8b"]
+
+
+def test_random_pair_refuses_drafts_with_another_vocabulary():
+    with pytest.raises(ValueError, match="different vocabularies"):
+        random_pair("tiny-llama", "opt-125m")
+
+
+def test_compiled_forward_agrees_with_eager_and_weight_bytes():
+    model = random_model("tiny-llama")
+    assert weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters())
+    eager = decode_forward_time(model, "eager", context_len=8, forwards=2, repeats=1)
+    compiled = decode_forward_time(model, "compiled", context_len=8, forwards=2, repeats=1,
+                                   backend="eager")
+    assert eager.forward_ms > 0 and compiled.forward_ms > 0 and compiled.compile_s is not None
+    with pytest.raises(ValueError, match="mode must be"):
+        decode_forward_time(model, "graph")
