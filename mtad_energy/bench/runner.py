@@ -245,7 +245,9 @@ class Runner:
         }
         steps = [{"run_key": key, "iteration": i, "emitted": st.emitted, "proposed": st.proposed,
                   "accepted": st.accepted, "draft_forwards": st.draft_forwards,
-                  "target_forwards": st.target_forwards} for i, st in enumerate(gen.steps)]
+                  "target_forwards": st.target_forwards, "time_draft_s": st.time_draft_s,
+                  "time_target_s": st.time_target_s, "time_other_s": st.time_other_s}
+                 for i, st in enumerate(gen.steps)]
         # steps first: the run row is the commit mark (a run without its row is redone, and its
         # steps file is then overwritten, never duplicated)
         self.store.write("steps", key, steps, overwrite=True)

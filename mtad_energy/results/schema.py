@@ -41,6 +41,7 @@ RUNS = TableSpec("runs", "run_key", (
 
 STEPS = TableSpec("steps", "run_key", (
     "run_key", "iteration", "emitted", "proposed", "accepted", "draft_forwards", "target_forwards",
+    "time_draft_s", "time_target_s", "time_other_s",
 ), "one row per decoder iteration; part files hold all iterations of one run")
 
 BATCH = TableSpec("batch", "row_key", (

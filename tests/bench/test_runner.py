@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 
 from mtad_energy.bench.prompts import Prompt
@@ -65,6 +66,12 @@ def test_one_row_per_prompt_decoder_repeat_with_steps(tmp_path, llama_pair):
     steps = load_results(tmp_path, "steps")
     per_run = steps.groupby("run_key").size()
     assert (per_run[runs.set_index("run_key").index] == runs.set_index("run_key")["iterations"]).all()
+    # per-iteration draft / target / other times are stored and add up to the run's totals
+    sums = steps.groupby("run_key")[["time_draft_s", "time_target_s", "time_other_s"]].sum()
+    by_run = runs.set_index("run_key")
+    for col in ("time_draft_s", "time_target_s", "time_other_s"):
+        assert np.allclose(sums.loc[by_run.index, col], by_run[col], rtol=1e-6, atol=1e-9), col
+    assert (sums.loc[by_run.index[by_run.decoder == "spd"], "time_draft_s"] > 0).all()
     assert runs["perplexity"].notna().all()
     # no energy meter: energy is null and the reason is kept
     assert runs["energy_j"].isna().all() and runs["energy_per_token_j"].isna().all()
