@@ -438,6 +438,25 @@ def cpu_block_efficiency() -> dict[str, float]:
     return df.groupby("label")["block_efficiency"].mean().to_dict()
 
 
+def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.DataFrame:
+    """Per decoder: the median over repeats of its per-iteration figures, and what it would reach
+    on a real pair: a target forward there emits the pair's block efficiency (tokens per target
+    forward), and costs (cost per iteration / target forwards per iteration) at these shapes."""
+    agg = (raw.groupby("decoder", sort=False).median(numeric_only=True).reset_index()
+           .drop(columns="repeat"))
+    agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
+    tokens_per_iter = agg.cpu_pair_block_eff * agg.target_forwards_per_iter
+    agg["projected_tokens_per_s"] = tokens_per_iter / (agg.cost_per_iter_ms / 1e3)
+    agg["projected_j_per_token"] = agg.j_per_iter / tokens_per_iter
+    ar = agg[agg.decoder == "ar"]
+    if not ar.empty:
+        agg["projected_speedup_vs_ar"] = agg.projected_tokens_per_s / ar.projected_tokens_per_s.iloc[0]
+        ar_j = ar.projected_j_per_token.iloc[0]
+        agg["projected_energy_saving_vs_ar"] = 1.0 - agg.projected_j_per_token / ar_j
+    agg["compiled"] = "n/a: no compiled decoder path yet (issue 11 item 4); see floor.csv"
+    return agg
+
+
 def stage_decoders(kit: Kit) -> None:
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_ids
@@ -458,7 +477,9 @@ def stage_decoders(kit: Kit) -> None:
     try:
         for name in DECODERS:
             dec = get_decoder(name)
-            generate_ids(dec, pair, prompt, 4, seed=0, compute_perplexity=False)  # warm-up
+            # warm-up at full length: the first generation at a new length pays the caching
+            # allocator's growth (on an H100, 2-3x slower per iteration than the next one)
+            generate_ids(dec, pair, prompt, plan.decode_tokens, seed=99, compute_perplexity=False)
             for rep in range(plan.decode_repeats):
                 windows: dict[str, Any] = {}
 
@@ -490,17 +511,11 @@ def stage_decoders(kit: Kit) -> None:
     finally:
         meter.close()
     df = pd.DataFrame(rows)
-    agg = df.groupby("decoder", sort=False).median(numeric_only=True).reset_index().drop(columns="repeat")
-    agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
-    agg["projected_tokens_per_s"] = agg.cpu_pair_block_eff / (agg.cost_per_iter_ms / 1e3)
-    agg["projected_j_per_token"] = agg.j_per_iter / agg.cpu_pair_block_eff
-    ar = agg[agg.decoder == "ar"]
-    if not ar.empty:
-        agg["projected_speedup_vs_ar"] = agg.projected_tokens_per_s / ar.projected_tokens_per_s.iloc[0]
-    agg["compiled"] = "n/a: no compiled decoder path yet (issue 11 item 4); see floor.csv"
+    agg = summarise_decoders(df, block_eff)
     df.to_csv(kit.out / "decoders_raw.csv", index=False)
-    kit.table("decoders", agg, "decoders: eager cost per iteration (median of repeats); projected = "
-              "CPU-pair block efficiency / cost per iteration", RANDOM_NOTE)
+    kit.table("decoders", agg, "decoders: eager cost per iteration (median of repeats after a "
+              "full-length warm-up); projected tokens/s = CPU-pair block efficiency x target forwards "
+              "per iteration / cost per iteration", RANDOM_NOTE)
     del pair
     _tree_vs_chain(kit)
 

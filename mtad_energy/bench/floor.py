@@ -90,7 +90,9 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
 
     ``compile_mode`` defaults to ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``None`` on CPU.
     """
-    from transformers import DynamicCache, StaticCache
+    from transformers import StaticCache
+
+    from mtad_energy.decoding.cache import crop, new_cache
 
     if mode not in ("eager", "compiled"):
         raise ValueError(f"mode must be 'eager' or 'compiled', got {mode!r}")
@@ -98,11 +100,12 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(seed)
     prompt = torch.randint(0, vocab, (batch_size, context_len), generator=gen).to(device)
-    total = context_len + forwards * (repeats + 3) + 1
+    blocks = 2 + repeats  # warm-up + timed
+    total = context_len + forwards * blocks
     time_of = _timer(device)
 
     if mode == "eager":
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
         step = model.forward
     else:
         cache = StaticCache(config=model.config, max_cache_len=total)
@@ -112,16 +115,28 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
                              dynamic=False)
     logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
                    cache_position=torch.arange(context_len, device=device)).logits
-    state = {"ids": logits[:, -1:].argmax(-1), "pos": context_len}
+    first = logits[:, -1:].argmax(-1)
+    # compiled: the static cache only ever moves forward here. Rewinding cache_position to an
+    # earlier position made the compiled forward write past the cache's end (transformers 5.23,
+    # torch 2.13): a compiled decoder path must own its write position (issue 11). One small
+    # position tensor per step, made before timing: no host-to-device copy inside the loop.
+    positions = iter([torch.tensor([p], device=device) for p in range(context_len, total)])
 
     def block():
-        ids, pos = state["ids"], state["pos"]
+        """``forwards`` decode steps. Eager: always from the same cached context, so every block
+        reuses the same cache sizes (a cache that grows to new sizes pays the caching
+        allocator's growth, 2-3x the forward on an H100). Compiled: the next ``forwards``
+        positions of the static cache (fixed shapes whatever the position)."""
+        ids = first
         for _ in range(forwards):
-            out = step(input_ids=ids, past_key_values=cache, use_cache=True,
-                       cache_position=torch.tensor([pos], device=device))
+            if mode == "eager":  # what the decoders run: the cache knows its own length
+                out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+            else:  # a static cache is told where to write
+                out = step(input_ids=ids, past_key_values=cache, use_cache=True,
+                           cache_position=next(positions))
             ids = out.logits[:, -1:].argmax(-1)
-            pos += 1
-        state["ids"], state["pos"] = ids, pos
+        if mode == "eager":
+            crop(cache, context_len)  # roll back to the same context for the next block
 
     t0 = time.perf_counter()
     for _ in range(2):  # warm-up: compilation, graph capture, allocator, clocks
