@@ -44,7 +44,10 @@ def models():
 
     table = Table("alias", "target", "draft", "note", show_edge=False)
     for name, spec in ALIASES.items():
-        table.add_row(name, spec.target, spec.draft or "-", spec.note)
+        draft = spec.draft or "-"
+        if spec.gpu_draft and spec.gpu_draft != spec.draft:
+            draft += f" (CUDA: {spec.gpu_draft})"
+        table.add_row(name, spec.target, draft, spec.note)
     console.print(table)
 
 
@@ -127,6 +130,8 @@ def generate(
         print(json.dumps({**gen.to_dict(), "pair": pair.describe()}, indent=2))
         return
     console.rule(f"{decoder} on {pair.name} ({pair.target_id} + {pair.draft_id or 'no draft'})")
+    if pair.draft_note and pair.draft_id:
+        console.print(pair.draft_line(), markup=False, highlight=False)
     console.print(gen.text, markup=False, highlight=False)
     console.rule()
     console.print(stats_table([(decoder, gen.to_dict()["stats"])]))

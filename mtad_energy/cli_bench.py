@@ -168,6 +168,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
         console.print(f"[bold]model[/] {runner.pair.name}: {runner.pair.target_id} + "
                       f"{runner.pair.draft_id or 'no draft'} on {runner.device} ({runner.dtype}), "
                       f"loaded in {runner.pair.load_time_s:.1f} s")
+        console.print(runner.pair.draft_line(), markup=False, highlight=False)
         console.print(f"[bold]meter[/] {runner.meter.name}: {runner.meter_reason.split(';')[0]}")
     try:
         with _progress() as bar:
@@ -188,7 +189,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     summary = decoder_summary(runs)
     if as_json:
         print(json.dumps({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
-                          "config": config.to_dict(),
+                          "pair": runner.pair.describe(), "config": config.to_dict(),
                           "summary": json.loads(summary.to_json(orient="records"))}, indent=2))
     else:
         console.print(summary_table(summary, title))

@@ -1,5 +1,5 @@
 """Session fixtures: tiny random models of real architectures, saved and re-loaded through the
-normal loading path (``load_pair(target=dir, draft=dir)``)."""
+normal loading path (``load_pair(target=dir, draft=dir, device="cpu")``)."""
 
 from __future__ import annotations
 
@@ -35,18 +35,21 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
+# The fixture pairs are pinned to the CPU (fp32): tests build their inputs on the CPU and assert
+# exact, seed-determined outputs, so CI means the same on a GPU machine. CUDA is covered by the
+# `gpu`-marked tests in tests/test_cuda.py.
 @pytest.fixture(scope="session")
 def llama_pair(model_dirs):
     from mtad_energy.models import load_pair
 
-    return load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"])
+    return load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
 
 
 @pytest.fixture(scope="session")
 def opt_pair(model_dirs):
     from mtad_energy.models import load_pair
 
-    return load_pair(target=model_dirs["opt"], draft=model_dirs["opt-draft"])
+    return load_pair(target=model_dirs["opt"], draft=model_dirs["opt-draft"], device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ def test_generate_json_on_a_local_pair(model_dirs):
     out = runner.invoke(app, ["generate", "--decoder", "mtad", "--target", model_dirs["llama"],
                               "--draft", model_dirs["llama-draft"], "--prompt", "w1 w2 w3",
                               "--set", "tau=0.3", "--set", "beam_width=2",
-                              "--max-new-tokens", "6", "--json"])
+                              "--max-new-tokens", "6", "--device", "cpu", "--json"])
     assert out.exit_code == 0, out.output
     res = json.loads(out.output)
     assert res["config"]["tau"] == 0.3 and res["config"]["beam_width"] == 2

@@ -15,7 +15,7 @@ from tests import tiny
 
 
 def test_load_pair_from_local_dirs_gives_eval_fp32_models_on_cpu(model_dirs):
-    pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"])
+    pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
     assert pair.device == torch.device("cpu") and pair.target.dtype == torch.float32
     assert not pair.target.training and pair.draft.config.num_hidden_layers == 1
     assert pair.describe()["draft"] == model_dirs["llama-draft"]
@@ -26,7 +26,7 @@ def test_with_draft_false_skips_the_draft(model_dirs):
 
 
 def test_layer_subset_self_draft_shares_weights_and_matches_a_truncated_model(model_dirs):
-    pair = load_pair(target=model_dirs["llama"], draft="self:layers=0,2")
+    pair = load_pair(target=model_dirs["llama"], draft="self:layers=0,2", device="cpu")
     t, d = pair.target, pair.draft
     assert d.config.num_hidden_layers == 2
     assert d.model.layers[1].mlp.up_proj.weight.data_ptr() == t.model.layers[2].mlp.up_proj.weight.data_ptr()
@@ -42,7 +42,7 @@ def test_layer_subset_self_draft_shares_weights_and_matches_a_truncated_model(mo
 
 
 def test_skip_and_all_layers_self_drafts(model_dirs):
-    full = load_pair(target=model_dirs["llama"], draft="self:skip=")
+    full = load_pair(target=model_dirs["llama"], draft="self:skip=", device="cpu")
     ids = torch.tensor([[3, 4, 5]])
     with torch.no_grad():
         assert torch.allclose(full.draft(input_ids=ids).logits, full.target(input_ids=ids).logits)
@@ -51,7 +51,7 @@ def test_skip_and_all_layers_self_drafts(model_dirs):
 
 
 def test_int8_self_draft_runs_and_stays_close(model_dirs):
-    pair = load_pair(target=model_dirs["opt"], draft="self:int8")
+    pair = load_pair(target=model_dirs["opt"], draft="self:int8", device="cpu")  # int8: CPU only
     g = me.generate("spd", pair, [3, 4, 5], max_new_tokens=6)
     assert len(g.token_ids) == 6 and g.stats.draft_forwards > 0
 
@@ -149,3 +149,71 @@ def test_offline_default_pair_converts_once_and_decodes(tmp_path_factory):
     g = me.generate("mtad", pair, "What is 2+2?", max_new_tokens=8, seed=0)
     assert len(g.token_ids) >= 1 and g.stats.perplexity is not None
     assert load_pair("smollm2").load_time_s < 30  # cached copy: no GGUF conversion again
+
+
+# ----------------------------------------------------------------- the default pair's draft per device
+
+def test_default_pair_drafts_with_int8_on_cpu_and_a_layer_subset_on_cuda():
+    from mtad_energy.models import SMOLLM2_ID, resolve_pair_spec
+
+    cpu = resolve_pair_spec("smollm2", "cpu")
+    assert (cpu.target, cpu.draft, cpu.draft_note) == (SMOLLM2_ID, "self:int8", "")
+    assert resolve_pair_spec(None, torch.device("cpu")) == cpu  # no alias, no target: the default
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        gpu = resolve_pair_spec("smollm2", device)
+        assert (gpu.target, gpu.draft) == (SMOLLM2_ID, "self:layers=0-24")
+        assert gpu.draft_note == "self:int8 runs on CPU only"
+    assert len(_parse_layers("0-24", 30)) == 25  # SmolLM2-135M has 30 layers
+    # an explicit draft is never replaced; a custom target keeps the alias's draft (and its error)
+    assert resolve_pair_spec("smollm2", "cuda", draft="self:int8").draft == "self:int8"
+    assert resolve_pair_spec("smollm2", "cuda", target="/my/model").draft == "self:int8"
+    assert resolve_pair_spec("opt-13b", "cuda").draft == "facebook/opt-125m"
+    assert resolve_pair_spec(target="/t", draft="/d", device="cuda").draft == "/d"
+    with pytest.raises(ValueError, match="unknown model 'llama9'"):
+        resolve_pair_spec("llama9", "cuda")
+
+
+@pytest.fixture()
+def smollm2_shaped_on_a_gpu(monkeypatch):
+    """`load_pair("smollm2", device="cuda")` without a GPU or the real model: the target is a tiny
+    30-layer Llama kept on the CPU (only the device asked for is cuda)."""
+    import mtad_energy.models as models
+
+    monkeypatch.setattr(models, "load_tokenizer", lambda model_id: tiny.word_tokenizer(64))
+    monkeypatch.setattr(models, "load_model",
+                        lambda model_id, device, dtype=None: tiny.llama(64, 0, layers=30, hidden=16))
+
+
+def test_default_pair_on_cuda_loads_the_layer_subset_draft_and_says_why(smollm2_shaped_on_a_gpu):
+    pair = load_pair("smollm2", device="cuda")
+    assert pair.draft_id == "self:layers=0-24" and pair.draft.config.num_hidden_layers == 25
+    assert pair.describe()["draft_note"] == "self:int8 runs on CPU only"
+    assert pair.draft_line() == "draft: self:layers=0-24 (self:int8 runs on CPU only)"
+    assert load_pair("smollm2", device="cuda", with_draft=False).draft_line() == "draft: none"
+
+
+def test_profile_output_names_the_cuda_draft_and_why(smollm2_shaped_on_a_gpu, tmp_path):
+    from typer.testing import CliRunner
+
+    from mtad_energy.cli import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "w3 w4 w5"}\n')
+    res = CliRunner().invoke(app, ["profile", "--decoder", "spd", "--device", "cuda", "--meter", "none",
+                                   "--dataset", str(prompts), "--n-prompts", "1", "--max-new-tokens", "2",
+                                   "--no-chat", "--output", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "draft: self:layers=0-24 (self:int8 runs on CPU only)" in res.output
+
+
+def test_explicit_int8_self_draft_on_cuda_is_refused_clearly(model_dirs, monkeypatch):
+    """A target on a non-CPU device (meta here, cuda on a GPU) refuses `self:int8` by name."""
+    import mtad_energy.models as models
+
+    monkeypatch.setattr(models, "load_model",
+                        lambda model_id, device, dtype=None: tiny.llama(64, 0, layers=2).to("meta"))
+    with pytest.raises(ValueError, match=r"draft 'self:int8' uses torch dynamic quantisation, which runs "
+                       r"on CPU only; on a GPU use a layer-subset self-draft"):
+        load_pair(target=model_dirs["llama"], draft="self:int8", device="cuda")
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        load_pair("smollm2", target=model_dirs["llama"], device="cuda")  # custom target: no swap

@@ -38,8 +38,10 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Gather batch rows (beam reorder / keep the best beam): ``rows [B']``."""
+    """Gather batch rows (beam reorder / keep the best beam): ``rows [B']`` (any device: moved
+    to the cache's, a no-op when it is there already)."""
     for layer in _layers(cache):
+        rows = rows.to(layer.keys.device)
         layer.keys = layer.keys.index_select(0, rows)
         layer.values = layer.values.index_select(0, rows)
 
@@ -52,7 +54,9 @@ def repeat_rows(cache: DynamicCache, n: int) -> None:
 
 
 def keep_positions(cache: DynamicCache, positions: torch.Tensor) -> None:
-    """Keep only the given positions along T (e.g. the accepted path of a token tree)."""
+    """Keep only the given positions along T (e.g. the accepted path of a token tree); any
+    device, as for ``select_rows``."""
     for layer in _layers(cache):
+        positions = positions.to(layer.keys.device)
         layer.keys = layer.keys.index_select(2, positions)
         layer.values = layer.values.index_select(2, positions)

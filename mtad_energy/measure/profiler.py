@@ -234,24 +234,47 @@ def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import flop_registry
 
+    aten = torch.ops.aten
     packet = func._overloadpacket
+    if packet in _sdpa_ops(aten) and _is_bhld(args[:3]):
+        # counted here, not by torch's formula: with grouped-query attention (enable_gqa, e.g.
+        # Llama with num_key_value_heads < num_heads) the CUDA kernels get K/V with fewer heads,
+        # and torch < 2.13's sdpa_flop_count asserts equal head counts
+        return _sdpa_flops(args[0], args[1], args[2])
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    aten = torch.ops.aten
     if packet is aten.linear:
         # under inference_mode linear reaches the dispatcher whole (not as addmm/mm), and the
         # flop registry has no entry for it: 2 * (rows of x) * in * out
         x, w = args[0], args[1]
         return 2 * x.numel() * w.shape[0]
-    if packet in (aten._scaled_dot_product_flash_attention_for_cpu, aten.scaled_dot_product_attention):
-        # q [B, H, L, D], k/v [B, H_kv, S, D]: Q K^T and P V, 2 flops per multiply-add each
-        q, k = args[0], args[1]
-        b, h, l, d = q.shape
-        return 4 * b * h * l * k.shape[-2] * d
     if torch.Tag.pointwise in func.tags:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         return int(sum(t.numel() for t in outs))
     return 0
+
+
+def _sdpa_ops(aten: Any) -> tuple[Any, ...]:
+    """Scaled-dot-product attention ops whose first three arguments are q, k, v [B, H, L, D]."""
+    names = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention")
+    return tuple(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+def _is_bhld(tensors: Any) -> bool:
+    import torch
+
+    return len(tensors) == 3 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors)
+
+
+def _sdpa_flops(q: Any, k: Any, v: Any) -> int:
+    """FLOPs of softmax(Q K^T) V for q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv]:
+    2*B*H*Lq*Lk*D for Q K^T plus 2*B*H*Lq*Lk*Dv for P V, H being the query's head count (each
+    K/V head serves H/H_kv query heads under grouped-query attention)."""
+    b, h, lq, d = q.shape
+    lk, dv = k.shape[-2], v.shape[-1]
+    return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * dv
 
 
 # ops that return a new tensor aliasing their input's storage without moving bytes

@@ -142,3 +142,39 @@ def test_inference_mode_linear_and_attention_still_count_flops() -> None:
 
     result = profile_ops(run, peaks=peaks)
     assert result.total_flops == 2 * 40 * 64 * 32 + 4 * 4 * 7 * 9 * 16
+
+
+@pytest.mark.parametrize("op", [
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "scaled_dot_product_attention",
+])
+def test_grouped_query_sdpa_is_counted_with_the_query_heads(op, monkeypatch) -> None:
+    """Grouped-query attention (Llama, SmolLM2: fewer K/V heads than query heads) reaches the CUDA
+    sdpa kernels with K/V of H_kv heads; torch 2.11's registered sdpa formula asserts equal head
+    counts and crashed the batch-size sweep on an H100. The profiler counts these ops itself."""
+    from torch.utils.flop_counter import flop_registry
+
+    from mtad_energy.measure.profiler import _op_flops
+
+    def torch_2_11_formula(*args, **kwargs):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    packet = getattr(torch.ops.aten, op)
+    if packet in flop_registry:
+        monkeypatch.setitem(flop_registry, packet, torch_2_11_formula)
+    b, h, h_kv, lq, lk, d = 2, 8, 2, 3, 7, 16
+    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, h_kv, lk, d), torch.randn(b, h_kv, lk, d)
+    out = torch.empty(b, h, lq, d)
+    assert _op_flops(packet.default, (q, k, v), {}, out) == 2 * (2 * b * h * lq * lk * d)
+
+
+def test_profiling_a_grouped_query_llama_counts_its_attention() -> None:
+    from tests import tiny
+
+    model = tiny.llama(64, 0, layers=1)  # 4 query heads, 2 K/V heads, head dim 8
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.inference_mode():
+        r = profile_ops(lambda: model(input_ids=ids), peaks=PEAKS)
+    (attn,) = [o for o in r.ops if "attention" in o.name]
+    assert attn.flops == 2 * (2 * 1 * 4 * 5 * 5 * 8)
