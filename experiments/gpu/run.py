@@ -78,14 +78,15 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def make(cls, smoke: bool) -> Plan:
+    def make(cls, smoke: bool, need_gpu: bool = True) -> Plan:
         if smoke:
             return cls(True, torch.device("cpu"), torch.float32, ("tiny-opt", "tiny-llama"),
                        (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
                        "eager", 0.3, 256)
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke")
-        return cls(False, torch.device("cuda"), torch.bfloat16, ("opt-13b", "llama3-8b"),
+        if need_gpu and not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
+                             "(only `plots` runs without one, from the CSVs already written)")
+        return cls(False, torch.device("cuda" if need_gpu else "cpu"), torch.bfloat16, ("opt-13b", "llama3-8b"),
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
                    ("llama3.1-8b", "llama3.2-1b"), "inductor", 3.0, 16384)
 
@@ -607,10 +608,13 @@ def stage_plots(kit: Kit) -> None:
     if dec.is_file():
         df = pd.read_csv(dec)
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        # per target forward, so beam (all its forwards in one iteration) shares the scale
         parts = df.set_index("decoder")[["draft_ms_per_iter", "target_ms_per_iter", "other_ms_per_iter"]]
+        parts = parts.div(df.set_index("decoder")["target_forwards_per_iter"], axis=0)
         parts.columns = ["draft", "target", "other"]
         parts.plot.bar(stacked=True, ax=axes[0], color=["#8da0cb", "#fc8d62", "#b3b3b3"])
-        axes[0].set(ylabel="ms per iteration", xlabel="", title="Cost per iteration (eager)")
+        axes[0].set(ylabel="ms per target forward", xlabel="",
+                    title="Cost per target forward (eager), split by phase")
         if df["projected_j_per_token"].notna().any():
             df.plot.bar(x="decoder", y="projected_j_per_token", ax=axes[1], legend=False, color="#66c2a5")
             axes[1].set(ylabel="J per token (projected)", xlabel="",
@@ -661,11 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
-    plan = Plan.make(args.smoke)
+    stages = list(STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
+    plan = Plan.make(args.smoke, need_gpu=stages != ["plots"])
+    if args.out is None and not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("plots without a GPU: name the results folder with --out DIR")
     out = args.out or ROOT / "experiments" / "results" / "gpu" / (
         gpu_name() + ("-smoke" if args.smoke else ""))
     kit = Kit(out, plan)
-    stages = list(STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
     failed = []
     for stage in stages:
         t0 = time.perf_counter()

@@ -41,8 +41,9 @@ RUNS = TableSpec("runs", "run_key", (
 
 STEPS = TableSpec("steps", "run_key", (
     "run_key", "iteration", "emitted", "proposed", "accepted", "draft_forwards", "target_forwards",
-    "time_draft_s", "time_target_s", "time_other_s",
-), "one row per decoder iteration; part files hold all iterations of one run")
+), "one row per decoder iteration (the runner also stores time_draft_s, time_target_s and "
+   "time_other_s; optional, so stores written before them still load); part files hold all "
+   "iterations of one run")
 
 BATCH = TableSpec("batch", "row_key", (
     "row_key", "sweep", "created_unix_s", "env_id", "model", "target_id", "batch_size", "runs",
