@@ -576,6 +576,7 @@ def stage_floor(kit: Kit) -> None:
 
 def stage_plots(kit: Kit) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -599,6 +600,8 @@ def stage_plots(kit: Kit) -> None:
         for ax in axes:
             ax.set_xticks([1, 2, 4, 8, 16], labels=["1", "2", "4", "8", "16"])
             ax.legend(fontsize=8)
+        axes[1].yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         fig.suptitle(f"Batch-size study ({RANDOM_NOTE})", fontsize=9)
         fig.tight_layout()
         fig.savefig(kit.out / "batch_energy.png", dpi=120)
