@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from mtad_energy.cli_bench import register
-from mtad_energy.cli_common import console, fail, parse_sets, quiet_libraries
+from mtad_energy.cli_common import (
+    JsonErrorGroup,
+    console,
+    emit,
+    esc,
+    fail,
+    json_command,
+    parse_sets,
+    quiet_libraries,
+)
 
 app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, cls=JsonErrorGroup)
 
 
 @app.command()
+@json_command
 def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
     """List every decoder with its parameters, defaults and one line of help."""
     from mtad_energy.decoding.registry import DECODERS, param_specs
@@ -23,16 +32,16 @@ def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-reada
     specs = {name: {"help": cls.help, "needs_draft": cls.needs_draft, "params": param_specs(cls)}
              for name, cls in DECODERS.items()}
     if as_json:
-        print(json.dumps(specs, indent=2, default=str))
+        emit(specs)
         return
     for name, spec in specs.items():
-        table = Table(title=f"[bold]{name}[/] - {spec['help']}"
+        table = Table(title=f"[bold]{esc(name)}[/] - {esc(spec['help'])}"
                       + (" [dim](needs a draft)[/]" if spec["needs_draft"] else ""),
                       title_justify="left", show_edge=False)
         for col in ("parameter", "type", "default", "help"):
             table.add_column(col)
         for p in spec["params"]:
-            table.add_row(p["name"], p["type"], str(p["default"]), p["help"])
+            table.add_row(*(esc(v) for v in (p["name"], p["type"], p["default"], p["help"])))
         console.print(table)
         console.print()
 
@@ -47,11 +56,12 @@ def models():
         draft = spec.draft or "-"
         if spec.gpu_draft and spec.gpu_draft != spec.draft:
             draft += f" (CUDA: {spec.gpu_draft})"
-        table.add_row(name, spec.target, draft, spec.note)
+        table.add_row(*(esc(v) for v in (name, spec.target, draft, spec.note)))
     console.print(table)
 
 
 @app.command()
+@json_command
 def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
     """Environment snapshot and the meter `--meter auto` would pick.
 
@@ -62,21 +72,20 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")
     snap, choice = snapshot(), select_meter()
     warnings = preflight_check(warn=False)
     if as_json:
-        print(json.dumps({**snap.to_dict(), "meter": choice.to_dict(), "preflight": warnings},
-                         indent=2, default=str))
+        emit({**snap.to_dict(), "meter": choice.to_dict(), "preflight": warnings})
         return
     table = Table("field", "value", show_edge=False, show_header=False)
     for key, value in snap.to_dict().items():
         if key not in ("gpus", "libraries"):
-            table.add_row(key, str(value))
+            table.add_row(esc(key), esc(value))
     for name, version in snap.libraries.items():
-        table.add_row(f"lib {name}", str(version))
+        table.add_row(f"lib {esc(name)}", esc(version))
     for gpu in snap.to_dict()["gpus"]:
-        table.add_row(f"gpu {gpu.get('index')}", ", ".join(f"{k}={v}" for k, v in gpu.items()))
+        table.add_row(f"gpu {esc(gpu.get('index'))}", esc(", ".join(f"{k}={v}" for k, v in gpu.items())))
     console.print(table)
-    console.print(f"[bold]meter auto ->[/] {choice.name}: {choice.reason}")
+    console.print(f"[bold]meter auto ->[/] {esc(choice.name)}: {esc(choice.reason)}")
     for w in warnings:
-        console.print(f"[yellow]preflight:[/] {w}")
+        console.print(f"[yellow]preflight:[/] {esc(w)}")
 
 
 def stats_table(rows: list[tuple[str, dict]]) -> Table:
@@ -90,13 +99,14 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
         return "-" if x is None else fmt.format(x)
 
     for label, s in rows:
-        table.add_row(label, str(s["tokens_emitted"]), f(s["tokens_per_s"], "{:.1f}"),
+        table.add_row(esc(label), str(s["tokens_emitted"]), f(s["tokens_per_s"], "{:.1f}"),
                       f(s["block_efficiency"]), f(s["acceptance_rate"]), f(s["perplexity"], "{:.3f}"),
                       f(s["time_draft_s"]), f(s["time_target_s"]), f(s["time_other_s"]))
     return table
 
 
 @app.command()
+@json_command
 def generate(
     decoder: Annotated[str, typer.Option(help="decoder name (see `mtad-energy decoders`)")] = "mtad",
     model: Annotated[str, typer.Option(help="pair alias (see `mtad-energy models`)")] = "smollm2",
@@ -127,9 +137,9 @@ def generate(
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if as_json:
-        print(json.dumps({**gen.to_dict(), "pair": pair.describe()}, indent=2))
+        emit({**gen.to_dict(), "pair": pair.describe()})
         return
-    console.rule(f"{decoder} on {pair.name} ({pair.target_id} + {pair.draft_id or 'no draft'})")
+    console.rule(esc(f"{decoder} on {pair.name} ({pair.target_id} + {pair.draft_id or 'no draft'})"))
     if pair.draft_note and pair.draft_id:
         console.print(pair.draft_line(), markup=False, highlight=False)
     console.print(gen.text, markup=False, highlight=False)

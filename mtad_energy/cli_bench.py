@@ -17,7 +17,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mtad_energy.cli_common import console, fail, parse_sets, quiet_libraries
+from mtad_energy.cli_common import console, emit, esc, fail, json_command, parse_sets, quiet_libraries
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
@@ -97,7 +97,7 @@ def energy_text(value: Any, reason: Any) -> str:
 
 
 def summary_table(summary, title: str = "") -> Table:
-    table = Table(title=title or None, title_justify="left", show_edge=False, caption_justify="left")
+    table = Table(title=esc(title) or None, title_justify="left", show_edge=False, caption_justify="left")
     reasons: set[str] = set()
     cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
             ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
@@ -116,7 +116,7 @@ def summary_table(summary, title: str = "") -> Table:
                 if cells[-1] == "n/a":
                     reasons.add(energy_text(v, r.get("energy_reason")).removeprefix("n/a: "))
             elif col in ("label", "dataset"):
-                cells.append(str(v))
+                cells.append(esc(v))
             elif col == "n_runs":
                 cells.append(str(int(v)))
             else:
@@ -124,13 +124,13 @@ def summary_table(summary, title: str = "") -> Table:
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
         table.add_row(*cells)
     if reasons:
-        table.caption = "J/tok n/a: " + "; ".join(sorted(reasons))
+        table.caption = esc("J/tok n/a: " + "; ".join(sorted(reasons)))
     return table
 
 
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[note]}"), TimeRemainingColumn(), console=console,
+                    TextColumn("{task.fields[note]}", markup=False), TimeRemainingColumn(), console=console,
                     transient=False)
 
 
@@ -138,9 +138,8 @@ def _interrupted(out: Path) -> typing.NoReturn:
     from mtad_energy.results import load_results
 
     n = len(load_results(out)) if (out / "mtad-energy-store.json").exists() else 0
-    console.print(f"[yellow]interrupted:[/] {n} finished row(s) are stored in {out}; re-run the same "
-                  "command to resume where it stopped")
-    raise typer.Exit(130)
+    fail(f"interrupted: {n} finished row(s) are stored in {out}; re-run the same command to resume "
+         "where it stopped", code=130, label="[yellow]")
 
 
 # -- running a configuration -------------------------------------------------------------------
@@ -165,14 +164,15 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if not as_json:
-        console.print(f"[bold]model[/] {runner.pair.name}: {runner.pair.target_id} + "
-                      f"{runner.pair.draft_id or 'no draft'} on {runner.device} ({runner.dtype}), "
-                      f"loaded in {runner.pair.load_time_s:.1f} s")
+        pair = runner.pair
+        console.print("[bold]model[/] " + esc(f"{pair.name}: {pair.target_id} + "
+                                               f"{pair.draft_id or 'no draft'} on {runner.device} "
+                                               f"({runner.dtype}), loaded in {pair.load_time_s:.1f} s"))
         console.print(runner.pair.draft_line(), markup=False, highlight=False)
-        console.print(f"[bold]meter[/] {runner.meter.name}: {runner.meter_reason.split(';')[0]}")
+        console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(runner.meter_reason.split(';')[0])}")
     try:
         with _progress() as bar:
-            task = bar.add_task(config.sweep, total=len(work_units(config, prompts)), note="")
+            task = bar.add_task(esc(config.sweep), total=len(work_units(config, prompts)), note="")
 
             def step(row: dict | None, unit) -> None:
                 note = f"{unit.decoder.label} {unit.prompt.id}" + (
@@ -188,12 +188,12 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     runs = pd.DataFrame(rep.rows)
     summary = decoder_summary(runs)
     if as_json:
-        print(json.dumps({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
-                          "pair": runner.pair.describe(), "config": config.to_dict(),
-                          "summary": json.loads(summary.to_json(orient="records"))}, indent=2))
+        emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
+              "pair": runner.pair.describe(), "config": config.to_dict(),
+              "summary": json.loads(summary.to_json(orient="records"))})
     else:
         console.print(summary_table(summary, title))
-        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {out}[/]")
+        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
     return summary
 
 
@@ -206,8 +206,9 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     try:
         jobs = submit_sweep(config, out, workers=workers, cluster=cluster)
         if not as_json:
-            console.print(f"submitted {len(jobs)} {cluster} job(s): "
-                          f"{', '.join(str(j.job_id) for j in jobs)}; waiting (Ctrl-C leaves them running)")
+            ids = ", ".join(str(j.job_id) for j in jobs)
+            console.print(esc(f"submitted {len(jobs)} {cluster} job(s): {ids}; waiting (Ctrl-C leaves "
+                              "them running)"))
         results = wait(jobs)
     except KeyboardInterrupt:
         _interrupted(out)
@@ -218,12 +219,12 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     summary = decoder_summary(runs)
     ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
     if as_json:
-        print(json.dumps({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
-                          "summary": json.loads(summary.to_json(orient="records"))}, indent=2))
+        emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
+              "summary": json.loads(summary.to_json(orient="records"))})
     else:
         console.print(summary_table(summary, title))
         console.print(f"[dim]{ran} run(s) measured by {len(results)} job(s), {skipped} already stored; "
-                      f"results in {out}[/]")
+                      f"results in {esc(out)}[/]")
     return summary
 
 
@@ -258,6 +259,7 @@ AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
                                          help="run HumanEval tests on generated code (sandboxed)")]
 
 
+@json_command
 def profile(
     decoder: Annotated[str, typer.Option(help="decoder name(s), comma separated")] = "mtad",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
@@ -280,6 +282,7 @@ def profile(
     run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster)
 
 
+@json_command
 def compare(
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     decoders: Annotated[str, typer.Option(help="comma list (default: all)")] = ",".join(ALL_DECODERS),
@@ -310,9 +313,10 @@ def compare(
     path = markdown or out.with_suffix(".md")
     path.write_text(md + "\n")
     if not as_json:
-        console.print(f"[dim]main table (markdown) written to {path}[/]")
+        console.print(f"[dim]main table (markdown) written to {esc(path)}[/]")
 
 
+@json_command
 def sweep_param(
     decoder: Annotated[str, typer.Option(help="the decoder to sweep")] = "mmtad",
     param: Annotated[list[str] | None, typer.Option(help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
@@ -347,6 +351,7 @@ def sweep_param(
                cluster)
 
 
+@json_command
 def sweep_batch_size(
     model: Model = "smollm2", target: Target = None,
     sizes: Annotated[str, typer.Option(help="batch sizes, comma separated")] = "1,2,4,8,16",
@@ -385,8 +390,8 @@ def sweep_batch_size(
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if not as_json:
-        console.print(f"[bold]target[/] {pair.target_id} on {pair.describe()['device']}; "
-                      f"[bold]meter[/] {m.name}: {why.split(';')[0]}")
+        console.print(f"[bold]target[/] {esc(pair.target_id)} on {esc(pair.describe()['device'])}; "
+                      f"[bold]meter[/] {esc(m.name)}: {esc(why.split(';')[0])}")
     mitigation = MitigationConfig() if mcfg.mitigates(m.name) else None
     try:
         with _progress() as bar:
@@ -402,12 +407,11 @@ def sweep_batch_size(
         from mtad_energy.results import load_results
 
         n = len(load_results(out, "batch"))
-        console.print(f"[yellow]interrupted:[/] {n} batch size(s) stored in {out}; re-run to resume")
-        raise typer.Exit(130) from None
+        fail(f"interrupted: {n} batch size(s) stored in {out}; re-run to resume", code=130,
+             label="[yellow]")
     table = batch_table(rows)
     if as_json:
-        print(json.dumps({"output": str(out), "meter": m.name,
-                          "rows": json.loads(table.to_json(orient="records"))}, indent=2))
+        emit({"output": str(out), "meter": m.name, "rows": json.loads(table.to_json(orient="records"))})
         return
     t = Table(title="batch size vs energy", title_justify="left", show_edge=False,
               caption_justify="left")
@@ -419,11 +423,12 @@ def sweep_batch_size(
                     for c, v in r.items()])
     reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
     if reasons:
-        t.caption = "Energy " + "; ".join(sorted(reasons))
+        t.caption = esc("Energy " + "; ".join(sorted(reasons)))
     console.print(t)
-    console.print(f"[dim]results in {out}[/]")
+    console.print(f"[dim]results in {esc(out)}[/]")
 
 
+@json_command
 def decompose(
     results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and profile runs")],
     as_json: Json = False,
@@ -440,24 +445,24 @@ def decompose(
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if as_json:
-        print(json.dumps({"fit": fit.to_dict(), "rows": n_rows,
-                          "decoders": json.loads(breakdown.to_json(orient="records"))}, indent=2))
+        emit({"fit": fit.to_dict(), "rows": n_rows,
+              "decoders": json.loads(breakdown.to_json(orient="records"))})
         return
     console.print(f"[bold]fit[/] over {n_rows} batch-sweep rows: P_static = {fit.p_static_w:.1f} W, "
                   f"PW_flop = {fit.pw_flop_w:.1f} W, PW_mem = {fit.pw_mem_w:.1f} W")
     console.print(f"[bold]quality[/] R^2 = {fit.r2:.4f}, RMSE = {fit.rmse_j:.4g} J, max |rel. error| = "
                   f"{fit.max_abs_rel_error:.1%}, condition number {fit.condition_number:.3g}")
     for w in fit.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {esc(w)}")
     if breakdown.empty:
         console.print("[dim]no profile runs with FLOP/byte accounting: run `mtad-energy profile --ops` "
                       "into one of the directories to decompose decoders[/]")
         return
     t = Table(title="energy per token by term", title_justify="left", show_edge=False)
     for col in breakdown.columns:
-        t.add_column(col, justify="left" if col in ("decoder", "model") else "right")
+        t.add_column(esc(col), justify="left" if col in ("decoder", "model") else "right")
     for _, r in breakdown.iterrows():
-        t.add_row(*[fmt(v, "{:.4g}") if isinstance(v, float) else str(v) for v in r.values])
+        t.add_row(*[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values])
     console.print(t)
 
 
@@ -472,7 +477,7 @@ def report(
         path = write_report(results, out)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
-    console.print(f"report written to {path}")
+    console.print(f"report written to {esc(path)}")
 
 
 def register(app: typer.Typer) -> None:
