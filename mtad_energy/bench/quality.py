@@ -1,11 +1,16 @@
 """Output-quality metrics: ROUGE-L F1, and HumanEval pass@k by running generated code in a sandboxed
 subprocess (only with explicit permission: the code is untrusted).
 
-The sandbox is a separate ``python -I`` process in its own session and a throwaway working directory,
-with a minimal environment, rlimits (address space, CPU seconds, file size, core dumps, and process
-count for non-root users), a wall-clock timeout that kills the whole process group, and no network:
-a fresh network namespace where the kernel allows it, else a prelude that stubs out ``socket``. It is
-not a full jail (the file system stays readable), so run untrusted code on a machine you can spare."""
+The sandbox is a separate ``python -I`` process in a throwaway working directory, with a minimal
+environment, rlimits (address space, CPU seconds, file size, core dumps) and a wall-clock timeout.
+Where the kernel allows namespaces (root, or unprivileged user namespaces) the program runs in a
+jail (:func:`sandbox_isolation` says which): new PID, mount and network namespaces, so there is no
+network, the whole file system is read-only except the throwaway directory, and every process the
+program starts (daemons in their own session included) is killed with the namespace when the
+program ends or times out; as root the program also runs as ``nobody`` under a process-count limit
+(RLIMIT_NPROC does not bind root). Without namespaces it falls back to a new session whose process
+group is killed on exit and a prelude that stubs out ``socket`` (best effort: the file system stays
+writable). Either way, run untrusted code on a machine you can spare."""
 
 from __future__ import annotations
 
@@ -67,12 +72,13 @@ Status = Literal["passed", "failed", "timeout", "error"]
 class ExecResult:
     """One sandboxed run. ``failed``: the program ran and exited non-zero (wrong answer, exception,
     signal); ``error``: the sandbox could not run it; ``network``: how the network was cut off
-    ("netns", "userns+netns" or "socket-stub")."""
+    ("netns", "userns+netns" or "socket-stub"); ``confined``: whether it ran in the namespace jail."""
 
     passed: bool
     status: Status
     detail: str
     network: str = ""
+    confined: bool = False  # ran in the jail (read-only file system, process tree and count bounded)
 
 
 def pass_at_1(results: Iterable[ExecResult]) -> float:
@@ -170,6 +176,146 @@ exec(_code, {"__name__": "__main__", "__file__": _path, "__builtins__": __builti
 """
 
 
+# The jail: run as ``python -I -c _JAIL WORK UID NPROC USERNS PROGRAM...`` (the rlimits already set).
+# It unshares mount, PID and network namespaces (and a user namespace when not root), makes every
+# mount read-only except a bind mount of WORK, then forks the namespace's init, which runs the
+# program as UID (as root: nobody, with RLIMIT_NPROC) and waits for it. When the program ends, init
+# exits and the kernel kills every process left in the namespace, whatever its session or group; the
+# init dies with this wrapper (PDEATHSIG), so the parent's kill of the wrapper's group ends it all.
+# The wrapper exits as the program did (same code, or killed by the same signal); 125: no jail.
+_JAIL = r"""
+import ctypes, os, resource, signal, sys
+work, uid, nproc, userns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+prog = sys.argv[5:]
+libc = ctypes.CDLL(None, use_errno=True)
+def ok(rc, what):
+    if rc != 0:
+        sys.stderr.write(f"sandbox setup failed: {what}: {os.strerror(ctypes.get_errno())}\n")
+        sys.stderr.flush()
+        os._exit(125)
+euid, egid = os.geteuid(), os.getegid()
+ok(libc.unshare(0x20000 | 0x20000000 | 0x40000000 | (0x10000000 if userns else 0)), "unshare")
+if userns:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{euid} {euid} 1"),
+                       ("gid_map", f"{egid} {egid} 1")):
+        with open(f"/proc/self/{name}", "w") as fh:
+            fh.write(text)
+ok(libc.mount(None, b"/", None, 16384 | (1 << 18), None), "make / private")
+w = work.encode()
+ok(libc.mount(w, w, None, 4096, None), "bind-mount the work directory")
+if uid >= 0:  # nobody must reach the interpreter: reveal a private ancestor (e.g. /root) on a tmpfs
+    parts = os.path.realpath(sys.executable).split("/")
+    for i in range(2, len(parts) - 1):
+        a, c = "/".join(parts[:i]), "/".join(parts[:i + 1])
+        if not os.stat(a).st_mode & 0o001:
+            stage = os.path.join(os.path.dirname(work), "stage").encode()
+            ok(libc.mount(c.encode(), stage, None, 4096 | 16384, None), "stage " + c)
+            ok(libc.mount(b"tmpfs", a.encode(), b"tmpfs", 0, b"mode=0755,size=1m"), "tmpfs on " + a)
+            os.mkdir(c)
+            ok(libc.mount(stage, c.encode(), None, 4096 | 16384, None), "reveal " + c)
+            break
+class Attr(ctypes.Structure):
+    _fields_ = [("set", ctypes.c_uint64), ("clr", ctypes.c_uint64), ("prop", ctypes.c_uint64),
+                ("userns", ctypes.c_uint64)]
+def mount_setattr(path, flags, set_, clr):
+    a = Attr(set_, clr, 0, 0)
+    ok(libc.syscall(442, -100, path, flags, ctypes.byref(a), ctypes.sizeof(a)), f"mount_setattr {path!r}")
+mount_setattr(b"/", 0x8000, 1 | 2, 0)  # AT_RECURSIVE: every mount read-only and nosuid
+mount_setattr(w, 0, 2 | 4, 1)  # the work directory writable again
+os.chdir(work)  # the old cwd is the directory under the bind mount, now read-only
+r, wfd = os.pipe()
+init = os.fork()
+if init == 0:
+    os.close(r)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (the parent is outside: getppid() reads 0)
+    child = os.fork()
+    if child == 0:
+        os.close(wfd)
+        if uid >= 0:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        if nproc > 0:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        os.execv(sys.executable, [sys.executable, "-I", *prog])
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            break
+    os.write(wfd, str(status).encode())
+    os._exit(0)
+os.close(wfd)
+os.waitpid(init, 0)
+data = os.read(r, 64)
+if not data:
+    os._exit(125)
+status = int(data)
+if os.WIFSIGNALED(status):
+    sig = os.WTERMSIG(status)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 128 + os.WTERMSIG(status))
+"""
+_NOBODY = 65534
+
+
+def _count_processes(uid: int) -> int:
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            count += entry.stat().st_uid == uid
+        except OSError:
+            pass  # the process ended while we looked
+    return count
+
+
+def _jail_args(work: Path, nproc_headroom: int = 64) -> list[str]:
+    """The wrapper's arguments before the program's: root runs the program as nobody with a
+    process limit; other users keep their uid in a user namespace (their own RLIMIT_NPROC)."""
+    if os.geteuid() == 0:
+        return [str(work), str(_NOBODY), str(_count_processes(_NOBODY) + nproc_headroom), "0"]
+    return [str(work), "-1", str(_count_processes(os.getuid()) + nproc_headroom), "1"]
+
+
+def _prepare_work(root: Path, work: Path) -> None:
+    (root / "stage").mkdir()  # a mount point the jail may use to reveal the interpreter
+    if os.geteuid() == 0:  # the program runs as nobody: it must reach and own its directory
+        root.chmod(0o711)
+        os.chown(work, _NOBODY, _NOBODY)
+        for f in work.iterdir():
+            os.chown(f, _NOBODY, _NOBODY)
+
+
+@functools.cache
+def _jail_works() -> bool:
+    """Whether the jail can be set up here, found once by trying it (writes only where allowed)."""
+    if not sys.platform.startswith("linux") or os.environ.get("MTAD_SANDBOX_NO_JAIL") == "1":
+        return False
+    with tempfile.TemporaryDirectory(prefix="mtad-probe-") as tmp:
+        root = Path(tmp)
+        work = root / "work"
+        work.mkdir()
+        _prepare_work(root, work)
+        probe = "open('ok', 'w').write('1')\ntry:\n    open('../outside', 'w')\nexcept OSError:\n    pass\n"
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", _JAIL, *_jail_args(work), "-c", probe],
+                                  cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=30, start_new_session=True,
+                                  env={"PATH": os.defpath})
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return done.returncode == 0 and (work / "ok").exists() and not (root / "outside").exists()
+
+
+def sandbox_isolation() -> str:
+    """How the sandbox confines a program here: "jail" (namespaces: read-only file system, network
+    cut, process tree killed on exit, processes capped) or "session" (process group kill, rlimits
+    and the network stubbed or cut only)."""
+    return "jail" if _jail_works() else "session"
+
+
 def _unshare_fn() -> Callable[[int], None] | None:
     if hasattr(os, "unshare"):  # Python >= 3.12
         return os.unshare
@@ -212,6 +358,8 @@ def _unshare_flags() -> tuple[Callable[[int], None], int] | None:
 
 def network_isolation() -> str:
     """The mechanism :func:`humaneval_pass` uses to cut off the network on this machine."""
+    if _jail_works():
+        return "netns" if os.geteuid() == 0 else "userns+netns"
     found = _unshare_flags()
     if found is None:
         return "socket-stub"
@@ -219,16 +367,7 @@ def network_isolation() -> str:
 
 
 def _own_process_count() -> int:
-    uid = os.getuid()
-    count = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            count += entry.stat().st_uid == uid
-        except OSError:
-            pass  # the process ended while we looked
-    return count
+    return _count_processes(os.getuid())
 
 
 def _limiter(memory_mb: int, cpu_s: int, nproc: int | None,
@@ -271,18 +410,25 @@ def _kill_group(pgid: int) -> None:
 
 def _run_sandboxed(source: str, *, timeout_s: float = 10.0, memory_mb: int = 1024) -> ExecResult:
     """Run Python ``source`` in the sandbox; ``passed`` means it exited with status 0 within time."""
-    netns = _unshare_flags()
+    jail = _jail_works()
+    netns = None if jail else _unshare_flags()
     network = network_isolation()
-    # root ignores RLIMIT_NPROC, and for others it counts all their processes, so allow some headroom
-    nproc = None if os.getuid() == 0 else _own_process_count() + 64
+    # root ignores RLIMIT_NPROC (the jail runs it as nobody with its own limit), and for others it
+    # counts all their processes, so allow some headroom
+    nproc = None if jail or os.getuid() == 0 else _own_process_count() + 64
     preexec = _limiter(memory_mb, math.ceil(timeout_s) + 1, nproc, netns)
     with tempfile.TemporaryDirectory(prefix="mtad-exec-") as tmp:
         root = Path(tmp)
         work = root / "work"
         work.mkdir()
         (work / "program.py").write_text(source, encoding="utf-8")
-        cmd = [sys.executable, "-I", "program.py"] if netns else \
-            [sys.executable, "-I", "-c", _SOCKET_STUB, "program.py"]
+        if jail:
+            _prepare_work(root, work)
+            cmd = [sys.executable, "-I", "-c", _JAIL, *_jail_args(work), "program.py"]
+        elif netns:
+            cmd = [sys.executable, "-I", "program.py"]
+        else:
+            cmd = [sys.executable, "-I", "-c", _SOCKET_STUB, "program.py"]
         env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8"),
                "PYTHONHASHSEED": "0",  # ignored by python -I itself; kept for interpreters it spawns
                "HOME": str(work)}
@@ -305,15 +451,18 @@ def _run_sandboxed(source: str, *, timeout_s: float = 10.0, memory_mb: int = 102
         rc = proc.returncode
         output = f"\n--- stdout ---\n{_tail(root / 'stdout')}\n--- stderr ---\n{_tail(root / 'stderr')}"
     if timed_out:
-        return ExecResult(False, "timeout", f"wall-clock limit of {timeout_s:g}s exceeded{output}", network)
+        return ExecResult(False, "timeout", f"wall-clock limit of {timeout_s:g}s exceeded{output}", network,
+                          jail)
+    if jail and rc == 125 and "sandbox setup failed" in output:
+        return ExecResult(False, "error", f"could not set up the sandbox{output}", network, jail)
     if rc == 0:
-        return ExecResult(True, "passed", f"exit status 0{output}", network)
+        return ExecResult(True, "passed", f"exit status 0{output}", network, jail)
     if rc == -signal.SIGXCPU:
-        return ExecResult(False, "timeout", f"CPU-time limit exceeded{output}", network)
+        return ExecResult(False, "timeout", f"CPU-time limit exceeded{output}", network, jail)
     why = f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
     if rc < 0 and -rc in signal.valid_signals():
         why = f"killed by {signal.Signals(-rc).name}"
-    return ExecResult(False, "failed", f"{why}{output}", network)
+    return ExecResult(False, "failed", f"{why}{output}", network, jail)
 
 
 def humaneval_program(problem: dict, completion: str) -> str:

@@ -107,11 +107,13 @@ def test_runs_in_a_throwaway_dir_with_a_minimal_environment(monkeypatch):
 
 def test_infinite_loop_times_out_and_kills_the_process_group():
     body = ("    import subprocess\n"
-            "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-            "    print('cwd=' + os.getcwd())\n    print(f'child={child.pid}', flush=True)\n"
+            # /proc is the host's: /proc/self names the child's pid outside a PID namespace too
+            "    child = subprocess.Popen([sys.executable, '-c', 'import os, time; print(\"child=\" + '\n"
+            "                              'os.readlink(\"/proc/self\"), flush=True); time.sleep(60)'])\n"
+            "    print('cwd=' + os.getcwd(), flush=True)\n"
             "    while True:\n        pass\n")
     start = time.monotonic()
-    res = run(body, timeout_s=1)
+    res = run(body, timeout_s=2)
     assert time.monotonic() - start < 5
     assert (res.passed, res.status) == (False, "timeout")
     assert not Path(printed(res, "cwd")).exists()
@@ -139,6 +141,7 @@ def test_network_is_unreachable():
 
 def test_socket_stub_when_namespaces_are_refused(monkeypatch):
     monkeypatch.setattr(quality, "_unshare_flags", lambda: None)
+    monkeypatch.setattr(quality, "_jail_works", lambda: False)
     assert quality.network_isolation() == "socket-stub"
     res = run("    import socket\n    socket.create_connection(('1.1.1.1', 80), timeout=1)\n    return 1\n")
     assert (res.passed, res.status, res.network) == (False, "failed", "socket-stub")
