@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mtad_energy.decoding.sampling import residual, sample
+from mtad_energy.decoding.sampling import residual, sample, take
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
@@ -30,7 +30,7 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     accepted = (u * q_x <= p_x) & (p_x > 0)
     n = accepted.long().cumprod(0).sum()
     q_pad = torch.cat([q, torch.zeros_like(p[:1])])  # the bonus row has no draft: residual == p
-    next_dist = residual(p[n], q_pad[n])
+    next_dist = residual(take(p, n), take(q_pad, n))
     return n, sample(next_dist, generator)
 
 

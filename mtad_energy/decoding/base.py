@@ -55,11 +55,29 @@ def require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one decoder iteration produced."""
+    """What one decoder iteration produced.
 
-    tokens: torch.Tensor  # [m] tokens to append, m >= 1
+    A decoder whose block length depends on sampled values (how many draft tokens were accepted)
+    does not read that length back itself: it returns a padded ``tokens`` buffer with a 0-d
+    device tensor ``length`` (and may give ``accepted`` as a 0-d device tensor too), and the
+    generate loop reads both back together with the tokens, in its one host sync per iteration.
+    """
+
+    tokens: torch.Tensor  # [m] tokens to append, m >= 1 (or a padded buffer, see `length`)
     proposed: int = 0  # draft tokens shown to the target
-    accepted: int = 0  # of those, accepted
+    accepted: int | torch.Tensor = 0  # of those, accepted (an int, or a 0-d device tensor)
+    length: torch.Tensor | None = None  # 0-d device tensor: only tokens[:length] are emitted
+    # 0-d device tensor: the draft cache is valid only up to this many positions (the loop crops
+    # it there, after the read-back), for drafts whose kept row diverges from the emitted path
+    draft_cache_len: torch.Tensor | None = None
+
+    @classmethod
+    def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
+              proposed: int) -> StepResult:
+        """``draft[:n]`` followed by ``nxt``, with ``n`` (0-d) left on the device: the buffer is
+        ``draft`` with ``nxt`` written at index n, ``[len(draft) + 1]``, of which n + 1 count."""
+        buf = torch.cat([draft, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))
+        return cls(buf, proposed, n, n + 1)
 
 
 class PhaseTimer:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.base import ModelRunner
-from mtad_energy.decoding.sampling import Warp, gumbel_topk
+from mtad_energy.decoding.sampling import Warp, gumbel_topk, take
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,11 @@ class BeamDraft:
 
     @property
     def best_seq(self) -> torch.Tensor:  # [D]
-        return self.seqs[self.best]
+        return take(self.seqs, self.best)
 
     @property
     def best_path_log_q(self) -> torch.Tensor:  # [D]
-        return self.path_log_q[self.best]
+        return take(self.path_log_q, self.best)
 
     def keep(self, runner: ModelRunner, beam: torch.Tensor) -> None:
         """Shrink the runner's W-row cache back to final beam ``beam`` (0-d)."""
@@ -66,13 +66,15 @@ def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width:
     seqs, paths = tok[:, None], cum[:, None]
     if depth > 1:
         runner.repeat_rows(width)
+    if eos_token_id is not None:  # a finished beam can only repeat EOS, at no cost
+        # built with a comparison, not `frozen[eos] = 0.0`: no host-to-device copy per call
+        frozen = torch.where(torch.arange(vocab, device=logits.device) == eos_token_id, 0.0,
+                             float("-inf"))  # [V]
     for _ in range(1, depth):
         log_q = warp.probs(runner(tok[:, None])[:, -1]).log()  # [W, V]
         if eos_token_id is not None:
             done = tok == eos_token_id
-            frozen = torch.full_like(log_q[0], float("-inf"))
-            frozen[eos_token_id] = 0.0
-            log_q = torch.where(done[:, None], frozen, log_q)
+            log_q = torch.where(done[:, None], frozen.to(log_q.dtype), log_q)
         joint = (cum[:, None] + log_q).reshape(-1)  # [W*V]
         idx = gumbel_topk(joint, width, generator, stochastic)
         parent, tok, cum = idx // vocab, idx % vocab, joint[idx]

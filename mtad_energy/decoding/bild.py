@@ -34,7 +34,7 @@ from mtad_energy.decoding.base import (
     param,
     require,
 )
-from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.decoding.sampling import Warp, sample, take
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Bild(Decoder):
         logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [m+1, V]
         log_p = rollback_log_probs(logits[:m], prm.temperature)  # [m, V]
         nll = -log_p.gather(-1, draft[:, None])[:, 0]  # [m]
-        n = int(rollback_length(nll, prm.rollback))
+        n = rollback_length(nll, prm.rollback)  # 0-d, stays on the device
         # rollback: replace x_{n+1} by a sample from ~p there; none: bonus token from ~p after x_m
-        nxt = sample(warp.probs(logits[n]), s.generator)
-        return StepResult(torch.cat([draft[:n], nxt[None]]), m, n)
+        nxt = sample(warp.probs(take(logits, n)), s.generator)
+        return StepResult.block(draft, n, nxt, m)

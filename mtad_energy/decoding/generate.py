@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mtad_energy.decoding.base import Decoder, DecodeState, ModelRunner, PhaseTimer
+from mtad_energy.decoding.base import Decoder, DecodeState, ModelRunner, PhaseTimer, StepResult
 from mtad_energy.models import ModelPair
 
 
@@ -128,6 +128,26 @@ def _split(wall_s: float, before: tuple[float, float], after: tuple[float, float
     return draft_s, target_s, max(0.0, wall_s - draft_s - target_s)
 
 
+def _read_back(result: StepResult) -> tuple[list[int], int, float]:
+    """(emitted tokens, accepted count, valid draft-cache length) on the host, in one
+    device-to-host copy of the tokens and whatever counts the decoder left on the device."""
+    tokens = result.tokens
+    fields = (result.accepted, result.length, result.draft_cache_len)
+    head = [x.view(1).to(tokens.dtype) for x in fields if isinstance(x, torch.Tensor)]
+    values = torch.cat([*head, tokens]).tolist() if head else tokens.tolist()
+    host = []
+    for x in fields:
+        if isinstance(x, torch.Tensor):
+            host.append(values[0])
+            values = values[1:]
+        else:
+            host.append(x)
+    accepted, length, draft_valid = host
+    if length is not None:
+        values = values[:length]
+    return values, int(accepted), math.inf if draft_valid is None else draft_valid
+
+
 PhaseHook = Callable[[str], None]
 """Called with "prefill", "decode" and "end" at the phase boundaries, after the device is synced,
 so a caller can open and close measurement windows without this module knowing about meters."""
@@ -179,16 +199,17 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
     while state.remaining > 0:
         before = (target.forwards, draft.forwards if draft else 0)
         result = decoder.step(state)
-        tokens = result.tokens[:state.remaining]
-        token_list = tokens.tolist()  # the one host sync per iteration
+        token_list, accepted, draft_valid = _read_back(result)  # the one host sync per iteration
         timer.flush()  # this iteration's events are complete now: reading them does not stall
+        token_list = token_list[:state.remaining]
         if eos is not None and eos in token_list:
-            cut = token_list.index(eos) + 1
-            tokens, token_list = tokens[:cut], token_list[:cut]
+            token_list = token_list[:token_list.index(eos) + 1]
             stop = "eos"
-        state.append(tokens)
+        state.append(result.tokens[:len(token_list)])
         new_tokens.extend(token_list)
-        counts.append((len(token_list), result.proposed, result.accepted,
+        # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted
+        accepted = min(accepted, len(token_list))
+        counts.append((len(token_list), result.proposed, accepted,
                        (draft.forwards if draft else 0) - before[1], target.forwards - before[0]))
         phase_times.append(_draft_target(timer))
         if stop == "eos":
@@ -197,7 +218,7 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
         # roll the caches back to the cache invariant: target sees all but the last token
         target.crop(state.n - 1)
         if draft is not None:
-            draft.crop(min(len(draft), state.n - 1))
+            draft.crop(min(len(draft), state.n - 1, draft_valid))
         bounds.append(time.perf_counter())
     timer.sync()
     t_end = time.perf_counter()

@@ -14,13 +14,15 @@ Stats: ``proposed`` = gamma * W tree nodes shown to the target; ``accepted`` = e
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from mtad_energy.decoding.base import Decoder, DecodeState, StepResult, target_step
 from mtad_energy.decoding.beams import beam_sample
 from mtad_energy.decoding.mtad import MtadParams
-from mtad_energy.decoding.sampling import sample
+from mtad_energy.decoding.sampling import sample, take
 from mtad_energy.decoding.tree import ancestors, keep_path, tree_forward
 
 
@@ -52,14 +54,14 @@ def mmtad_select(log_p_tok: torch.Tensor, log_q: torch.Tensor, parents: torch.Te
     on_path = d_idx[None, None, :] <= d_idx[:, None, None]  # [D, 1, D]: depth e is on the path
     tok_lp = log_p_tok[d_idx[None, None, :].expand_as(lin), lin]  # [D, W, D]
     log_p = torch.where(on_path, tok_lp, 0.0).sum(-1)  # [D, W] cumulative along own path
-    log_q_star = log_q[d_idx, lin[-1, best]]  # [D]: y*'s ancestors, not the node at index best
+    log_q_star = log_q[d_idx, take(lin[-1], best)]  # [D]: y*'s ancestors, not the node at best
     passes = (log_p - log_q_star[:, None] > log_tau) & (log_q > float("-inf"))
     lengths = torch.where(passes.any(1), d_idx + 1, 0)  # [D]
     eta = lengths.max()
     row = (eta - 1).clamp_min(0)
-    score = torch.where(passes[row], log_p[row], float("-inf"))  # [W]
+    score = torch.where(take(passes, row), take(log_p, row), float("-inf"))  # [W]
     b = torch.where(eta > 0, score.argmax(), 0)  # argmax returns the first (lowest) index on ties
-    return eta, b, lin[row, b]
+    return eta, b, take(take(lin, row), b)
 
 
 class Mmtad(Decoder):
@@ -95,14 +97,15 @@ class Mmtad(Decoder):
         d_idx = torch.arange(gamma, device=dev)
         path_tok = beams.tokens[d_idx, path]  # [D]; the first eta are the accepted tokens
         node = torch.where(eta > 0, 1 + (eta - 1) * width + b, 0)
-        nxt = sample(p[node], s.generator)
-        # draft cache: the final beam sharing the longest token prefix with the chosen path
+        nxt = sample(take(p, node), s.generator)
+        # draft cache: the final beam sharing the longest token prefix with the chosen path; the
+        # loop crops it to n + that prefix after the read-back (no host sync here)
         valid = d_idx < eta
         lcp = ((beams.seqs == path_tok[None]) & valid[None]).long().cumprod(1).sum(1)  # [W]
         row = lcp.argmax()
-        eta, lcp_i = torch.stack([eta, lcp[row]]).tolist()  # the one host sync
         beams.keep(s.draft, row)
-        s.draft.crop(n + lcp_i)
-        path_nodes = 1 + d_idx[:eta] * width + path[:eta]
+        # target: gather the path's node at every depth; the loop crops to the accepted eta
+        path_nodes = 1 + d_idx * width + path
         keep_path(s.target, n - 1, torch.cat([path_nodes.new_zeros(1), path_nodes]))
-        return StepResult(torch.cat([path_tok[:eta], nxt[None]]), gamma * width, eta)
+        return dataclasses.replace(StepResult.block(path_tok, eta, nxt, gamma * width),
+                                   draft_cache_len=n + take(lcp, row))

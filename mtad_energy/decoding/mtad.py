@@ -24,7 +24,7 @@ from mtad_energy.decoding.base import (
     target_step,
 )
 from mtad_energy.decoding.beams import beam_sample
-from mtad_energy.decoding.sampling import sample
+from mtad_energy.decoding.sampling import sample, take
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,7 @@ class Mtad(Decoder):
         y = beams.best_seq  # [gamma]
         p = warp.probs(s.target(torch.cat([s.last_token[0], y])[None])[0])  # [gamma+1, V]
         eta, nxt = mtad_verify(p, y, beams.best_path_log_q, prm.log_tau, s.generator)
-        eta = int(eta)
-        return StepResult(torch.cat([y[:eta], nxt[None]]), gamma, eta)
+        return StepResult.block(y, eta, nxt, gamma)
 
 
 def mtad_verify(p: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor, log_tau: float,
@@ -80,4 +79,4 @@ def mtad_verify(p: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor, log_t
     log_q = torch.diff(cum_log_q, prepend=cum_log_q.new_zeros(1))  # per-token log ~q(y_i)
     log_p = p[torch.arange(gamma, device=y.device), y].log()
     eta = joint_accept_length(log_p, log_q, log_tau)
-    return eta, sample(p[eta], generator)
+    return eta, sample(take(p, eta), generator)

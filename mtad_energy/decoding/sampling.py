@@ -64,6 +64,12 @@ def log_probs(probs: torch.Tensor) -> torch.Tensor:
     return probs.log()
 
 
+def take(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``x[i]`` for a 0-d index tensor ``i``, on the device: plain indexing with a 0-d tensor reads
+    it back to the host first (a sync per index on a GPU)."""
+    return x.index_select(0, i.reshape(1)).squeeze(0)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row: probs ``[..., V]`` -> token ids ``[...]``."""
     flat = probs.reshape(-1, probs.shape[-1])

@@ -59,5 +59,4 @@ class SpeculativeDecoding(Decoder):
         draft, q = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)
         p = warp.probs(s.target(torch.cat([s.last_token[0], draft])[None])[0])  # [gamma+1, V]
         n, nxt = speculative_accept(p, q, draft, s.generator)
-        n = int(n)
-        return StepResult(torch.cat([draft[:n], nxt[None]]), gamma, n)
+        return StepResult.block(draft, n, nxt, gamma)

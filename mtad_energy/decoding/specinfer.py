@@ -120,7 +120,8 @@ class SpecInfer(Decoder):
         depth, path, dist = tree_speculative_accept(p, q, tokens, branching, u,
                                                     self.without_replacement)
         nxt = sample(dist, s.generator)
-        depth = int(depth)  # the one host sync
-        keep_path(s.target, n - 1, torch.cat([path.new_zeros(1), 1 + path[:depth]]))
-        keep_path(s.draft, n, path[:min(depth, len(branching) - 1)])
-        return StepResult(torch.cat([tokens[path[:depth]], nxt[None]]), tokens.shape[0], depth)
+        # gather the chosen node of every level; the loop then crops both caches to the
+        # accepted depth, so depth never has to be read back here
+        keep_path(s.target, n - 1, torch.cat([path.new_zeros(1), 1 + path]))
+        keep_path(s.draft, n, path[:len(branching) - 1])
+        return StepResult.block(tokens[path], depth, nxt, tokens.shape[0])

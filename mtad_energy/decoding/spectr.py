@@ -88,7 +88,6 @@ class Spectr(Decoder):
             s.target.select_rows(row[None])
             if gamma > 1:
                 s.draft.select_rows(row[None])
-        n = int(n)
-        kept = drafts.index_select(0, row[None])[0, :n]
+        kept = drafts.index_select(0, row[None])[0]  # [gamma]; the first n are accepted
         # proposed = every draft token shown to the target (k * gamma), as for tree decoders
-        return StepResult(torch.cat([kept, nxt[None]]), k * gamma, n)
+        return StepResult.block(kept, n, nxt, k * gamma)

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from mtad_energy.decoding.sampling import residual
+from mtad_energy.decoding.sampling import residual, take
 
 
 def level_offsets(branching: tuple[int, ...]) -> list[int]:
@@ -56,10 +56,10 @@ def tree_speculative_accept(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tens
         chosen, found = first, torch.zeros_like(alive)
         for c in range(b):
             i = first + c
-            x = tokens[i]
-            p_x, q_x = p_cur[x], q_cur[x]
+            x = take(tokens, i)
+            p_x, q_x = take(p_cur, x), take(q_cur, x)
             tried = alive & ~found & (q_x > 0)
-            ok = tried & (u[i] * q_x <= p_x) & (p_x > 0)
+            ok = tried & (take(u, i) * q_x <= p_x) & (p_x > 0)
             rejected = tried & ~ok
             chosen = torch.where(ok, i, chosen)
             found = found | ok
@@ -71,8 +71,8 @@ def tree_speculative_accept(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tens
         depth = depth + alive.long()
         path.append(chosen)
         cur = chosen - offsets[level]
-        p_cur = p[1 + chosen]  # only used while alive
+        p_cur = take(p, 1 + chosen)  # only used while alive
         if level + 1 < levels:
-            q_cur = q[1 + chosen]
+            q_cur = take(q, 1 + chosen)
     dist = torch.where(alive, p_cur, dist)  # accepted a leaf: its bonus token comes from p
     return depth, torch.stack(path), dist

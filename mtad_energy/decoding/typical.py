@@ -26,7 +26,7 @@ from mtad_energy.decoding.base import (
     require,
     target_step,
 )
-from mtad_energy.decoding.sampling import sample, warp_probs
+from mtad_energy.decoding.sampling import sample, take, warp_probs
 from mtad_energy.decoding.spd import draft_chain
 
 
@@ -61,6 +61,6 @@ class Typical(Decoder):
         draft, _ = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)  # [gamma]
         logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [gamma+1, V]
         p_test = warp_probs(logits[:gamma], prm.temperature, top_k=0, top_p=1.0)  # [gamma, V]
-        n = int(typical_accept_length(p_test, draft, prm.eps, prm.delta))
-        nxt = sample(warp.probs(logits[n]), s.generator)  # only the row we sample from is warped
-        return StepResult(torch.cat([draft[:n], nxt[None]]), gamma, n)
+        n = typical_accept_length(p_test, draft, prm.eps, prm.delta)  # 0-d, stays on the device
+        nxt = sample(warp.probs(take(logits, n)), s.generator)  # only the sampled row is warped
+        return StepResult.block(draft, n, nxt, gamma)

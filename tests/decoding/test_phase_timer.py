@@ -189,15 +189,8 @@ def _where(stack: traceback.StackSummary) -> str:
     return " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.line}" for f in frames[::-1])
 
 
-_IMPLICIT_SYNCS = pytest.mark.xfail(
-    strict=True, reason="0-d tensor indexing and int() in the acceptance path sync the host "
-    "(acceptance.py, spd.py, beams.py, mtad.py; seen on an H100); the host-overhead work of "
-    "issue 11 removes them, and this then passes")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("decoder", ["ar", pytest.param("spd", marks=_IMPLICIT_SYNCS),
-                                     pytest.param("mtad", marks=_IMPLICIT_SYNCS)])
+@pytest.mark.parametrize("decoder", ["ar", "spd", "mtad"])
 def test_one_host_sync_per_iteration_on_gpu(model_dirs, decoder):
     from mtad_energy.models import load_pair
 
