@@ -172,7 +172,8 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
         console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(runner.meter_reason.split(';')[0])}")
     try:
         with _progress() as bar:
-            task = bar.add_task(esc(config.sweep), total=len(work_units(config, prompts)), note="")
+            task = bar.add_task(esc(config.sweep), total=len(runner.unique(work_units(config, prompts))),
+                                note="")
 
             def step(row: dict | None, unit) -> None:
                 note = f"{unit.decoder.label} {unit.prompt.id}" + (

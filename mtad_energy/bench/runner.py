@@ -34,7 +34,7 @@ from mtad_energy.measure import (
 )
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
-from mtad_energy.results.store import ResultStore
+from mtad_energy.results.store import ResultStore, RowExistsError
 
 Progress = Callable[[dict[str, Any] | None, "WorkUnit"], None]
 """Called once per work unit with its new row, or None when it was already stored (skipped)."""
@@ -62,8 +62,10 @@ class RunReport:
 
 def work_units(config: RunConfig, prompts: Sequence[Prompt]) -> list[WorkUnit]:
     """Every row a configuration asks for, in a fixed order (decoders interleaved per prompt so an
-    interrupted sweep has covered every decoder on the first prompts)."""
-    return [WorkUnit(p, d, r) for p in prompts for r in range(config.repeats) for d in config.decoders]
+    interrupted sweep has covered every decoder on the first prompts). A unit asked for twice (a
+    decoder or a dataset listed twice) is listed once."""
+    units = [WorkUnit(p, d, r) for p in prompts for r in range(config.repeats) for d in config.decoders]
+    return list(dict.fromkeys(units))
 
 
 def shard(units: Sequence[WorkUnit], index: int, count: int) -> list[WorkUnit]:
@@ -250,6 +252,8 @@ class Runner:
                  for i, st in enumerate(gen.steps)]
         # steps first: the run row is the commit mark (a run without its row is redone, and its
         # steps file is then overwritten, never duplicated)
+        if self.store.has("runs", key):  # another worker stored it meanwhile: keep its steps
+            raise RowExistsError(f"runs row {key} was stored by another worker meanwhile")
         self.store.write("steps", key, steps, overwrite=True)
         self.store.write("runs", key, [row])
         return row
@@ -280,14 +284,29 @@ class Runner:
         self.store.write("ops", key, [row])
         return row
 
+    def unique(self, units: Sequence[WorkUnit]) -> list[WorkUnit]:
+        """``units`` without those that ask for a row an earlier unit asks for (same run key: e.g.
+        a decoder listed once with its defaults and once with them spelled out)."""
+        first: dict[str, WorkUnit] = {}
+        for unit in units:
+            first.setdefault(self.run_key(unit), unit)
+        return list(first.values())
+
     def iter_run(self, units: Sequence[WorkUnit]) -> Iterator[tuple[dict[str, Any] | None, WorkUnit]]:
-        """Run the units not yet stored; yields (row or None if it was already stored, unit)."""
+        """Run the units not yet stored; yields (row or None if it was already stored, unit).
+        A row another worker stores meanwhile (into the same store) counts as stored."""
         done = self.store.keys("runs")
         for unit in units:
-            if self.run_key(unit) in done:
+            key = self.run_key(unit)
+            if key in done or self.store.has("runs", key):
                 yield None, unit
-            else:
-                yield self.run_unit(unit), unit
+                continue
+            try:
+                row = self.run_unit(unit)
+            except RowExistsError:  # another worker finished the same row first
+                row = None
+            done.add(key)
+            yield row, unit
 
 
 def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None = None,
@@ -301,7 +320,7 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     to show the model and meter); otherwise one is built from ``pair``, ``meter`` and ``scorer``."""
     runner = runner or Runner(config, store, pair=pair, meter=meter, scorer=scorer)
     prompts = list(prompts) if prompts is not None else load_config_prompts(config)
-    units = shard(work_units(config, prompts), shard_index, shard_count)
+    units = shard(runner.unique(work_units(config, prompts)), shard_index, shard_count)
     ran = skipped = 0
     for row, unit in runner.iter_run(units):
         ran, skipped = ran + (row is not None), skipped + (row is None)

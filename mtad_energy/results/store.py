@@ -52,10 +52,27 @@ class CorruptFileError(StoreError):
     pass
 
 
-def _write_atomic(path: Path, write) -> None:
+class RowExistsError(StoreError):
+    """The row is already stored (by an earlier run or, just now, by another worker)."""
+
+
+def _write_atomic(path: Path, write, exclusive: bool = False) -> None:
+    """Write through a temporary file renamed into place. ``exclusive``: fail with
+    `FileExistsError` if ``path`` exists, also when another process creates it at the same moment
+    (a hard link is created atomically or not at all; where the file system has no hard links,
+    an existence check just before the rename leaves a window of microseconds)."""
     tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
     try:
         write(tmp)
+        if exclusive:
+            try:
+                os.link(tmp, path)
+                return
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links here (some network or FUSE file systems)
+                if path.exists():
+                    raise FileExistsError(path) from None
         os.replace(tmp, path)  # atomic on POSIX: readers see the old state or the whole file
     finally:
         tmp.unlink(missing_ok=True)
@@ -155,7 +172,8 @@ class ResultStore:
     def write(self, table: str, key: str, rows: Iterable[Mapping[str, Any]],
               overwrite: bool = False) -> Path:
         """Store ``rows`` (all sharing ``key``) as one part file. A key that is already stored is
-        refused unless ``overwrite`` (used only for ``steps``, whose run row is the commit mark)."""
+        refused with `RowExistsError` unless ``overwrite`` (used only for ``steps``, whose run row
+        is the commit mark); the refusal is atomic, so of two workers storing one key, one wins."""
         d = self._table_dir(table)
         spec: TableSpec = TABLES[table]
         rows = [dict(r) for r in rows]
@@ -168,11 +186,15 @@ class ResultStore:
             if r[spec.key] != key:
                 raise ValueError(f"{table} row has {spec.key}={r[spec.key]!r}, expected {key!r}")
         path = d / f"{key}.parquet"
+        exists = RowExistsError(f"{table} row {key} is already stored in {path}; rows are never "
+                                "written twice")
         if path.exists() and not overwrite:
-            raise StoreError(f"{table} row {key} is already stored in {path}; rows are never "
-                             "written twice")
+            raise exists
         frame = pd.DataFrame(rows)
-        _write_atomic(path, lambda p: frame.to_parquet(p, index=False))
+        try:
+            _write_atomic(path, lambda p: frame.to_parquet(p, index=False), exclusive=not overwrite)
+        except FileExistsError:  # another worker stored it between the check and the write
+            raise exists from None
         return path
 
     def write_env(self, env_id: str, snapshot: Mapping[str, Any]) -> None:
