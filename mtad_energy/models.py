@@ -120,9 +120,29 @@ def cache_dir() -> Path:
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` (CUDA when available, else CPU) or the named device (`check_device` says whether it
+    exists here; `load_model` calls it)."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {str(device)!r}; use auto, cpu, cuda or cuda:N") from None
+
+
+def check_device(dev: torch.device) -> None:
+    """A ValueError saying why ``dev`` cannot be used here (CUDA missing, no such GPU index)."""
+    device = dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA support" if torch.version.cuda is None
+                   else "no NVIDIA GPU is visible (driver, CUDA_VISIBLE_DEVICES)")
+            raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available: {why}; "
+                             "use --device cpu (or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s), cuda:0.."
+                             f"cuda:{torch.cuda.device_count() - 1}")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -201,6 +221,16 @@ def _offline_help(model_id: str) -> str:
             "local directory with --target/--draft (Python: target=..., draft=...).")
 
 
+def _damaged_help(model_id: str, source: str, error: Exception) -> str:
+    first = (str(error).splitlines() or [""])[0][:200]
+    what = ("a weight file is truncated or damaged" if "safetensor" in type(error).__name__.lower()
+            or "safetensor" in first.lower() else "a file in it is damaged or incomplete")
+    files = ", ".join(sorted(p.name for p in Path(source).iterdir())[:8])
+    return (f"cannot load the model in {source} ({model_id!r}): {what} ({type(error).__name__}: "
+            f"{first}); files there: {files}. Fix: download or save the model again (an interrupted "
+            "copy leaves a short file)")
+
+
 def _source(model_id: str) -> tuple[str, dict[str, Any]]:
     """(path or hub id, extra from_pretrained kwargs) for a model id."""
     if model_id == SMOLLM2_ID:
@@ -210,7 +240,16 @@ def _source(model_id: str) -> tuple[str, dict[str, Any]]:
     if Path(model_id).expanduser().exists():
         raise ValueError(f"{model_id!r} is a file, not a model directory; pass the directory that "
                          "holds config.json and the weights")
+    if _looks_like_path(model_id):
+        raise ValueError(f"model directory {model_id} does not exist; check the path (a hub id looks "
+                         "like org/name)")
     return model_id, {}
+
+
+def _looks_like_path(model_id: str) -> bool:
+    """A hub id is ``name`` or ``org/name``; anything absolute, relative-marked or deeper is a path."""
+    return (model_id.startswith(("/", "./", "../", "~", ".\\")) or model_id.count("/") >= 2
+            or os.sep != "/" and os.sep in model_id)
 
 
 def _from_pretrained(cls, model_id: str, **kwargs):
@@ -225,6 +264,10 @@ def _from_pretrained(cls, model_id: str, **kwargs):
             if Path(source).is_dir():
                 raise ModelNotAvailableError(f"cannot load {model_id!r}: {local_error}") from None
             raise ModelNotAvailableError(_offline_help(model_id)) from None
+    except Exception as error:  # a damaged local file: safetensors, JSON, torch each raise their own
+        if not Path(source).is_dir():
+            raise
+        raise ModelNotAvailableError(_damaged_help(model_id, source, error)) from None
     try:
         return cls.from_pretrained(source, **kwargs)
     except OSError as error:
@@ -256,6 +299,7 @@ def load_model(model_id: str, device: str | torch.device = "auto",
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
+    check_device(dev)
     dt = _dtype(dtype, dev)
     if dev.type == "cuda" and model_id != SMOLLM2_ID and not _fits_one_gpu(model_id, dt):
         model = _from_pretrained(AutoModelForCausalLM, model_id, dtype=dt, device_map="auto")

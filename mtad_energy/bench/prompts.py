@@ -48,20 +48,65 @@ def mtbench(n: int | None = None) -> list[Prompt]:
     return [Prompt(f"mtbench/{r['question_id']}", r["turns"][0], "mtbench") for r in rows]
 
 
+_JSONL_FIELDS = ("prompt", "text", "question", "turns")
+
+
+def _read_utf8(path: Path) -> str:
+    """The file's text; invalid UTF-8 is an error naming the file, line and byte offset."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {col}); "
+                         "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def jsonl(path: str | Path, n: int | None = None) -> list[Prompt]:
+    """Prompts from a JSON Lines file: one object per line with a ``prompt`` (or ``text`` /
+    ``question`` / ``turns``) field, an optional ``id`` and ``reference``. Every problem (not valid
+    UTF-8 or JSON, a line that is not an object, a missing or empty field, no prompts at all) is a
+    ValueError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     out = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    for lineno, line in enumerate(_read_utf8(path).splitlines(), 1):
+        if n is not None and len(out) >= n:
+            break
         if not line.strip():
             continue
-        row = json.loads(line)
-        text = row.get("prompt") or row.get("text") or row.get("question") or (row.get("turns") or [None])[0]
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); a .jsonl file holds "
+                             "one JSON object per line") from None
+        if not isinstance(row, dict):
+            kind = {list: "an array", str: "a string"}.get(type(row), f"a {type(row).__name__}")
+            raise ValueError(f"{where}: expected a JSON object such as {{\"id\": \"q1\", \"prompt\": "
+                             f"\"...\"}}, got {kind}; a .jsonl file holds one object per line, not one "
+                             "JSON array")
+        present = [k for k in _JSONL_FIELDS if k in row]
+        if not present:
+            have = ", ".join(map(str, row)) or "none"
+            raise ValueError(f"{where}: no 'prompt', 'text', 'question' or 'turns' field "
+                             f"(fields present: {have})")
+        value = row[present[0]]
+        text = (value[0] if value else None) if present[0] == "turns" and isinstance(value, list) else value
         if not isinstance(text, str):
-            raise ValueError(f"{path}:{i + 1}: no 'prompt', 'text', 'question' or 'turns' field")
-        out.append(Prompt(str(row.get("id", i)), text, path.stem, row.get("reference")))
-    return out[:n]
+            raise ValueError(f"{where}: field {present[0]!r} must be a string"
+                             + (" list" if present[0] == "turns" else "")
+                             + f", got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError(f"{where}: field {present[0]!r} is empty; give the prompt text or remove "
+                             "the line")
+        out.append(Prompt(str(row.get("id", lineno - 1)), text, path.stem, row.get("reference")))
+    if not out:
+        raise ValueError(f"{path} holds no prompts (the file is empty or only blank lines); add one "
+                         "JSON object per line with a 'prompt' field")
+    return out
 
 
 # --- locating local files --------------------------------------------------------------------------
@@ -144,9 +189,9 @@ def _records(path: Path, n: int | None) -> list[tuple[str, Any]]:
     """The first ``n`` records of a .json/.jsonl/.csv/.parquet file, each with a locator for errors."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _jsonl_records(path, path.read_text(encoding="utf-8"), n)
+        return _jsonl_records(path, _read_utf8(path), n)
     if suffix == ".json":
-        text = path.read_text(encoding="utf-8")
+        text = _read_utf8(path)
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
