@@ -123,3 +123,105 @@ def test_a_missing_target_directory_is_called_missing(tmp_path):
     assert res.exit_code == 2, res.output
     assert "/no/such/dir does not exist" in words(res.output)
     assert "hf download" not in res.output
+
+
+# --- the results store (C7, C8) --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stored(model_dirs, tmp_path_factory):
+    """A store holding two finished runs, and the command that made it (copy it before changing)."""
+    root = tmp_path_factory.mktemp("stored")
+    prompts = root / "toy.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "w3 w4 w5"}\n{"id": "b", "prompt": "w6 w7"}\n')
+    out = root / "store"
+    args = ["profile", "--decoder", "ar", *pair_args(model_dirs), "--dataset", str(prompts),
+            "--n-prompts", "2", "--output", str(out)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return out, args
+
+
+def copy_store(stored, tmp_path):
+    out, args = stored
+    mine = tmp_path / "store"
+    shutil.copytree(out, mine)
+    return mine, [a if a != str(out) else str(mine) for a in args]
+
+
+def test_a_foreign_parquet_file_with_a_valid_name_is_not_loaded_as_a_row(stored, tmp_path):
+    import pandas as pd
+
+    from mtad_energy.results import load_results
+    from mtad_energy.results.store import ForeignFileError
+
+    store, _ = copy_store(stored, tmp_path)
+    foreign = store / "runs" / "0123456789abcdef.parquet"
+    pd.DataFrame({"decoder": ["ar"], "tokens_per_s": [1e9]}).to_parquet(foreign)
+    with pytest.raises(ForeignFileError) as e:
+        load_results(store)
+    assert str(foreign) in str(e.value) and "not written by mtad-energy" in str(e.value)
+    res = runner.invoke(app, ["report", str(store), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 2 and "0123456789abcdef.parquet" in flat(res.output)
+
+
+def test_the_advice_for_a_truncated_steps_part_brings_its_steps_back(stored, tmp_path):
+    from mtad_energy.results import load_results
+    from mtad_energy.results.store import CorruptFileError
+
+    store, args = copy_store(stored, tmp_path)
+    steps = sorted((store / "steps").glob("*.parquet"))[0]
+    steps.write_bytes(steps.read_bytes()[:20])
+    with pytest.raises(CorruptFileError) as e:
+        load_results(store, "steps")
+    message = str(e.value)
+    run_row = store / "runs" / steps.name
+    assert str(steps) in message and str(run_row) in message
+    steps.unlink()  # follow the advice
+    run_row.unlink()
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "1 run(s) measured, 1 already stored" in words(res.output)
+    assert set(load_results(store, "steps")["run_key"]) == set(load_results(store)["run_key"])
+    assert len(load_results(store)) == 2
+
+
+def test_a_full_disk_says_so_keeps_every_row_and_resumes(stored, tmp_path, monkeypatch):
+    import errno
+
+    import pandas as pd
+
+    from mtad_energy.results import load_results
+
+    store, args = copy_store(stored, tmp_path)
+    # a third prompt: its first write (the steps part) hits a full disk
+    prompts = tmp_path / "toy.jsonl"  # the same dataset name: the first two rows are stored
+    prompts.write_text('{"id": "a", "prompt": "w3 w4 w5"}\n{"id": "b", "prompt": "w6 w7"}\n'
+                       '{"id": "c", "prompt": "w8 w9"}\n')
+    args = [str(prompts) if a.endswith("toy.jsonl") else a for a in args]
+    args[args.index("--n-prompts") + 1] = "3"
+    real = pd.DataFrame.to_parquet
+
+    def full(self, path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", full)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert "disk full" in words(res.output) and "re-run the same command" in words(res.output)
+    assert "Traceback" not in res.output
+    assert len(load_results(store)) == 2  # nothing stored was lost
+    assert not [p for p in store.rglob(".tmp-*")]
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", real)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert "1 run(s) measured, 2 already stored" in words(again.output)
+
+
+def test_report_on_a_file_says_it_is_a_file(tmp_path):
+    path = tmp_path / "results.parquet"
+    path.write_text("x")
+    res = runner.invoke(app, ["report", str(path)])
+    assert res.exit_code == 2, res.output
+    assert "is a file, not a results directory" in words(res.output)
+    assert not (tmp_path / "results.parquet-report").exists()

@@ -351,9 +351,9 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     if out.resolve().is_relative_to(store_dir.resolve()):
         raise ValueError(f"the report directory {out} is inside the results store {store_dir}; a store "
                          "may hold only what mtad-energy wrote: choose another out_dir")
+    runs = load_results(store_dir, "runs")  # before creating anything: is it a store at all?
     fig_dir = out / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
-    runs = load_results(store_dir, "runs")
     steps = load_results(store_dir, "steps")
     batch = load_results(store_dir, "batch")
     summary = analysis.decoder_summary(runs, baseline=baseline)

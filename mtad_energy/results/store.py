@@ -19,6 +19,7 @@ names the file: skipping it would silently drop results.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -52,6 +53,10 @@ class CorruptFileError(StoreError):
     pass
 
 
+class DiskFullError(StoreError):
+    """No space left while writing a part file; the rows stored before it are intact."""
+
+
 class RowExistsError(StoreError):
     """The row is already stored (by an earlier run or, just now, by another worker)."""
 
@@ -63,7 +68,15 @@ def _write_atomic(path: Path, write, exclusive: bool = False) -> None:
     an existence check just before the rename leaves a window of microseconds)."""
     tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"disk full: no space left to write {path} ({err.strerror or err}). Every row "
+                    "finished before it is stored intact (a row is written whole or not at all); free "
+                    "some space, then re-run the same command to resume where it stopped") from None
+            raise
         if exclusive:
             try:
                 os.link(tmp, path)
@@ -216,13 +229,22 @@ class ResultStore:
             done = self.keys("runs")
             paths = [p for p in paths if p.stem in done]
         frames = []
+        key = TABLES[table].key
         for p in paths:
             try:
-                frames.append(pd.read_parquet(p))
+                frame = pd.read_parquet(p)
             except Exception as err:  # pyarrow raises several types for a damaged file
-                raise CorruptFileError(
-                    f"{p} is not a readable Parquet file ({type(err).__name__}: {err}); delete it "
-                    "and re-run the same command to recompute that row") from None
+                # a run is redone only when its run row is missing: a damaged steps part goes with it
+                fix = (f"delete it and its run row {self.root / 'runs' / p.name}, then re-run the same "
+                       "command to recompute that run" if table == "steps" else
+                       "delete it and re-run the same command to recompute that row")
+                raise CorruptFileError(f"{p} is not a readable Parquet file ({type(err).__name__}: "
+                                       f"{err}); {fix}") from None
+            if not frame.empty and (key not in frame.columns or (frame[key] != p.stem).any()):
+                raise ForeignFileError(f"{p} was not written by mtad-energy (its rows do not carry "
+                                       f"{key} = {p.stem}, the file's name); move it out of the results "
+                                       "directory")
+            frames.append(frame)
         frames = [f for f in frames if not f.empty]
         if not frames:
             return pd.DataFrame(columns=list(TABLES[table].required))
@@ -245,6 +267,9 @@ def load_results(root: str | Path, table: str = "runs") -> pd.DataFrame:
     Raises `StoreError` when ``root`` is not a store or holds a foreign or damaged file.
     """
     path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"{path} is a file, not a results directory; pass the directory given as "
+                         "--output (it holds mtad-energy-store.json)")
     if not path.is_dir():
         raise StoreError(f"results directory {path} does not exist; run `mtad-energy profile "
                          f"--output {path}` first")
