@@ -96,9 +96,19 @@ def energy_text(value: Any, reason: Any) -> str:
     return f"{value:.4g}"
 
 
+SIMULATED_NOTE = ("J/tok (simulated): meter 'simulated' models a GPU and its power sensor; these joules "
+                  "were not measured")
+
+
+def is_simulated(meter: Any) -> bool:
+    """A summary's ``meter`` cell (meters joined by '; ') names the simulated meter."""
+    return "simulated" in str(meter or "").split("; ")
+
+
 def summary_table(summary, title: str = "") -> Table:
     table = Table(title=esc(title) or None, title_justify="left", show_edge=False, caption_justify="left")
     reasons: set[str] = set()
+    simulated = False
     cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
             ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
             ("accept", "acceptance_rate"), ("ppl", "perplexity"), ("J/tok", "energy_per_token_j")]
@@ -115,6 +125,9 @@ def summary_table(summary, title: str = "") -> Table:
                 cells.append(energy_text(v, None).split(":")[0])
                 if cells[-1] == "n/a":
                     reasons.add(energy_text(v, r.get("energy_reason")).removeprefix("n/a: "))
+                elif is_simulated(r.get("meter")):
+                    cells[-1] += " (simulated)"
+                    simulated = True
             elif col in ("label", "dataset"):
                 cells.append(esc(v))
             elif col == "n_runs":
@@ -123,8 +136,11 @@ def summary_table(summary, title: str = "") -> Table:
                 cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
         table.add_row(*cells)
+    captions = [SIMULATED_NOTE] if simulated else []
     if reasons:
-        table.caption = esc("J/tok n/a: " + "; ".join(sorted(reasons)))
+        captions.append("J/tok n/a: " + "; ".join(sorted(reasons)))
+    if captions:
+        table.caption = esc("\n".join(captions))
     return table
 
 
@@ -230,12 +246,14 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
 
 
 def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
-            seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep):
+            seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep,
+            require_energy=False):
     alias = None if target and model == "smollm2" else model  # a custom target is not "smollm2"
     return RunConfig(
         decoders=decoders, model=ModelSpec(alias, target, draft, device, dtype),
         datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
-        seed=seed, repeats=repeats, chat=chat, measure=MeasureConfig(meter, mitigate), ops=ops,
+        seed=seed, repeats=repeats, chat=chat, ops=ops,
+        measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
         allow_code_execution=allow_code_execution, sweep=sweep)
 
 
@@ -248,8 +266,12 @@ Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dail
 NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
 MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]
 Sets = Annotated[list[str] | None, typer.Option("--set", help="decoder param key=value or decoder.key=value")]
-Meter = Annotated[str, typer.Option(help="auto|nvml-counter|nvml-power|zeus|rapl|none")]
-Mitigate = Annotated[str, typer.Option(help="Yang et al. repetitions: auto (GPU meters)|on|off")]
+Meter = Annotated[str, typer.Option(help="auto|nvml-counter|nvml-power|zeus|rapl|none|simulated "
+                                          "(simulated: a modelled GPU and sensor, not a measurement)")]
+Mitigate = Annotated[str, typer.Option(help="Yang et al. repetitions: auto (GPU meters that measure "
+                                            "energy here)|on|off")]
+RequireEnergy = Annotated[bool, typer.Option("--require-energy", help="exit 2 before loading any model "
+                                             "when the meter cannot measure energy here")]
 Output = Annotated[Path | None, typer.Option(help="results directory (default results/<command>)")]
 Json = Annotated[bool, typer.Option("--json", help="print JSON")]
 Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")]
@@ -269,7 +291,8 @@ def profile(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
-    workers: Workers = 1, cluster: Cluster = "local", as_json: Json = False,
+    workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
+    as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -277,7 +300,8 @@ def profile(
     try:
         specs = decoder_specs(split_list(decoder), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
-                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile")
+                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
+                         require_energy)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster)
@@ -294,7 +318,8 @@ def compare(
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
-    workers: Workers = 1, cluster: Cluster = "local", as_json: Json = False,
+    workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
+    as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -304,13 +329,16 @@ def compare(
     try:
         specs = decoder_specs(split_list(decoders), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
-                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare")
+                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
+                         require_energy)
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
     summary = run_config(config, out, as_json, "compare", workers, cluster)
     table = main_table(summary)
     md = to_markdown(table)
+    if "meter" in summary and summary["meter"].map(is_simulated).any():
+        md += "\n\n" + SIMULATED_NOTE.replace("J/tok", "J/token") + "."
     path = markdown or out.with_suffix(".md")
     path.write_text(md + "\n")
     if not as_json:
@@ -329,7 +357,7 @@ def sweep_param(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
-    as_json: Json = False,
+    require_energy: RequireEnergy = False, as_json: Json = False,
 ):
     """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
     import itertools
@@ -345,7 +373,8 @@ def sweep_param(
         if baseline != "none":
             specs = list(decoder_specs([baseline], {})) + specs
         config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
-                         repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}")
+                         repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
+                         require_energy)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
@@ -362,7 +391,7 @@ def sweep_batch_size(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None,
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
-    seed: int = 0, output: Output = None, as_json: Json = False,
+    seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
 ):
     """The paper's batch-size study: energy and time per run and per input.
 
@@ -377,15 +406,16 @@ def sweep_batch_size(
     out = output or Path("results/batch-size")
     try:
         size_list = parse_sizes(sizes)
-        mcfg = MeasureConfig(meter, mitigate)
-        store = ResultStore(out)
-        with console.status("loading the target"):
-            pair = load_pair(model, target=target, device=device, dtype=dtype, with_draft=False)
+        mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
         if meter == "auto":
             choice = select_meter()
             m, why = choice.meter, choice.reason
         else:
             m, why = get_meter(meter), f"asked for {meter}"
+        mitigates = mcfg.mitigation_for(m)  # before loading: --require-energy, --mitigate on
+        store = ResultStore(out)
+        with console.status("loading the target"):
+            pair = load_pair(model, target=target, device=device, dtype=dtype, with_draft=False)
         snap = snapshot()
         store.write_env(snap.snapshot_id, snap.to_dict())
     except (ValueError, RuntimeError, OSError) as error:
@@ -393,7 +423,7 @@ def sweep_batch_size(
     if not as_json:
         console.print(f"[bold]target[/] {esc(pair.target_id)} on {esc(pair.describe()['device'])}; "
                       f"[bold]meter[/] {esc(m.name)}: {esc(why.split(';')[0])}")
-    mitigation = MitigationConfig() if mcfg.mitigates(m.name) else None
+    mitigation = MitigationConfig() if mitigates else None
     try:
         with _progress() as bar:
             task = bar.add_task("batch-size", total=len(size_list), note="")
@@ -423,8 +453,12 @@ def sweep_batch_size(
                     energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
                     for c, v in r.items()])
     reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
-    if reasons:
-        t.caption = esc("Energy " + "; ".join(sorted(reasons)))
+    captions = ["Energy " + "; ".join(sorted(reasons))] if reasons else []
+    if m.name == "simulated" and len(reasons) < len(rows):
+        t.title = "batch size vs energy (simulated)"
+        captions.insert(0, SIMULATED_NOTE.replace("J/tok", "Energy"))
+    if captions:
+        t.caption = esc("\n".join(captions))
     console.print(t)
     console.print(f"[dim]results in {esc(out)}[/]")
 

@@ -55,12 +55,17 @@ class ModelSpec:
         return self.alias or "custom"
 
 
+class NoEnergyError(ValueError):
+    """Energy was asked for (--require-energy, --mitigate on) but the meter measures none here."""
+
+
 @dataclass(frozen=True)
 class MeasureConfig:
     meter: str = "auto"
-    mitigate: str = "auto"  # auto: on for GPU meters (part-time sensors), off otherwise
+    mitigate: str = "auto"  # auto: on for GPU meters (part-time sensors) that measure energy here
     mitigation_repetitions: int = 32
     mitigation_min_s: float = 5.0
+    require_energy: bool = False  # refuse to run (before loading a model) when no energy is measured
 
     def __post_init__(self) -> None:
         if self.mitigate not in MITIGATE_CHOICES:
@@ -72,6 +77,27 @@ class MeasureConfig:
 
     def mitigates(self, meter_name: str) -> bool:
         return self.mitigate == "on" or (self.mitigate == "auto" and meter_name in GPU_METERS)
+
+    def mitigation_for(self, meter) -> bool:
+        """Whether to run the Yang et al. repetitions with ``meter`` (an `EnergyMeter`), checked
+        before any model is loaded: without energy readings there is nothing to repeat for, so
+        ``auto`` skips them; ``on`` and ``require_energy`` raise `NoEnergyError` naming the fix."""
+        from mtad_energy.measure.select import energy_unavailable
+
+        why = energy_unavailable(meter)
+        if why is None:
+            return self.mitigates(meter.name)
+        if self.require_energy:
+            raise NoEnergyError(
+                f"--require-energy: meter {meter.name!r} cannot measure energy here ({why}); run on a "
+                "machine it can measure (`mtad-energy env` shows the meter `auto` would pick), choose "
+                "another --meter, or drop --require-energy to record time only")
+        if self.mitigate == "on":
+            raise NoEnergyError(
+                f"--mitigate on repeats every generation to measure its energy, but meter "
+                f"{meter.name!r} measures no energy here ({why}); use --mitigate auto or off, or a "
+                "meter that measures energy (`mtad-energy env` shows which)")
+        return False
 
 
 @dataclass(frozen=True)

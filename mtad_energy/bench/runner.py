@@ -129,9 +129,6 @@ class Runner:
                  scorer: Scorer | None = None, sleep: Callable[[float], object] = time.sleep):
         self.config, self.store, self.scorer, self.sleep = config, store, scorer, sleep
         needs_draft = any(d.build().needs_draft for d in config.decoders)  # validates params early
-        m = config.model
-        self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
-                                      dtype=m.dtype, with_draft=needs_draft)
         if meter is None:
             if config.measure.meter == "auto":
                 choice = select_meter()
@@ -140,6 +137,11 @@ class Runner:
                 meter = get_meter(config.measure.meter)
                 meter_reason = f"asked for {config.measure.meter}"
         self.meter, self.meter_reason = meter, meter_reason
+        # before loading anything: refuses --require-energy / --mitigate on without energy readings
+        self.mitigate = config.measure.mitigation_for(meter)
+        m = config.model
+        self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
+                                      dtype=m.dtype, with_draft=needs_draft)
         snap = snapshot()
         self.env_id = snap.snapshot_id
         store.write_env(self.env_id, snap.to_dict())
@@ -160,7 +162,7 @@ class Runner:
             "decoder": unit.decoder.name, "params": params_json(self._params(unit.decoder)),
             "dataset": unit.prompt.dataset, "prompt_id": unit.prompt.id, "prompt": unit.prompt.text,
             "max_new_tokens": c.max_new_tokens, "seed": c.seed + unit.repeat, "repeat": unit.repeat,
-            "meter": self.meter.name, "mitigated": c.measure.mitigates(self.meter.name),
+            "meter": self.meter.name, "mitigated": self.mitigate,
             "device": self.device, "dtype": self.dtype, "chat": c.chat,
         })
 
@@ -195,7 +197,7 @@ class Runner:
         energy = _energy_columns(windows.measurements)
 
         mitigation: dict[str, Any] = {"mitigated": False}
-        if c.measure.mitigates(self.meter.name):
+        if self.mitigate:
             m = measure_mitigated(
                 lambda: generate_ids(decoder, self.pair, ids, c.max_new_tokens, seed=seed,
                                      compute_perplexity=False),

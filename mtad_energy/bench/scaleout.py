@@ -158,6 +158,12 @@ def submit_sweep(config: RunConfig, store_dir: str | Path, *, workers: int, clus
             warnings.warn("local workers without a GPU of their own share this machine's CPU: their "
                           "energy and time readings overlap; use meter 'none' or one worker",
                           stacklevel=2)
+    if cluster != "slurm" and (config.measure.require_energy or config.measure.mitigate == "on"):
+        # the jobs run on this machine: refuse here, once, rather than in every job
+        from mtad_energy.measure import get_meter
+
+        with get_meter(config.measure.meter) as meter:
+            config.measure.mitigation_for(meter)
     # create and check the store once, before any worker opens it concurrently
     ResultStore(store_path)
     args = (config.to_json(), str(store_path))

@@ -122,6 +122,19 @@ def _why(name: str, meter: EnergyMeter) -> str:
     }[name]
 
 
+def energy_unavailable(meter: EnergyMeter) -> str | None:
+    """Why ``meter`` cannot measure energy here, or None when it can (`simulated` can: it models
+    a sensor, and its readings are marked as simulated wherever they are shown)."""
+    if meter.name == "none":
+        return str(getattr(meter, "reason", None) or "meter 'none' measures time only")
+    if not meter.devices:
+        if meter.name == "zeus":
+            return ("Zeus found no GPU to measure (no usable NVIDIA/AMD driver, or "
+                    "CUDA_VISIBLE_DEVICES hides every GPU)")
+        return f"meter {meter.name!r} found no device to measure"
+    return None
+
+
 def get_meter(name: str = "auto", **kwargs: Any) -> EnergyMeter:
     """Build a meter by name (see `METER_NAMES`); ``"auto"`` picks the best available.
 

@@ -301,8 +301,17 @@ def plot_accepted_lengths(histogram: pd.DataFrame, palette: dict | None = None) 
 
 
 # -- the report ------------------------------------------------------------------------------------
+def _simulated_note(rows: pd.DataFrame, what: str) -> list[str]:
+    """A bold warning when some of ``rows`` were "measured" by the simulated meter."""
+    n = int((rows["meter"] == "simulated").sum()) if "meter" in rows and not rows.empty else 0
+    if not n:
+        return []
+    return [f"**Simulated energy**: {n} of {len(rows)} {what} used meter `simulated`, a modelled GPU "
+            "and power sensor; their joules were not measured.", ""]
+
+
 def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame) -> list[str]:
-    notes = []
+    notes = _simulated_note(runs, "runs") + _simulated_note(batch, "batch-sweep rows")
     energy = pd.to_numeric(runs["energy_j"], errors="coerce")
     missing = runs[energy.isna()]
     if runs.empty:
@@ -383,6 +392,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
                   "best, <u>underlined</u>: second best (↑ higher is better, ↓ lower is better).", ""]
         if not has_speedup:
             lines += [f"No `{baseline}` runs, so there is no speed-up column.", ""]
+        lines += _simulated_note(runs, "runs") if has_energy else []
         lines += [analysis.to_markdown(analysis.main_table(summary, metrics)), ""]
         detail = ["block_efficiency", "acceptance_rate", "tokens_per_s_pooled",
                   *(["energy_saving"] if has_energy and has_speedup else [])]
@@ -406,6 +416,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
                   "A fixed number of target-model runs at each input batch size (the paper's batch-size "
                   "table); inputs = runs × batch size. If energy per run grows much more slowly than "
                   "the batch, memory traffic, not arithmetic, dominates the energy.", "",
+                  *_simulated_note(batch, "batch-sweep rows"),
                   analysis.to_markdown(curve.set_index(index)[cols], higher_is_better={}), ""]
         _save(plot_batch_energy(curve), fig_dir, "batch_energy")
         figures.append("batch_energy")
