@@ -225,3 +225,18 @@ def test_report_on_a_file_says_it_is_a_file(tmp_path):
     assert res.exit_code == 2, res.output
     assert "is a file, not a results directory" in words(res.output)
     assert not (tmp_path / "results.parquet-report").exists()
+
+
+# --- parameters and ranges (C8) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, message", [("nan", "temperature must be a number, got nan"),
+                                            ("inf", "temperature must be a finite number >= 0"),
+                                            ("-inf", "temperature must be a finite number >= 0")])
+def test_a_non_finite_temperature_is_refused_before_loading(model_dirs, tmp_path, no_loading, value,
+                                                            message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w3 w4"}\n')
+    res = profile(model_dirs, prompts, tmp_path / "out", "--set", f"temperature={value}")
+    assert res.exit_code == 2, res.output
+    assert message in words(res.output)

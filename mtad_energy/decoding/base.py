@@ -11,6 +11,7 @@ bonus token never needs a forward of its own. The draft cache holds a prefix of 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +38,12 @@ class DecoderParams:
     top_p: float = param(0.9, "nucleus: drop a token once the mass before it exceeds top_p")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # NaN passes every comparison the range checks make
+            value = getattr(self, f.name)
+            require(not (isinstance(value, float) and math.isnan(value)),
+                    f"{f.name} must be a number, got nan")
+        require(math.isfinite(self.temperature),
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         self.warp  # noqa: B018 - validates the warp fields
         self.validate()
 
