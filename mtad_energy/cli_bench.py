@@ -58,6 +58,9 @@ def decoder_specs(names: list[str], sets: dict[str, str]) -> tuple[DecoderSpec, 
     return tuple(DecoderSpec.of(n, **params[n]) for n in names)
 
 
+MAX_SWEEP_VALUES = 1000  # values per --param range, and configurations per sweep grid
+
+
 def parse_range(text: str) -> list[str]:
     """'3..10' -> 3,4,...,10; '3..10:2' -> 3,5,7,9; '0.1,0.3,0.5' -> as listed."""
     m = re.fullmatch(r"\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*(?::\s*(\d+))?\s*", text)
@@ -65,6 +68,10 @@ def parse_range(text: str) -> list[str]:
         lo, hi, step = int(m[1]), int(m[2]), int(m[3] or 1)
         if hi < lo or step < 1:
             raise UsageError(f"range {text!r} is empty; write LOW..HIGH with LOW <= HIGH")
+        count = (hi - lo) // step + 1
+        if count > MAX_SWEEP_VALUES:
+            raise UsageError(f"range {text!r} has {count} values, more than the {MAX_SWEEP_VALUES} a sweep "
+                             "may run; narrow it or add a step (LOW..HIGH:STEP)")
         return [str(v) for v in range(lo, hi + 1, step)]
     values = split_list(text)
     if not values:
@@ -167,6 +174,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
         return run_distributed(config, out, as_json, title, workers, cluster)
     import pandas as pd
 
+    from mtad_energy.bench.quality import pass_at_1_notes
     from mtad_energy.bench.runner import Runner, load_config_prompts, quality_scorer, run_profile, work_units
     from mtad_energy.results import ResultStore
     from mtad_energy.results.analysis import decoder_summary
@@ -204,18 +212,22 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     ran, skipped = rep.ran, rep.skipped
     runs = pd.DataFrame(rep.rows)
     summary = decoder_summary(runs)
+    notes = pass_at_1_notes(rep.rows, config.allow_code_execution)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
               "pair": runner.pair.describe(), "config": config.to_dict(),
-              "summary": json.loads(summary.to_json(orient="records"))})
+              "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
     else:
         console.print(summary_table(summary, title))
         console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
+        for note in notes:
+            console.print(f"[yellow]note:[/] {esc(note)}")
     return summary
 
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str):
     """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
+    from mtad_energy.bench.quality import pass_at_1_notes
     from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
     from mtad_energy.results import load_results
     from mtad_energy.results.analysis import decoder_summary
@@ -235,13 +247,16 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
     summary = decoder_summary(runs)
     ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
+    notes = pass_at_1_notes(runs.to_dict("records"), config.allow_code_execution)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
-              "summary": json.loads(summary.to_json(orient="records"))})
+              "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
     else:
         console.print(summary_table(summary, title))
         console.print(f"[dim]{ran} run(s) measured by {len(results)} job(s), {skipped} already stored; "
                       f"results in {esc(out)}[/]")
+        for note in notes:
+            console.print(f"[yellow]note:[/] {esc(note)}")
     return summary
 
 
@@ -368,6 +383,11 @@ def sweep_param(
         grid = parse_sets(param)
         fixed = parse_sets(set_)
         axes = {k: parse_range(v) for k, v in grid.items()}
+        if math.prod(len(v) for v in axes.values()) > MAX_SWEEP_VALUES:
+            sizes = " x ".join(str(len(v)) for v in axes.values())
+            raise UsageError(f"the --param grid has {sizes} = {math.prod(len(v) for v in axes.values())} "
+                             f"configurations, more than the {MAX_SWEEP_VALUES} a sweep may run; narrow "
+                             "the ranges")
         specs = [decoder_specs([decoder], {**fixed, **dict(zip(axes, combo, strict=True))})[0]
                  for combo in itertools.product(*axes.values())]
         if baseline != "none":
@@ -440,6 +460,8 @@ def sweep_batch_size(
         n = len(load_results(out, "batch"))
         fail(f"interrupted: {n} batch size(s) stored in {out}; re-run to resume", code=130,
              label="[yellow]")
+    except (ValueError, RuntimeError) as error:  # e.g. --context-len beyond the model, disk full
+        fail(error)
     table = batch_table(rows)
     if as_json:
         emit({"output": str(out), "meter": m.name, "rows": json.loads(table.to_json(orient="records"))})

@@ -240,3 +240,48 @@ def test_a_non_finite_temperature_is_refused_before_loading(model_dirs, tmp_path
     res = profile(model_dirs, prompts, tmp_path / "out", "--set", f"temperature={value}")
     assert res.exit_code == 2, res.output
     assert message in words(res.output)
+
+
+def test_a_huge_param_range_is_refused_before_anything_runs(model_dirs, tmp_path, no_loading):
+    res = runner.invoke(app, ["sweep", "param", "--decoder", "spd", "--param", "gamma=1..100000000",
+                              *pair_args(model_dirs), "--dataset", "mtbench",
+                              "--output", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    assert "100000000 values, more than the 1000" in words(res.output)
+    grid = runner.invoke(app, ["sweep", "param", "--decoder", "mtad", "--param", "gamma=1..100",
+                               "--param", "beam_width=1..100", *pair_args(model_dirs), "--dataset", "mtbench",
+                               "--output", str(tmp_path / "o")])
+    assert grid.exit_code == 2, grid.output
+    assert "100 x 100 = 10000 configurations" in words(grid.output)
+
+
+def test_batch_size_beyond_the_models_positions_is_a_clear_error(model_dirs, tmp_path):
+    res = runner.invoke(app, ["sweep", "batch-size", "--target", model_dirs["llama"], "--sizes", "1",
+                              "--runs", "1", "--context-len", "9000", "--meter", "none",
+                              "--output", str(tmp_path / "bs")])
+    assert res.exit_code == 2, res.output
+    assert "exceeds the model's" in words(res.output) and "--context-len" in words(res.output)
+    assert "Traceback" not in res.output
+
+
+# --- HumanEval pass@1 (C3) ---------------------------------------------------------------------------
+
+
+def test_the_summary_says_when_pass_at_1_was_not_computed_and_how_to_get_it(model_dirs, tmp_path,
+                                                                             monkeypatch):
+    import mtad_energy.bench.runner as runner_mod
+    from mtad_energy.bench.prompts import Prompt
+
+    monkeypatch.setattr(runner_mod, "load_config_prompts",
+                        lambda config: [Prompt("HumanEval/0", "w3 w4 w5", "humaneval", "w3")])
+    args = ["profile", "--decoder", "ar", *pair_args(model_dirs), "--dataset", "humaneval",
+            "--n-prompts", "1", "--output", str(tmp_path / "he")]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    said = words(first.output)
+    assert "pass@1 not computed for 1 HumanEval row(s)" in said and "--allow-code-execution" in said
+    again = runner.invoke(app, args + ["--allow-code-execution", "--json"])
+    assert again.exit_code == 0, again.output
+    notes = json.loads(again.stdout)["notes"]
+    assert len(notes) == 1 and "pass@1 missing for 1 of 1 HumanEval row(s)" in notes[0]
+    assert "new --output" in notes[0]

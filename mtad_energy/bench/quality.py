@@ -478,3 +478,21 @@ def humaneval_pass(problem: dict, completion: str, *, allow_code_execution: bool
     if not allow_code_execution:
         raise PermissionError(PERMISSION_MESSAGE)
     return _run_sandboxed(humaneval_program(problem, completion), timeout_s=timeout_s, memory_mb=memory_mb)
+
+
+def pass_at_1_notes(rows: Iterable[dict], allow_code_execution: bool) -> list[str]:
+    """What the summary must say about HumanEval pass@1 for these run rows: not computed without
+    permission, or missing for rows stored by an earlier run without it (stored rows are never
+    re-scored). Empty when every HumanEval row has its score, or there is none."""
+    human = [r for r in rows if r.get("dataset") == "humaneval"]
+    missing = [r for r in human if r.get("passed") is None
+               or (isinstance(r.get("passed"), float) and math.isnan(r["passed"]))]
+    if not missing:
+        return []
+    if not allow_code_execution:
+        return [f"pass@1 not computed for {len(missing)} HumanEval row(s): scoring runs the generated "
+                "code, which needs --allow-code-execution (sandboxed). Stored rows are not re-scored, so "
+                "to get pass@1 run again with --allow-code-execution and a new --output"]
+    return [f"pass@1 missing for {len(missing)} of {len(human)} HumanEval row(s): they were stored by an "
+            "earlier run without --allow-code-execution, and stored rows are not re-scored. To get "
+            "pass@1, run again with --allow-code-execution and a new --output (or delete those rows)"]
