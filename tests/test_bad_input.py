@@ -285,3 +285,28 @@ def test_the_summary_says_when_pass_at_1_was_not_computed_and_how_to_get_it(mode
     notes = json.loads(again.stdout)["notes"]
     assert len(notes) == 1 and "pass@1 missing for 1 of 1 HumanEval row(s)" in notes[0]
     assert "new --output" in notes[0]
+
+
+# --- an over-long prompt (C8) ------------------------------------------------------------------------
+
+
+def test_an_over_long_prompt_is_refused_before_any_row_runs_naming_it(model_dirs, tmp_path):
+    from mtad_energy.results import load_results
+
+    path = tmp_path / "long.jsonl"
+    long_text = " ".join(f"w{3 + i % 50}" for i in range(400))  # the tiny Llama has 256 positions
+    path.write_text("\n".join(json.dumps(r) for r in [{"id": "short", "prompt": "w3 w4"},
+                                                       {"id": "huge", "prompt": long_text},
+                                                       {"id": "fits", "prompt": "w5 w6"}]) + "\n")
+    out = tmp_path / "out"
+    res = profile(model_dirs, path, out)
+    assert res.exit_code == 2, res.output
+    said = words(res.output)
+    assert "1 prompt(s) do not fit the target's context of 256 tokens" in said
+    assert "huge (" in said and "nothing was run" in said and "leave these prompts out" in said
+    assert len(load_results(out)) == 0  # refused up front: no row ran before it
+    # one that fits without the new tokens: the fix names the largest --max-new-tokens that works
+    path.write_text(json.dumps({"id": "near", "prompt": " ".join(["w3"] * 254)}) + "\n")
+    near = profile(model_dirs, path, out)
+    assert near.exit_code == 2, near.output
+    assert "lower --max-new-tokens to at most" in words(near.output)

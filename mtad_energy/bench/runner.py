@@ -311,6 +311,33 @@ class Runner:
             yield row, unit
 
 
+def check_prompt_lengths(runner: Runner, units: Sequence[WorkUnit]) -> None:
+    """Refuse, before any row runs, prompts that do not fit the target's context with max_new_tokens
+    and the decoder's lookahead: one ValueError naming every such prompt id with its length in
+    tokens, and the fix. (Otherwise a long prompt would abort every re-run at the same row.)"""
+    ctx = runner.pair.context_length
+    if ctx is None:
+        return
+    lengths: dict[Prompt, int] = {}
+    bad: dict[str, tuple[int, int]] = {}  # prompt id -> (prompt tokens, the largest lookahead)
+    for unit in units:
+        if unit.prompt not in lengths:
+            lengths[unit.prompt] = len(runner._prompt_ids(unit.prompt))
+        n, lookahead = lengths[unit.prompt], runner._decoders[unit.decoder].lookahead
+        if n + runner.config.max_new_tokens + lookahead > ctx:
+            bad[unit.prompt.id] = (n, max(lookahead, bad.get(unit.prompt.id, (0, 0))[1]))
+    if not bad:
+        return
+    listed = ", ".join(f"{pid} ({n} tokens)" for pid, (n, _) in list(bad.items())[:10])
+    more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+    room = ctx - max(n + look for n, look in bad.values())
+    fix = (f"lower --max-new-tokens to at most {room}, or leave these prompts out" if room >= 1 else
+           "leave these prompts out (remove them from the file, or fewer --n-prompts)")
+    raise ValueError(f"{len(bad)} prompt(s) do not fit the target's context of {ctx} tokens with "
+                     f"--max-new-tokens {runner.config.max_new_tokens}: {listed}{more}; nothing was run. "
+                     f"Fix: {fix}")
+
+
 def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None = None,
                 pair: ModelPair | None = None, meter: EnergyMeter | None = None,
                 prompts: Sequence[Prompt] | None = None, scorer: Scorer | None = None,
@@ -323,6 +350,7 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     runner = runner or Runner(config, store, pair=pair, meter=meter, scorer=scorer)
     prompts = list(prompts) if prompts is not None else load_config_prompts(config)
     units = shard(runner.unique(work_units(config, prompts)), shard_index, shard_count)
+    check_prompt_lengths(runner, units)
     ran = skipped = 0
     for row, unit in runner.iter_run(units):
         ran, skipped = ran + (row is not None), skipped + (row is None)
