@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.base import ModelRunner
-from mtad_energy.decoding.sampling import Warp, gumbel_topk, take
+from mtad_energy.decoding.sampling import Warp, gumbel_topk, log_probs, take
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width:
     """
     logits = runner(first_ids)[:, -1]  # [1, V]
     vocab = logits.shape[-1]
-    log_q = warp.probs(logits).log()[0]  # [V]
+    log_q = log_probs(warp.probs(logits))[0]  # [V]
     tok = gumbel_topk(log_q, width, generator, stochastic)  # [W] distinct tokens
     cum = log_q[tok]  # [W]
     parent = torch.zeros_like(tok)
@@ -71,7 +71,7 @@ def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width:
         frozen = torch.where(torch.arange(vocab, device=logits.device) == eos_token_id, 0.0,
                              float("-inf"))  # [V]
     for _ in range(1, depth):
-        log_q = warp.probs(runner(tok[:, None])[:, -1]).log()  # [W, V]
+        log_q = log_probs(warp.probs(runner(tok[:, None])[:, -1]))  # [W, V]
         if eos_token_id is not None:
             done = tok == eos_token_id
             log_q = torch.where(done[:, None], frozen.to(log_q.dtype), log_q)

@@ -40,28 +40,66 @@ def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
     vocab = logits.shape[-1]
+    top = None
     if 0 < top_k < vocab:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, NEG_INF)
+        top = logits.topk(top_k, dim=-1)  # values descending, with their indices
+        logits = logits.masked_fill(logits < top.values[..., -1:], NEG_INF)  # ties at the cut stay
     probs = logits.softmax(-1)
     if top_p < 1.0:
-        # order by logit, not by probability: tokens whose float32 probabilities tie must still
-        # keep their logit order, or the nucleus could drop the most likely token
-        order = logits.argsort(-1, descending=True)
-        sorted_p = probs.gather(-1, order)
-        mass_before = sorted_p.cumsum(-1) - sorted_p
-        drop_sorted = mass_before > top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        drop = (_nucleus_drop(logits, probs, top_p) if top is None
+                else _nucleus_drop_top_k(logits, probs, top.values, top.indices, top_p))
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
+def _nucleus_drop(logits: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Tokens outside the nucleus ``[..., V]``: the mass strictly before them exceeds top_p.
+
+    Ordered by logit, not by probability: tokens whose float32 probabilities tie must still keep
+    their logit order, or the nucleus could drop the most likely token. Sorts the vocabulary."""
+    order = logits.argsort(-1, descending=True)
+    sorted_p = probs.gather(-1, order)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    drop_sorted = mass_before > top_p
+    return drop_sorted.scatter(-1, order, drop_sorted)
+
+
+def _nucleus_drop_top_k(logits: torch.Tensor, probs: torch.Tensor, values: torch.Tensor,
+                        indices: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_nucleus_drop` after a top-k cut, without sorting the vocabulary (O(V + k^2)).
+
+    ``values, indices [..., k]``: the top-k logits (descending) and their tokens. Every kept token
+    is one of them, except further tokens tied with the k-th logit; those come last in the order,
+    in vocabulary order. mass_before(j) = mass of the tokens with a larger logit + mass of the
+    tied tokens ranked before j (tied tokens have equal probabilities)."""
+    k = values.shape[-1]
+    p_top = probs.gather(-1, indices)  # [..., k]
+    rank = torch.arange(k, device=values.device)
+    before = ((values[..., None, :] > values[..., :, None])
+              | ((values[..., None, :] == values[..., :, None]) & (rank[None, :] < rank[:, None])))
+    mass_before = (before.to(p_top.dtype) * p_top[..., None, :]).sum(-1)  # [..., k]
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, indices, mass_before > top_p)
+    # tokens tied with the k-th logit beyond the k returned by topk: the first `allowed` of them
+    # (in vocabulary order) still start within the nucleus
+    kth, p_kth = values[..., -1:], p_top[..., -1:]
+    mass_above = (p_top * (values > kth)).sum(-1, keepdim=True)
+    ties_in_top = (values == kth).sum(-1, keepdim=True)
+    allowed = ((top_p - mass_above) / p_kth).floor().long() + 1 - ties_in_top  # [..., 1]
+    extra = (logits == kth).scatter_(-1, indices, False)  # [..., V]
+    extra_rank = extra.cumsum(-1) - 1
+    return drop.logical_or_(extra & (extra_rank >= allowed))
+
+
 def log_probs(probs: torch.Tensor) -> torch.Tensor:
-    """log of a (warped) distribution; zeros become -inf, never NaN."""
-    return probs.log()
+    """log of a (warped) distribution; zeros become -inf, never NaN. (log(0) is ~10x slower than
+    log of a normal number on CPUs, and a warped row is almost all zeros: take the log of 1
+    there and write -inf.)"""
+    zero = probs == 0
+    return probs.masked_fill(zero, 1.0).log_().masked_fill_(zero, float("-inf"))
 
 
 def take(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -71,9 +109,18 @@ def take(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row: probs ``[..., V]`` -> token ids ``[...]``."""
+    """One draw per row: probs ``[..., V]`` (need not be normalised) -> token ids ``[...]``.
+
+    Inverse CDF: one uniform per row and a binary search of the cumulative sum. (torch.multinomial
+    draws an exponential variate for every token of the vocabulary, 10-30x the cost on a CPU.) A
+    token of probability 0 is never drawn: the search returns the first index whose cumulative
+    mass exceeds u, and the mass does not grow at a zero."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    cdf = flat.cumsum(-1)  # [R, V]
+    u = torch.rand((flat.shape[0], 1), generator=generator, device=flat.device,
+                   dtype=cdf.dtype) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True).clamp_max_(flat.shape[-1] - 1)
+    return idx.reshape(probs.shape[:-1])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

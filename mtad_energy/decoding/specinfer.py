@@ -28,7 +28,7 @@ from mtad_energy.decoding.base import (
     require,
     target_step,
 )
-from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.decoding.sampling import Warp, log_probs, sample
 from mtad_energy.decoding.tree import ancestors, keep_path, level_parents, tree_forward
 from mtad_energy.decoding.tree_accept import tree_speculative_accept
 
@@ -70,7 +70,7 @@ def draw_children(q: torch.Tensor, b: int, generator: torch.Generator,
     if not without_replacement:
         return torch.multinomial(q, b, replacement=True, generator=generator)
     u = torch.rand(q.shape, generator=generator, device=q.device)
-    keys = q.log() - torch.log(-torch.log(u.clamp_min(1e-20)))
+    keys = log_probs(q) - torch.log(-torch.log(u.clamp_min(1e-20)))
     return keys.topk(b, -1).indices
 
 
