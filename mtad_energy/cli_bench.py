@@ -10,6 +10,7 @@ import json
 import math
 import re
 import typing
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -233,11 +234,15 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     from mtad_energy.results.analysis import decoder_summary
 
     try:
-        jobs = submit_sweep(config, out, workers=workers, cluster=cluster)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            jobs = submit_sweep(config, out, workers=workers, cluster=cluster)
+        for note in notes:  # e.g. fewer jobs than asked for, and why
+            console.print(f"[yellow]note:[/] {esc(note.message)}")
         if not as_json:
             ids = ", ".join(str(j.job_id) for j in jobs)
-            console.print(esc(f"submitted {len(jobs)} {cluster} job(s): {ids}; waiting (Ctrl-C leaves "
-                              "them running)"))
+            stop = "stops them" if cluster == "local" else "leaves them running"
+            console.print(esc(f"submitted {len(jobs)} {cluster} job(s): {ids}; waiting (Ctrl-C {stop})"))
         results = wait(jobs)
     except KeyboardInterrupt:
         _interrupted(out)

@@ -22,12 +22,15 @@ models) must be visible from the compute nodes.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +43,70 @@ from mtad_energy.results.store import ResultStore
 
 CLUSTERS = ("local", "slurm", "debug")
 _LOG_TAIL_LINES = 40
+_JOB_OVERHEAD_BYTES = 1 << 30  # python, torch and activations of one CPU job, besides the weights
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 class SweepError(RuntimeError):
     """One or more shards failed; rows the other shards stored are kept (re-submit to resume)."""
 
 
-def run_shard(config_json: str, store_dir: str, shard_index: int, shard_count: int) -> dict[str, Any]:
+def _process_token(pid: int) -> str | None:
+    """What identifies process ``pid`` across PID reuse: its start time (Linux), else "alive";
+    None when no such process exists."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):  # a zombie has ended; nobody may reap it (e.g. in a container)
+            return None
+        return fields[19]  # field 22, starttime (fields counted after the command name)
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return "alive"
+
+
+def watch_parent(pid: int, token: str | None, on_gone: Callable[[], object],
+                 period_s: float = 1.0) -> threading.Thread:
+    """Call ``on_gone`` (once) when process ``pid`` (identified by ``token``, from `_process_token`)
+    has ended; watches from a daemon thread. A local job uses it to die with the command that
+    submitted it, even when that command is killed with SIGKILL and cannot cancel it."""
+
+    def loop() -> None:
+        while True:
+            now = _process_token(pid)
+            if now is None or (token is not None and now != token and now != "alive"):
+                on_gone()
+                return
+            time.sleep(period_s)
+
+    thread = threading.Thread(target=loop, name=f"watch-parent-{pid}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _parent_gone(pid: int) -> None:
+    print(f"the process that submitted this job ({pid}) has ended: stopping (finished rows are "
+          "stored; re-submit to resume)", flush=True)
+    os._exit(1)
+
+
+def run_shard(config_json: str, store_dir: str, shard_index: int, shard_count: int,
+              parent: tuple[int, str | None] | None = None) -> dict[str, Any]:
     """What one job runs: shard ``shard_index`` of ``shard_count`` of the configuration, into the
-    store; returns a small JSON-able summary."""
+    store; returns a small JSON-able summary. ``parent`` (pid, `_process_token`): local jobs end
+    when that process does."""
     # imported here so that submitting (on a login node, say) does not need torch
     from mtad_energy.bench.runner import quality_scorer, run_profile
 
+    if parent is not None:
+        watch_parent(parent[0], parent[1], lambda: _parent_gone(parent[0]))
     started = time.time()
     config = RunConfig.from_json(config_json)
     store = ResultStore(store_dir, create=False)
@@ -107,6 +162,75 @@ def _visible_gpu_indices() -> list[int]:
     return [int(e) for e in entries]
 
 
+def _available_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _weights_bytes(config: RunConfig) -> int | None:
+    """Size of the model files one job loads (local directories or the Hugging Face cache), or
+    None when it cannot be told without downloading."""
+    m = config.model
+    target, draft = m.target, m.draft
+    if m.alias:
+        from mtad_energy.models import ALIASES
+
+        spec = ALIASES.get(m.alias)
+        if spec is not None:
+            target, draft = target or spec.target, draft or spec.draft
+    total = 0
+    for ident in (target, draft):
+        if not ident or ident.startswith("self:"):
+            continue
+        path = Path(ident)
+        if not path.is_dir():
+            try:
+                from huggingface_hub import snapshot_download
+
+                path = Path(snapshot_download(ident, local_files_only=True))
+            except Exception:  # not cached (or not a hub id): unknown
+                return None
+        total += sum(f.stat().st_size for f in path.rglob("*") if f.suffix in _WEIGHT_SUFFIXES)
+    return total
+
+
+def plan_jobs(workers: int, units: int | None, cluster: str, *, cpu_jobs: bool = False,
+              cpus: int | None = None, free_bytes: int | None = None,
+              job_bytes: int | None = None) -> tuple[int, list[str]]:
+    """How many jobs to start for ``workers`` asked for: never more than the ``units`` of work
+    (None: unknown); local jobs without a GPU of their own (``cpu_jobs``) also at most one per two
+    cores (``cpus``) and as many as the available memory holds (``free_bytes`` / ``job_bytes``).
+    Returns the count and one line per reduction saying why."""
+    n, why = workers, []
+    if units is not None and n > max(1, units):
+        n = max(1, units)
+        why.append(f"{workers} worker(s) asked for but there are only {units} work unit(s)")
+    if cluster == "local" and cpu_jobs:
+        if cpus is not None and n > max(1, cpus // 2):
+            n = max(1, cpus // 2)
+            why.append(f"CPU jobs share this machine's {cpus} core(s): at most {n} (one per two cores)")
+        if free_bytes is not None and job_bytes and n > max(1, free_bytes // job_bytes):
+            n = max(1, free_bytes // job_bytes)
+            why.append(f"each job needs about {job_bytes / 2**30:.1f} GiB and {free_bytes / 2**30:.1f} "
+                       f"GiB is available: at most {n}")
+    return n, why
+
+
 def _local_gpu_slices(workers: int, gpus_per_worker: int) -> list[list[int]]:
     """The distinct GPUs each local worker gets, or a ValueError saying what fits."""
     if gpus_per_worker == 0:
@@ -131,7 +255,12 @@ def submit_sweep(config: RunConfig, store_dir: str | Path, *, workers: int, clus
                  folder: str | Path | None = None, gpus_per_worker: int = 1, timeout_min: int = 720,
                  slurm_partition: str | None = None,
                  slurm_extra: dict[str, Any] | None = None) -> list[submitit.Job]:
-    """Submit one job per shard of ``config`` (``workers`` shards) writing into ``store_dir``.
+    """Submit one job per shard of ``config`` (at most ``workers`` shards) writing into ``store_dir``.
+
+    Never more jobs than work units; local jobs without a GPU of their own are also bounded by
+    the cores and the available memory (`plan_jobs`; a warning says when fewer jobs start). Local
+    jobs end with the submitting process: `wait` cancels them when it is interrupted (Ctrl-C,
+    SIGTERM), and each job stops by itself when the submitting process is gone (even SIGKILLed).
 
     cluster: ``"local"`` (subprocesses on this machine, one distinct GPU set per job),
     ``"slurm"`` (one array job) or ``"debug"`` (in this process, one shard after the other, when
@@ -151,6 +280,17 @@ def submit_sweep(config: RunConfig, store_dir: str | Path, *, workers: int, clus
     if log_dir == store_path or store_path in log_dir.parents:
         raise ValueError(f"the submitit folder {log_dir} is inside the results store {store_path}, "
                          "which refuses files it did not write; pick a folder outside it")
+    cpu_jobs = cluster == "local" and (gpus_per_worker == 0 or not _visible_gpu_indices())
+    weights = _weights_bytes(config) if cpu_jobs else None
+    planned, why = plan_jobs(
+        workers, _count_units(config), cluster, cpu_jobs=cpu_jobs,
+        cpus=_cpu_count() if cpu_jobs else None,
+        free_bytes=_available_memory_bytes() if cpu_jobs else None,
+        # weights may be stored in 16 bits and run in fp32 on the CPU
+        job_bytes=2 * (weights or 0) + _JOB_OVERHEAD_BYTES if cpu_jobs else None)
+    if why:
+        warnings.warn(f"starting {planned} job(s) instead of {workers}: " + "; ".join(why), stacklevel=2)
+    workers = planned
     gpu_slices: list[list[int]] = []
     if cluster == "local":
         gpu_slices = _local_gpu_slices(workers, gpus_per_worker)
@@ -174,11 +314,12 @@ def submit_sweep(config: RunConfig, store_dir: str | Path, *, workers: int, clus
         # use LocalExecutor itself; it gives every job the same first GPUs unless visible_gpus
         # changes between submissions
         local = submitit.LocalExecutor(folder=log_dir)
+        me = (os.getpid(), _process_token(os.getpid()))
         jobs = []
         for i, gpus in enumerate(gpu_slices):
             local.update_parameters(timeout_min=timeout_min, tasks_per_node=1, nodes=1,
                                     gpus_per_node=len(gpus), visible_gpus=gpus)
-            jobs.append(local.submit(run_shard, *args, i, workers))
+            jobs.append(local.submit(run_shard, *args, i, workers, parent=me))
         return jobs
 
     executor = submitit.AutoExecutor(folder=log_dir, cluster=cluster)
@@ -198,9 +339,57 @@ def _tail(text: str | None, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join((text or "").rstrip().splitlines()[-lines:])
 
 
+def _count_units(config: RunConfig) -> int | None:
+    """How many distinct work units ``config`` asks for (as `runner.work_units` counts them,
+    without importing torch), or None when its prompts cannot be read here."""
+    from mtad_energy.bench.prompts import load_prompts
+
+    try:
+        prompts = {p: None for name in config.datasets for p in load_prompts(name, config.n_prompts)}
+    except Exception:  # e.g. a dataset only the compute nodes see; the jobs report it
+        return None
+    return len(prompts) * config.repeats * len(set(config.decoders))
+
+
+class _Terminated(SystemExit):
+    pass
+
+
+@contextlib.contextmanager
+def _local_jobs_end_with_us(jobs: Sequence[submitit.Job]) -> Iterator[None]:
+    """Cancel the unfinished local jobs when waiting ends by an exception (Ctrl-C, or SIGTERM,
+    turned into one here). SLURM jobs are left running: their rows resume on re-submission."""
+    local = [j for j in jobs if isinstance(j, submitit.local.local.LocalJob)]
+    installed, previous = False, None
+    if local and threading.current_thread() is threading.main_thread():
+        def terminate(signum: int, _frame: Any) -> None:
+            raise _Terminated(128 + signum)
+
+        previous, installed = signal.signal(signal.SIGTERM, terminate), True
+    try:
+        yield
+    except BaseException:
+        running = [j for j in local if not j.done()]
+        for job in running:
+            job.cancel()  # SIGINT to its controller, which stops the task (then SIGKILLs it)
+        deadline = time.monotonic() + 10.0
+        while any(not j.done() for j in running) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def wait(jobs: Sequence[submitit.Job]) -> list[dict[str, Any]]:
     """Wait for every job; their summaries in shard order. Raises `SweepError` naming each failed
-    shard with the end of its error log once all jobs have ended."""
+    shard with the end of its error log once all jobs have ended. Interrupted, it cancels the
+    local jobs still running (`_local_jobs_end_with_us`)."""
+    with _local_jobs_end_with_us(jobs):
+        return _wait(jobs)
+
+
+def _wait(jobs: Sequence[submitit.Job]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     failures: list[str] = []
     first: BaseException | None = None

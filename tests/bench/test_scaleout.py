@@ -12,6 +12,7 @@ import pytest
 import submitit
 import torch
 
+from mtad_energy.bench import scaleout
 from mtad_energy.bench.scaleout import SweepError, run_shard, submit_sweep, wait
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 from mtad_energy.results import ResultStore, load_results
@@ -60,8 +61,15 @@ def test_resubmitting_skips_everything_whatever_the_sharding(sweep, tmp_path):
     assert_complete(store)
 
 
+@pytest.fixture
+def roomy(monkeypatch):
+    """A machine with enough cores and memory for several CPU jobs (the bounds are tested apart)."""
+    monkeypatch.setattr(scaleout, "_cpu_count", lambda: 64)
+    monkeypatch.setattr(scaleout, "_available_memory_bytes", lambda: 1 << 40)
+
+
 @pytest.mark.slow
-def test_local_workers_are_concurrent_processes_writing_one_store(sweep, tmp_path):
+def test_local_workers_are_concurrent_processes_writing_one_store(sweep, tmp_path, roomy):
     store = tmp_path / "store"
     t0 = time.perf_counter()
     summaries = wait(submit_sweep(sweep, store, workers=2, cluster="local", gpus_per_worker=0,
@@ -109,7 +117,7 @@ def test_more_workers_than_gpus_is_refused(sweep, tmp_path, two_gpus, launched):
     assert launched == []  # refused before anything started
 
 
-def test_each_local_job_gets_its_own_gpu(sweep, tmp_path, two_gpus, launched, monkeypatch):
+def test_each_local_job_gets_its_own_gpu(sweep, tmp_path, two_gpus, launched, monkeypatch, roomy):
     submit_sweep(sweep, tmp_path / "a", workers=2)
     submit_sweep(sweep, tmp_path / "b", workers=1, gpus_per_worker=2)
     submit_sweep(sweep, tmp_path / "c", workers=3, gpus_per_worker=0)  # CPU run: no GPU count needed
@@ -122,7 +130,7 @@ def test_each_local_job_gets_its_own_gpu(sweep, tmp_path, two_gpus, launched, mo
         submit_sweep(sweep, tmp_path / "e", workers=2)
 
 
-def test_without_a_gpu_local_workers_run_on_the_cpu(sweep, tmp_path, launched, monkeypatch):
+def test_without_a_gpu_local_workers_run_on_the_cpu(sweep, tmp_path, launched, monkeypatch, roomy):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.warns(UserWarning, match="no GPU is visible: running 2 CPU worker"):
         submit_sweep(sweep, tmp_path / "store", workers=2)
@@ -176,3 +184,138 @@ def test_workers_leave_each_others_temporaries_alone(tmp_path):
 def test_a_preempted_shard_requeues_itself():
     again = run_shard.checkpoint("{}", "/store", 1, 4)
     assert again.function is run_shard and again.args == ("{}", "/store", 1, 4)
+
+
+# -- how many jobs, and that they end with the command that started them ----------------------------
+def test_plan_jobs_bounds_by_units_cores_and_memory():
+    gib = 1 << 30
+    assert scaleout.plan_jobs(100, 1, "local", cpu_jobs=True, cpus=2, free_bytes=64 * gib,
+                              job_bytes=gib)[0] == 1
+    n, why = scaleout.plan_jobs(100, 50, "local", cpu_jobs=True, cpus=16, free_bytes=64 * gib,
+                                job_bytes=gib)
+    assert n == 8 and "16 core(s)" in why[-1]
+    n, why = scaleout.plan_jobs(8, 50, "local", cpu_jobs=True, cpus=64, free_bytes=int(3.5 * gib),
+                                job_bytes=gib)
+    assert n == 3 and "GiB is available" in why[-1]
+    assert scaleout.plan_jobs(8, 50, "local", cpu_jobs=True, cpus=1, free_bytes=0, job_bytes=gib)[0] == 1
+    # GPU jobs and clusters: only the work units bound them (GPUs are checked by _local_gpu_slices)
+    assert scaleout.plan_jobs(100, 6, "slurm") == (6, ["100 worker(s) asked for but there are only 6 "
+                                                        "work unit(s)"])
+    assert scaleout.plan_jobs(4, 6, "local", cpus=2, free_bytes=0, job_bytes=gib) == (4, [])
+    assert scaleout.plan_jobs(4, None, "debug") == (4, [])  # units unknown: as asked
+
+
+def test_never_more_local_jobs_than_units_cores_or_memory(sweep, tmp_path, launched, monkeypatch):
+    monkeypatch.setattr(scaleout, "_available_memory_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(scaleout, "_cpu_count", lambda: 64)
+    with pytest.warns(UserWarning, match=r"starting 6 job\(s\) instead of 100: .*only 6 work unit"):
+        assert len(submit_sweep(sweep, tmp_path / "a", workers=100, gpus_per_worker=0)) == 6
+    monkeypatch.setattr(scaleout, "_cpu_count", lambda: 2)
+    with pytest.warns(UserWarning, match=r"starting 1 job\(s\) instead of 4: .*2 core"):
+        assert len(submit_sweep(sweep, tmp_path / "b", workers=4, gpus_per_worker=0)) == 1
+    monkeypatch.setattr(scaleout, "_cpu_count", lambda: 64)
+    monkeypatch.setattr(scaleout, "_available_memory_bytes", lambda: 3 << 30)
+    with pytest.warns(UserWarning, match=r"starting 2 job\(s\) instead of 4: .*GiB is available"):
+        assert len(submit_sweep(sweep, tmp_path / "c", workers=4, gpus_per_worker=0)) == 2
+    assert launched == [""] * 9
+
+
+def test_cli_100_workers_for_one_unit_start_one_local_job(model_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from mtad_energy.cli import app
+
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"id": "p0", "prompt": "w3 w9 w4"}) + "\n")
+    res = CliRunner().invoke(app, ["profile", "--decoder", "ar", "--target", model_dirs["llama"],
+                                   "--meter", "none", "--max-new-tokens", "3", "--dataset", str(data),
+                                   "--n-prompts", "1", "--workers", "100", "--cluster", "local",
+                                   "--output", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert len(out["jobs"]) == 1 and out["ran"] == 1
+    assert "starting 1 job(s) instead of 100" in res.stderr
+
+
+@pytest.fixture
+def sleepers(monkeypatch) -> list[subprocess.Popen]:
+    """Local jobs that run until stopped (a `sleep` stands in for each job's controller)."""
+    procs: list[subprocess.Popen] = []
+
+    def start_controller(**kwargs):
+        procs.append(subprocess.Popen(["sleep", "60"]))
+        return procs[-1]
+
+    monkeypatch.setattr(submitit.local.local, "start_controller", start_controller)
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_sigterm_while_waiting_stops_the_local_jobs(sweep, tmp_path, sleepers, roomy):
+    import signal
+    import threading
+
+    jobs = submit_sweep(sweep, tmp_path / "store", workers=2, gpus_per_worker=0)
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(SystemExit) as exc:
+        wait(jobs)
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert len(sleepers) == 2 and all(p.poll() is not None for p in sleepers)  # cancelled, ended
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is restored
+
+
+def test_a_job_notices_when_its_parent_has_ended():
+    import threading
+
+    parent = subprocess.Popen(["sleep", "60"])
+    token = scaleout._process_token(parent.pid)
+    assert token is not None
+    gone = threading.Event()
+    scaleout.watch_parent(parent.pid, token, gone.set, period_s=0.05)
+    assert not gone.wait(0.3)
+    parent.kill()  # SIGKILL: it cannot tell anyone; a zombie counts as ended
+    assert gone.wait(5.0)
+    parent.wait()
+    reused = threading.Event()  # same pid, another process (its start time differs)
+    scaleout.watch_parent(os.getpid(), "not-my-start-time", reused.set, period_s=0.05)
+    assert reused.wait(5.0)
+
+
+PARENT = """
+import sys, time
+from mtad_energy.bench.scaleout import submit_sweep
+from mtad_energy.config import RunConfig
+jobs = submit_sweep(RunConfig.from_json(sys.argv[1]), sys.argv[2], workers=1, cluster="local",
+                    gpus_per_worker=0, timeout_min=5)
+print(jobs[0].job_id, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_local_jobs_die_when_the_submitting_process_is_killed(sweep, tmp_path):
+    import signal
+
+    long = RunConfig.from_dict(sweep.to_dict() | {"repeats": 200})  # 1200 rows: minutes of work
+    store = tmp_path / "store"
+    parent = subprocess.Popen([os.sys.executable, "-c", PARENT, long.to_json(), str(store)],
+                              stdout=subprocess.PIPE, text=True)
+    controller = int(parent.stdout.readline())
+    runs = store / "runs"
+    deadline = time.monotonic() + 120
+    while not (runs.is_dir() and any(runs.glob("*.parquet"))):  # the job is writing rows
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.2)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while scaleout._process_token(controller) is not None:
+        assert time.monotonic() < deadline, "the local job outlived the process that submitted it"
+        time.sleep(0.2)
+    n = len(list(runs.glob("*.parquet")))
+    time.sleep(2.0)
+    assert len(list(runs.glob("*.parquet"))) == n < 1200  # nothing writes any more
+    assert "has ended: stopping" in next((tmp_path / "store.submitit").glob("*_log.out")).read_text()
