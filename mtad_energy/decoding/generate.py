@@ -71,6 +71,12 @@ def encode_prompt(pair: ModelPair, prompt: str | Sequence[int] | torch.Tensor,
     """Token ids of a prompt. Text gets the tokenizer's chat template when it has one (chat=None)
     or when chat=True."""
     if isinstance(prompt, torch.Tensor):
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(
+                f"a prompt tensor of shape {list(prompt.shape)} holds {prompt.shape[0]} prompts "
+                "(what tokenizer(..., return_tensors='pt') gives for a batch); pass one prompt "
+                "as [T] or [1, T] ids, or several as a list of texts or id lists (padded rows "
+                "of a [B, T] tensor would be decoded as tokens)")
         return [int(t) for t in prompt.reshape(-1).tolist()]
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]

@@ -113,3 +113,11 @@ def test_beam_draft_records_the_tree_and_joint_log_probs(llama_pair):
         joint = logp[torch.arange(3), d.seqs[b]].cumsum(0)
         assert torch.allclose(joint, d.path_log_q[b], atol=1e-5)
     assert d.best.item() == d.log_q[-1].argmax().item()
+
+
+def test_a_batched_prompt_tensor_is_refused_and_a_single_row_is_one_prompt(llama_pair):
+    one = me.generate("ar", llama_pair, torch.tensor([[5, 6, 7]]), max_new_tokens=3, seed=0)
+    flat = me.generate("ar", llama_pair, torch.tensor([5, 6, 7]), max_new_tokens=3, seed=0)
+    assert one.prompt_len == 3 and one.token_ids == flat.token_ids
+    with pytest.raises(ValueError, match=r"shape \[2, 3\] holds 2 prompts"):
+        me.generate("ar", llama_pair, torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3)
