@@ -91,7 +91,7 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")
 def stats_table(rows: list[tuple[str, dict]]) -> Table:
     """One row per (label, stats dict)."""
     table = Table(show_edge=False)
-    for col in ("decoder", "tokens", "tokens/s", "block eff.", "accept rate", "perplexity",
+    for col in ("decoder", "tokens", "tokens/s", "block eff.", "accepted/depth", "perplexity",
                 "draft s", "target s", "other s"):
         table.add_column(col, justify="right" if col != "decoder" else "left")
 

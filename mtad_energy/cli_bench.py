@@ -119,7 +119,7 @@ def summary_table(summary, title: str = "") -> Table:
     simulated = False
     cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
             ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
-            ("accept", "acceptance_rate"), ("ppl", "perplexity"), ("J/tok", "energy_per_token_j")]
+            ("accepted/depth", "acceptance_rate"), ("ppl", "perplexity"), ("J/tok", "energy_per_token_j")]
     extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
     cols += [(c.replace("_", "-"), c) for c in extra]
     for name, _ in cols:

@@ -237,6 +237,7 @@ class Runner:
             "meter": self.meter.name, "device": self.device, "dtype": self.dtype,
             "prompt_len": gen.prompt_len, "tokens_emitted": tokens, "iterations": s.iterations,
             "draft_proposed": s.draft_proposed, "draft_accepted": s.draft_accepted,
+            "draft_depth": s.draft_depth, "mean_accepted_length": s.mean_accepted_length,
             "draft_forwards": s.draft_forwards, "target_forwards": s.target_forwards,
             "prefill_time_s": s.prefill_time_s, "decode_time_s": s.decode_time_s,
             "time_draft_s": s.time_draft_s, "time_target_s": s.time_target_s,
@@ -248,6 +249,7 @@ class Runner:
             **scores, "text": gen.text,
         }
         steps = [{"run_key": key, "iteration": i, "emitted": st.emitted, "proposed": st.proposed,
+                  "draft_depth": st.draft_depth,
                   "accepted": st.accepted, "draft_forwards": st.draft_forwards,
                   "target_forwards": st.target_forwards, "time_draft_s": st.time_draft_s,
                   "time_target_s": st.time_target_s, "time_other_s": st.time_other_s}

@@ -71,12 +71,13 @@ class StepResult:
     """
 
     tokens: torch.Tensor  # [m] tokens to append, m >= 1 (or a padded buffer, see `length`)
-    proposed: int = 0  # draft tokens shown to the target
+    proposed: int = 0  # draft tokens shown to the target (every tree node, k*gamma for Spectr)
     accepted: int | torch.Tensor = 0  # of those, accepted (an int, or a 0-d device tensor)
     length: torch.Tensor | None = None  # 0-d device tensor: only tokens[:length] are emitted
     # 0-d device tensor: the draft cache is valid only up to this many positions (the loop crops
     # it there, after the read-back), for drafts whose kept row diverges from the emitted path
     draft_cache_len: torch.Tensor | None = None
+    depth: int = 0  # draft tokens on one path that could have been accepted (the drafted depth)
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
@@ -84,7 +85,7 @@ class StepResult:
         """``draft[:n]`` followed by ``nxt``, with ``n`` (0-d) left on the device: the buffer is
         ``draft`` with ``nxt`` written at index n, ``[len(draft) + 1]``, of which n + 1 count."""
         buf = torch.cat([draft, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))
-        return cls(buf, proposed, n, n + 1)
+        return cls(buf, proposed, n, n + 1, depth=draft.shape[0])
 
 
 class PhaseTimer:

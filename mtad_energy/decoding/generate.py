@@ -16,7 +16,12 @@ from mtad_energy.models import ModelPair
 
 @dataclass(frozen=True)
 class StepStats:
-    """One decoder iteration."""
+    """One decoder iteration, with the same meaning for every decoder (README, "Statistics"):
+    ``emitted`` tokens appended (kept draft tokens + the token from p); ``proposed`` every draft
+    token shown to the target (tree nodes, k*gamma for Spectr: verification work, not
+    acceptance); ``accepted`` draft tokens on the emitted path that were kept; ``draft_depth``
+    how many draft tokens on one path could have been accepted (gamma for a chain, the tree
+    depth for trees, the draft length for Spectr; 0 without a draft)."""
 
     emitted: int
     proposed: int
@@ -29,6 +34,7 @@ class StepStats:
     time_draft_s: float = 0.0
     time_target_s: float = 0.0
     time_other_s: float = 0.0
+    draft_depth: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,9 +52,13 @@ class GenerationStats:
     time_other_s: float
     tokens_per_s: float
     block_efficiency: float  # tokens emitted per target forward
-    acceptance_rate: float | None  # accepted / proposed draft tokens; None without drafts
+    # accepted / draft_depth: the share of the draftable positions that were kept, comparable
+    # across chains, trees and multi-draft decoders; None without drafts
+    acceptance_rate: float | None
     perplexity: float | None  # exp(mean NLL) of the output under the *unwarped* target
     stop_reason: str  # "eos" | "max_new_tokens"
+    draft_depth: int = 0  # sum over iterations of the draftable positions on one path
+    mean_accepted_length: float | None = None  # accepted draft tokens per drafting iteration
 
 
 @dataclass
@@ -198,6 +208,7 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
 
     eos = pair.eos_token_id
     counts: list[tuple[int, int, int, int, int]] = []  # emitted, proposed, accepted, forwards
+    depths: list[int] = []  # draftable positions on one path, per iteration
     phase_times: list[tuple[float, float]] = [_draft_target(timer)]  # cumulative, per iteration
     bounds = [t_decode]  # iteration boundaries (wall clock)
     new_tokens: list[int] = []
@@ -217,6 +228,7 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
         accepted = min(accepted, len(token_list))
         counts.append((len(token_list), result.proposed, accepted,
                        (draft.forwards if draft else 0) - before[1], target.forwards - before[0]))
+        depths.append(result.depth)
         phase_times.append(_draft_target(timer))
         if stop == "eos":
             bounds.append(time.perf_counter())
@@ -232,12 +244,15 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
 
     decode_s = t_end - t_decode
     bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode_s
-    steps = [StepStats(*c, *_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1]))
+    steps = [StepStats(*c, *_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1]),
+                       draft_depth=depths[i])
              for i, c in enumerate(counts)]
     draft_s, target_s, _ = _split(decode_s, phase_times[0], phase_times[-1])
     target_fw = target.forwards - fwd0[0]
     proposed = sum(s.proposed for s in steps)
     accepted = sum(s.accepted for s in steps)
+    depth = sum(s.draft_depth for s in steps)
+    drafting = sum(1 for s in steps if s.draft_depth)
     ppl = perplexity(pair.target, ids[:state.n], prompt_len) if compute_perplexity else None
     stats = GenerationStats(
         iterations=len(steps), tokens_emitted=len(new_tokens), draft_proposed=proposed,
@@ -247,8 +262,9 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
         time_other_s=max(0.0, decode_s - draft_s - target_s),
         tokens_per_s=len(new_tokens) / decode_s if decode_s > 0 else float("inf"),
         block_efficiency=len(new_tokens) / target_fw if target_fw else 0.0,
-        acceptance_rate=accepted / proposed if proposed else None,
-        perplexity=ppl, stop_reason=stop)
+        acceptance_rate=accepted / depth if depth else None,
+        perplexity=ppl, stop_reason=stop, draft_depth=depth,
+        mean_accepted_length=accepted / drafting if drafting else None)
     text = pair.tokenizer.decode(new_tokens, skip_special_tokens=True)
     config = {**decoder.config(), "max_new_tokens": max_new_tokens, "seed": seed}
     return Generation(new_tokens, text, prompt_len, stats, steps, config)

@@ -49,7 +49,7 @@ METRIC_NAMES: dict[str, str] = {
     "tokens_per_s_pooled": "tokens/s (pooled)",
     "speedup": "speed-up",
     "block_efficiency": "block eff.",
-    "acceptance_rate": "acceptance",
+    "acceptance_rate": "accepted/depth",
     "perplexity": "PPL",
     "energy_per_token_j": "J/token",
     "energy_saving": "energy saving",

@@ -121,3 +121,50 @@ def test_a_batched_prompt_tensor_is_refused_and_a_single_row_is_one_prompt(llama
     assert one.prompt_len == 3 and one.token_ids == flat.token_ids
     with pytest.raises(ValueError, match=r"shape \[2, 3\] holds 2 prompts"):
         me.generate("ar", llama_pair, torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3)
+
+
+DRAFTING = ["spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "typical", "bild"]
+
+
+@pytest.mark.parametrize("name", DRAFTING)
+def test_acceptance_means_the_same_for_every_decoder(llama_pair, name):
+    """Draft = target, greedy: every draft token on the emitted path is right, so accepted /
+    draft_depth is 1 for chains, trees and multi-draft decoders alike; the tokens the target
+    scored (tree nodes, k rows) are counted apart, never in the rate."""
+    from mtad_energy.models import ModelPair
+
+    same = ModelPair(llama_pair.target, llama_pair.target, llama_pair.tokenizer)
+    params = {"rollback": 100.0} if name == "bild" else {}
+    g = me.generate(name, same, "w1 w2 w3", max_new_tokens=16, temperature=0, seed=0, **params)
+    s = g.stats
+    if s.stop_reason == "eos":
+        pytest.skip("greedy output hit EOS at once")
+    assert s.draft_depth > 0 and s.acceptance_rate == 1.0
+    assert s.draft_proposed >= s.draft_depth
+    assert s.mean_accepted_length == s.draft_accepted / sum(1 for st in g.steps if st.draft_depth)
+    assert all(st.accepted == st.draft_depth for st in g.steps)
+
+
+def test_a_block_cut_by_eos_counts_only_the_kept_draft_tokens(llama_pair):
+    """spd-shaped block whose first draft token is EOS: 1 token emitted, 1 draft token kept."""
+    from mtad_energy.decoding.base import Decoder, StepResult
+    from mtad_energy.decoding.generate import generate_ids
+
+    eos = llama_pair.eos_token_id
+
+    class EosFirst(Decoder):
+        name, help, needs_draft = "eos-first", "test", False
+
+        @property
+        def lookahead(self):
+            return 4
+
+        def step(self, s):
+            draft = torch.tensor([eos, 5, 6, 7], device=s.ids.device)
+            n = torch.tensor(4, device=s.ids.device)
+            return StepResult.block(draft, n, torch.tensor(8, device=s.ids.device), proposed=4)
+
+    g = generate_ids(EosFirst(), llama_pair, [5, 6, 7], 10, compute_perplexity=False)
+    st = g.steps[0]
+    assert g.stats.stop_reason == "eos" and g.token_ids == [eos]
+    assert (st.emitted, st.proposed, st.accepted, st.draft_depth) == (1, 4, 1, 4)
