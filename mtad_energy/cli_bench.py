@@ -119,7 +119,8 @@ def summary_table(summary, title: str = "") -> Table:
     simulated = False
     cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
             ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
-            ("accepted/depth", "acceptance_rate"), ("ppl", "perplexity"), ("J/tok", "energy_per_token_j")]
+            ("accepted/depth", "acceptance_rate"), ("ppl", "perplexity"),
+            ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
     extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
     cols += [(c.replace("_", "-"), c) for c in extra]
     for name, _ in cols:
@@ -129,7 +130,7 @@ def summary_table(summary, title: str = "") -> Table:
         cells = []
         for _name, col in cols:
             v = r.get(col)
-            if col == "energy_per_token_j":
+            if col in ("energy_per_token_j", "decode_energy_per_token_j"):
                 cells.append(energy_text(v, None).split(":")[0])
                 if cells[-1] == "n/a":
                     reasons.add(energy_text(v, r.get("energy_reason")).removeprefix("n/a: "))
@@ -145,6 +146,8 @@ def summary_table(summary, title: str = "") -> Table:
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
         table.add_row(*cells)
     captions = [SIMULATED_NOTE] if simulated else []
+    if not reasons:
+        captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
     if reasons:
         captions.append("J/tok n/a: " + "; ".join(sorted(reasons)))
     if captions:

@@ -11,7 +11,11 @@ Aggregation choices (the paper's "average tokens/second" and "average energy per
   few long generations dominate it, which is what a serving system would see.
 - ``energy_per_token_j`` is total energy / total tokens over the runs that have an energy reading:
   energy adds up, per-run ratios do not, and short runs (few tokens, noisy meter windows) would
-  otherwise weigh as much as long ones.
+  otherwise weigh as much as long ones. It includes the prefill.
+- Each ratio to the baseline is taken on one basis: ``speedup`` (decode tokens/s) beside
+  ``energy_saving`` (decode-only J/token, ``decode_energy_per_token_j``); ``speedup_total``
+  (end-to-end tokens/s, prefill included, ``tokens_per_s_total``) beside ``energy_saving_total``
+  (total J/token).
 - ``block_efficiency``, ``acceptance_rate`` and ``perplexity`` are means of the per-run values.
 """
 
@@ -40,7 +44,11 @@ HIGHER_IS_BETTER: dict[str, bool] = {
     "rouge_l": True,
     "pass_at_1": True,
     "energy_saving": True,
+    "energy_saving_total": True,
+    "speedup_total": True,
+    "tokens_per_s_total": True,
     "energy_per_token_j": False,
+    "decode_energy_per_token_j": False,
     "perplexity": False,
 }
 
@@ -52,7 +60,11 @@ METRIC_NAMES: dict[str, str] = {
     "acceptance_rate": "accepted/depth",
     "perplexity": "PPL",
     "energy_per_token_j": "J/token",
-    "energy_saving": "energy saving",
+    "decode_energy_per_token_j": "J/token (decode)",
+    "energy_saving": "energy saving (decode)",
+    "energy_saving_total": "energy saving (total)",
+    "tokens_per_s_total": "tokens/s (end to end)",
+    "speedup_total": "speed-up (end to end)",
     "rouge_l": "Rouge-L",
     "pass_at_1": "pass@1",
     "batch_size": "batch size",
@@ -75,7 +87,7 @@ METRIC_NAMES: dict[str, str] = {
 _NUMERIC_RUN_COLUMNS = ("tokens_emitted", "tokens_per_s", "block_efficiency", "acceptance_rate",
                         "perplexity", "energy_j", "energy_per_token_j", "decode_time_s",
                         "prefill_time_s", "rouge_l", "pass_at_1", "passed", "energy_ci_low_j",
-                        "energy_ci_high_j")
+                        "energy_ci_high_j", "decode_energy_j")
 
 
 # -- labels and ordering ---------------------------------------------------------------------------
@@ -150,6 +162,15 @@ def _join_reasons(values: pd.Series) -> str | None:
     return "; ".join(reasons) if reasons else None
 
 
+def _decode_jpt(g: pd.DataFrame) -> float:
+    """Decode-phase energy / tokens over the runs with a decode energy reading."""
+    if "decode_energy_j" not in g:
+        return math.nan
+    ok = g["decode_energy_j"].notna()
+    tokens = float(g.loc[ok, "tokens_emitted"].sum())
+    return float(g.loc[ok, "decode_energy_j"].sum()) / tokens if tokens > 0 else math.nan
+
+
 def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]:
     tokens = g["tokens_emitted"]
     total_tokens = float(tokens.sum())
@@ -172,6 +193,9 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
         "n_energy_runs": int(has_energy.sum()),
         "total_energy_j": total_energy_j,
         "energy_per_token_j": total_energy_j / energy_tokens if energy_tokens > 0 else math.nan,
+        "decode_energy_per_token_j": _decode_jpt(g),
+        "tokens_per_s_total": (tokens / (g["decode_time_s"] + g["prefill_time_s"].fillna(0.0))
+                               ).mean() if "prefill_time_s" in g else math.nan,
         # why energy is missing, only for the runs that lack it
         "energy_reason": _join_reasons(g.loc[~has_energy, "energy_reason"]),
         "meter": _join_reasons(g["meter"]),
@@ -199,8 +223,9 @@ def _baseline_rows(summary: pd.DataFrame, baseline: str) -> pd.DataFrame:
     if not match.any():
         match = summary["decoder"] == baseline
     base = summary[match].sort_values(["n_runs", "params_json"], ascending=[False, True], kind="stable")
-    return base.drop_duplicates(["model", "dataset"])[["model", "dataset", "tokens_per_s",
-                                                      "energy_per_token_j"]]
+    return base.drop_duplicates(["model", "dataset"])[[
+        "model", "dataset", "tokens_per_s", "energy_per_token_j", "decode_energy_per_token_j",
+        "tokens_per_s_total"]]
 
 
 def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
@@ -228,7 +253,8 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     columns = [*GROUP_KEYS, "label", "n_runs", "n_prompts", "total_tokens", "total_decode_time_s",
                "tokens_per_s", "tokens_per_s_std", "tokens_per_s_pooled", "speedup",
                "block_efficiency", "acceptance_rate", "perplexity", "n_energy_runs", "total_energy_j",
-               "energy_per_token_j", "energy_saving", "energy_reason", "meter"]
+               "energy_per_token_j", "decode_energy_per_token_j", "energy_saving",
+               "tokens_per_s_total", "speedup_total", "energy_saving_total", "energy_reason", "meter"]
     if "energy_ci_low_j" in optional:
         columns[columns.index("energy_saving"):columns.index("energy_saving")] = [
             "energy_per_token_ci_low_j", "energy_per_token_ci_high_j"]
@@ -246,11 +272,15 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     summary = pd.DataFrame(rows)
 
     base = _baseline_rows(summary, baseline).rename(columns={
-        "tokens_per_s": "_base_tps", "energy_per_token_j": "_base_jpt"})
+        "tokens_per_s": "_base_tps", "energy_per_token_j": "_base_jpt",
+        "decode_energy_per_token_j": "_base_dec_jpt", "tokens_per_s_total": "_base_tps_total"})
     summary = summary.merge(base, on=["model", "dataset"], how="left")
+    # each ratio on one basis: decode with decode, end to end with total
     summary["speedup"] = summary["tokens_per_s"] / summary["_base_tps"]
-    summary["energy_saving"] = 1.0 - summary["energy_per_token_j"] / summary["_base_jpt"]
-    summary = summary.drop(columns=["_base_tps", "_base_jpt"])
+    summary["energy_saving"] = 1.0 - summary["decode_energy_per_token_j"] / summary["_base_dec_jpt"]
+    summary["speedup_total"] = summary["tokens_per_s_total"] / summary["_base_tps_total"]
+    summary["energy_saving_total"] = 1.0 - summary["energy_per_token_j"] / summary["_base_jpt"]
+    summary = summary.drop(columns=["_base_tps", "_base_jpt", "_base_dec_jpt", "_base_tps_total"])
     return _sort_by_decoder(summary[columns])
 
 

@@ -387,19 +387,25 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
                    *[m for m in ("pass_at_1", "rouge_l") if m in summary and summary[m].notna().any()]]
         lines += ["## Main table", "",
                   f"Decoders as rows, one column group per dataset. tokens/s is the mean of per-run "
-                  f"tokens/s; speed-up is over `{baseline}` on the same model and dataset; J/token is "
-                  "total energy / total tokens; PPL is perplexity under the target model. **Bold**: "
+                  f"tokens/s of the decode phase; speed-up is over `{baseline}` on the same model and "
+                  "dataset, on that basis; J/token is total energy (prefill + decode) / total tokens; "
+                  "the speed details give the decode-only J/token and the energy saving on the "
+                  "decode basis (beside the speed-up) and on the total basis (beside the end-to-end "
+                  "speed-up); PPL is perplexity under the target model. **Bold**: "
                   "best, <u>underlined</u>: second best (↑ higher is better, ↓ lower is better).", ""]
         if not has_speedup:
             lines += [f"No `{baseline}` runs, so there is no speed-up column.", ""]
         lines += _simulated_note(runs, "runs") if has_energy else []
         lines += [analysis.to_markdown(analysis.main_table(summary, metrics)), ""]
         detail = ["block_efficiency", "acceptance_rate", "tokens_per_s_pooled",
-                  *(["energy_saving"] if has_energy and has_speedup else [])]
+                  *(["decode_energy_per_token_j", "energy_saving", "speedup_total",
+                     "energy_saving_total"] if has_energy and has_speedup else [])]
         lines += ["### Speed details", "",
-                  "Block efficiency: tokens per iteration; acceptance: accepted / proposed draft "
-                  "tokens; pooled tokens/s: total tokens / total decode time; energy saving: "
-                  f"1 - J/token / `{baseline}` J/token.", "",
+                  "Block efficiency: tokens per target forward; accepted/depth: draft tokens kept / "
+                  "draft positions on one path (comparable across chains, trees and multi-draft "
+                  "decoders); pooled tokens/s: total tokens / total decode time; energy saving "
+                  f"(decode): 1 - decode J/token / `{baseline}`'s, the basis of the speed-up; "
+                  "energy saving (total) with the end-to-end speed-up, prefill included.", "",
                   analysis.to_markdown(analysis.main_table(summary, detail)), ""]
         for name, plot in (("jpt_vs_speedup", plot_jpt_vs_speedup),
                            ("ppl_vs_block_efficiency", plot_ppl_vs_block_efficiency)):

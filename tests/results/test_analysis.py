@@ -237,3 +237,20 @@ def test_batch_curve_sorts_and_averages_repeats():
     assert curve["batch_size"].tolist() == [1, 4]
     assert curve["energy_j"].tolist() == [1.0, 10.0]
     assert curve["n_rows"].tolist() == [1, 2]
+
+
+def test_each_ratio_is_taken_on_one_basis():
+    """Speed-up (decode tokens/s) pairs with the decode-only energy saving; the end-to-end
+    speed-up (prefill included) with the total one. Here the drafting decoder halves decode time
+    and decode joules but pays the same prefill, so the two bases differ."""
+    df = _runs([
+        {"decoder": "ar", "tokens_emitted": 10, "decode_time_s": 1.0, "prefill_time_s": 1.0,
+         "tokens_per_s": 10.0, "decode_energy_j": 100.0, "energy_j": 200.0},
+        {"decoder": "spd", "tokens_emitted": 10, "decode_time_s": 0.5, "prefill_time_s": 1.0,
+         "tokens_per_s": 20.0, "decode_energy_j": 50.0, "energy_j": 150.0},
+    ])
+    s = analysis.decoder_summary(df).set_index("decoder")
+    assert s.loc["spd", "speedup"] == 2.0 and s.loc["spd", "energy_saving"] == 0.5
+    assert s.loc["spd", "decode_energy_per_token_j"] == 5.0 and s.loc["spd", "energy_per_token_j"] == 15.0
+    assert s.loc["spd", "speedup_total"] == pytest.approx(2.0 / 1.5)
+    assert s.loc["spd", "energy_saving_total"] == pytest.approx(0.25)
