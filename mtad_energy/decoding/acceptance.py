@@ -61,10 +61,13 @@ def spectr_rho(p: torch.Tensor, q: torch.Tensor, k: int | torch.Tensor, iters: i
     f(rho) = 1 - (1-beta)^k - rho*beta is non-increasing (beta falls, rho*beta = sum min(rho q, p)
     rises), f(1) >= 0 and f(k) <= 0 (Bernoulli), so bisection keeps the root bracketed. 24 halvings
     of [1, k] reach float32 resolution. k = 1 gives rho = 1 exactly (the interval is empty).
-    ``support > 0``: only tokens where q > 0 count in beta, so sum over q's ``support`` most likely
-    tokens (exact when q has at most that many nonzeros, e.g. 2 * top_k after a top-k warp).
+    ``support > 0``: only tokens where q > 0 count in beta, so on the CPU, when no row of q has
+    more than ``support`` nonzeros (e.g. 2 * top_k after a top-k warp), sum over q's ``support``
+    most likely tokens. A row with more (top-k keeps every token tied at the cut, common with
+    bf16 logits) uses the whole vocabulary, so rho stays exact. On a GPU the whole vocabulary is
+    always used: it costs little there, and checking would read a value back to the host.
     """
-    if 0 < support < q.shape[-1]:
+    if 0 < support < q.shape[-1] and q.device.type == "cpu" and int((q > 0).sum(-1).max()) <= support:
         idx = q.topk(support, -1).indices
         p, q = p.gather(-1, idx), q.gather(-1, idx)
     k = torch.as_tensor(k, dtype=p.dtype, device=p.device).expand(p.shape[:-1])

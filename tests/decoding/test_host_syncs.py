@@ -39,6 +39,8 @@ class CountSyncs(TorchDispatchMode):
 
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_no_host_sync_inside_an_iteration(llama_pair, name):
+    # top_k=0: Spectr's rho shortcut, which counts q's nonzeros on the host on the CPU only
+    # (never on a GPU, see spectr_rho), stays out of the count
     decoder = get_decoder(name, top_k=0, top_p=1.0)
     with CountSyncs() as counter:
         gen = generate_ids(decoder, llama_pair, [5, 6, 7, 8, 9], 16, seed=0,

@@ -190,3 +190,17 @@ def test_bad_parameters_are_refused_by_name(params, word):
 
 def test_string_parameters_are_coerced():
     assert get_decoder("spectr", num_drafts="3", gamma="2").params.num_drafts == 3
+
+
+def test_rho_stays_exact_when_ties_at_the_top_k_cut_exceed_the_shortcut():
+    """bf16-like logits: 30 tokens tied at the top-k cut give q 30 nonzeros, more than the
+    2 * top_k shortcut keeps; rho must still be the one over the whole support."""
+    logits = torch.zeros(2, 64)
+    logits[:, :3] = torch.tensor([3.0, 2.0, 1.5])  # 3 clear leaders, then 61 tokens tied at 0
+    q = Warp(1.0, top_k=5, top_p=1.0).probs(logits)
+    assert int((q[0] > 0).sum()) == 64  # ties at the cut are kept
+    p = torch.softmax(torch.randn(2, 64, generator=torch.Generator().manual_seed(0)), -1)
+    full = spectr_rho(p, q, 4)
+    torch.testing.assert_close(spectr_rho(p, q, 4, support=10), full)
+    clipped = spectr_rho(p.gather(-1, q.topk(10, -1).indices), q.gather(-1, q.topk(10, -1).indices), 4)
+    assert not torch.allclose(clipped, full)  # the old shortcut would have been wrong here
