@@ -46,6 +46,11 @@ def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
     top = None
     if 0 < top_k < vocab:
         top = logits.topk(top_k, dim=-1)  # values descending, with their indices
+        if logits.device.type == "cpu" and not bool(
+                ((logits >= top.values[..., -1:]).sum(-1) > top_k).any()):
+            # no token tied with the k-th beyond the k: the whole warp lives in the k candidates
+            # (on the CPU, where this check reads nothing back from a device)
+            return _warp_top_k(top.values, top.indices, vocab, top_p)
         logits = logits.masked_fill(logits < top.values[..., -1:], NEG_INF)  # ties at the cut stay
     probs = logits.softmax(-1)
     if top_p < 1.0:
@@ -54,6 +59,17 @@ def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _warp_top_k(values: torch.Tensor, indices: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
+    """The warp when exactly the k candidates survive top-k: softmax, nucleus and renormalisation
+    over ``values, indices [..., k]`` (logits descending), scattered into ``[..., V]``."""
+    p = values.softmax(-1)
+    if top_p < 1.0:
+        p = p.masked_fill(p.cumsum(-1) - p > top_p, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return torch.zeros((*values.shape[:-1], vocab), dtype=p.dtype, device=p.device).scatter_(
+        -1, indices, p)
 
 
 def _nucleus_drop(logits: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -94,3 +94,32 @@ def test_top_p_keeps_the_top_logit_when_float32_probabilities_tie():
     # found by hypothesis: the two probabilities are equal in float32, the logits are not
     logits = torch.tensor([0.0, 2.275717378754497e-13], dtype=torch.float64)
     assert warp_probs(logits, 1.0, 0, 0.25).tolist() == [0.0, 1.0]
+
+
+def _reference_warp(logits, top_k, top_p):
+    """Top-k mask (ties at the cut kept), softmax, then the nucleus by a full sort."""
+    kth = logits.topk(top_k, -1).values[..., -1:]
+    masked = logits.masked_fill(logits < kth, float("-inf"))
+    probs = masked.softmax(-1)
+    order = masked.argsort(-1, descending=True)
+    sorted_p = probs.gather(-1, order)
+    drop_sorted = sorted_p.cumsum(-1) - sorted_p > top_p
+    probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_warp_matches_a_full_sort_with_and_without_ties_at_the_cut(ties):
+    """The top-k paths (all work within the k candidates when nothing ties with the k-th
+    logit; the O(V + k^2) nucleus otherwise) give the full-sort warp. Which of several tied
+    tokens the nucleus keeps is arbitrary, so the sorted distributions are compared."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(400):
+        vocab = int(torch.randint(3, 40, (), generator=gen))
+        logits = (torch.randint(-3, 3, (3, vocab), generator=gen).float() if ties
+                  else torch.randn(3, vocab, generator=gen))
+        top_k = int(torch.randint(1, vocab, (), generator=gen))
+        top_p = float(torch.rand((), generator=gen)) * 0.99 + 0.005
+        got = warp_probs(logits, 1.0, top_k, top_p)
+        want = _reference_warp(logits, top_k, top_p)
+        torch.testing.assert_close(got.sort(-1).values, want.sort(-1).values, atol=1e-6, rtol=0)
