@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,8 @@ class Plan:
         if need_gpu and not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
                              "(only `plots` runs without one, from the CSVs already written)")
-        return cls(False, torch.device("cuda" if need_gpu else "cpu"), torch.bfloat16, ("opt-13b", "llama3-8b"),
+        return cls(False, torch.device("cuda" if need_gpu else "cpu"), torch.bfloat16,
+                   ("opt-13b", "llama3-8b"),
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
                    ("llama3.1-8b", "llama3.2-1b"), "inductor", 3.0, 16384)
 
@@ -172,7 +174,7 @@ class Workload:
         n = plan.matrix_n
         self.w = torch.randn(n, n, device=plan.device, dtype=plan.dtype)
         self.x = torch.randn(n, 1, device=plan.device, dtype=plan.dtype)
-        self.plan, self.bursty, self.k = plan, bursty, 1
+        self.plan, self.bursty = plan, bursty
         self.sync = (torch.cuda.synchronize if plan.device.type == "cuda" else (lambda: None))
         # calibrate k so one repetition takes about rep_ms (after a warm-up: the first product
         # pays for library initialisation)
@@ -243,7 +245,7 @@ class MemoryPower:
 
 
 def stage_meters(kit: Kit) -> None:
-    from mtad_energy.measure import MeterUnavailableError, measure_mitigated
+    from mtad_energy.measure import measure_mitigated
 
     plan = kit.plan
     factories = _meters(plan)
@@ -252,14 +254,15 @@ def stage_meters(kit: Kit) -> None:
     for name, make in factories.items():
         try:
             meters[name] = make()
-        except (MeterUnavailableError, Exception) as err:  # one missing meter must not end the stage
+        except Exception as err:  # noqa: BLE001 - one missing meter must not end the stage
             kit.log(f"meters: {name} unavailable: {type(err).__name__}: {err}")
             rows.append({"workload": "-", "meter": name, "protocol": "-", "error": str(err)})
     try:
         # idle baseline, every meter at once
         time.sleep(0.5 if not plan.smoke else 0.0)
         idle_s = 2.0 if not plan.smoke else 0.05
-        with _all_windows(meters, "idle", kit.sync) as handles:
+        with ExitStack() as stack:
+            handles = _all_windows(stack, meters, "idle", kit.sync)
             time.sleep(idle_s)
         for name, h in handles.items():
             m = h.result()
@@ -281,7 +284,9 @@ def stage_meters(kit: Kit) -> None:
                 except Exception as err:  # noqa: BLE001 - reported, not fatal
                     kit.log(f"meters: memory_average power unavailable: {err}")
             reps = 0
-            with _all_windows(meters, label, kit.sync) as handles, (mem or _Null()):
+            with ExitStack() as stack:
+                handles = _all_windows(stack, meters, label, kit.sync)
+                stack.enter_context(mem or nullcontext())
                 t0 = time.perf_counter()
                 while reps < 8 or time.perf_counter() - t0 < plan.workload_s:
                     work()
@@ -323,39 +328,12 @@ def stage_meters(kit: Kit) -> None:
               "simulated sensors in --smoke" if plan.smoke else "")
 
 
-class _Null:
-    def __enter__(self):
-        return self
+def _all_windows(stack: ExitStack, meters: dict[str, Any], key: str,
+                 sync: Callable[[], None]) -> dict[str, Any]:
+    """One window on every meter, entered on ``stack`` (closed in reverse order, always)."""
+    from mtad_energy.measure import window
 
-    def __exit__(self, *exc):
-        return False
-
-
-class _all_windows:
-    """Open one window on every meter (nested, closed in reverse order, always)."""
-
-    def __init__(self, meters: dict[str, Any], key: str, sync: Callable[[], None]):
-        self.meters, self.key, self.sync = meters, key, sync
-        self.handles: dict[str, Any] = {}
-        self._stack: list[Any] = []
-
-    def __enter__(self):
-        from mtad_energy.measure import window
-
-        try:
-            for name, meter in self.meters.items():
-                cm = window(meter, self.key, self.sync)
-                self.handles[name] = cm.__enter__()
-                self._stack.append(cm)
-        except BaseException:
-            self.__exit__(*sys.exc_info())
-            raise
-        return self.handles
-
-    def __exit__(self, *exc):
-        while self._stack:
-            self._stack.pop().__exit__(*exc)
-        return False
+    return {name: stack.enter_context(window(meter, key, sync)) for name, meter in meters.items()}
 
 
 # --------------------------------------------------------------------------- batch
@@ -583,7 +561,16 @@ def stage_plots(kit: Kit) -> None:
     import seaborn as sns
 
     sns.set_theme(style="whitegrid", context="talk", font_scale=0.7)
-    made = []
+    made: list[str] = []
+
+    def save(fig, name: str, title: str = "") -> None:
+        if title:
+            fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(kit.out / name, dpi=120)
+        plt.close(fig)
+        made.append(name)
+
     batch = kit.out / "batch.csv"
     if batch.is_file():
         df = pd.read_csv(batch)
@@ -602,11 +589,7 @@ def stage_plots(kit: Kit) -> None:
             ax.legend(fontsize=8)
         axes[1].yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        fig.suptitle(f"Batch-size study ({RANDOM_NOTE})", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(kit.out / "batch_energy.png", dpi=120)
-        plt.close(fig)
-        made.append("batch_energy.png")
+        save(fig, "batch_energy.png", f"Batch-size study ({RANDOM_NOTE})")
     dec = kit.out / "decoders.csv"
     if dec.is_file():
         df = pd.read_csv(dec)
@@ -625,11 +608,7 @@ def stage_plots(kit: Kit) -> None:
         else:
             df.plot.bar(x="decoder", y="projected_tokens_per_s", ax=axes[1], legend=False, color="#66c2a5")
             axes[1].set(ylabel="tokens/s (projected)", xlabel="", title="Projected tokens/s (no energy)")
-        fig.suptitle(f"Decoders at Llama-3.1-8B / 3.2-1B shapes ({RANDOM_NOTE})", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(kit.out / "decoders.png", dpi=120)
-        plt.close(fig)
-        made.append("decoders.png")
+        save(fig, "decoders.png", f"Decoders at Llama-3.1-8B / 3.2-1B shapes ({RANDOM_NOTE})")
     floor = kit.out / "floor.csv"
     if floor.is_file():
         df = pd.read_csv(floor).dropna(subset=["forward_ms"])
@@ -641,10 +620,7 @@ def stage_plots(kit: Kit) -> None:
                           label="weight bytes / copy bandwidth" if i == 0 else None)
             ax.set(ylabel="ms per decode forward (batch 1)", xlabel="", title="Forward time vs floor")
             ax.legend(fontsize=8)
-            fig.tight_layout()
-            fig.savefig(kit.out / "floor.png", dpi=120)
-            plt.close(fig)
-            made.append("floor.png")
+            save(fig, "floor.png")
     kit.log(f"plots: {', '.join(made) or 'nothing to plot yet (run the other stages first)'}")
 
 

@@ -80,12 +80,12 @@ class StepResult:
     depth: int = 0  # draft tokens on one path that could have been accepted (the drafted depth)
 
     @classmethod
-    def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
-              proposed: int) -> StepResult:
+    def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor, proposed: int,
+              draft_cache_len: torch.Tensor | None = None) -> StepResult:
         """``draft[:n]`` followed by ``nxt``, with ``n`` (0-d) left on the device: the buffer is
         ``draft`` with ``nxt`` written at index n, ``[len(draft) + 1]``, of which n + 1 count."""
         buf = torch.cat([draft, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))
-        return cls(buf, proposed, n, n + 1, depth=draft.shape[0])
+        return cls(buf, proposed, n, n + 1, draft_cache_len, depth=draft.shape[0])
 
 
 class PhaseTimer:

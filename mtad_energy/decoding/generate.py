@@ -207,8 +207,7 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
     fwd0 = (target.forwards, draft.forwards if draft else 0)
 
     eos = pair.eos_token_id
-    counts: list[tuple[int, int, int, int, int]] = []  # emitted, proposed, accepted, forwards
-    depths: list[int] = []  # draftable positions on one path, per iteration
+    counts: list[dict[str, int]] = []  # per iteration: the StepStats fields other than times
     phase_times: list[tuple[float, float]] = [_draft_target(timer)]  # cumulative, per iteration
     bounds = [t_decode]  # iteration boundaries (wall clock)
     new_tokens: list[int] = []
@@ -226,9 +225,9 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
         new_tokens.extend(token_list)
         # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted
         accepted = min(accepted, len(token_list))
-        counts.append((len(token_list), result.proposed, accepted,
-                       (draft.forwards if draft else 0) - before[1], target.forwards - before[0]))
-        depths.append(result.depth)
+        counts.append({"emitted": len(token_list), "proposed": result.proposed, "accepted": accepted,
+                       "draft_forwards": (draft.forwards if draft else 0) - before[1],
+                       "target_forwards": target.forwards - before[0], "draft_depth": result.depth})
         phase_times.append(_draft_target(timer))
         if stop == "eos":
             bounds.append(time.perf_counter())
@@ -244,9 +243,10 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
 
     decode_s = t_end - t_decode
     bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode_s
-    steps = [StepStats(*c, *_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1]),
-                       draft_depth=depths[i])
-             for i, c in enumerate(counts)]
+    steps = []
+    for i, c in enumerate(counts):
+        d, t, o = _split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1])
+        steps.append(StepStats(**c, time_draft_s=d, time_target_s=t, time_other_s=o))
     draft_s, target_s, _ = _split(decode_s, phase_times[0], phase_times[-1])
     target_fw = target.forwards - fwd0[0]
     proposed = sum(s.proposed for s in steps)

@@ -14,8 +14,6 @@ Stats: ``proposed`` = gamma * W tree nodes shown to the target; ``accepted`` = e
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -107,5 +105,5 @@ class Mmtad(Decoder):
         # target: gather the path's node at every depth; the loop crops to the accepted eta
         path_nodes = 1 + d_idx * width + path
         keep_path(s.target, n - 1, torch.cat([path_nodes.new_zeros(1), path_nodes]))
-        return dataclasses.replace(StepResult.block(path_tok, eta, nxt, gamma * width),
-                                   draft_cache_len=n + take(lcp, row))
+        return StepResult.block(path_tok, eta, nxt, gamma * width,
+                                draft_cache_len=n + take(lcp, row))
