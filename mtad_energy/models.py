@@ -132,15 +132,14 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 def check_device(dev: torch.device) -> None:
     """A ValueError saying why ``dev`` cannot be used here (CUDA missing, no such GPU index)."""
-    device = dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = ("this torch build has no CUDA support" if torch.version.cuda is None
                    else "no NVIDIA GPU is visible (driver, CUDA_VISIBLE_DEVICES)")
-            raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available: {why}; "
+            raise ValueError(f"device {str(dev)!r} asked for, but CUDA is not available: {why}; "
                              "use --device cpu (or auto)")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(device)!r} does not exist: this machine has "
+            raise ValueError(f"device {str(dev)!r} does not exist: this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s), cuda:0.."
                              f"cuda:{torch.cuda.device_count() - 1}")
 
