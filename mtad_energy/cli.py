@@ -121,6 +121,8 @@ def generate(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16 (default: bf16 GPU, fp32 CPU)")] = None,
     chat: Annotated[bool | None, typer.Option(
         "--chat/--no-chat", help="apply the chat template (default: when the tokenizer has one)")] = None,
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ):
     """Decode one prompt and print the text and its statistics."""
@@ -133,7 +135,8 @@ def generate(
         dec = get_decoder(decoder, **parse_sets(set_))
         pair = load_pair(model, target=target, draft=draft, device=device, dtype=dtype,
                          with_draft=dec.needs_draft)
-        gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat)
+        gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat,
+                  compile=compile)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if as_json:

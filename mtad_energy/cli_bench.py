@@ -270,14 +270,14 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
 
 def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
             seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep,
-            require_energy=False):
+            require_energy=False, compile=False):
     alias = None if target and model == "smollm2" else model  # a custom target is not "smollm2"
     return RunConfig(
         decoders=decoders, model=ModelSpec(alias, target, draft, device, dtype),
         datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
         seed=seed, repeats=repeats, chat=chat, ops=ops,
         measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
-        allow_code_execution=allow_code_execution, sweep=sweep)
+        allow_code_execution=allow_code_execution, sweep=sweep, compile=compile)
 
 
 # shared options (typer reads the Annotated metadata)
@@ -301,6 +301,9 @@ Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat templa
 Ops = Annotated[bool, typer.Option("--ops", help="also profile FLOPs/bytes per decoder (for decompose)")]
 Workers = Annotated[int, typer.Option(min=1, help="split the work over N submitit jobs, one GPU each")]
 Cluster = Annotated[str, typer.Option(help="where --workers jobs run: local|slurm|debug")]
+Compile = Annotated[bool, typer.Option(
+    "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA); rows are "
+                      "stored under model '<model>+compile'")]
 AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
                                          help="run HumanEval tests on generated code (sandboxed)")]
 
@@ -315,7 +318,7 @@ def profile(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    as_json: Json = False,
+    compile: Compile = False, as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -324,7 +327,7 @@ def profile(
         specs = decoder_specs(split_list(decoder), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
-                         require_energy)
+                         require_energy, compile)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster)
@@ -342,7 +345,7 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    as_json: Json = False,
+    compile: Compile = False, as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -353,7 +356,7 @@ def compare(
         specs = decoder_specs(split_list(decoders), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
-                         require_energy)
+                         require_energy, compile)
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
@@ -380,7 +383,7 @@ def sweep_param(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
-    require_energy: RequireEnergy = False, as_json: Json = False,
+    require_energy: RequireEnergy = False, compile: Compile = False, as_json: Json = False,
 ):
     """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
     import itertools
@@ -402,7 +405,7 @@ def sweep_param(
             specs = list(decoder_specs([baseline], {})) + specs
         config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
                          repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
-                         require_energy)
+                         require_energy, compile)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
@@ -420,17 +423,30 @@ def sweep_batch_size(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None,
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
     seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
+    decoder: Annotated[str | None, typer.Option(
+        help="decode with these decoders (comma list, e.g. ar,spd) at each batch size: tokens/s, "
+             "J/token and the crossover with ar; without it, the forward-only study")] = None,
+    draft: Draft = None, dataset: Dataset = "mtbench",
+    n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
+    max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    set_: Sets = None,
 ):
     """The paper's batch-size study: energy and time per run and per input.
 
     A fixed number of target runs at each batch size; prints and stores energy, energy/run,
-    energy/input, time, time/run, time/input."""
+    energy/input, time, time/run, time/input. With --decoder: real decoding of B prompts at once
+    per decoder and batch size, and the batch size from which each decoder stops beating ar."""
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
     from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
 
     quiet_libraries()
+    if decoder is not None:
+        _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
+                            max_new_tokens, repeats, set_, meter, device, dtype, seed,
+                            output or Path("results/batch-size-decode"), require_energy, as_json)
+        return
     out = output or Path("results/batch-size")
     try:
         size_list = parse_sizes(sizes)
@@ -491,6 +507,88 @@ def sweep_batch_size(
         t.caption = esc("\n".join(captions))
     console.print(t)
     console.print(f"[dim]results in {esc(out)}[/]")
+
+
+def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
+                        repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
+                        as_json) -> None:
+    from mtad_energy.bench.decode_batch import decode_batch_sweep
+    from mtad_energy.bench.prompts import load_prompts
+    from mtad_energy.decoding.generate import encode_prompt
+    from mtad_energy.measure import get_meter, select_meter, snapshot
+    from mtad_energy.models import load_pair
+    from mtad_energy.results import ResultStore
+    from mtad_energy.results.analysis import batch_crossover
+    from mtad_energy.results.report import plot_batch_crossover
+
+    try:
+        names = split_list(decoders)
+        if "ar" not in names:
+            names = ["ar", *names]  # the baseline of every speed-up
+        specs = decoder_specs(names, parse_sets(sets))
+        size_list = parse_sizes(sizes)
+        if meter == "auto":
+            m = select_meter().meter
+        else:
+            m = get_meter(meter)
+        MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
+        alias = None if target and model == "smollm2" else model
+        needs_draft = any(s.build().needs_draft for s in specs)
+        with console.status("loading the models"):
+            pair = load_pair(alias, target=target, draft=draft, device=device, dtype=dtype,
+                             with_draft=needs_draft)
+        prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
+        store = ResultStore(out)
+        snap = snapshot()
+        store.write_env(snap.snapshot_id, snap.to_dict())
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    total = len(specs) * len(size_list) * repeats
+    try:
+        with _progress() as bar:
+            task = bar.add_task("decode batch sizes", total=total, note="")
+
+            def step(row: dict) -> None:
+                bar.update(task, advance=1, note=f"{row['label']} B={row['batch_size']}: "
+                                                 f"{row['tokens_per_s']:.1f} tok/s")
+
+            rows = decode_batch_sweep(pair, specs, size_list, prompts, store, m, model=pair.name,
+                                      dataset=dataset, max_new_tokens=max_new_tokens,
+                                      repeats=repeats, seed=seed, env_id=snap.snapshot_id,
+                                      progress=step)
+    except KeyboardInterrupt:
+        fail(f"interrupted: the finished rows are stored in {out}; re-run to resume", code=130,
+             label="[yellow]")
+    except (ValueError, RuntimeError) as error:
+        fail(error)
+    finally:
+        m.close()
+    table = batch_crossover(rows)
+    png = out.parent / f"{out.name}-crossover.png"  # beside the store, which holds only tables
+    plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes {size_list} "
+                                f"({max_new_tokens} tokens, {pair.describe()['device']})"
+                         ).savefig(png, dpi=150)
+    if as_json:
+        emit({"output": str(out), "meter": m.name, "plot": str(png),
+              "rows": json.loads(table.to_json(orient="records"))})
+        return
+    t = Table(title="decoders vs batch size", title_justify="left", show_edge=False)
+    for col in ("decoder", "B", "tok/s", "speed-up", "J/token", "energy saving", "block eff.",
+                "stops beating ar at B"):
+        t.add_column(col, justify="left" if col == "decoder" else "right")
+    for _, r in table.iterrows():
+        cross = r.crossover_batch_size
+        t.add_row(esc(r.label), str(int(r.batch_size)), fmt(r.tokens_per_s, "{:.1f}"),
+                  fmt(r.speedup, "{:.2f}x"),
+                  "n/a" if r.energy_per_token_j != r.energy_per_token_j
+                  else fmt(r.energy_per_token_j, "{:.4g}"),
+                  fmt(r.energy_saving, "{:.1%}"), fmt(r.block_efficiency),
+                  "-" if r.decoder == "ar" else ("never" if cross != cross else str(int(cross))))
+    reasons = sorted({str(r.get("energy_reason")) for r in rows if r.get("energy_j") is None})
+    if reasons:
+        t.caption = esc("J/token n/a: " + "; ".join(reasons))
+    console.print(t)
+    console.print(f"[dim]results in {esc(out)}; plot {esc(png)}[/]")
 
 
 @json_command

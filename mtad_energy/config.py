@@ -117,6 +117,7 @@ class RunConfig:
     ops: bool = False  # also profile FLOPs/bytes of one generation per decoder (for `decompose`)
     allow_code_execution: bool = False  # HumanEval pass@1 runs generated code (sandboxed)
     sweep: str = "profile"
+    compile: bool = False  # static KV cache + torch.compile forwards (CUDA graphs on CUDA)
 
     def __post_init__(self) -> None:
         if not self.decoders:

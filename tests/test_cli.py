@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from mtad_energy.cli import app
@@ -27,6 +28,20 @@ def test_generate_json_on_a_local_pair(model_dirs):
     res = json.loads(out.output)
     assert res["config"]["tau"] == 0.3 and res["config"]["beam_width"] == 2
     assert res["stats"]["tokens_emitted"] == 6
+
+
+@pytest.mark.slow
+def test_generate_compile_gives_the_eager_tokens(model_dirs):
+    args = ["generate", "--decoder", "spd", "--target", model_dirs["llama"], "--draft",
+            model_dirs["llama-draft"], "--prompt", "w1 w2 w3", "--set", "temperature=0",
+            "--max-new-tokens", "12", "--device", "cpu", "--json"]
+    eager = runner.invoke(app, args)
+    compiled = runner.invoke(app, [*args, "--compile"])
+    assert compiled.exit_code == 0, compiled.output
+    eager, compiled = json.loads(eager.output), json.loads(compiled.output)
+    assert compiled["token_ids"] == eager["token_ids"]
+    assert compiled["config"]["compiled"] == ["target", "draft"]
+    assert "compiled" not in eager["config"]
 
 
 def test_generate_reports_bad_input_clearly():

@@ -126,3 +126,20 @@ def test_layer_subset_self_draft_on_cuda(model_dirs, dtype):
 def test_int8_self_draft_is_refused_on_cuda_with_a_clear_message(model_dirs):
     with pytest.raises(ValueError, match="'self:int8' .* runs on CPU only; on a GPU use a layer-subset"):
         load_pair(target=model_dirs["opt"], draft="self:int8", device=DEVICE)
+
+
+@pytest.mark.parametrize("name", ["ar", "spd", "mtad", "specinfer", "spectr", "beam"])
+def test_compiled_path_with_cuda_graphs_matches_eager_greedy_output(model_dirs, name):
+    """`compile=True` on CUDA: static cache, inductor with CUDA graphs (reduce-overhead). Greedy
+    (fp32) output is the eager output; a second generation replays the captured graphs."""
+    pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device=DEVICE,
+                     dtype="fp32")
+    decoder = me.get_decoder(name, temperature=0)
+    eager = me.generate(decoder, pair, PROMPT, max_new_tokens=16, compute_perplexity=False)
+    for _ in range(2):
+        compiled = me.generate(decoder, pair, PROMPT, max_new_tokens=16, compute_perplexity=False,
+                               compile=True)
+        assert compiled.token_ids == eager.token_ids
+        check_stats(compiled, 16, pair.target.config.vocab_size)
+    assert compiled.config["compiled"] == (["target", "draft"] if decoder.needs_draft
+                                           else ["target"])

@@ -42,8 +42,12 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     decoders = pd.read_csv(out / "decoders.csv")
     from mtad_energy.decoding.registry import DECODERS
 
-    assert list(decoders.decoder) == list(DECODERS)
+    assert list(zip(decoders.decoder, decoders["mode"], strict=True)) == [
+        *((d, "eager") for d in DECODERS), ("ar", "compiled"), ("spd", "compiled")]
     assert (decoders.cost_per_iter_ms > 0).all() and decoders.projected_tokens_per_s.notna().all()
+    compiled = decoders[decoders["mode"] == "compiled"]
+    assert compiled.compiled_speedup_per_iter.notna().all()
+    assert compiled.projected_speedup_vs_ar.iloc[0] == 1.0  # ar compiled is its own baseline
     floor = pd.read_csv(out / "floor.csv")
     assert list(floor["mode"]) == ["eager", "compiled"] and floor.error.isna().all()
     from mtad_energy.measure import METER_NAMES

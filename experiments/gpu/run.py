@@ -74,6 +74,7 @@ class Plan:
     decode_repeats: int
     floor_models: tuple[str, ...]
     compile_backend: str
+    compiled_decoders: tuple[str, ...]  # run eager and `compile=` in `decoders`
     workload_s: float  # side-by-side window length in `meters`
     matrix_n: int
     extra: dict[str, Any] = field(default_factory=dict)
@@ -83,14 +84,15 @@ class Plan:
         if smoke:
             return cls(True, torch.device("cpu"), torch.float32, ("tiny-opt", "tiny-llama"),
                        (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
-                       "eager", 0.3, 256)
+                       "eager", ("ar", "spd"), 0.3, 256)
         if need_gpu and not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
                              "(only `plots` runs without one, from the CSVs already written)")
         return cls(False, torch.device("cuda" if need_gpu else "cpu"), torch.bfloat16,
                    ("opt-13b", "llama3-8b"),
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
-                   ("llama3.1-8b", "llama3.2-1b"), "inductor", 3.0, 16384)
+                   ("llama3.1-8b", "llama3.2-1b"), "inductor",
+                   ("ar", "spd", "mtad", "specinfer", "mmtad"), 3.0, 16384)
 
     def mitigation(self):
         from mtad_energy.measure import MitigationConfig
@@ -421,18 +423,25 @@ def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.Dat
     """Per decoder: the median over repeats of its per-iteration figures, and what it would reach
     on a real pair: a target forward there emits the pair's block efficiency (tokens per target
     forward), and costs (cost per iteration / target forwards per iteration) at these shapes."""
-    agg = (raw.groupby("decoder", sort=False).median(numeric_only=True).reset_index()
+    if "mode" not in raw:  # rows written before the compiled path
+        raw = raw.assign(mode="eager")
+    agg = (raw.groupby(["decoder", "mode"], sort=False).median(numeric_only=True).reset_index()
            .drop(columns="repeat"))
     agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
     tokens_per_iter = agg.cpu_pair_block_eff * agg.target_forwards_per_iter
     agg["projected_tokens_per_s"] = tokens_per_iter / (agg.cost_per_iter_ms / 1e3)
     agg["projected_j_per_token"] = agg.j_per_iter / tokens_per_iter
-    ar = agg[agg.decoder == "ar"]
-    if not ar.empty:
-        agg["projected_speedup_vs_ar"] = agg.projected_tokens_per_s / ar.projected_tokens_per_s.iloc[0]
-        ar_j = ar.projected_j_per_token.iloc[0]
-        agg["projected_energy_saving_vs_ar"] = 1.0 - agg.projected_j_per_token / ar_j
-    agg["compiled"] = "n/a: no compiled decoder path yet (issue 11 item 4); see floor.csv"
+    for _, part in agg.groupby("mode", sort=False):  # ratios to ar in the same mode
+        ar = part[part.decoder == "ar"]
+        if not ar.empty:
+            agg.loc[part.index, "projected_speedup_vs_ar"] = (
+                part.projected_tokens_per_s / ar.projected_tokens_per_s.iloc[0])
+            agg.loc[part.index, "projected_energy_saving_vs_ar"] = (
+                1.0 - part.projected_j_per_token / ar.projected_j_per_token.iloc[0])
+    eager = agg[agg["mode"] == "eager"].set_index("decoder").cost_per_iter_ms
+    agg["compiled_speedup_per_iter"] = [
+        eager.get(d, float("nan")) / c if m == "compiled" else float("nan")
+        for d, m, c in zip(agg.decoder, agg["mode"], agg.cost_per_iter_ms, strict=True)]
     return agg
 
 
@@ -440,9 +449,11 @@ def stage_decoders(kit: Kit) -> None:
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_ids
     from mtad_energy.decoding.registry import DECODERS, get_decoder
+    from mtad_energy.decoding.static import CompileOptions
     from mtad_energy.measure import get_meter
 
     plan = kit.plan
+    compile_opts = CompileOptions(backend=plan.compile_backend)
     t0 = time.perf_counter()
     pair = random_pair(plan.target, plan.draft, device=plan.device, dtype=plan.dtype, max_positions=1024)
     kit.log(f"decoders: {plan.target} + {plan.draft} built in {time.perf_counter() - t0:.1f} s "
@@ -454,26 +465,34 @@ def stage_decoders(kit: Kit) -> None:
     meter = get_meter("simulated") if plan.smoke else get_meter("auto")
     rows = []
     try:
-        for name in DECODERS:
+        runs = [(name, "eager") for name in DECODERS]
+        runs += [(name, "compiled") for name in plan.compiled_decoders]
+        for name, mode in runs:
             dec = get_decoder(name)
+            compile = compile_opts if mode == "compiled" else False
             # warm-up at full length: the first generation at a new length pays the caching
-            # allocator's growth (on an H100, 2-3x slower per iteration than the next one)
-            generate_ids(dec, pair, prompt, plan.decode_tokens, seed=99, compute_perplexity=False)
+            # allocator's growth (on an H100, 2-3x slower per iteration than the next one);
+            # compiled, it compiles and captures every shape the loop uses
+            t_warm = time.perf_counter()
+            generate_ids(dec, pair, prompt, plan.decode_tokens, seed=99, compute_perplexity=False,
+                         compile=compile)
+            warm_s = time.perf_counter() - t_warm
             for rep in range(plan.decode_repeats):
                 windows: dict[str, Any] = {}
 
-                def hook(phase: str, windows=windows, key=f"{name}-{rep}") -> None:
+                def hook(phase: str, windows=windows, key=f"{name}-{mode}-{rep}") -> None:
                     if phase == "decode":
                         meter.begin_window(key)
                     elif phase == "end":
                         windows["m"] = meter.end_window(key)
 
                 g = generate_ids(dec, pair, prompt, plan.decode_tokens, seed=rep,
-                                 compute_perplexity=False, on_phase=hook)
+                                 compute_perplexity=False, on_phase=hook, compile=compile)
                 s, m = g.stats, windows["m"]
                 it = max(s.iterations, 1)
                 rows.append({
-                    "decoder": name, "repeat": rep, "iterations": s.iterations,
+                    "decoder": name, "mode": mode, "warmup_s": warm_s, "repeat": rep,
+                    "iterations": s.iterations,
                     "tokens": s.tokens_emitted, "decode_time_s": s.decode_time_s,
                     "cost_per_iter_ms": s.decode_time_s / it * 1e3,
                     "target_forwards_per_iter": s.target_forwards / it,
@@ -486,15 +505,16 @@ def stage_decoders(kit: Kit) -> None:
                     "energy_flags": ",".join(m.flag_codes),
                     "random_weights_block_eff": s.block_efficiency,
                 })
-            kit.log(f"decoders: {name}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration")
+            kit.log(f"decoders: {name} {mode}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration "
+                    f"(warm-up {warm_s:.1f} s)")
     finally:
         meter.close()
     df = pd.DataFrame(rows)
     agg = summarise_decoders(df, block_eff)
     df.to_csv(kit.out / "decoders_raw.csv", index=False)
-    kit.table("decoders", agg, "decoders: eager cost per iteration (median of repeats after a "
-              "full-length warm-up); projected tokens/s = CPU-pair block efficiency x target forwards "
-              "per iteration / cost per iteration", RANDOM_NOTE)
+    kit.table("decoders", agg, "decoders: cost per iteration, eager and compiled (median of "
+              "repeats after a full-length warm-up); projected tokens/s = CPU-pair block efficiency "
+              "x target forwards per iteration / cost per iteration", RANDOM_NOTE)
     del pair
     _tree_vs_chain(kit)
 
@@ -593,21 +613,27 @@ def stage_plots(kit: Kit) -> None:
     dec = kit.out / "decoders.csv"
     if dec.is_file():
         df = pd.read_csv(dec)
+        if "mode" not in df:  # written before the compiled path
+            df["mode"] = "eager"
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
         # per target forward, so beam (all its forwards in one iteration) shares the scale
-        parts = df.set_index("decoder")[["draft_ms_per_iter", "target_ms_per_iter", "other_ms_per_iter"]]
-        parts = parts.div(df.set_index("decoder")["target_forwards_per_iter"], axis=0)
+        eager = df[df["mode"] == "eager"].set_index("decoder")
+        parts = eager[["draft_ms_per_iter", "target_ms_per_iter", "other_ms_per_iter"]]
+        parts = parts.div(eager["target_forwards_per_iter"], axis=0)
         parts.columns = ["draft", "target", "other"]
         parts.plot.bar(stacked=True, ax=axes[0], color=["#8da0cb", "#fc8d62", "#b3b3b3"])
         axes[0].set(ylabel="ms per target forward", xlabel="",
                     title="Cost per target forward (eager), split by phase")
-        if df["projected_j_per_token"].notna().any():
-            df.plot.bar(x="decoder", y="projected_j_per_token", ax=axes[1], legend=False, color="#66c2a5")
+        metric = ("projected_j_per_token" if df["projected_j_per_token"].notna().any()
+                  else "projected_tokens_per_s")
+        sns.barplot(df, x="decoder", y=metric, hue="mode", ax=axes[1])
+        axes[1].tick_params(axis="x", rotation=90)
+        if metric == "projected_j_per_token":
             axes[1].set(ylabel="J per token (projected)", xlabel="",
-                        title="J/token at the CPU pair's block efficiency")
+                        title="J/token at the CPU pair's block efficiency, eager vs compiled")
         else:
-            df.plot.bar(x="decoder", y="projected_tokens_per_s", ax=axes[1], legend=False, color="#66c2a5")
-            axes[1].set(ylabel="tokens/s (projected)", xlabel="", title="Projected tokens/s (no energy)")
+            axes[1].set(ylabel="tokens/s (projected)", xlabel="",
+                        title="Projected tokens/s (no energy), eager vs compiled")
         save(fig, "decoders.png", f"Decoders at Llama-3.1-8B / 3.2-1B shapes ({RANDOM_NOTE})")
     floor = kit.out / "floor.csv"
     if floor.is_file():

@@ -150,6 +150,12 @@ class Runner:
         self._decoders: dict[DecoderSpec, Decoder] = {d: d.build() for d in config.decoders}
         self._warm: set[DecoderSpec] = set()
 
+    @property
+    def model_label(self) -> str:
+        """The stored ``model``: compiled runs are another system (other times, other joules), so
+        reports, baselines and plots keep them apart as ``<model>+compile``."""
+        return self.config.model.label + ("+compile" if self.config.compile else "")
+
     # -- identity -----------------------------------------------------------------------------
     def _params(self, spec: DecoderSpec) -> dict[str, Any]:
         """Every parameter of the decoder, defaults included (what identifies its rows)."""
@@ -164,6 +170,7 @@ class Runner:
             "max_new_tokens": c.max_new_tokens, "seed": c.seed + unit.repeat, "repeat": unit.repeat,
             "meter": self.meter.name, "mitigated": self.mitigate,
             "device": self.device, "dtype": self.dtype, "chat": c.chat,
+            **({"compile": True} if c.compile else {}),  # eager rows keep their old keys
         })
 
     # -- running ------------------------------------------------------------------------------
@@ -171,12 +178,15 @@ class Runner:
         return encode_prompt(self.pair, prompt.text, self.config.chat)
 
     def warm_up(self, spec: DecoderSpec, prompt: Prompt) -> None:
-        """One short unmeasured generation: first-call allocations and kernel selection."""
+        """One unmeasured generation: first-call allocations and kernel selection; short when
+        eager, full length when compiled (every shape the loop uses, the shorter drafts of the
+        last iterations included, is compiled here and not inside a measured window)."""
         if spec in self._warm:
             return
+        c = self.config
         generate_ids(self._decoders[spec], self.pair, self._prompt_ids(prompt),
-                     min(8, self.config.max_new_tokens), seed=self.config.seed,
-                     compute_perplexity=False)
+                     c.max_new_tokens if c.compile else min(8, c.max_new_tokens), seed=c.seed,
+                     compute_perplexity=False, compile=c.compile)
         self._warm.add(spec)
 
     def run_unit(self, unit: WorkUnit) -> dict[str, Any]:
@@ -191,7 +201,7 @@ class Runner:
         windows = _PhaseWindows(self.meter, key)
         try:
             gen = generate_ids(decoder, self.pair, ids, c.max_new_tokens, seed=seed,
-                               compute_perplexity=False, on_phase=windows)
+                               compute_perplexity=False, on_phase=windows, compile=c.compile)
         finally:
             windows.close()
         energy = _energy_columns(windows.measurements)
@@ -200,7 +210,7 @@ class Runner:
         if self.mitigate:
             m = measure_mitigated(
                 lambda: generate_ids(decoder, self.pair, ids, c.max_new_tokens, seed=seed,
-                                     compute_perplexity=False),
+                                     compute_perplexity=False, compile=c.compile),
                 self.meter,
                 MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
                                  min_duration_s=c.measure.mitigation_min_s),
@@ -227,8 +237,8 @@ class Runner:
         params = self._params(unit.decoder)
         row: dict[str, Any] = {
             "run_key": key, "sweep": c.sweep, "created_unix_s": time.time(), "env_id": self.env_id,
-            "model": c.model.label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
-            "decoder": unit.decoder.name, "label": unit.decoder.label,
+            "model": self.model_label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
+            "decoder": unit.decoder.name, "label": unit.decoder.label, "compile": c.compile,
             "params_json": params_json(params),
             **{f"param_{k}": (json.dumps(v) if isinstance(v, tuple | list) else v)
                for k, v in params.items()},

@@ -7,30 +7,31 @@ from __future__ import annotations
 
 import torch
 
-from mtad_energy.decoding.sampling import residual, sample, take
+from mtad_energy.decoding.sampling import residual, sample
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
                        generator: torch.Generator | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leviathan/Chen speculative sampling for one sequence.
+    """Leviathan/Chen speculative sampling, for one sequence or B rows (leading ``[B]`` dims).
 
-    p: ``[gamma+1, V]`` target at each draft position plus the bonus position.
-    q: ``[gamma, V]`` draft distributions the draft tokens were sampled from.
-    draft: ``[gamma]`` draft tokens.
-    Returns ``(n_accepted, next_token)`` as 0-d tensors: the first n draft tokens are accepted and
-    next_token is drawn from the residual at the first rejection, or from p[gamma] if none.
+    p: ``[..., gamma+1, V]`` target at each draft position plus the bonus position.
+    q: ``[..., gamma, V]`` draft distributions the draft tokens were sampled from.
+    draft: ``[..., gamma]`` draft tokens.
+    Returns ``(n_accepted, next_token)``, each ``[...]`` (0-d for one sequence): the first n draft
+    tokens are accepted and next_token is drawn from the residual at the first rejection, or
+    from p[gamma] if none.
     """
-    gamma = draft.shape[0]
-    idx = torch.arange(gamma, device=draft.device)
-    p_x = p[idx, draft]
-    q_x = q[idx, draft]
-    u = torch.rand(gamma, generator=generator, device=p.device)
+    gamma = draft.shape[-1]
+    p_x = p[..., :gamma, :].gather(-1, draft[..., None]).squeeze(-1)  # [..., gamma]
+    q_x = q.gather(-1, draft[..., None]).squeeze(-1)
+    u = torch.rand(draft.shape, generator=generator, device=p.device)
     # accept while u * q(x) <= p(x), i.e. u <= min(1, p/q); q(x) > 0 because x was drawn from q
     accepted = (u * q_x <= p_x) & (p_x > 0)
-    n = accepted.long().cumprod(0).sum()
-    q_pad = torch.cat([q, torch.zeros_like(p[:1])])  # the bonus row has no draft: residual == p
-    next_dist = residual(take(p, n), take(q_pad, n))
+    n = accepted.long().cumprod(-1).sum(-1)  # [...]
+    q_pad = torch.cat([q, torch.zeros_like(p[..., :1, :])], -2)  # bonus row: residual == p
+    at_n = n[..., None, None].expand(*n.shape, 1, p.shape[-1])
+    next_dist = residual(p.gather(-2, at_n).squeeze(-2), q_pad.gather(-2, at_n).squeeze(-2))
     return n, sample(next_dist, generator)
 
 

@@ -9,6 +9,7 @@ class Multinomial(Decoder):
     name = "ar"
     help = "autoregressive multinomial sampling from warped p (temperature 0 = greedy)"
     Params = DecoderParams
+    batched = True
 
     def step(self, s: DecodeState) -> StepResult:
         return target_step(s, self.params.warp)

@@ -70,10 +70,11 @@ class StepResult:
     generate loop reads both back together with the tokens, in its one host sync per iteration.
     """
 
-    tokens: torch.Tensor  # [m] tokens to append, m >= 1 (or a padded buffer, see `length`)
-    proposed: int = 0  # draft tokens shown to the target (every tree node, k*gamma for Spectr)
-    accepted: int | torch.Tensor = 0  # of those, accepted (an int, or a 0-d device tensor)
-    length: torch.Tensor | None = None  # 0-d device tensor: only tokens[:length] are emitted
+    # [m] tokens to append, m >= 1 (or a padded buffer, see `length`); [B, m] for B rows
+    tokens: torch.Tensor
+    proposed: int = 0  # draft tokens shown to the target per row (tree nodes, k*gamma: Spectr)
+    accepted: int | torch.Tensor = 0  # of those, accepted (an int, or a 0-d / [B] device tensor)
+    length: torch.Tensor | None = None  # 0-d / [B] device tensor: only tokens[..., :length] count
     # 0-d device tensor: the draft cache is valid only up to this many positions (the loop crops
     # it there, after the read-back), for drafts whose kept row diverges from the emitted path
     draft_cache_len: torch.Tensor | None = None
@@ -82,10 +83,12 @@ class StepResult:
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor, proposed: int,
               draft_cache_len: torch.Tensor | None = None) -> StepResult:
-        """``draft[:n]`` followed by ``nxt``, with ``n`` (0-d) left on the device: the buffer is
-        ``draft`` with ``nxt`` written at index n, ``[len(draft) + 1]``, of which n + 1 count."""
-        buf = torch.cat([draft, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))
-        return cls(buf, proposed, n, n + 1, draft_cache_len, depth=draft.shape[0])
+        """``draft[:n]`` followed by ``nxt``, with ``n`` left on the device: the buffer is
+        ``draft`` with ``nxt`` written at index n, of which n + 1 count. One sequence: draft
+        ``[gamma]``, n and nxt 0-d; B rows: draft ``[B, gamma]``, n and nxt ``[B]``."""
+        n1, nxt1 = n[..., None], nxt[..., None]
+        buf = torch.cat([draft, nxt1], -1).scatter(-1, n1, nxt1)
+        return cls(buf, proposed, n, n + 1, draft_cache_len, depth=draft.shape[-1])
 
 
 class PhaseTimer:
@@ -206,6 +209,14 @@ class CudaPhaseTimer(PhaseTimer):
         self._pending.clear()
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed [k, T]`` or ``[B, k, T]`` (bool) -> the 4-D additive mask ``[1 or B, 1, k, T]``
+    transformers takes as-is: 0 where allowed, the dtype's minimum elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None] if allowed.dim() == 2 else mask[:, None]
+
+
 class ModelRunner:
     """One model with its KV cache; counts and times forwards."""
 
@@ -216,13 +227,28 @@ class ModelRunner:
         self._timer = timer
         self._phase = phase
 
-    def __call__(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """input_ids ``[B, k]`` -> float32 logits ``[B, k, V]``; appends k positions to the cache."""
+    def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
+                 **kwargs) -> torch.Tensor:
+        """input_ids ``[B, k]`` -> float32 logits ``[B, k, V]``; appends k positions to the cache.
+        ``counts`` (rows of different lengths, `batch.RowsRunner`): row b's input is left-padded
+        and only its last counts[b] tokens are real; here every row is whole."""
         self.forwards += 1
         with self._timer(self._phase):
             out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                              **kwargs)
         return out.logits.float()
+
+    def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """The prompt's forward (a `StaticRunner` runs it uncompiled: its length varies)."""
+        return self(input_ids, counts)
+
+    def forward_tree(self, input_ids: torch.Tensor, allowed: torch.Tensor,
+                     position_ids: torch.Tensor) -> torch.Tensor:
+        """A forward with a custom mask: ``allowed [k, len(self) + k]`` (bool: new token i sees
+        position j) and ``position_ids [1, k]`` -> logits ``[B, k, V]`` (token trees)."""
+        dtype = getattr(self.model, "dtype", torch.float32)  # first floating parameter's dtype
+        return self(input_ids, attention_mask=additive_mask(allowed, dtype),
+                    position_ids=position_ids)
 
     def __len__(self) -> int:
         return kv.cache_len(self.cache)
@@ -230,49 +256,123 @@ class ModelRunner:
     def crop(self, length: int) -> None:
         kv.crop(self.cache, length)
 
+    @property
+    def row_lengths(self) -> list[int]:
+        """Tokens cached per row (all rows alike here: one sequence or beams of one)."""
+        return [len(self)]
+
+    def crop_rows(self, lengths: list[int]) -> None:
+        """Keep the first lengths[b] tokens of row b (rows of one sequence: one length)."""
+        self.crop(lengths[0])
+
     def select_rows(self, rows: torch.Tensor) -> None:
         kv.select_rows(self.cache, rows)
 
     def repeat_rows(self, n: int) -> None:
         kv.repeat_rows(self.cache, n)
 
+    def keep_positions(self, prefix_len: int, positions: torch.Tensor) -> None:
+        """Keep the first ``prefix_len`` positions followed by ``positions [m]`` (a token tree's
+        kept path), dropping the rest."""
+        keep = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
+        kv.keep_positions(self.cache, keep)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small host list as a long tensor on ``device`` without a host sync (pinned memory and a
+    non-blocking copy on CUDA)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
 
 @dataclass
 class DecodeState:
-    """One sequence being decoded. ``ids[:n]`` are the tokens so far (prompt included)."""
+    """B sequences decoded together (B = 1: one sequence, what most decoders handle).
+    ``ids[b, :lengths[b]]`` are row b's tokens so far (prompt included). Rows that are done
+    (EOS or max_new_tokens) are no longer `active`: they still ride along in the forwards, their
+    output ignored."""
 
-    ids: torch.Tensor  # [capacity] on the model device
-    n: int
-    prompt_len: int
+    ids: torch.Tensor  # [B, capacity] on the model device
+    lengths: list[int]
+    prompt_lens: list[int]
     max_new_tokens: int
     target: ModelRunner
     draft: ModelRunner | None
     generator: torch.Generator
     eos_token_id: int | None = None
+    active: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.active = self.active or [True] * len(self.lengths)
+        self._lengths_dev: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def n(self) -> int:
+        """Tokens so far of the one sequence (a decoder that handles B rows uses `lengths`)."""
+        if self.batch != 1:
+            raise ValueError("DecodeState.n is for one sequence; this state holds "
+                             f"{self.batch} rows (use lengths)")
+        return self.lengths[0]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_lens[0] if self.batch == 1 else min(self.prompt_lens)
+
+    def row_remaining(self, b: int) -> int:
+        return self.prompt_lens[b] + self.max_new_tokens - self.lengths[b]
 
     @property
     def remaining(self) -> int:
-        return self.prompt_len + self.max_new_tokens - self.n
+        """Tokens still wanted by the row that wants the most (0 when every row is done)."""
+        return max((self.row_remaining(b) for b in range(self.batch) if self.active[b]),
+                   default=0)
+
+    def lengths_on_device(self) -> torch.Tensor:
+        """``[B]`` long: `lengths` on the model device (copied once per change of lengths)."""
+        if self._lengths_dev is None:
+            self._lengths_dev = to_device(self.lengths, self.ids.device)
+        return self._lengths_dev
 
     @property
     def last_token(self) -> torch.Tensor:
-        """``[1, 1]``: the one token the target cache has not seen."""
-        return self.ids[self.n - 1:self.n].unsqueeze(0)
+        """``[B, 1]``: each row's one token the target cache has not seen."""
+        if self.batch == 1:
+            return self.ids[:, self.n - 1:self.n]
+        return self.ids.gather(1, self.lengths_on_device()[:, None] - 1)
 
     def draft_pending(self) -> torch.Tensor:
-        """``[1, k]``, k >= 1: the tokens the draft cache has not seen."""
-        return self.ids[len(self.draft):self.n].unsqueeze(0)
+        """``[1, k]``, k >= 1: the tokens the draft cache has not seen (one sequence)."""
+        return self.ids[:, len(self.draft):self.n]
 
-    def append(self, tokens: torch.Tensor) -> None:
-        m = tokens.shape[0]
-        self.ids[self.n:self.n + m] = tokens
-        self.n += m
+    def draft_feed(self) -> tuple[torch.Tensor, list[int] | None]:
+        """What the draft has not seen, for B rows: ``(ids [B, k], counts)`` with row b's
+        counts[b] tokens right-aligned (left padding before them; `batch.RowsRunner` masks it);
+        one sequence: ``(draft_pending(), None)``."""
+        if self.batch == 1:
+            return self.draft_pending(), None
+        counts = [n - c for n, c in zip(self.lengths, self.draft.row_lengths, strict=True)]
+        k = max(counts)
+        idx = self.lengths_on_device()[:, None] - k + torch.arange(k, device=self.ids.device)
+        return self.ids.gather(1, idx.clamp_min(0)), counts
+
+    def append(self, b: int, tokens: torch.Tensor) -> None:
+        """Append ``tokens [m]`` to row b."""
+        n, m = self.lengths[b], tokens.shape[0]
+        self.ids[b, n:n + m] = tokens
+        self.lengths[b] = n + m
+        self._lengths_dev = None
 
 
 def target_step(s: DecodeState, warp: Warp) -> StepResult:
-    """One token sampled from warped p after the sequence: ``ar``'s step, and what a drafting
-    decoder does when only one token is left (drafting would be wasted)."""
-    return StepResult(sample(warp.probs(s.target(s.last_token)[0, -1]), s.generator)[None])
+    """One token per row sampled from warped p after the sequence: ``ar``'s step, and what a
+    drafting decoder does when only one token is left (drafting would be wasted)."""
+    return StepResult(sample(warp.probs(s.target(s.last_token)[:, -1]), s.generator)[:, None])
 
 
 class Decoder:
@@ -282,6 +382,8 @@ class Decoder:
     help: ClassVar[str]
     Params: ClassVar[type[DecoderParams]] = DecoderParams
     needs_draft: ClassVar[bool] = False
+    # whether `step` handles a DecodeState of B > 1 rows (batched generation)
+    batched: ClassVar[bool] = False
 
     def __init__(self, params: DecoderParams | None = None):
         self.params = params if params is not None else self.Params()

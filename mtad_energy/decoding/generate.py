@@ -6,12 +6,22 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mtad_energy.decoding.base import Decoder, DecodeState, ModelRunner, PhaseTimer, StepResult
+from mtad_energy.decoding.base import (
+    Decoder,
+    DecodeState,
+    ModelRunner,
+    PhaseTimer,
+    StepResult,
+    to_device,
+)
 from mtad_energy.models import ModelPair
+
+if TYPE_CHECKING:
+    from mtad_energy.decoding.static import CompileOptions
 
 
 @dataclass(frozen=True)
@@ -144,24 +154,28 @@ def _split(wall_s: float, before: tuple[float, float], after: tuple[float, float
     return draft_s, target_s, max(0.0, wall_s - draft_s - target_s)
 
 
-def _read_back(result: StepResult) -> tuple[list[int], int, float]:
-    """(emitted tokens, accepted count, valid draft-cache length) on the host, in one
+def _read_back(result: StepResult, rows: int) -> list[tuple[list[int], int, float]]:
+    """Per row: (emitted tokens, accepted count, valid draft-cache length) on the host, in one
     device-to-host copy of the tokens and whatever counts the decoder left on the device."""
-    tokens = result.tokens
+    tokens = result.tokens.reshape(rows, -1)  # [B, m]
     fields = (result.accepted, result.length, result.draft_cache_len)
-    head = [x.view(1).to(tokens.dtype) for x in fields if isinstance(x, torch.Tensor)]
-    values = torch.cat([*head, tokens]).tolist() if head else tokens.tolist()
-    host = []
-    for x in fields:
-        if isinstance(x, torch.Tensor):
-            host.append(values[0])
-            values = values[1:]
-        else:
-            host.append(x)
-    accepted, length, draft_valid = host
-    if length is not None:
-        values = values[:length]
-    return values, int(accepted), math.inf if draft_valid is None else draft_valid
+    on_device = [x.reshape(rows, 1).to(tokens.dtype) for x in fields
+                 if isinstance(x, torch.Tensor)]
+    values = (torch.cat([*on_device, tokens], 1) if on_device else tokens).tolist()
+    out = []
+    for row in values:
+        host = []
+        for x in fields:
+            if isinstance(x, torch.Tensor):
+                host.append(row[0])
+                row = row[1:]
+            else:
+                host.append(x)
+        accepted, length, draft_valid = host
+        if length is not None:
+            row = row[:length]
+        out.append((row, int(accepted), math.inf if draft_valid is None else draft_valid))
+    return out
 
 
 PhaseHook = Callable[[str], None]
@@ -173,33 +187,94 @@ def _no_hook(phase: str) -> None:
     pass
 
 
+def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, slots: int,
+             compile: bool | CompileOptions) -> tuple[ModelRunner, ModelRunner | None]:
+    """The target and draft runners: eager with a dynamic cache, `batch.RowsRunner` for B > 1
+    rows, or (``compile``) `static.StaticRunner` - different runners under the same loop."""
+    roles = [("target", pair.target)] + ([("draft", pair.draft)] if decoder.needs_draft else [])
+    if compile:
+        if rows > 1:
+            raise ValueError("compile does not run batches of rows yet; use batch size 1 with "
+                             "compile, or drop compile for batch_size > 1")
+        from mtad_energy.decoding.static import make_runner  # imports the compiler stack
+
+        opts = compile if not isinstance(compile, bool) else None
+        runners = [make_runner(model, timer, role, slots, opts) for role, model in roles]
+    elif rows > 1:
+        from mtad_energy.decoding.batch import RowsRunner
+
+        runners = [RowsRunner(model, timer, role, rows) for role, model in roles]
+    else:
+        runners = [ModelRunner(model, timer, role) for role, model in roles]
+    return runners[0], (runners[1] if len(runners) > 1 else None)
+
+
 @torch.inference_mode()
 def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_new_tokens: int,
                  seed: int = 0, compute_perplexity: bool = True,
-                 on_phase: PhaseHook | None = None) -> Generation:
+                 on_phase: PhaseHook | None = None,
+                 compile: bool | CompileOptions = False) -> Generation:
+    """Decode after ``prompt_ids``. ``compile`` (True, or `static.CompileOptions` to pick the
+    backend / mode): run the forwards on a static KV cache through ``torch.compile``
+    (`static.StaticRunner`; CUDA graphs on CUDA) instead of eager transformers with a dynamic
+    cache; the loop and the decoders are the same."""
+    return generate_rows(decoder, pair, [prompt_ids], max_new_tokens, seed, compute_perplexity,
+                         on_phase, compile)[0]
+
+
+@torch.inference_mode()
+def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
+                  max_new_tokens: int, seed: int = 0, compute_perplexity: bool = True,
+                  on_phase: PhaseHook | None = None,
+                  compile: bool | CompileOptions = False) -> list[Generation]:
+    """Decode B prompts together, one set of forwards per iteration for all rows (B = 1: one
+    sequence). Rows keep their own lengths, EOS, max_new_tokens and statistics; a row that is
+    done rides along until every row is. Times are the batch's: row b's decode time runs until
+    the iteration that finished it. One generator for the batch: sampled rows differ from
+    their batch-1 runs (same distribution), greedy rows are identical."""
+    rows = len(prompts)
+    if rows < 1:
+        raise ValueError("give at least one prompt")
     if decoder.needs_draft and pair.draft is None:
         raise ValueError(f"decoder {decoder.name!r} needs a draft model, but the pair has none; "
                          "load one with draft=... (e.g. 'self:int8') or pick ar/beam/mtjd")
-    prompt_len = len(prompt_ids)
-    _check_lengths(pair, decoder, prompt_len, max_new_tokens)
+    if rows > 1 and not decoder.batched:
+        from mtad_energy.decoding.registry import DECODERS
+
+        ok = ", ".join(n for n, c in DECODERS.items() if c.batched)
+        raise ValueError(f"decoder {decoder.name!r} does not decode batches yet (batch size "
+                         f"{rows}); decoders that do: {ok}. Use batch size 1 for {decoder.name}")
+    prompt_lens = [len(p) for p in prompts]
+    for n in prompt_lens:
+        _check_lengths(pair, decoder, n, max_new_tokens)
     device = pair.device
     timer = PhaseTimer.for_device(device)
-    ids = torch.zeros(prompt_len + max_new_tokens, dtype=torch.long, device=device)
-    ids[:prompt_len] = torch.tensor(prompt_ids, dtype=torch.long)
+    ids = torch.zeros(rows, max(prompt_lens) + max_new_tokens, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
     generator = torch.Generator(device=device).manual_seed(seed)
-    target = ModelRunner(pair.target, timer, "target")
-    draft = ModelRunner(pair.draft, timer, "draft") if decoder.needs_draft else None
-    state = DecodeState(ids, prompt_len, prompt_len, max_new_tokens, target, draft, generator,
-                        pair.eos_token_id)
+    # a token tree and a padded verify write past the emitted tokens: headroom, so a static
+    # cache rarely has to grow (and its forwards recompile) mid-generation
+    slots = max(prompt_lens) + max_new_tokens + decoder.lookahead + 64
+    target, draft = _runners(decoder, pair, timer, rows, slots, compile)
+    state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
+                        generator, pair.eos_token_id)
 
     hook = on_phase or _no_hook
     timer.sync()
     hook("prefill")
     t0 = time.perf_counter()
-    if prompt_len > 1:  # everything but the last prompt token (see the cache invariant in base.py)
-        target(ids[None, :prompt_len - 1])
-        if draft is not None:
-            draft(ids[None, :prompt_len - 1])
+    if max(prompt_lens) > 1:  # all but the last prompt token (the cache invariant of base.py)
+        width = max(prompt_lens) - 1
+        counts = [n - 1 for n in prompt_lens]
+        if rows == 1:
+            prefix = ids[:, :width]
+        else:  # right-aligned: row b's prompt ends at column width - 1
+            idx = to_device(counts, device)[:, None] - width + torch.arange(width, device=device)
+            prefix = ids.gather(1, idx.clamp_min(0))
+        for runner in (target, draft):
+            if runner is not None:
+                runner.prefill(prefix, **({"counts": counts} if rows > 1 else {}))
     timer.sync()
     t_prefill = time.perf_counter()
     hook("decode")
@@ -207,84 +282,117 @@ def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_n
     fwd0 = (target.forwards, draft.forwards if draft else 0)
 
     eos = pair.eos_token_id
-    counts: list[dict[str, int]] = []  # per iteration: the StepStats fields other than times
+    counts_per_row: list[list[dict[str, int]]] = [[] for _ in range(rows)]
     phase_times: list[tuple[float, float]] = [_draft_target(timer)]  # cumulative, per iteration
     bounds = [t_decode]  # iteration boundaries (wall clock)
-    new_tokens: list[int] = []
-    stop = "max_new_tokens"
+    new_tokens: list[list[int]] = [[] for _ in range(rows)]
+    stop = ["max_new_tokens"] * rows
+    last_iter = [0] * rows  # index of the iteration that finished each row
+    forwards_at_end = [(0, 0)] * rows
+    it = 0
     while state.remaining > 0:
         before = (target.forwards, draft.forwards if draft else 0)
         result = decoder.step(state)
-        token_list, accepted, draft_valid = _read_back(result)  # the one host sync per iteration
+        read = _read_back(result, rows)  # the one host sync per iteration
         timer.flush()  # this iteration's events are complete now: reading them does not stall
-        token_list = token_list[:state.remaining]
-        if eos is not None and eos in token_list:
-            token_list = token_list[:token_list.index(eos) + 1]
-            stop = "eos"
-        state.append(result.tokens[:len(token_list)])
-        new_tokens.extend(token_list)
-        # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted
-        accepted = min(accepted, len(token_list))
-        counts.append({"emitted": len(token_list), "proposed": result.proposed, "accepted": accepted,
-                       "draft_forwards": (draft.forwards if draft else 0) - before[1],
-                       "target_forwards": target.forwards - before[0], "draft_depth": result.depth})
+        fw = (target.forwards - before[0], (draft.forwards if draft else 0) - before[1])
+        for b, (token_list, accepted, _) in enumerate(read):
+            if not state.active[b]:
+                continue
+            token_list = token_list[:state.row_remaining(b)]
+            if eos is not None and eos in token_list:
+                token_list = token_list[:token_list.index(eos) + 1]
+                stop[b] = "eos"
+            state.append(b, result.tokens.reshape(rows, -1)[b, :len(token_list)])
+            new_tokens[b].extend(token_list)
+            # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted
+            counts_per_row[b].append({
+                "emitted": len(token_list), "proposed": result.proposed,
+                "accepted": min(accepted, len(token_list)), "draft_forwards": fw[1],
+                "target_forwards": fw[0], "draft_depth": result.depth})
+            if stop[b] == "eos" or state.row_remaining(b) == 0:
+                state.active[b] = False
+                last_iter[b] = it
+                forwards_at_end[b] = (target.forwards - fwd0[0],
+                                      (draft.forwards - fwd0[1]) if draft else 0)
         phase_times.append(_draft_target(timer))
-        if stop == "eos":
+        it += 1
+        if not any(state.active):
             bounds.append(time.perf_counter())
             break
         # roll the caches back to the cache invariant: target sees all but the last token
-        target.crop(state.n - 1)
+        target.crop_rows([n - 1 for n in state.lengths])
         if draft is not None:
-            draft.crop(min(len(draft), state.n - 1, draft_valid))
+            draft.crop_rows([min(c, n - 1, r[2]) for c, n, r in
+                             zip(draft.row_lengths, state.lengths, read, strict=True)])
         bounds.append(time.perf_counter())
     timer.sync()
     t_end = time.perf_counter()
     hook("end")
 
-    decode_s = t_end - t_decode
-    bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode_s
-    steps = []
-    for i, c in enumerate(counts):
-        d, t, o = _split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1])
-        steps.append(StepStats(**c, time_draft_s=d, time_target_s=t, time_other_s=o))
-    draft_s, target_s, _ = _split(decode_s, phase_times[0], phase_times[-1])
-    target_fw = target.forwards - fwd0[0]
-    proposed = sum(s.proposed for s in steps)
-    accepted = sum(s.accepted for s in steps)
-    depth = sum(s.draft_depth for s in steps)
-    drafting = sum(1 for s in steps if s.draft_depth)
-    ppl = perplexity(pair.target, ids[:state.n], prompt_len) if compute_perplexity else None
-    stats = GenerationStats(
-        iterations=len(steps), tokens_emitted=len(new_tokens), draft_proposed=proposed,
-        draft_accepted=accepted, draft_forwards=(draft.forwards - fwd0[1]) if draft else 0,
-        target_forwards=target_fw, prefill_time_s=t_prefill - t0, decode_time_s=decode_s,
-        time_draft_s=draft_s, time_target_s=target_s,
-        time_other_s=max(0.0, decode_s - draft_s - target_s),
-        tokens_per_s=len(new_tokens) / decode_s if decode_s > 0 else float("inf"),
-        block_efficiency=len(new_tokens) / target_fw if target_fw else 0.0,
-        acceptance_rate=accepted / depth if depth else None,
-        perplexity=ppl, stop_reason=stop, draft_depth=depth,
-        mean_accepted_length=accepted / drafting if drafting else None)
-    text = pair.tokenizer.decode(new_tokens, skip_special_tokens=True)
+    bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode
+    splits = [_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1])
+              for i in range(it)]
     config = {**decoder.config(), "max_new_tokens": max_new_tokens, "seed": seed}
-    return Generation(new_tokens, text, prompt_len, stats, steps, config)
+    if compile:  # the models whose forwards ran compiled (an int8 draft stays eager)
+        config["compiled"] = [role for role, r in (("target", target), ("draft", draft))
+                              if r is not None and type(r) is not ModelRunner]
+    if rows > 1:
+        config["batch_size"] = rows
+    out = []
+    for b in range(rows):
+        steps = [StepStats(**c, time_draft_s=d, time_target_s=t, time_other_s=o)
+                 for c, (d, t, o) in zip(counts_per_row[b], splits, strict=False)]
+        decode_s = bounds[last_iter[b] + 1] - t_decode
+        draft_s, target_s, _ = _split(decode_s, phase_times[0], phase_times[last_iter[b] + 1])
+        target_fw, draft_fw = forwards_at_end[b]
+        tokens = new_tokens[b]
+        proposed = sum(s.proposed for s in steps)
+        accepted = sum(s.accepted for s in steps)
+        depth = sum(s.draft_depth for s in steps)
+        drafting = sum(1 for s in steps if s.draft_depth)
+        ppl = (perplexity(pair.target, ids[b, :state.lengths[b]], prompt_lens[b])
+               if compute_perplexity else None)
+        stats = GenerationStats(
+            iterations=len(steps), tokens_emitted=len(tokens), draft_proposed=proposed,
+            draft_accepted=accepted, draft_forwards=draft_fw, target_forwards=target_fw,
+            prefill_time_s=t_prefill - t0, decode_time_s=decode_s, time_draft_s=draft_s,
+            time_target_s=target_s, time_other_s=max(0.0, decode_s - draft_s - target_s),
+            tokens_per_s=len(tokens) / decode_s if decode_s > 0 else float("inf"),
+            block_efficiency=len(tokens) / target_fw if target_fw else 0.0,
+            acceptance_rate=accepted / depth if depth else None,
+            perplexity=ppl, stop_reason=stop[b], draft_depth=depth,
+            mean_accepted_length=accepted / drafting if drafting else None)
+        text = pair.tokenizer.decode(tokens, skip_special_tokens=True)
+        out.append(Generation(tokens, text, prompt_lens[b], stats, steps,
+                              {**config, **({"row": b} if rows > 1 else {})}))
+    return out
 
 
 def generate(decoder: Decoder | str, pair: ModelPair,
              prompt: str | Sequence[int] | torch.Tensor | list[str],
              max_new_tokens: int = 128, seed: int = 0, chat: bool | None = None,
-             compute_perplexity: bool = True, **params) -> Generation | list[Generation]:
+             compute_perplexity: bool = True, compile: bool | CompileOptions = False,
+             batch_size: int = 1, **params) -> Generation | list[Generation]:
     """Decode ``prompt`` (text or ids) with ``decoder`` (an instance or a registry name plus its
-    params). A list of text prompts gives a list of Generations, decoded one at a time (batch
-    size 1 per sequence, as in the paper); prompt i uses seed + i."""
+    params). A list of text prompts gives a list of Generations, decoded ``batch_size`` at a time
+    (default 1 per sequence, as in the paper; see `generate_rows`); the batch starting at prompt
+    i uses seed + i. ``compile=True``: the static-cache, compiled forward path (see
+    `generate_ids`)."""
     from mtad_energy.decoding.registry import get_decoder
 
     if isinstance(decoder, str):
         decoder = get_decoder(decoder, **params)
     elif params:
         raise TypeError("pass decoder parameters either in the Decoder or as keywords, not both")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return [generate_ids(decoder, pair, encode_prompt(pair, p, chat), max_new_tokens, seed + i,
-                             compute_perplexity) for i, p in enumerate(prompt)]
+        ids = [encode_prompt(pair, p, chat) for p in prompt]
+        out: list[Generation] = []
+        for i in range(0, len(ids), batch_size):
+            out += generate_rows(decoder, pair, ids[i:i + batch_size], max_new_tokens, seed + i,
+                                 compute_perplexity, compile=compile)
+        return out
     return generate_ids(decoder, pair, encode_prompt(pair, prompt, chat), max_new_tokens, seed,
-                        compute_perplexity)
+                        compute_perplexity, compile=compile)

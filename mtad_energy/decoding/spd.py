@@ -29,16 +29,18 @@ class SpdParams(DecoderParams):
 
 
 def draft_chain(draft: ModelRunner, pending: torch.Tensor, gamma: int, warp: Warp,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample gamma tokens autoregressively from warped q: ``([gamma], q [gamma, V])``."""
+                generator: torch.Generator, counts: list[int] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample gamma tokens per row autoregressively from warped q after feeding ``pending
+    [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`):
+    ``(draft [B, gamma], q [B, gamma, V])``."""
     tokens, qs = [], []
-    ids = pending
-    for _ in range(gamma):
-        q = warp.probs(draft(ids)[0, -1])  # [V]
-        tok = sample(q, generator)
-        tokens.append(tok), qs.append(q)
-        ids = tok.view(1, 1)
-    return torch.stack(tokens), torch.stack(qs)
+    q = warp.probs(draft(pending, counts)[:, -1])  # [B, V]
+    for i in range(gamma):
+        if i:
+            q = warp.probs(draft(tokens[-1][:, None])[:, -1])
+        tokens.append(sample(q, generator)), qs.append(q)
+    return torch.stack(tokens, 1), torch.stack(qs, 1)
 
 
 class SpeculativeDecoding(Decoder):
@@ -46,6 +48,7 @@ class SpeculativeDecoding(Decoder):
     help = "speculative decoding: gamma draft tokens, accept with min(1, p/q), residual on reject"
     Params = SpdParams
     needs_draft = True
+    batched = True
 
     @property
     def lookahead(self) -> int:
@@ -56,7 +59,8 @@ class SpeculativeDecoding(Decoder):
         gamma = self.draft_len(s)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
-        draft, q = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)
-        p = warp.probs(s.target(torch.cat([s.last_token[0], draft])[None])[0])  # [gamma+1, V]
-        n, nxt = speculative_accept(p, q, draft, s.generator)
+        pending, counts = s.draft_feed()
+        draft, q = draft_chain(s.draft, pending, gamma, warp, s.generator, counts)  # [B, gamma]
+        p = warp.probs(s.target(torch.cat([s.last_token, draft], 1)))  # [B, gamma+1, V]
+        n, nxt = speculative_accept(p, q, draft, s.generator)  # [B], [B]
         return StepResult.block(draft, n, nxt, gamma)

@@ -21,8 +21,7 @@ import math
 
 import torch
 
-from mtad_energy.decoding import cache as kv
-from mtad_energy.decoding.base import ModelRunner
+from mtad_energy.decoding.base import ModelRunner, additive_mask
 
 # model_type values whose HF implementation takes a custom 4-D additive mask plus position_ids
 # (tested in tests/decoding/test_tree.py); others may silently ignore or rebuild the mask.
@@ -75,9 +74,7 @@ def tree_mask(anc_rows: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> to
     ones are already in the cache after the prefix).
     """
     k = anc_rows.shape[0]
-    allowed = torch.cat([anc_rows.new_ones(k, prefix_len), anc_rows], 1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=anc_rows.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive_mask(torch.cat([anc_rows.new_ones(k, prefix_len), anc_rows], 1), dtype)
 
 
 def tree_forward(runner: ModelRunner, tokens: torch.Tensor, anc: torch.Tensor,
@@ -95,18 +92,15 @@ def tree_forward(runner: ModelRunner, tokens: torch.Tensor, anc: torch.Tensor,
         raise ValueError(f"cache holds {len(runner)} positions, expected prefix_len + M = "
                          f"{prefix_len} + {m}")
     rows = anc[m:]
-    dtype = getattr(runner.model, "dtype", torch.float32)  # first floating parameter's dtype
-    mask = tree_mask(rows, prefix_len, dtype)
+    allowed = torch.cat([rows.new_ones(k, prefix_len), rows], 1)  # [K, prefix_len + M + K]
     pos = (prefix_len - 1 + depths(rows))[None]  # [1, K]
-    return runner(tokens[None], attention_mask=mask, position_ids=pos)[0]
+    return runner.forward_tree(tokens[None], allowed, pos)[0]
 
 
 def keep_path(runner: ModelRunner, prefix_len: int, nodes: torch.Tensor) -> None:
     """Keep the prefix and the KV entries of tree nodes ``nodes [m]`` (root first), dropping the
     rest of the tree: afterwards the cache equals a sequential run of that path (no recompute)."""
-    dev = nodes.device
-    keep = torch.cat([torch.arange(prefix_len, device=dev), prefix_len + nodes])
-    kv.keep_positions(runner.cache, keep)
+    runner.keep_positions(prefix_len, prefix_len + nodes)
 
 
 def level_parents(branching: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:

@@ -58,7 +58,7 @@ class Typical(Decoder):
         gamma = self.draft_len(s)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
-        draft, _ = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)  # [gamma]
+        draft = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)[0][0]  # [gamma]
         logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [gamma+1, V]
         p_test = warp_probs(logits[:gamma], prm.temperature, top_k=0, top_p=1.0)  # [gamma, V]
         n = typical_accept_length(p_test, draft, prm.eps, prm.delta)  # 0-d, stays on the device

@@ -467,3 +467,37 @@ def batch_curve(batch: pd.DataFrame) -> pd.DataFrame:
     first = curve.groupby("model")["energy_per_run_j"].transform("first")
     curve["energy_per_run_rel"] = curve["energy_per_run_j"] / first
     return curve.sort_values(["batch_size", "model"], kind="stable").reset_index(drop=True)[columns]
+
+
+# -- decoders across batch sizes (the decode_batch table) ----------------------------------------
+def batch_crossover(rows: pd.DataFrame | Sequence[Mapping[str, Any]], baseline: str = "ar"
+                    ) -> pd.DataFrame:
+    """Per (label, batch size): median tokens/s and J/token over repeats, the speed-up and energy
+    saving over ``baseline`` at the same batch size, and ``beats_baseline``; a label's
+    ``crossover_batch_size`` is the smallest batch size from which on (at it and every larger
+    size measured) it no longer beats the baseline's tokens/s; NaN if it still beats it at the
+    largest size measured."""
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    agg = (df.groupby(["label", "decoder", "batch_size"], sort=False)
+           .agg(tokens_per_s=("tokens_per_s", "median"),
+                energy_per_token_j=("energy_per_token_j", lambda x: pd.to_numeric(x).median()),
+                block_efficiency=("block_efficiency", "median"),
+                perplexity=("perplexity", lambda x: pd.to_numeric(x).median()),
+                repeats=("repeat", "size"))
+           .reset_index().sort_values(["label", "batch_size"], kind="stable"))
+    base = agg[agg.decoder == baseline].set_index("batch_size")
+    agg["speedup"] = agg.tokens_per_s / agg.batch_size.map(base.tokens_per_s)
+    agg["energy_saving"] = 1.0 - agg.energy_per_token_j / agg.batch_size.map(
+        base.energy_per_token_j)
+    agg["beats_baseline"] = agg.speedup > 1.0
+    cross = {}
+    for label, g in agg.groupby("label", sort=False):
+        cross[label] = math.nan  # beats the baseline at the largest size: no crossover measured
+        for size, beats in sorted(zip(g.batch_size, g.beats_baseline, strict=True), reverse=True):
+            if beats:
+                break
+            cross[label] = float(size)  # loses here and at every larger size
+    agg["crossover_batch_size"] = agg.label.map(cross)
+    return agg.reset_index(drop=True)

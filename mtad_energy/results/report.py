@@ -310,6 +310,50 @@ def _simulated_note(rows: pd.DataFrame, what: str) -> list[str]:
             "and power sensor; their joules were not measured.", ""]
 
 
+def plot_batch_crossover(table: pd.DataFrame, title: str = "") -> Figure:
+    """Speed-up over ar and energy saving against batch size, one line per decoder; a ring marks
+    the batch size from which a decoder stops beating ar."""
+    import matplotlib.ticker
+
+    others = table[table.decoder != "ar"]
+    fig, axes = _new_figure(1, 2, 6, 4.5)
+    axes = axes.ravel()
+    has_energy = others.energy_saving.notna().any()
+    for label, g in others.groupby("label", sort=False):
+        line, = axes[0].plot(g.batch_size, g.speedup, marker="o", label=label)
+        if has_energy:
+            axes[1].plot(g.batch_size, g.energy_saving, marker="o", color=line.get_color(),
+                         label=label)
+        cross = g.crossover_batch_size.iloc[0]
+        if not math.isnan(cross):
+            at = g[g.batch_size == cross]
+            axes[0].scatter(at.batch_size, at.speedup, s=180, facecolors="none",
+                            edgecolors=line.get_color(), linewidths=2)
+    axes[0].axhline(1.0, color="k", lw=1, ls="--")
+    axes[0].set(xscale="log", xlabel="batch size", ylabel="speed-up over ar (tokens/s)",
+                title="Speed-up over ar (ring: stops beating ar)")
+    if has_energy:
+        axes[1].axhline(0.0, color="k", lw=1, ls="--")
+        axes[1].set(xscale="log", xlabel="batch size", ylabel="energy saving vs ar (J/token)",
+                    title="Energy saving over ar")
+    else:
+        reason = "no energy measured here (the meter reads none on this machine)"
+        axes[1].text(0.5, 0.5, reason, ha="center", va="center", wrap=True,
+                     transform=axes[1].transAxes)
+        axes[1].set_axis_off()
+    sizes = sorted(set(table.batch_size))
+    for ax in axes[:1 + has_energy]:
+        ax.set_xticks(sizes, labels=[str(s) for s in sizes])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend(fontsize=8)
+    if has_energy:
+        axes[1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame) -> list[str]:
     notes = _simulated_note(runs, "runs") + _simulated_note(batch, "batch-sweep rows")
     energy = pd.to_numeric(runs["energy_j"], errors="coerce")
@@ -427,6 +471,22 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
         _save(plot_batch_energy(curve), fig_dir, "batch_energy")
         figures.append("batch_energy")
         lines += _figure_links(["batch_energy"]) + [""]
+
+    decode_batch = load_results(store_dir, "decode_batch")
+    if not decode_batch.empty:
+        cross = analysis.batch_crossover(decode_batch, baseline)
+        lines += ["## Decoders across batch sizes", "",
+                  f"B prompts decoded together per decoder and batch size (`sweep batch-size "
+                  f"--decoder`): tokens/s of all B rows, speed-up and energy saving over "
+                  f"`{baseline}` at the same batch size; the last column is the batch size from "
+                  f"which on the decoder no longer beats `{baseline}`.", "",
+                  *_simulated_note(decode_batch, "decoding batch-size rows"),
+                  analysis.to_markdown(cross.set_index(["label", "batch_size"])[
+                      ["tokens_per_s", "speedup", "energy_per_token_j", "energy_saving",
+                       "block_efficiency", "crossover_batch_size"]], higher_is_better={}), ""]
+        _save(plot_batch_crossover(cross), fig_dir, "batch_crossover")
+        figures.append("batch_crossover")
+        lines += _figure_links(["batch_crossover"]) + [""]
 
     lines += ["## Accepted draft lengths", ""]
     if hist.empty:

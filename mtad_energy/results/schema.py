@@ -8,6 +8,8 @@ parameter) without a schema migration; `TABLES` names the columns every row must
 - ``batch``: one row per batch size of a batch-size sweep (fixed number of target forwards).
 - ``ops``:   FLOP/byte accounting of one profiled generation (or one batch run) per configuration:
              the T_flop / T_mem fractions the energy decomposition needs.
+- ``decode_batch``: one row per (decoder, parameters, batch size, repeat) of the decoding
+             batch-size sweep (B sequences decoded together).
 """
 
 from __future__ import annotations
@@ -58,7 +60,16 @@ OPS = TableSpec("ops", "ops_key", (
     "ridge_flop_per_byte",
 ), "FLOP/byte accounting of one profiled generation per (model, decoder, parameters)")
 
-TABLES: dict[str, TableSpec] = {t.name: t for t in (RUNS, STEPS, BATCH, OPS)}
+DECODE_BATCH = TableSpec("decode_batch", "row_key", (
+    "row_key", "created_unix_s", "env_id", "model", "target_id", "draft_id", "decoder",
+    "params_json", "label", "batch_size", "dataset", "prompts", "max_new_tokens", "seed", "repeat",
+    "meter", "device", "dtype", "tokens", "decode_time_s", "tokens_per_s", "iterations",
+    "target_forwards", "draft_forwards", "block_efficiency", "acceptance_rate", "perplexity",
+    "energy_j", "energy_per_token_j", "energy_reason", "energy_flags",
+), "one row per (decoder, parameters, batch size, repeat) of a decoding batch-size sweep: B rows "
+   "decoded together, tokens and energy of all of them")
+
+TABLES: dict[str, TableSpec] = {t.name: t for t in (RUNS, STEPS, BATCH, OPS, DECODE_BATCH)}
 
 
 def stable_key(identity: Mapping[str, Any]) -> str:

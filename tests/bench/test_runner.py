@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -174,3 +175,20 @@ def test_ops_profiles_one_generation_per_decoder(tmp_path, llama_pair, monkeypat
     assert (ops["t_flop_s"] + ops["t_mem_s"] <= ops["wall_time_s"] + 1e-9).all()
     run_profile(cfg, store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS[:1])
     assert len(load_results(tmp_path / "s", "ops")) == 2  # stored once
+
+
+@pytest.mark.slow
+def test_compiled_runs_are_their_own_rows_under_model_plus_compile(tmp_path, llama_pair):
+    """--compile: same tokens as the eager rows (greedy), other run keys, model '<m>+compile'
+    (so reports never average compiled and eager runs together), compile recorded."""
+    base = config(decoders=(DecoderSpec.of("spd", gamma="3", temperature="0"),), n_prompts=2)
+    store = ResultStore(tmp_path)
+    run_profile(base, store, pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS[:2])
+    rep = run_profile(dataclasses.replace(base, compile=True), store, pair=llama_pair,
+                      meter=NoneMeter(), prompts=PROMPTS[:2])
+    assert (rep.ran, rep.skipped) == (2, 0)
+    runs = load_results(tmp_path).sort_values("prompt_id")
+    eager, compiled = runs[~runs["compile"]], runs[runs["compile"]]
+    assert set(eager["model"]) == {"custom"} and set(compiled["model"]) == {"custom+compile"}
+    assert list(compiled["text"]) == list(eager["text"])
+    assert not set(compiled["run_key"]) & set(eager["run_key"])

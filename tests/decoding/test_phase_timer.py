@@ -190,13 +190,15 @@ def _where(stack: traceback.StackSummary) -> str:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("decoder", ["ar", "spd", "mtad"])
-def test_one_host_sync_per_iteration_on_gpu(model_dirs, decoder):
+def test_one_host_sync_per_iteration_on_gpu(model_dirs, decoder, compile):
     from mtad_energy.models import load_pair
 
     pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device="cuda")
     prompt = [5, 6, 7, 8]
-    generate(decoder, pair, prompt, max_new_tokens=8, compute_perplexity=False)  # warm up
+    generate(decoder, pair, prompt, max_new_tokens=8, compute_perplexity=False,  # warm up
+             compile=compile)
 
     syncs: list[traceback.StackSummary] = []
     recording = [False]
@@ -217,7 +219,7 @@ def test_one_host_sync_per_iteration_on_gpu(model_dirs, decoder):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             gen = generate_ids(get_decoder(decoder), pair, encode_prompt(pair, prompt), 8,
-                               compute_perplexity=False, on_phase=hook)
+                               compute_perplexity=False, on_phase=hook, compile=compile)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 

@@ -311,7 +311,7 @@ class CacheCheckedMtad(Mtad):
     def step(self, s):
         n_cached = len(s.draft)
         assert s.draft.cache.layers[0].keys.shape[0] == 1  # one row between iterations
-        fresh = s.draft.model(input_ids=s.ids[None, :n_cached], use_cache=True).past_key_values
+        fresh = s.draft.model(input_ids=s.ids[:, :n_cached], use_cache=True).past_key_values
         for mine, ref in zip(s.draft.cache.layers, fresh.layers, strict=True):
             assert torch.allclose(mine.keys[..., :n_cached, :], ref.keys, atol=1e-5)
             assert torch.allclose(mine.values[..., :n_cached, :], ref.values, atol=1e-5)

@@ -62,9 +62,9 @@ class CacheChecked(Decoder):
 
     def step(self, s: DecodeState) -> StepResult:
         assert len(s.target) == s.n - 1
-        _assert_cache_is_prefix(self.pair.target, s.target.cache, s.ids[:s.n - 1])
+        _assert_cache_is_prefix(self.pair.target, s.target.cache, s.ids[0, :s.n - 1])
         if len(s.draft):
-            _assert_cache_is_prefix(self.pair.draft, s.draft.cache, s.ids[:len(s.draft)])
+            _assert_cache_is_prefix(self.pair.draft, s.draft.cache, s.ids[0, :len(s.draft)])
         self.checks += 1
         return self.inner.step(s)
 

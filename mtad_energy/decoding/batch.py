@@ -1,0 +1,81 @@
+"""B sequences of different lengths in one KV cache: the runner of batched generation.
+
+Layout: one cache ``[B, H_kv, T, D]`` whose columns are shared by the rows, and a bool ``valid
+[B, T]`` saying which columns hold row b's tokens. Every forward appends k columns to every row;
+a row with fewer real tokens (a shorter prompt, a draft that needs to catch up on fewer tokens)
+is left-padded and its padding columns are invalid. Rolling a row back (rejected drafts)
+invalidates its last columns in place: no KV is copied or moved per iteration, at the price of
+holes where some rows rejected what others accepted. Columns that no row holds any more are cut
+off the end. Each row gets its own position ids (its count of valid columns) and an attention
+mask over its valid columns (4-D, passed as-is to transformers), so a row computes exactly what
+it would alone.
+
+The host mirrors, per row, the columns it holds (`cols`): every count the loop needs (row
+lengths, the columns to cut) is known without reading the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtad_energy.decoding import cache as kv
+from mtad_energy.decoding.base import ModelRunner, PhaseTimer, additive_mask, to_device
+
+
+class RowsRunner(ModelRunner):
+    """`ModelRunner` for B rows of different lengths (see the module docstring)."""
+
+    def __init__(self, model, timer: PhaseTimer, phase: str, rows: int):
+        super().__init__(model, timer, phase)
+        self.valid: torch.Tensor | None = None  # [B, T]
+        self.cols: list[list[int]] = [[] for _ in range(rows)]  # host: row b's columns, in order
+
+    @property
+    def row_lengths(self) -> list[int]:
+        return [len(c) for c in self.cols]
+
+    def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
+                 **kwargs) -> torch.Tensor:
+        """input_ids ``[B, k]``; row b's last counts[b] tokens are real (all k if None)."""
+        b, k = input_ids.shape
+        dev = input_ids.device
+        t = len(self)
+        if counts is None:
+            new = torch.ones(b, k, dtype=torch.bool, device=dev)
+        else:
+            new = torch.arange(k, device=dev)[None, :] >= k - to_device(counts, dev)[:, None]
+        valid = new if self.valid is None else torch.cat([self.valid, new], 1)  # [B, T + k]
+        seen = valid.long().cumsum(1)  # [B, T + k]
+        pos = (seen[:, t:] - 1).clamp_min(0)  # [B, k]: a real token's position in its row
+        causal = torch.ones(k, k, dtype=torch.bool, device=dev).tril()
+        allowed = valid[:, None, :].expand(b, k, t + k).clone()  # [B, k, T + k]
+        allowed[:, :, t:] &= causal
+        allowed[:, :, t:] |= torch.eye(k, dtype=torch.bool, device=dev)  # padding sees itself
+        dtype = getattr(self.model, "dtype", torch.float32)
+        logits = super().__call__(input_ids, attention_mask=additive_mask(allowed, dtype),
+                                  position_ids=pos)
+        self.valid = valid
+        for row, c in enumerate(counts or [k] * b):
+            self.cols[row].extend(range(t + k - c, t + k))
+        return logits
+
+    def crop_rows(self, lengths: list[int]) -> None:
+        """Keep the first lengths[b] tokens of row b; cut the columns no row holds."""
+        if all(len(c) <= n for c, n in zip(self.cols, lengths, strict=True)):
+            return
+        self.cols = [c[:n] for c, n in zip(self.cols, lengths, strict=True)]
+        keep = to_device(lengths, self.valid.device)
+        self.valid &= self.valid.long().cumsum(1) <= keep[:, None]
+        end = max((c[-1] + 1 for c in self.cols if c), default=0)
+        if end < self.valid.shape[1]:
+            kv.crop(self.cache, end)
+            self.valid = self.valid[:, :end]
+
+    def crop(self, length: int) -> None:
+        self.crop_rows([length] * len(self.cols))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        raise NotImplementedError("beam rows inside batched rows are not supported yet")
+
+    def repeat_rows(self, n: int) -> None:
+        raise NotImplementedError("beam rows inside batched rows are not supported yet")

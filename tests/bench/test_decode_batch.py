@@ -1,0 +1,75 @@
+"""The decoding batch-size sweep (`sweep batch-size --decoder`): rows per decoder and batch size,
+resume, and the crossover with ar."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from mtad_energy.cli import app
+from mtad_energy.results import load_results
+from mtad_energy.results.analysis import batch_crossover
+
+runner = CliRunner()
+
+
+def _rows(decoder: str, tok_s: dict[int, float], jpt: dict[int, float | None]) -> list[dict]:
+    return [{"label": decoder, "decoder": decoder, "batch_size": b, "repeat": 0,
+             "tokens_per_s": t, "energy_per_token_j": jpt[b], "block_efficiency": 1.0,
+             "perplexity": 2.0} for b, t in tok_s.items()]
+
+
+def test_crossover_is_the_size_from_which_a_decoder_stops_beating_ar():
+    ar = _rows("ar", {1: 10, 2: 20, 4: 40, 8: 80}, {1: 1.0, 2: 0.5, 4: 0.25, 8: 0.125})
+    spd = _rows("spd", {1: 20, 2: 15, 4: 50, 8: 60}, {1: 0.5, 2: 0.5, 4: 0.2, 8: 0.25})
+    fast = _rows("fast", {1: 20, 2: 40, 4: 80, 8: 81}, {1: None, 2: None, 4: None, 8: None})
+    t = batch_crossover(ar + spd + fast).set_index(["label", "batch_size"])
+    assert t.loc[("spd", 1), "speedup"] == 2.0 and t.loc[("spd", 8), "speedup"] == 0.75
+    assert t.loc[("spd", 4), "energy_saving"] == pytest.approx(0.2)
+    # spd loses at 2 but wins again at 4: it stops beating ar from 8 on
+    assert (t.loc["spd", "crossover_batch_size"] == 8).all()
+    assert math.isnan(t.loc[("fast", 1), "crossover_batch_size"])  # still ahead at 8
+    assert t.loc["fast", "energy_saving"].isna().all()  # no energy: n/a, not 0
+
+
+def test_sweep_decodes_each_size_stores_rows_and_resumes(tmp_path, model_dirs):
+    out = tmp_path / "sweep"
+    args = ["sweep", "batch-size", "--decoder", "spd", "--target", model_dirs["llama"],
+            "--draft", model_dirs["llama-draft"], "--sizes", "1,3", "--device", "cpu",
+            "--meter", "simulated", "--max-new-tokens", "6", "--n-prompts", "2",
+            "--output", str(out), "--json"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    doc = json.loads(first.stdout)
+    assert {(r["decoder"], r["batch_size"]) for r in doc["rows"]} == {
+        ("ar", 1), ("ar", 3), ("spd", 1), ("spd", 3)}
+    stored = load_results(out, "decode_batch")
+    assert len(stored) == 4
+    b3 = stored[stored.batch_size == 3]
+    assert (b3.tokens <= 3 * 6).all() and (b3.tokens > 6).all()  # three rows decoded together
+    assert (stored.energy_per_token_j > 0).all()
+    ar = stored[stored.decoder == "ar"]
+    assert (ar.block_efficiency == 1.0).all()
+    assert (tmp_path / "sweep-crossover.png").is_file()
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    pd.testing.assert_frame_equal(load_results(out, "decode_batch"), stored)
+    report = runner.invoke(app, ["report", str(out)])
+    assert report.exit_code == 0, report.output
+    text = (tmp_path / "sweep-report" / "report.md").read_text()
+    assert "## Decoders across batch sizes" in text
+    assert (tmp_path / "sweep-report" / "figures" / "batch_crossover.png").is_file()
+
+
+def test_a_decoder_that_does_not_batch_is_refused_before_anything_runs(tmp_path, model_dirs):
+    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "mtad", "--target",
+                              model_dirs["llama"], "--draft", model_dirs["llama-draft"],
+                              "--sizes", "1,2", "--device", "cpu", "--meter", "none",
+                              "--output", str(tmp_path / "s"), "--json"])
+    assert out.exit_code == 2
+    err = json.loads(out.stdout)
+    assert "mtad do not decode batches yet" in json.dumps(err) and "ar, spd" in json.dumps(err)

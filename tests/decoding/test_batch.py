@@ -1,0 +1,137 @@
+"""Batched generation (`generate_rows`, `generate(..., batch_size=B)`): B rows of different
+lengths in one set of forwards (`batch.RowsRunner`), row by row what batch 1 gives."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from unittest import mock
+
+import pytest
+import torch
+
+import mtad_energy as me
+from mtad_energy.decoding import acceptance
+from mtad_energy.decoding.base import ModelRunner, PhaseTimer
+from mtad_energy.decoding.batch import RowsRunner
+from mtad_energy.decoding.generate import generate_ids, generate_rows
+from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.sampling import Warp
+from tests.decoding.lossless import chi_square_pvalue, exact_joint
+
+BATCHED = sorted(n for n, c in DECODERS.items() if c.batched)
+PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # different lengths
+
+
+@pytest.fixture(scope="module")
+def self_pair(model_dirs):
+    """The tiny Llama with its first two layers as the draft: greedy drafts are partly accepted."""
+    from mtad_energy.models import load_pair
+
+    return load_pair(target=model_dirs["llama"], draft="self:layers=0-1", device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "self"])
+@pytest.mark.parametrize("name", BATCHED)
+def test_greedy_rows_are_exactly_their_batch_1_outputs(arch, name, request):
+    pair = request.getfixturevalue(f"{arch}_pair")
+    decoder = get_decoder(name, temperature=0)
+    rows = generate_rows(decoder, pair, PROMPTS, 20)
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        alone = generate_ids(decoder, pair, prompt, 20)
+        assert row.token_ids == alone.token_ids
+        assert row.stats.perplexity == pytest.approx(alone.stats.perplexity, rel=1e-5)
+        assert row.prompt_len == len(prompt) and row.config["batch_size"] == 3
+
+
+def test_rows_accept_different_numbers_of_tokens(self_pair):
+    """The identity above is about ragged rows: rows kept different numbers of draft tokens in
+    the same iteration (so the layout held holes), and every row's stats add up."""
+    rows = generate_rows(get_decoder("spd", temperature=0), self_pair, PROMPTS, 20)
+    per_iteration = list(zip(*[[s.accepted for s in r.steps] for r in rows], strict=False))
+    assert any(len(set(accepted)) > 1 for accepted in per_iteration)
+    for r in rows:
+        s = r.stats
+        assert s.tokens_emitted == len(r.token_ids) == sum(st.emitted for st in r.steps) == 20
+        assert s.draft_accepted == sum(st.accepted for st in r.steps)
+        assert s.decode_time_s == pytest.approx(s.time_draft_s + s.time_target_s + s.time_other_s)
+
+
+def test_a_row_that_stops_at_eos_does_not_change_the_others(llama_pair):
+    decoder = get_decoder("spd", temperature=0)
+    first = generate_ids(decoder, llama_pair, PROMPTS[1], 20).token_ids
+    eos = first[3]  # row 1 emits this token 4th: make it EOS
+    tok = mock.Mock(wraps=llama_pair.tokenizer, eos_token_id=eos)
+    pair = replace(llama_pair, tokenizer=tok)
+    rows = generate_rows(decoder, pair, PROMPTS, 20)
+    assert rows[1].stats.stop_reason == "eos" and rows[1].token_ids[-1] == eos
+    assert len(rows[1].token_ids) <= 4
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        assert row.token_ids == generate_ids(decoder, pair, prompt, 20).token_ids
+    assert max(len(r.token_ids) for r in rows) > len(rows[1].token_ids)
+
+
+def test_max_new_tokens_and_batch_stats_per_row(llama_pair):
+    rows = generate_rows(get_decoder("ar"), llama_pair, PROMPTS, 9, seed=3)
+    for r in rows:
+        assert len(r.token_ids) == 9 and r.stats.stop_reason == "max_new_tokens"
+        assert r.stats.target_forwards == 9 and r.stats.iterations == 9
+
+
+def test_the_api_and_its_errors(llama_pair):
+    gens = me.generate("ar", llama_pair, ["w1 w2", "w3"], max_new_tokens=4, batch_size=2,
+                       chat=False)
+    assert [g.config["row"] for g in gens] == [0, 1]
+    with pytest.raises(ValueError, match="'mtad' does not decode batches yet.*ar, spd"):
+        me.generate("mtad", llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
+    with pytest.raises(ValueError, match="compile does not run batches"):
+        generate_rows(get_decoder("ar"), llama_pair, PROMPTS, 4, compile=True)
+
+
+@torch.inference_mode()
+def test_rows_runner_logits_equal_each_row_alone(llama_pair):
+    """Left-padded rows, a ragged catch-up and a per-row rollback: every row's logits are those
+    of a batch-1 runner fed the same tokens."""
+    model = llama_pair.target
+    rows = RowsRunner(model, PhaseTimer("cpu"), "target", 3)
+    alone = [ModelRunner(model, PhaseTimer("cpu"), "target") for _ in PROMPTS]
+    width = max(map(len, PROMPTS))
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+
+    def check(batch_logits, per_row_ids, counts):
+        for b, (r, ids) in enumerate(zip(alone, per_row_ids, strict=True)):
+            ref = r(torch.tensor([ids]))[0]
+            torch.testing.assert_close(batch_logits[b, -counts[b]:], ref, atol=1e-5, rtol=0)
+
+    check(rows(padded, [len(p) for p in PROMPTS]), PROMPTS, [len(p) for p in PROMPTS])
+    step = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    check(rows(step), step.tolist(), [3, 3, 3])
+    keep = [rows.row_lengths[0] - 2, rows.row_lengths[1], rows.row_lengths[2] - 3]
+    rows.crop_rows(keep)
+    for r, n in zip(alone, keep, strict=True):
+        r.crop(n)
+    assert rows.row_lengths == keep
+    ragged = torch.tensor([[10, 11], [0, 12], [13, 14]])  # row 1 feeds one token
+    check(rows(ragged, [2, 1, 2]), [[10, 11], [12], [13, 14]], [2, 1, 2])
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["lossless", "residual-broken"])
+def test_batched_spd_is_lossless_per_row(lossless_pair, broken):
+    """Three rows with prompts of different lengths: each row's 3-token continuations follow
+    its own warped p (chi-square, fixed seeds); with the residual replaced by p they do not."""
+    prompts = [[1, 0], [3, 1, 0, 2], [0]]
+    exact = [exact_joint(lossless_pair, Warp(), p, n_tokens=3) for p in prompts]
+    decoder = get_decoder("spd", gamma=3)
+    n = 300 if broken else 600
+    counts = [Counter() for _ in prompts]
+    with mock.patch.object(acceptance, "residual", (lambda p, q: p) if broken
+                           else acceptance.residual):
+        for seed in range(n):
+            for c, g in zip(counts, generate_rows(decoder, lossless_pair, prompts, 3, seed=seed,
+                                                  compute_perplexity=False), strict=True):
+                c[tuple(g.token_ids)] += 1
+    pvalues = [chi_square_pvalue(c, e) for c, e in zip(counts, exact, strict=True)]
+    if broken:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-3, pvalues

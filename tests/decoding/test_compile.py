@@ -1,0 +1,177 @@
+"""The compiled path (`compile=`): a static KV cache written at the runner's own position and
+``torch.compile`` per shape, under the same loop and decoders as the eager path.
+
+Most tests trace with the ``aot_eager`` backend (dynamo + AOT autograd, as inductor sees the
+graph, without C++ code generation: seconds, not minutes, on CI's 2 cores); the ``slow`` ones use
+inductor, the backend ``--compile`` runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from mtad_energy.decoding import static
+from mtad_energy.decoding.base import ModelRunner, PhaseTimer
+from mtad_energy.decoding.generate import generate_ids
+from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.static import CompileOptions, StaticRunner, check_static_support
+from mtad_energy.decoding.tree import ancestors, keep_path, level_parents, tree_forward
+
+TRACE = CompileOptions(backend="aot_eager")
+INDUCTOR = CompileOptions(backend="inductor")
+PROMPT = [5, 9, 11, 3, 7, 21, 2]
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def self_pair(model_dirs):
+    """The tiny Llama with its first two layers as the draft: greedy drafts are partly accepted
+    (a random tiny draft never agrees with the target), so rollback paths run."""
+    from mtad_energy.models import load_pair
+
+    return load_pair(target=model_dirs["llama"], draft="self:layers=0-1", device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "self"])
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_greedy_output_is_token_identical_with_and_without_compile(arch, name, request):
+    pair = request.getfixturevalue(f"{arch}_pair")
+    decoder = get_decoder(name, temperature=0)
+    eager = generate_ids(decoder, pair, PROMPT, 24, compute_perplexity=False)
+    compiled = generate_ids(decoder, pair, PROMPT, 24, compute_perplexity=False, compile=TRACE)
+    assert compiled.token_ids == eager.token_ids
+    # the same iterations: the same blocks accepted, the same forwards run
+    assert [s.accepted for s in compiled.steps] == [s.accepted for s in eager.steps]
+    assert compiled.stats.target_forwards == eager.stats.target_forwards
+    assert compiled.stats.draft_forwards == eager.stats.draft_forwards
+
+
+@pytest.mark.parametrize("name", ["spd", "mtad"])
+def test_the_greedy_comparison_exercises_rollback(self_pair, name):
+    """The identity above means something only if drafts were partly rejected (the write
+    position moved back) and fully accepted (the draft caught up two tokens)."""
+    gen = generate_ids(get_decoder(name, temperature=0), self_pair, PROMPT, 24,
+                       compute_perplexity=False, compile=TRACE)
+    accepted = {s.accepted for s in gen.steps if s.draft_depth}
+    assert accepted & {1, 2, 3} and 4 in accepted, accepted
+
+
+def _static(pair, role: str, options: CompileOptions) -> StaticRunner:
+    model = pair.target if role == "target" else pair.draft
+    return StaticRunner(model, PhaseTimer("cpu"), role, slots=32, options=options)
+
+
+def _compare_runner_ops(pair, options: CompileOptions, atol: float) -> None:
+    """Logits and cache contents of a StaticRunner follow an eager ModelRunner through every
+    operation the decoders use: prefill, chain forwards, crop, beam rows, a tree and its path."""
+    eager = ModelRunner(pair.target, PhaseTimer("cpu"), "target")
+    comp = _static(pair, "target", options)
+    ids = torch.tensor([PROMPT])
+
+    def both(fn):
+        a, b = fn(eager), fn(comp)
+        torch.testing.assert_close(b, a, atol=atol, rtol=0)
+        assert len(comp) == len(eager)
+
+    both(lambda r: r.prefill(ids[:, :5]))
+    both(lambda r: r(ids[:, 5:7]))                      # verify-like forward of 2
+    both(lambda r: (r.crop(6), r(torch.tensor([[4]])))[1])  # rollback, then one token
+    both(lambda r: (r.repeat_rows(3), r(torch.tensor([[1], [2], [3]])))[1])  # beam rows
+    both(lambda r: (r.select_rows(torch.tensor([2, 2, 0])), r(torch.tensor([[6], [7], [8]])))[1])
+    both(lambda r: (r.select_rows(torch.tensor([1])), r(torch.tensor([[9]])))[1])
+    anc = ancestors(level_parents((2, 2)))  # 6 nodes; root = the last token
+    nodes = torch.tensor([10, 11, 12, 13, 14, 15])
+    both(lambda r: tree_forward(r, nodes, anc, len(r)))
+    prefix = len(eager) - 6
+    both(lambda r: (keep_path(r, prefix, torch.tensor([1, 4])), r(torch.tensor([[16]])))[1])
+    n = len(eager)
+    for a, b in zip(eager.cache.layers, comp.cache.layers, strict=True):
+        torch.testing.assert_close(b.keys[:1, :, :n], a.keys, atol=atol, rtol=0)
+
+
+@torch.inference_mode()  # as in generate: engines outlive a generation, with their caches
+def test_static_runner_matches_the_eager_runner_op_by_op(llama_pair, opt_pair):
+    _compare_runner_ops(llama_pair, TRACE, atol=1e-5)
+    _compare_runner_ops(opt_pair, TRACE, atol=1e-5)
+
+
+def test_static_cache_grows_mid_generation_and_keeps_its_contents(llama_pair, monkeypatch):
+    monkeypatch.setattr(static, "MIN_SLOTS", 4)
+    decoder = get_decoder("spd", temperature=0)
+    eager = generate_ids(decoder, llama_pair, PROMPT, 20, compute_perplexity=False)
+    runner_cls = static.StaticRunner
+
+    class Small(runner_cls):  # reserve too few slots: the cache must grow as it goes
+        def __init__(self, model, timer, phase, slots, options=None):
+            static.engine_for(model, phase, torch.device("cpu"), options).cache = None
+            super().__init__(model, timer, phase, 4, options)
+
+    monkeypatch.setattr(static, "StaticRunner", Small)
+    compiled = generate_ids(decoder, llama_pair, PROMPT, 20, compute_perplexity=False,
+                            compile=TRACE)
+    assert compiled.token_ids == eager.token_ids
+    grown = static.engine_for(llama_pair.target, "target", torch.device("cpu"), TRACE).cache
+    assert grown.slots >= len(PROMPT) + 20
+
+
+def test_an_int8_draft_stays_eager_with_a_warning_and_the_target_compiles(model_dirs):
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["llama"], draft="self:int8", device="cpu")
+    decoder = get_decoder("spd", temperature=0)
+    eager = generate_ids(decoder, pair, PROMPT, 16, compute_perplexity=False)
+    with pytest.warns(UserWarning, match=r"compile \(draft\): .*int8.*runs eager"):
+        compiled = generate_ids(decoder, pair, PROMPT, 16, compute_perplexity=False,
+                                compile=TRACE)
+    assert compiled.config["compiled"] == ["target"]
+    assert compiled.token_ids == eager.token_ids
+
+
+def test_shorter_forwards_reuse_a_wider_compiled_graph(llama_pair):
+    """The last iterations draft fewer tokens: their verify is padded to the full verify's
+    width (no new graph mid-measurement), and the padding changes no logit."""
+    with torch.inference_mode():
+        eager = ModelRunner(llama_pair.target, PhaseTimer("cpu"), "target")
+        comp = StaticRunner(llama_pair.target, PhaseTimer("cpu"), "pad-test", slots=32,
+                            options=TRACE)
+        for r in (eager, comp):
+            r.prefill(torch.tensor([PROMPT[:2]]))
+        for ids in ([PROMPT[2:7], [4, 8, 6]]):  # 5 tokens, then 3: run padded to 5
+            torch.testing.assert_close(comp(torch.tensor([ids])), eager(torch.tensor([ids])),
+                                       atol=1e-5, rtol=0)
+            assert len(comp) == len(eager)
+    assert comp.engine.width_for(1, 3) == 5 and comp.engine.width_for(1, 2) == 2
+
+
+def test_architectures_without_custom_masks_are_refused_by_name():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2)).eval()
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel.*gpt2.*without --compile"):
+        check_static_support(gpt2)
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_inductor_runner_logits_agree_with_eager(llama_pair):
+    _compare_runner_ops(llama_pair, INDUCTOR, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_inductor_spd_is_token_identical_and_compiles_a_bounded_number_of_graphs(llama_pair):
+    """spd compiles one graph per shape it uses: the draft's catch-up of 1 or 2 tokens, the
+    target's verify of gamma+1 and, where the last iterations draft fewer tokens, of 1..gamma.
+    So at most gamma + 3 graphs, however long the generation; the same generation again, or
+    one after a prompt of another length in the same cache bucket, compiles none beyond that."""
+    decoder = get_decoder("spd", temperature=0)  # gamma 4
+    before = _graphs()
+    for prompt in (PROMPT, PROMPT[:5], PROMPT):
+        compiled = generate_ids(decoder, llama_pair, prompt, 64, compute_perplexity=False,
+                                compile=INDUCTOR)
+        eager = generate_ids(decoder, llama_pair, prompt, 64, compute_perplexity=False)
+        assert compiled.token_ids == eager.token_ids
+    assert 1 <= _graphs() - before <= 4 + 3, _graphs() - before
