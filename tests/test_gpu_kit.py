@@ -25,11 +25,12 @@ def test_all_stages_smoke_on_cpu(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("env.json", "meters.csv", "batch.csv", "batch_paper_l40.csv", "decompose.json",
-                 "decoders.csv", "tree_verify.csv", "floor.csv", "batch_energy.png", "decoders.png",
+                 "decoders.csv", "tree_verify.csv", "batched.csv", "floor.csv", "batch_energy.png",
+                 "decoders.png", "batched.png",
                  "floor.png", "run.log"):
         assert (out / name).is_file(), name
     log = (out / "run.log").read_text()
-    assert "done: 6 of 6 stage(s) ok" in log and "FAILED" not in log
+    assert "done: 7 of 7 stage(s) ok" in log and "FAILED" not in log
     meters = pd.read_csv(out / "meters.csv")
     # four meters, idle + (steady, bursty) x (plain, mitigated)
     assert set(meters.meter) == {"nvml-counter", "nvml-power", "zeus", "power.draw-1s"}
@@ -48,6 +49,11 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     compiled = decoders[decoders["mode"] == "compiled"]
     assert compiled.compiled_speedup_per_iter.notna().all()
     assert compiled.projected_speedup_vs_ar.iloc[0] == 1.0  # ar compiled is its own baseline
+    batched = pd.read_csv(out / "batched.csv")
+    assert set(zip(batched.decoder, batched.batch_size, strict=True)) == {
+        (d, b) for d in ("ar", "spd", "typical") for b in (1, 2, 4)}
+    assert (batched[batched.decoder == "ar"].projected_speedup_vs_ar == 1.0).all()
+    assert (batched.cost_per_iter_ms > 0).all()
     floor = pd.read_csv(out / "floor.csv")
     assert list(floor["mode"]) == ["eager", "compiled"] and floor.error.isna().all()
     from mtad_energy.measure import METER_NAMES

@@ -15,7 +15,11 @@ to run.log there):
               batch 1..16, then the energy decomposition fit (resumes through the results store)
     decoders  cost per iteration and J/iteration of every decoder at Llama-3.1-8B / Llama-3.2-1B
               shapes (random weights), projected tokens/s and J/token at the block efficiencies
-              measured on the real CPU pair; MMTAD tree vs chain verification time
+              measured on the real CPU pair; MMTAD tree vs chain verification time; the
+              same eager and with compile=True (static cache, CUDA graphs) for a few decoders
+    batched   the decoders that batch (ar, spd, typical) decoding B = 1..16 prompts at once at
+              the same shapes: cost and J per iteration by batch size, projected tokens/s and
+              J/token with the CPU pair's block efficiencies, speed-up over ar per batch size
     floor     target forward time at batch 1 (eager and static-cache + torch.compile) against
               weight bytes / measured copy bandwidth
     plots     PNG figures of the above
@@ -49,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "experiments"))
 
-STAGES = ("env", "meters", "batch", "decoders", "floor", "plots")
+STAGES = ("env", "meters", "batch", "decoders", "batched", "floor", "plots")
 RANDOM_NOTE = ("random weights at real shapes: valid for time and energy per forward, not for "
                "acceptance, block efficiency or quality")
 # The paper's table "effect of batch size" (OPT-13B, L40): energy/run and time/run at b = 1..16.
@@ -519,6 +523,75 @@ def stage_decoders(kit: Kit) -> None:
     _tree_vs_chain(kit)
 
 
+def stage_batched(kit: Kit) -> None:
+    """Batched decoding at real shapes: per decoder that batches and per batch size, the cost
+    and joules of an iteration (median of repeats after a full-length warm-up); projected
+    tokens/s = B x CPU-pair block efficiency x target forwards per iteration / cost."""
+    from mtad_energy.bench.shapes import random_pair
+    from mtad_energy.decoding.generate import generate_rows
+    from mtad_energy.decoding.registry import DECODERS, get_decoder
+    from mtad_energy.measure import get_meter
+
+    plan = kit.plan
+    pair = random_pair(plan.target, plan.draft, device=plan.device, dtype=plan.dtype,
+                       max_positions=1024)
+    gen = torch.Generator().manual_seed(0)
+    vocab = pair.target.config.vocab_size
+    context = 128 if not plan.smoke else 16
+    prompts = [torch.randint(0, vocab, (context - context // 8 * i,), generator=gen).tolist()
+               for i in range(4)]  # rows of different lengths
+    block_eff = cpu_block_efficiency()
+    meter = get_meter("simulated") if plan.smoke else get_meter("auto")
+    rows = []
+    try:
+        for name in [n for n, c in DECODERS.items() if c.batched]:
+            dec = get_decoder(name)
+            for b in plan.batch_sizes:
+                batch = [prompts[i % len(prompts)] for i in range(b)]
+                generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
+                              compute_perplexity=False)
+                for rep in range(plan.decode_repeats):
+                    windows: dict[str, Any] = {}
+
+                    def hook(phase: str, windows=windows, key=f"{name}-b{b}-{rep}") -> None:
+                        if phase == "decode":
+                            meter.begin_window(key)
+                        elif phase == "end":
+                            windows["m"] = meter.end_window(key)
+
+                    gens = generate_rows(dec, pair, batch, plan.decode_tokens, seed=rep,
+                                         compute_perplexity=False, on_phase=hook)
+                    m = windows["m"]
+                    it = max(max(g.stats.iterations for g in gens), 1)
+                    decode_s = max(g.stats.decode_time_s for g in gens)
+                    target_fw = max(g.stats.target_forwards for g in gens)
+                    rows.append({"decoder": name, "batch_size": b, "repeat": rep,
+                                 "iterations": it, "cost_per_iter_ms": decode_s / it * 1e3,
+                                 "target_forwards_per_iter": target_fw / it,
+                                 "j_per_iter": None if m.energy_j is None else m.energy_j / it,
+                                 "energy_flags": ",".join(m.flag_codes)})
+                kit.log(f"batched: {name} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration")
+    finally:
+        meter.close()
+    raw = pd.DataFrame(rows)
+    raw.to_csv(kit.out / "batched_raw.csv", index=False)
+    agg = (raw.groupby(["decoder", "batch_size"], sort=False).median(numeric_only=True)
+           .reset_index().drop(columns="repeat"))
+    agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
+    tokens_per_iter = agg.batch_size * agg.cpu_pair_block_eff * agg.target_forwards_per_iter
+    agg["projected_tokens_per_s"] = tokens_per_iter / (agg.cost_per_iter_ms / 1e3)
+    agg["projected_j_per_token"] = agg.j_per_iter / tokens_per_iter
+    ar = agg[agg.decoder == "ar"].set_index("batch_size")
+    agg["projected_speedup_vs_ar"] = agg.projected_tokens_per_s / agg.batch_size.map(
+        ar.projected_tokens_per_s)
+    agg["projected_energy_saving_vs_ar"] = 1.0 - agg.projected_j_per_token / agg.batch_size.map(
+        ar.projected_j_per_token)
+    kit.table("batched", agg, "batched: decoders at B rows per forward, cost and J per iteration "
+              "(median of repeats after a full-length warm-up); projected with the CPU pair's "
+              "block efficiencies", RANDOM_NOTE)
+    del pair
+
+
 def _tree_vs_chain(kit: Kit) -> None:
     from bench_tree_verify import bench
 
@@ -635,6 +708,21 @@ def stage_plots(kit: Kit) -> None:
             axes[1].set(ylabel="tokens/s (projected)", xlabel="",
                         title="Projected tokens/s (no energy), eager vs compiled")
         save(fig, "decoders.png", f"Decoders at Llama-3.1-8B / 3.2-1B shapes ({RANDOM_NOTE})")
+    batched = kit.out / "batched.csv"
+    if batched.is_file():
+        df = pd.read_csv(batched)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for col, ax, label in (("projected_speedup_vs_ar", axes[0], "speed-up over ar (projected)"),
+                               ("projected_energy_saving_vs_ar", axes[1],
+                                "energy saving vs ar (projected)")):
+            if df[col].notna().any():
+                sns.lineplot(df, x="batch_size", y=col, hue="decoder", marker="o", ax=ax)
+            ax.set(xscale="log", xlabel="batch size", ylabel=label)
+            ax.set_xticks(sorted(set(df.batch_size)), labels=[str(b) for b in sorted(set(df.batch_size))])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axes[0].axhline(1.0, color="k", lw=1, ls="--")
+        axes[1].axhline(0.0, color="k", lw=1, ls="--")
+        save(fig, "batched.png", f"Decoders by batch size ({RANDOM_NOTE})")
     floor = kit.out / "floor.csv"
     if floor.is_file():
         df = pd.read_csv(floor).dropna(subset=["forward_ms"])
@@ -654,6 +742,7 @@ def stage_plots(kit: Kit) -> None:
 
 RUNNERS: dict[str, Callable[[Kit], None]] = {
     "env": stage_env, "meters": stage_meters, "batch": stage_batch, "decoders": stage_decoders,
+    "batched": stage_batched,
     "floor": stage_floor, "plots": stage_plots,
 }
 

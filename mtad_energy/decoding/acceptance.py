@@ -38,13 +38,14 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
 def joint_accept_length(log_p: torch.Tensor, log_q: torch.Tensor, log_tau: float) -> torch.Tensor:
     """MTAD's accepted length eta for one draft.
 
-    log_p, log_q: ``[gamma]`` per-token warped log-probabilities of the draft tokens under the
-    target and draft. With L_j = sum_{i<=j} (log_p_i - log_q_i), eta = max{j : L_j > log tau},
-    0 if none. It is the *longest* passing prefix: an earlier failing prefix does not stop it.
+    log_p, log_q: ``[..., gamma]`` per-token warped log-probabilities of the draft tokens under
+    the target and draft. With L_j = sum_{i<=j} (log_p_i - log_q_i), eta = max{j : L_j > log tau},
+    0 if none (``[...]``). It is the *longest* passing prefix: an earlier failing prefix does not
+    stop it.
     """
-    ratio = (log_p - log_q).cumsum(0)  # [gamma]
-    lengths = torch.arange(1, ratio.shape[0] + 1, device=ratio.device)
-    return torch.where(ratio > log_tau, lengths, torch.zeros_like(lengths)).max()
+    ratio = (log_p - log_q).cumsum(-1)  # [..., gamma]
+    lengths = torch.arange(1, ratio.shape[-1] + 1, device=ratio.device)
+    return torch.where(ratio > log_tau, lengths, torch.zeros_like(lengths)).amax(-1)
 
 
 # --- Spectr: k-sequential selection (Sun et al. 2023) ---------------------------------------------
@@ -146,15 +147,16 @@ def spectr_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
 
 def typical_accept_length(p: torch.Tensor, draft: torch.Tensor, eps: float,
                           delta: float) -> torch.Tensor:
-    """Longest prefix of ``draft [gamma]`` with p(x_i) > min(eps, delta * exp(-H(p_i))) at every i.
+    """Longest prefix of ``draft [..., gamma]`` with p(x_i) > min(eps, delta * exp(-H(p_i))) at
+    every i.
 
-    p: ``[gamma, V]`` the distribution the test uses (typical.py: temperature-scaled, untruncated).
-    Returns a 0-d long tensor.
+    p: ``[..., gamma, V]`` the distribution the test uses (typical.py: temperature-scaled,
+    untruncated). Returns a long tensor ``[...]`` (0-d for one draft).
     """
-    entropy = -torch.special.xlogy(p, p).sum(-1)  # [gamma]; 0 log 0 = 0
+    entropy = -torch.special.xlogy(p, p).sum(-1)  # [..., gamma]; 0 log 0 = 0
     threshold = torch.clamp(delta * torch.exp(-entropy), max=eps)
-    p_x = p.gather(-1, draft[:, None])[:, 0]
-    return (p_x > threshold).long().cumprod(0).sum()
+    p_x = p.gather(-1, draft[..., None]).squeeze(-1)
+    return (p_x > threshold).long().cumprod(-1).sum(-1)
 
 
 def rollback_length(nll: torch.Tensor, threshold: float) -> torch.Tensor:

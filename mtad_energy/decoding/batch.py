@@ -10,8 +10,12 @@ off the end. Each row gets its own position ids (its count of valid columns) and
 mask over its valid columns (4-D, passed as-is to transformers), so a row computes exactly what
 it would alone.
 
-The host mirrors, per row, the columns it holds (`cols`): every count the loop needs (row
+The host mirrors, per sequence, the columns it holds (`cols`): every count the loop needs (row
 lengths, the columns to cut) is known without reading the device.
+
+Beam decoders expand each sequence to W rows (row b*W + w, `repeat_rows`) and reorder rows
+within a sequence (`select_rows`); the beams of a sequence share its columns, so the host
+mirror stays per sequence.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ class RowsRunner(ModelRunner):
 
     def __init__(self, model, timer: PhaseTimer, phase: str, rows: int):
         super().__init__(model, timer, phase)
-        self.valid: torch.Tensor | None = None  # [B, T]
-        self.cols: list[list[int]] = [[] for _ in range(rows)]  # host: row b's columns, in order
+        self.valid: torch.Tensor | None = None  # [B * width, T]
+        self.cols: list[list[int]] = [[] for _ in range(rows)]  # host: sequence b's columns
+        self.width = 1  # cache rows per sequence (W while a beam search runs)
 
     @property
     def row_lengths(self) -> list[int]:
@@ -43,6 +48,7 @@ class RowsRunner(ModelRunner):
         if counts is None:
             new = torch.ones(b, k, dtype=torch.bool, device=dev)
         else:
+            assert self.width == 1, "ragged input while beams are expanded"
             new = torch.arange(k, device=dev)[None, :] >= k - to_device(counts, dev)[:, None]
         valid = new if self.valid is None else torch.cat([self.valid, new], 1)  # [B, T + k]
         seen = valid.long().cumsum(1)  # [B, T + k]
@@ -55,8 +61,8 @@ class RowsRunner(ModelRunner):
         logits = super().__call__(input_ids, attention_mask=additive_mask(allowed, dtype),
                                   position_ids=pos)
         self.valid = valid
-        for row, c in enumerate(counts or [k] * b):
-            self.cols[row].extend(range(t + k - c, t + k))
+        for seq, c in enumerate(counts or [k] * len(self.cols)):
+            self.cols[seq].extend(range(t + k - c, t + k))
         return logits
 
     def crop_rows(self, lengths: list[int]) -> None:
@@ -64,7 +70,7 @@ class RowsRunner(ModelRunner):
         if all(len(c) <= n for c, n in zip(self.cols, lengths, strict=True)):
             return
         self.cols = [c[:n] for c, n in zip(self.cols, lengths, strict=True)]
-        keep = to_device(lengths, self.valid.device)
+        keep = to_device(lengths, self.valid.device).repeat_interleave(self.width)
         self.valid &= self.valid.long().cumsum(1) <= keep[:, None]
         end = max((c[-1] + 1 for c in self.cols if c), default=0)
         if end < self.valid.shape[1]:
@@ -74,8 +80,18 @@ class RowsRunner(ModelRunner):
     def crop(self, length: int) -> None:
         self.crop_rows([length] * len(self.cols))
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        raise NotImplementedError("beam rows inside batched rows are not supported yet")
-
     def repeat_rows(self, n: int) -> None:
-        raise NotImplementedError("beam rows inside batched rows are not supported yet")
+        """Expand every sequence's one row to n identical rows (row b*n + w)."""
+        assert self.width == 1, "rows are expanded already"
+        kv.repeat_interleave_rows(self.cache, n)
+        self.valid = self.valid.repeat_interleave(n, 0)
+        self.width = n
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Gather rows ``[B * W']``; row i must come from sequence i // W' (a beam reorder within
+        each sequence, W' = W, or keeping one beam per sequence, W' = 1)."""
+        width = rows.shape[0] // len(self.cols)
+        assert width * len(self.cols) == rows.shape[0], "rows must keep B sequences"
+        kv.select_rows(self.cache, rows)
+        self.valid = self.valid.index_select(0, rows.to(self.valid.device))
+        self.width = width

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, param, require
-from mtad_energy.decoding.beams import beam_sample
+from mtad_energy.decoding.beams import beam_sample_rows
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,11 @@ class Beam(Decoder):
     name = "beam"
     help = "beam sampling with the target over the whole output; emits the most likely beam"
     Params = BeamParams
+    batched = True
 
     def step(self, s: DecodeState) -> StepResult:
         p = self.params
-        beams = beam_sample(s.target, s.last_token, s.remaining, p.beam_width, p.warp,
-                            s.generator, p.stochastic, s.eos_token_id)
+        beams = beam_sample_rows(s.target, s.last_token, s.remaining, p.beam_width, p.warp,
+                                 s.generator, p.stochastic, s.eos_token_id)
         beams.keep(s.target, beams.best)
         return StepResult(beams.best_seq)

@@ -53,6 +53,13 @@ def repeat_rows(cache: DynamicCache, n: int) -> None:
         layer.values = layer.values.expand(n, -1, -1, -1).contiguous()
 
 
+def repeat_interleave_rows(cache: DynamicCache, n: int) -> None:
+    """Expand every row to n consecutive identical rows (B rows -> B*n: beams per sequence)."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys.repeat_interleave(n, 0)
+        layer.values = layer.values.repeat_interleave(n, 0)
+
+
 def keep_positions(cache: DynamicCache, positions: torch.Tensor) -> None:
     """Keep only the given positions along T (e.g. the accepted path of a token tree); any
     device, as for ``select_rows``."""

@@ -23,8 +23,8 @@ from mtad_energy.decoding.base import (
     require,
     target_step,
 )
-from mtad_energy.decoding.beams import beam_sample
-from mtad_energy.decoding.sampling import sample, take
+from mtad_energy.decoding.beams import beam_sample_rows
+from mtad_energy.decoding.sampling import sample
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class Mtad(Decoder):
     help = "MTAD: beam-sampled draft, longest prefix with joint p/q > tau, bonus token from p"
     Params = MtadParams
     needs_draft = True
+    batched = True
 
     @property
     def lookahead(self) -> int:
@@ -59,24 +60,28 @@ class Mtad(Decoder):
         gamma = self.draft_len(s)
         if gamma == 0:
             return target_step(s, warp)
-        beams = beam_sample(s.draft, s.draft_pending(), gamma, prm.beam_width, warp, s.generator)
+        pending, counts = s.draft_feed()
+        beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
+                                 counts=counts)
         beams.keep(s.draft, beams.best)
-        y = beams.best_seq  # [gamma]
-        p = warp.probs(s.target(torch.cat([s.last_token[0], y])[None])[0])  # [gamma+1, V]
-        eta, nxt = mtad_verify(p, y, beams.best_path_log_q, prm.log_tau, s.generator)
+        y = beams.best_seq  # [B, gamma]
+        p = warp.probs(s.target(torch.cat([s.last_token, y], 1)))  # [B, gamma+1, V]
+        eta, nxt = mtad_verify(p, y, beams.best_path_log_q, prm.log_tau, s.generator)  # [B]
         return StepResult.block(y, eta, nxt, gamma)
 
 
 def mtad_verify(p: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor, log_tau: float,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """MTAD verification of one draft.
+    """MTAD verification of one draft, or of B (leading ``[B]`` dims).
 
-    p: ``[gamma+1, V]`` warped target after each draft prefix; y: ``[gamma]`` draft tokens;
-    cum_log_q: ``[gamma]`` cumulative warped draft log-prob of y_1..y_j. Returns ``(eta, next)``:
-    the accepted length and a token sampled from p after y_1..y_eta.
+    p: ``[..., gamma+1, V]`` warped target after each draft prefix; y: ``[..., gamma]`` draft
+    tokens; cum_log_q: ``[..., gamma]`` cumulative warped draft log-prob of y_1..y_j. Returns
+    ``(eta, next)``, each ``[...]``: the accepted length and a token sampled from p after
+    y_1..y_eta.
     """
-    gamma = y.shape[0]
-    log_q = torch.diff(cum_log_q, prepend=cum_log_q.new_zeros(1))  # per-token log ~q(y_i)
-    log_p = p[torch.arange(gamma, device=y.device), y].log()
+    gamma = y.shape[-1]
+    log_q = torch.diff(cum_log_q, prepend=torch.zeros_like(cum_log_q[..., :1]))  # log ~q(y_i)
+    log_p = p[..., :gamma, :].gather(-1, y[..., None]).squeeze(-1).log()
     eta = joint_accept_length(log_p, log_q, log_tau)
-    return eta, sample(take(p, eta), generator)
+    at = eta[..., None, None].expand(*eta.shape, 1, p.shape[-1])
+    return eta, sample(p.gather(-2, at).squeeze(-2), generator)

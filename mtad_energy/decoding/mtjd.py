@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, param, require
-from mtad_energy.decoding.beams import beam_sample
+from mtad_energy.decoding.beams import beam_sample_rows
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,13 @@ class Mtjd(Decoder):
     name = "mtjd"
     help = "multi-token joint decoding: K-token beam sampling with the target per iteration"
     Params = MtjdParams
+    batched = True
 
     def step(self, s: DecodeState) -> StepResult:
         p = self.params
         # K=1 is multinomial sampling (the paper): one token drawn from ~p, no beam to pick from
         width = 1 if p.k == 1 else p.beam_width
-        beams = beam_sample(s.target, s.last_token, min(p.k, s.remaining), width, p.warp,
-                            s.generator, p.stochastic, s.eos_token_id)
+        beams = beam_sample_rows(s.target, s.last_token, min(p.k, s.remaining), width, p.warp,
+                                 s.generator, p.stochastic, s.eos_token_id)
         beams.keep(s.target, beams.best)
         return StepResult(beams.best_seq)

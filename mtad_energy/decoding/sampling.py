@@ -152,7 +152,8 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def gumbel_topk(log_weights: torch.Tensor, k: int, generator: torch.Generator | None = None,
                 stochastic: bool = True) -> torch.Tensor:
-    """Indices of k draws *without replacement* proportional to exp(log_weights) ``[N] -> [k]``.
+    """Indices of k draws *without replacement* proportional to exp(log_weights), per row:
+    ``[..., N] -> [..., k]``.
 
     Gumbel-top-k: adding i.i.d. Gumbel noise and keeping the k largest keys is exactly sequential
     sampling without replacement. ``stochastic=False`` keeps the k largest weights (beam search).

@@ -26,7 +26,7 @@ from mtad_energy.decoding.base import (
     require,
     target_step,
 )
-from mtad_energy.decoding.sampling import sample, take, warp_probs
+from mtad_energy.decoding.sampling import sample, warp_probs
 from mtad_energy.decoding.spd import draft_chain
 
 
@@ -47,6 +47,7 @@ class Typical(Decoder):
     help = "typical acceptance: keep draft tokens with p(x) > min(eps, delta*exp(-H(p))) (lossy)"
     Params = TypicalParams
     needs_draft = True
+    batched = True
 
     @property
     def lookahead(self) -> int:
@@ -58,9 +59,11 @@ class Typical(Decoder):
         gamma = self.draft_len(s)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
-        draft = draft_chain(s.draft, s.draft_pending(), gamma, warp, s.generator)[0][0]  # [gamma]
-        logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [gamma+1, V]
-        p_test = warp_probs(logits[:gamma], prm.temperature, top_k=0, top_p=1.0)  # [gamma, V]
-        n = typical_accept_length(p_test, draft, prm.eps, prm.delta)  # 0-d, stays on the device
-        nxt = sample(warp.probs(take(logits, n)), s.generator)  # only the sampled row is warped
+        pending, counts = s.draft_feed()
+        draft, _ = draft_chain(s.draft, pending, gamma, warp, s.generator, counts)  # [B, gamma]
+        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
+        p_test = warp_probs(logits[:, :gamma], prm.temperature, top_k=0, top_p=1.0)
+        n = typical_accept_length(p_test, draft, prm.eps, prm.delta)  # [B], stays on the device
+        at_n = n[:, None, None].expand(-1, 1, logits.shape[-1])
+        nxt = sample(warp.probs(logits.gather(1, at_n)[:, 0]), s.generator)  # only row n warped
         return StepResult.block(draft, n, nxt, gamma)

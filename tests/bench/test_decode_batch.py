@@ -66,10 +66,11 @@ def test_sweep_decodes_each_size_stores_rows_and_resumes(tmp_path, model_dirs):
 
 
 def test_a_decoder_that_does_not_batch_is_refused_before_anything_runs(tmp_path, model_dirs):
-    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "mtad", "--target",
+    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "specinfer", "--target",
                               model_dirs["llama"], "--draft", model_dirs["llama-draft"],
                               "--sizes", "1,2", "--device", "cpu", "--meter", "none",
                               "--output", str(tmp_path / "s"), "--json"])
     assert out.exit_code == 2
     err = json.loads(out.stdout)
-    assert "mtad do not decode batches yet" in json.dumps(err) and "ar, spd" in json.dumps(err)
+    assert "specinfer do not decode batches yet" in json.dumps(err)
+    assert "ar, beam, mtjd, spd, mtad, typical" in json.dumps(err)

@@ -82,8 +82,9 @@ def test_the_api_and_its_errors(llama_pair):
     gens = me.generate("ar", llama_pair, ["w1 w2", "w3"], max_new_tokens=4, batch_size=2,
                        chat=False)
     assert [g.config["row"] for g in gens] == [0, 1]
-    with pytest.raises(ValueError, match="'mtad' does not decode batches yet.*ar, spd"):
-        me.generate("mtad", llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
+    with pytest.raises(ValueError, match="'specinfer' does not decode batches yet.*"
+                                         "ar, beam, mtjd, spd, mtad, typical"):
+        me.generate("specinfer", llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
     with pytest.raises(ValueError, match="compile does not run batches"):
         generate_rows(get_decoder("ar"), llama_pair, PROMPTS, 4, compile=True)
 

@@ -98,7 +98,7 @@ class TableRunner:
     def _probs(self, last: int) -> torch.Tensor:
         return Q1 if last == PROMPT_TOKEN else Q_NEXT[last]
 
-    def __call__(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, counts=None, **kwargs) -> torch.Tensor:
         assert input_ids.shape[0] == len(self.rows)
         self.forwards += 1
         for row, ids in zip(self.rows, input_ids.tolist(), strict=True):
@@ -327,14 +327,14 @@ def test_mtad_keeps_the_draft_cache_of_the_chosen_beam(lossless_pair):
     """W = 4: whenever the best beam is not beam 0 and tokens are accepted, keeping another beam's
     cache rows leaves keys/values of tokens that were never emitted."""
     dec = CacheCheckedMtad(MtadParams(gamma=3, beam_width=4, tau=0.1, top_k=0, top_p=1.0))
-    real_beam_sample = mtad_mod.beam_sample
+    real_beam_sample = mtad_mod.beam_sample_rows
 
     def spy(*args, **kwargs):
         out = real_beam_sample(*args, **kwargs)
-        dec.bests.append(int(out.best))
+        dec.bests.append(int(out.best[0]))  # batch of one sequence
         return out
 
-    with mock.patch.object(mtad_mod, "beam_sample", spy):
+    with mock.patch.object(mtad_mod, "beam_sample_rows", spy):
         for seed in range(8):
             me.generate(dec, lossless_pair, [1, 2], max_new_tokens=16, seed=seed,
                         compute_perplexity=False)
