@@ -270,14 +270,15 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
 
 def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
             seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep,
-            require_energy=False, compile=False):
+            require_energy=False, compile=False, batch_size=1):
     alias = None if target and model == "smollm2" else model  # a custom target is not "smollm2"
     return RunConfig(
         decoders=decoders, model=ModelSpec(alias, target, draft, device, dtype),
         datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
         seed=seed, repeats=repeats, chat=chat, ops=ops,
         measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
-        allow_code_execution=allow_code_execution, sweep=sweep, compile=compile)
+        allow_code_execution=allow_code_execution, sweep=sweep, compile=compile,
+        batch_size=batch_size)
 
 
 # shared options (typer reads the Annotated metadata)
@@ -304,6 +305,9 @@ Cluster = Annotated[str, typer.Option(help="where --workers jobs run: local|slur
 Compile = Annotated[bool, typer.Option(
     "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA); rows are "
                       "stored under model '<model>+compile'")]
+BatchSize = Annotated[int, typer.Option(
+    min=1, help="prompts decoded together per set of forwards (each keeps its own row; the "
+                "batch's energy is split by tokens)")]
 AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
                                          help="run HumanEval tests on generated code (sandboxed)")]
 
@@ -318,7 +322,7 @@ def profile(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, as_json: Json = False,
+    compile: Compile = False, batch_size: BatchSize = 1, as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -327,7 +331,7 @@ def profile(
         specs = decoder_specs(split_list(decoder), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
-                         require_energy, compile)
+                         require_energy, compile, batch_size)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster)
@@ -345,7 +349,7 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, as_json: Json = False,
+    compile: Compile = False, batch_size: BatchSize = 1, as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -356,7 +360,7 @@ def compare(
         specs = decoder_specs(split_list(decoders), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
-                         require_energy, compile)
+                         require_energy, compile, batch_size)
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
@@ -383,7 +387,8 @@ def sweep_param(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
-    require_energy: RequireEnergy = False, compile: Compile = False, as_json: Json = False,
+    require_energy: RequireEnergy = False, compile: Compile = False,
+    batch_size: BatchSize = 1, as_json: Json = False,
 ):
     """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
     import itertools
@@ -405,7 +410,7 @@ def sweep_param(
             specs = list(decoder_specs([baseline], {})) + specs
         config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
                          repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
-                         require_energy, compile)
+                         require_energy, compile, batch_size)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,

@@ -118,6 +118,7 @@ class RunConfig:
     allow_code_execution: bool = False  # HumanEval pass@1 runs generated code (sandboxed)
     sweep: str = "profile"
     compile: bool = False  # static KV cache + torch.compile forwards (CUDA graphs on CUDA)
+    batch_size: int = 1  # prompts decoded together per set of forwards (generate_rows)
 
     def __post_init__(self) -> None:
         if not self.decoders:
@@ -128,6 +129,20 @@ class RunConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size > 1:
+            from mtad_energy.decoding.registry import DECODERS
+
+            if self.compile:
+                raise ValueError("--compile runs batch size 1 only for now; drop --compile or "
+                                 "use --batch-size 1")
+            slow = [d.name for d in self.decoders if d.name in DECODERS
+                    and not DECODERS[d.name].batched]
+            if slow:
+                ok = ", ".join(n for n, c in DECODERS.items() if c.batched)
+                raise ValueError(f"decoder(s) {', '.join(slow)} do not decode batches yet; with "
+                                 f"--batch-size > 1 use {ok}")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -17,8 +17,8 @@ to run.log there):
               shapes (random weights), projected tokens/s and J/token at the block efficiencies
               measured on the real CPU pair; MMTAD tree vs chain verification time; the
               same eager and with compile=True (static cache, CUDA graphs) for a few decoders
-    batched   the decoders that batch (ar, spd, typical) decoding B = 1..16 prompts at once at
-              the same shapes: cost and J per iteration by batch size, projected tokens/s and
+    batched   decoders that batch (ar, spd, typical, mtad, specinfer) decoding B = 1..16 prompts at
+              once at the same shapes: cost and J per iteration by batch size, projected tokens/s and
               J/token with the CPU pair's block efficiencies, speed-up over ar per batch size
     floor     target forward time at batch 1 (eager and static-cache + torch.compile) against
               weight bytes / measured copy bandwidth
@@ -79,6 +79,7 @@ class Plan:
     floor_models: tuple[str, ...]
     compile_backend: str
     compiled_decoders: tuple[str, ...]  # run eager and `compile=` in `decoders`
+    batched_decoders: tuple[str, ...]  # run at every batch size in `batched`
     workload_s: float  # side-by-side window length in `meters`
     matrix_n: int
     extra: dict[str, Any] = field(default_factory=dict)
@@ -88,7 +89,7 @@ class Plan:
         if smoke:
             return cls(True, torch.device("cpu"), torch.float32, ("tiny-opt", "tiny-llama"),
                        (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
-                       "eager", ("ar", "spd"), 0.3, 256)
+                       "eager", ("ar", "spd"), ("ar", "spd", "typical"), 0.3, 256)
         if need_gpu and not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
                              "(only `plots` runs without one, from the CSVs already written)")
@@ -96,7 +97,8 @@ class Plan:
                    ("opt-13b", "llama3-8b"),
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
                    ("llama3.1-8b", "llama3.2-1b"), "inductor",
-                   ("ar", "spd", "mtad", "specinfer", "mmtad"), 3.0, 16384)
+                   ("ar", "spd", "mtad", "specinfer", "mmtad"),
+                   ("ar", "spd", "typical", "mtad", "specinfer"), 3.0, 16384)
 
     def mitigation(self):
         from mtad_energy.measure import MitigationConfig
@@ -529,7 +531,7 @@ def stage_batched(kit: Kit) -> None:
     tokens/s = B x CPU-pair block efficiency x target forwards per iteration / cost."""
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_rows
-    from mtad_energy.decoding.registry import DECODERS, get_decoder
+    from mtad_energy.decoding.registry import get_decoder
     from mtad_energy.measure import get_meter
 
     plan = kit.plan
@@ -544,7 +546,7 @@ def stage_batched(kit: Kit) -> None:
     meter = get_meter("simulated") if plan.smoke else get_meter("auto")
     rows = []
     try:
-        for name in [n for n, c in DECODERS.items() if c.batched]:
+        for name in plan.batched_decoders:
             dec = get_decoder(name)
             for b in plan.batch_sizes:
                 batch = [prompts[i % len(prompts)] for i in range(b)]

@@ -21,7 +21,13 @@ import torch
 from mtad_energy.bench.prompts import Prompt, load_prompts
 from mtad_energy.config import DecoderSpec, RunConfig
 from mtad_energy.decoding.base import Decoder
-from mtad_energy.decoding.generate import Generation, encode_prompt, generate_ids, perplexity
+from mtad_energy.decoding.generate import (
+    Generation,
+    encode_prompt,
+    generate_ids,
+    generate_rows,
+    perplexity,
+)
 from mtad_energy.measure import (
     EnergyMeter,
     Measurement,
@@ -148,13 +154,16 @@ class Runner:
         desc = self.pair.describe()
         self.device, self.dtype = desc["device"], desc["dtype"]
         self._decoders: dict[DecoderSpec, Decoder] = {d: d.build() for d in config.decoders}
-        self._warm: set[DecoderSpec] = set()
+        self._warm: set[tuple[DecoderSpec, int]] = set()  # (decoder, batch size)
 
     @property
     def model_label(self) -> str:
-        """The stored ``model``: compiled runs are another system (other times, other joules), so
-        reports, baselines and plots keep them apart as ``<model>+compile``."""
-        return self.config.model.label + ("+compile" if self.config.compile else "")
+        """The stored ``model``: compiled or batched runs are another system (other times, other
+        joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
+        ``<model>+batch<B>``."""
+        c = self.config
+        return (c.model.label + ("+compile" if c.compile else "")
+                + (f"+batch{c.batch_size}" if c.batch_size > 1 else ""))
 
     # -- identity -----------------------------------------------------------------------------
     def _params(self, spec: DecoderSpec) -> dict[str, Any]:
@@ -171,37 +180,50 @@ class Runner:
             "meter": self.meter.name, "mitigated": self.mitigate,
             "device": self.device, "dtype": self.dtype, "chat": c.chat,
             **({"compile": True} if c.compile else {}),  # eager rows keep their old keys
+            **({"batch_size": c.batch_size} if c.batch_size > 1 else {}),
         })
 
     # -- running ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.pair, prompt.text, self.config.chat)
 
-    def warm_up(self, spec: DecoderSpec, prompt: Prompt) -> None:
-        """One unmeasured generation: first-call allocations and kernel selection; short when
-        eager, full length when compiled (every shape the loop uses, the shorter drafts of the
-        last iterations included, is compiled here and not inside a measured window)."""
-        if spec in self._warm:
+    def warm_up(self, spec: DecoderSpec, prompts: Sequence[Prompt]) -> None:
+        """One unmeasured generation of ``prompts`` together: first-call allocations and kernel
+        selection; short when eager, full length when compiled (every shape the loop uses, the
+        shorter drafts of the last iterations included, is compiled here and not inside a
+        measured window)."""
+        if (spec, len(prompts)) in self._warm:
             return
         c = self.config
-        generate_ids(self._decoders[spec], self.pair, self._prompt_ids(prompt),
-                     c.max_new_tokens if c.compile else min(8, c.max_new_tokens), seed=c.seed,
-                     compute_perplexity=False, compile=c.compile)
-        self._warm.add(spec)
+        generate_rows(self._decoders[spec], self.pair, [self._prompt_ids(p) for p in prompts],
+                      c.max_new_tokens if c.compile else min(8, c.max_new_tokens), seed=c.seed,
+                      compute_perplexity=False, compile=c.compile)
+        self._warm.add((spec, len(prompts)))
 
     def run_unit(self, unit: WorkUnit) -> dict[str, Any]:
-        c = self.config
-        decoder = self._decoders[unit.decoder]
-        key = self.run_key(unit)
-        ids = self._prompt_ids(unit.prompt)
-        seed = c.seed + unit.repeat
-        if c.warmup:
-            self.warm_up(unit.decoder, unit.prompt)
+        return self.run_batch([unit])[0]
 
-        windows = _PhaseWindows(self.meter, key)
+    def run_batch(self, units: Sequence[WorkUnit]) -> list[dict[str, Any]]:
+        """Decode the units' prompts together (one decoder and repeat; B = len(units) rows per
+        set of forwards, `generate_rows`) inside one pair of windows, and store one runs row per
+        unit. With B > 1 each row gets the batch's energy in proportion to its tokens
+        (``energy_share``), and the batch's decode time (its rows' tokens/s are per row)."""
+        c = self.config
+        spec, repeat = units[0].decoder, units[0].repeat
+        if any(u.decoder != spec or u.repeat != repeat for u in units):
+            raise ValueError("a batch holds one decoder and one repeat")
+        decoder = self._decoders[spec]
+        keys = [self.run_key(u) for u in units]
+        prompts = [self._prompt_ids(u.prompt) for u in units]
+        seed = c.seed + repeat
+        if c.warmup:
+            self.warm_up(spec, [u.prompt for u in units])
+
+        batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
+        windows = _PhaseWindows(self.meter, batch_key)
         try:
-            gen = generate_ids(decoder, self.pair, ids, c.max_new_tokens, seed=seed,
-                               compute_perplexity=False, on_phase=windows, compile=c.compile)
+            gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
+                                 compute_perplexity=False, on_phase=windows, compile=c.compile)
         finally:
             windows.close()
         energy = _energy_columns(windows.measurements)
@@ -209,8 +231,8 @@ class Runner:
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
             m = measure_mitigated(
-                lambda: generate_ids(decoder, self.pair, ids, c.max_new_tokens, seed=seed,
-                                     compute_perplexity=False, compile=c.compile),
+                lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
+                                      compute_perplexity=False, compile=c.compile),
                 self.meter,
                 MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
                                  min_duration_s=c.measure.mitigation_min_s),
@@ -227,6 +249,24 @@ class Runner:
             energy["energy_flags"] = json.dumps(sorted(set(json.loads(energy["energy_flags"]))
                                                        | {f.code for f in m.flags}))
 
+        total_tokens = sum(g.stats.tokens_emitted for g in gens)
+        rows = []
+        for unit, key, ids, gen in zip(units, keys, prompts, gens, strict=True):
+            share = 1.0 if len(units) == 1 else (
+                gen.stats.tokens_emitted / total_tokens if total_tokens else 1.0 / len(units))
+            rows.append(self._store_row(unit, key, ids, gen, seed, energy, mitigation, share,
+                                        len(units)))
+        return rows
+
+    def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
+                   energy: dict[str, Any], mitigation: dict[str, Any], share: float,
+                   batch_size: int) -> dict[str, Any]:
+        c = self.config
+        if share != 1.0:  # this row's part of a batch's joules
+            energy = {k: (v * share if k.endswith("_j") and v is not None else v)
+                      for k, v in energy.items()}
+            mitigation = {k: (v * share if k.endswith("_j") and v is not None else v)
+                          for k, v in mitigation.items()}
         # outside every window: perplexity and quality scores
         full = torch.tensor(ids + gen.token_ids, device=self.pair.device)
         ppl = perplexity(self.pair.target, full, len(ids))
@@ -239,6 +279,7 @@ class Runner:
             "run_key": key, "sweep": c.sweep, "created_unix_s": time.time(), "env_id": self.env_id,
             "model": self.model_label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
             "decoder": unit.decoder.name, "label": unit.decoder.label, "compile": c.compile,
+            "batch_size": batch_size, "energy_share": share,
             "params_json": params_json(params),
             **{f"param_{k}": (json.dumps(v) if isinstance(v, tuple | list) else v)
                for k, v in params.items()},
@@ -310,16 +351,28 @@ class Runner:
         """Run the units not yet stored; yields (row or None if it was already stored, unit).
         A row another worker stores meanwhile (into the same store) counts as stored."""
         done = self.store.keys("runs")
+        todo: dict[tuple[DecoderSpec, int], list[WorkUnit]] = {}  # batches being filled
+        size = self.config.batch_size
         for unit in units:
             key = self.run_key(unit)
             if key in done or self.store.has("runs", key):
                 yield None, unit
                 continue
-            try:
-                row = self.run_unit(unit)
-            except RowExistsError:  # another worker finished the same row first
-                row = None
-            done.add(key)
+            batch = todo.setdefault((unit.decoder, unit.repeat), [])
+            batch.append(unit)
+            if len(batch) == size:
+                yield from self._run_batch_rows(todo.pop((unit.decoder, unit.repeat)), done)
+        for batch in todo.values():  # the last, partly filled batches
+            yield from self._run_batch_rows(batch, done)
+
+    def _run_batch_rows(self, batch: list[WorkUnit], done: set[str]
+                        ) -> Iterator[tuple[dict[str, Any] | None, WorkUnit]]:
+        try:
+            rows: list[dict[str, Any] | None] = list(self.run_batch(batch))
+        except RowExistsError:  # another worker finished the same row first
+            rows = [None] * len(batch)
+        for unit, row in zip(batch, rows, strict=True):
+            done.add(self.run_key(unit))
             yield row, unit
 
 

@@ -242,13 +242,26 @@ class ModelRunner:
         """The prompt's forward (a `StaticRunner` runs it uncompiled: its length varies)."""
         return self(input_ids, counts)
 
-    def forward_tree(self, input_ids: torch.Tensor, allowed: torch.Tensor,
-                     position_ids: torch.Tensor) -> torch.Tensor:
-        """A forward with a custom mask: ``allowed [k, len(self) + k]`` (bool: new token i sees
-        position j) and ``position_ids [1, k]`` -> logits ``[B, k, V]`` (token trees)."""
+    def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                     depths: torch.Tensor) -> torch.Tensor:
+        """K token-tree nodes in one forward (`tree.tree_forward`): ``input_ids [B, K]``,
+        ``anc_rows [K, M + K]`` (bool: node i sees tree node j; the M earlier nodes are the last
+        M cached positions), ``depths [K]`` (1 for a node on the prefix) -> logits ``[B, K, V]``.
+        Each node sees the whole prefix, its ancestors and itself, at position prefix + depth - 1.
+        """
+        k = input_ids.shape[1]
+        prefix = len(self) - (anc_rows.shape[1] - k)
+        allowed = torch.cat([anc_rows.new_ones(k, prefix), anc_rows], 1)  # [K, prefix + M + K]
         dtype = getattr(self.model, "dtype", torch.float32)  # first floating parameter's dtype
         return self(input_ids, attention_mask=additive_mask(allowed, dtype),
-                    position_ids=position_ids)
+                    position_ids=(prefix - 1 + depths)[None])
+
+    def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
+        """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node
+        indices, root first; ``[B, m]`` per sequence in `batch.RowsRunner`), drop the rest:
+        afterwards the cache equals a sequential run of that path (no recompute)."""
+        prefix = len(self) - n_tree
+        self.keep_positions(prefix, prefix + nodes.reshape(-1))
 
     def __len__(self) -> int:
         return kv.cache_len(self.cache)

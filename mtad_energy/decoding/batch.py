@@ -11,7 +11,13 @@ mask over its valid columns (4-D, passed as-is to transformers), so a row comput
 it would alone.
 
 The host mirrors, per sequence, the columns it holds (`cols`): every count the loop needs (row
-lengths, the columns to cut) is known without reading the device.
+lengths, the columns to cut) is known without reading the device. After a token tree keeps a
+path chosen on the device, the host knows how many columns a sequence kept but not which: it
+records the tree's last column for them (an upper bound, so cutting stays safe).
+
+Token trees (one per sequence, the same shape for all) are appended as K columns valid in
+every row; each node sees its row's prefix columns and its ancestors (`forward_tree`); keeping
+a path marks the path's columns valid and the other tree columns invalid (`keep_tree`).
 
 Beam decoders expand each sequence to W rows (row b*W + w, `repeat_rows`) and reorder rows
 within a sequence (`select_rows`); the beams of a sequence share its columns, so the host
@@ -64,6 +70,39 @@ class RowsRunner(ModelRunner):
         for seq, c in enumerate(counts or [k] * len(self.cols)):
             self.cols[seq].extend(range(t + k - c, t + k))
         return logits
+
+    def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                     depths: torch.Tensor) -> torch.Tensor:
+        """`ModelRunner.forward_tree` for B sequences (input_ids ``[B, K]``): the prefix is each
+        row's valid columns before the tree."""
+        assert self.width == 1, "a token tree while beams are expanded"
+        b, k = input_ids.shape
+        dev = input_ids.device
+        t = len(self)
+        m = anc_rows.shape[1] - k
+        t0 = t - m  # the tree's first column
+        prefix = to_device([len(c) - m for c in self.cols], dev)  # [B]
+        head = (self.valid[:, None, :t0] if self.valid is not None
+                else torch.zeros(b, 1, 0, dtype=torch.bool, device=dev))
+        allowed = torch.cat([head.expand(b, k, t0), anc_rows[None].expand(b, k, m + k)], 2)
+        dtype = getattr(self.model, "dtype", torch.float32)
+        logits = ModelRunner.__call__(self, input_ids, attention_mask=additive_mask(allowed, dtype),
+                                      position_ids=prefix[:, None] - 1 + depths[None])
+        new = torch.ones(b, k, dtype=torch.bool, device=dev)
+        self.valid = new if self.valid is None else torch.cat([self.valid, new], 1)
+        for c in self.cols:
+            c.extend(range(t, t + k))
+        return logits
+
+    def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
+        """Of the last ``n_tree`` columns (one tree per sequence), keep ``nodes [B, m]`` of each
+        sequence (root first) valid and invalidate the rest: no KV moves."""
+        t = len(self)
+        keep = torch.zeros(nodes.shape[0], n_tree, dtype=torch.bool, device=self.valid.device)
+        keep.scatter_(1, nodes.to(keep.device), True)
+        self.valid[:, t - n_tree:] = keep
+        m = nodes.shape[1]
+        self.cols = [c[:len(c) - n_tree] + [t - 1] * m for c in self.cols]  # columns: bound
 
     def crop_rows(self, lengths: list[int]) -> None:
         """Keep the first lengths[b] tokens of row b; cut the columns no row holds."""

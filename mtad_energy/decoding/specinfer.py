@@ -29,7 +29,7 @@ from mtad_energy.decoding.base import (
     target_step,
 )
 from mtad_energy.decoding.sampling import Warp, log_probs, sample
-from mtad_energy.decoding.tree import ancestors, keep_path, level_parents, tree_forward
+from mtad_energy.decoding.tree import ancestors, level_parents, tree_forward
 from mtad_energy.decoding.tree_accept import tree_speculative_accept
 
 MAX_TREE_NODES = 1024
@@ -76,23 +76,27 @@ def draw_children(q: torch.Tensor, b: int, generator: torch.Generator,
 
 def draft_tree(draft: ModelRunner, pending: torch.Tensor, branching: tuple[int, ...],
                anc: torch.Tensor, warp: Warp, generator: torch.Generator,
-               without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grow the tree level by level -> ``(tokens [N], q [1 + N_int, V])``.
+               without_replacement: bool, counts: list[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grow one tree per sequence level by level after feeding ``pending [B, k]`` (row b's last
+    counts[b] tokens real) -> ``(tokens [B, N], q [B, 1 + N_int, V])``.
 
     The draft cache ends as prefix + the internal nodes (in index order). anc: ``[N, N]``.
     """
-    prefix_len = len(draft) + pending.shape[1]
-    qs = [warp.probs(draft(pending)[0, -1:])]  # [1, V] at the root
+    rows = pending.shape[0]
+    qs = [warp.probs(draft(pending, counts)[:, -1:])]  # [B, 1, V] at the root
     tokens: list[torch.Tensor] = []
     fed = 0
     for level, b in enumerate(branching):
-        children = draw_children(qs[-1], b, generator, without_replacement).reshape(-1)
+        q = qs[-1]
+        children = draw_children(q.reshape(-1, q.shape[-1]), b, generator,
+                                 without_replacement).reshape(rows, -1)  # [B, C*b]
         tokens.append(children)
         if level + 1 < len(branching):
-            end = fed + children.shape[0]
-            qs.append(warp.probs(tree_forward(draft, children, anc[:end, :end], prefix_len)))
+            end = fed + children.shape[1]
+            qs.append(warp.probs(tree_forward(draft, children, anc[:end, :end])))
             fed = end
-    return torch.cat(tokens), torch.cat(qs)
+    return torch.cat(tokens, 1), torch.cat(qs, 1)
 
 
 class SpecInfer(Decoder):
@@ -100,6 +104,7 @@ class SpecInfer(Decoder):
     help = "SpecInfer: i.i.d. draft token tree, one tree forward, multi-step speculative sampling"
     Params = SpecInferParams
     needs_draft = True
+    batched = True
     without_replacement = False
 
     @property
@@ -111,17 +116,19 @@ class SpecInfer(Decoder):
         branching = self.params.branching[:self.draft_len(s)]
         if not branching:  # one token left: no point drafting
             return target_step(s, warp)
-        n = s.n
         anc_d, anc_t = tree_structure(branching, s.ids.device)
-        tokens, q = draft_tree(s.draft, s.draft_pending(), branching, anc_d, warp, s.generator,
-                               self.without_replacement)
-        p = warp.probs(tree_forward(s.target, torch.cat([s.last_token[0], tokens]), anc_t, n - 1))
+        pending, counts = s.draft_feed()
+        tokens, q = draft_tree(s.draft, pending, branching, anc_d, warp, s.generator,
+                               self.without_replacement, counts)  # [B, N], [B, 1 + N_int, V]
+        n_nodes = tokens.shape[1]
+        p = warp.probs(tree_forward(s.target, torch.cat([s.last_token, tokens], 1), anc_t))
         u = torch.rand(tokens.shape, generator=s.generator, device=tokens.device)
         depth, path, dist = tree_speculative_accept(p, q, tokens, branching, u,
-                                                    self.without_replacement)
+                                                    self.without_replacement)  # [B], [B, L]
         nxt = sample(dist, s.generator)
-        # gather the chosen node of every level; the loop then crops both caches to the
-        # accepted depth, so depth never has to be read back here
-        keep_path(s.target, n - 1, torch.cat([path.new_zeros(1), 1 + path]))
-        keep_path(s.draft, n, path[:len(branching) - 1])
-        return StepResult.block(tokens[path], depth, nxt, tokens.shape[0])
+        # keep the chosen node of every level; the loop then crops both caches to the accepted
+        # depth, so depth never has to be read back here
+        s.target.keep_tree(1 + n_nodes, torch.cat([path.new_zeros(path.shape[0], 1), 1 + path],
+                                                  1))
+        s.draft.keep_tree(q.shape[1] - 1, path[:, :len(branching) - 1])  # internal nodes fed
+        return StepResult.block(tokens.gather(1, path), depth, nxt, n_nodes)

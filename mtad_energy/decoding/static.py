@@ -311,9 +311,12 @@ class StaticRunner(ModelRunner):
         assert counts is None, "a StaticRunner holds one sequence"
         return self._run(input_ids, None, None, compiled=False)
 
-    def forward_tree(self, input_ids: torch.Tensor, allowed: torch.Tensor,
-                     position_ids: torch.Tensor) -> torch.Tensor:
-        return self._run(input_ids, position_ids, allowed, compiled=True)
+    def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                     depths: torch.Tensor) -> torch.Tensor:
+        k = input_ids.shape[1]
+        prefix = self.n - (anc_rows.shape[1] - k)
+        allowed = torch.cat([anc_rows.new_ones(k, prefix), anc_rows], 1)  # [K, n + K]
+        return self._run(input_ids, (prefix - 1 + depths)[None], allowed, compiled=True)
 
     def __len__(self) -> int:
         return self.n

@@ -78,29 +78,30 @@ def tree_mask(anc_rows: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> to
 
 
 def tree_forward(runner: ModelRunner, tokens: torch.Tensor, anc: torch.Tensor,
-                 prefix_len: int) -> torch.Tensor:
-    """Run the last K nodes of a tree through ``runner`` in one forward -> logits ``[K, V]``.
+                 prefix_len: int | None = None) -> torch.Tensor:
+    """Run the last K nodes of a tree through ``runner`` in one forward -> logits ``[K, V]``
+    (tokens ``[K]``), or ``[B, K, V]`` for B sequences' trees of the same shape (tokens
+    ``[B, K]``, `batch.RowsRunner`).
 
-    tokens: ``[K]`` tokens of the new nodes. anc: ``[M + K, M + K]`` ancestor matrix of the whole
-    tree (``ancestors(parents)``); the cache must hold ``prefix_len + M`` positions: the prefix
-    followed by tree nodes 0..M-1 (M = 0 for a tree fed at once).
+    anc: ``[M + K, M + K]`` ancestor matrix of the whole tree (``ancestors(parents)``); the cache
+    must hold each sequence's prefix followed by tree nodes 0..M-1 (M = 0 for a tree fed at
+    once). ``prefix_len`` (one sequence): checked against the cache.
     """
     check_tree_support(runner.model)
-    k = tokens.shape[0]
+    k = tokens.shape[-1]
     m = anc.shape[0] - k
-    if len(runner) != prefix_len + m:
+    if prefix_len is not None and len(runner) != prefix_len + m:
         raise ValueError(f"cache holds {len(runner)} positions, expected prefix_len + M = "
                          f"{prefix_len} + {m}")
     rows = anc[m:]
-    allowed = torch.cat([rows.new_ones(k, prefix_len), rows], 1)  # [K, prefix_len + M + K]
-    pos = (prefix_len - 1 + depths(rows))[None]  # [1, K]
-    return runner.forward_tree(tokens[None], allowed, pos)[0]
+    logits = runner.forward_tree(tokens.reshape(-1, k), rows, depths(rows))
+    return logits if tokens.dim() == 2 else logits[0]
 
 
 def keep_path(runner: ModelRunner, prefix_len: int, nodes: torch.Tensor) -> None:
     """Keep the prefix and the KV entries of tree nodes ``nodes [m]`` (root first), dropping the
     rest of the tree: afterwards the cache equals a sequential run of that path (no recompute)."""
-    runner.keep_positions(prefix_len, prefix_len + nodes)
+    runner.keep_tree(len(runner) - prefix_len, nodes)
 
 
 def level_parents(branching: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:

@@ -66,11 +66,25 @@ def test_sweep_decodes_each_size_stores_rows_and_resumes(tmp_path, model_dirs):
 
 
 def test_a_decoder_that_does_not_batch_is_refused_before_anything_runs(tmp_path, model_dirs):
-    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "specinfer", "--target",
+    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "spectr", "--target",
                               model_dirs["llama"], "--draft", model_dirs["llama-draft"],
                               "--sizes", "1,2", "--device", "cpu", "--meter", "none",
                               "--output", str(tmp_path / "s"), "--json"])
     assert out.exit_code == 2
     err = json.loads(out.stdout)
-    assert "specinfer do not decode batches yet" in json.dumps(err)
-    assert "ar, beam, mtjd, spd, mtad, typical" in json.dumps(err)
+    assert "spectr do not decode batches yet" in json.dumps(err)
+    assert "ar, beam, mtjd, spd, mtad, specinfer, mcss, typical" in json.dumps(err)
+
+
+def test_profile_batch_size_reaches_the_rows_and_refuses_what_does_not_batch(tmp_path, model_dirs):
+    common = ["--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"],
+              "--device", "cpu", "--meter", "none", "--dataset", "mtbench", "--n-prompts", "2",
+              "--max-new-tokens", "4", "--json"]
+    bad = runner.invoke(app, ["profile", "--decoder", "mmtad", "--batch-size", "2",
+                              "--output", str(tmp_path / "bad"), *common])
+    assert bad.exit_code == 2 and "mmtad do not decode batches yet" in bad.stdout
+    ok = runner.invoke(app, ["profile", "--decoder", "spd", "--batch-size", "2",
+                             "--output", str(tmp_path / "ok"), *common])
+    assert ok.exit_code == 0, ok.output
+    rows = load_results(tmp_path / "ok")
+    assert list(rows.batch_size) == [2, 2] and rows.energy_share.sum() == pytest.approx(1.0)

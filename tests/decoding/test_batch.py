@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding import acceptance
+from mtad_energy.decoding import acceptance, tree_accept
 from mtad_energy.decoding.base import ModelRunner, PhaseTimer
 from mtad_energy.decoding.batch import RowsRunner
 from mtad_energy.decoding.generate import generate_ids, generate_rows
@@ -82,9 +82,9 @@ def test_the_api_and_its_errors(llama_pair):
     gens = me.generate("ar", llama_pair, ["w1 w2", "w3"], max_new_tokens=4, batch_size=2,
                        chat=False)
     assert [g.config["row"] for g in gens] == [0, 1]
-    with pytest.raises(ValueError, match="'specinfer' does not decode batches yet.*"
-                                         "ar, beam, mtjd, spd, mtad, typical"):
-        me.generate("specinfer", llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
+    with pytest.raises(ValueError, match="'mmtad' does not decode batches yet.*"
+                                         "ar, beam, mtjd, spd, mtad, specinfer, mcss, typical"):
+        me.generate("mmtad", llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
     with pytest.raises(ValueError, match="compile does not run batches"):
         generate_rows(get_decoder("ar"), llama_pair, PROMPTS, 4, compile=True)
 
@@ -116,17 +116,23 @@ def test_rows_runner_logits_equal_each_row_alone(llama_pair):
     check(rows(ragged, [2, 1, 2]), [[10, 11], [12], [13, 14]], [2, 1, 2])
 
 
+LOSSLESS = [("spd", {"gamma": 3}, acceptance),
+            ("specinfer", {"branching": (2, 2)}, tree_accept),
+            ("mcss", {"branching": (2, 2)}, tree_accept)]
+
+
 @pytest.mark.parametrize("broken", [False, True], ids=["lossless", "residual-broken"])
-def test_batched_spd_is_lossless_per_row(lossless_pair, broken):
+@pytest.mark.parametrize(("name", "params", "module"), LOSSLESS, ids=[x[0] for x in LOSSLESS])
+def test_batched_lossless_decoders_are_lossless_per_row(lossless_pair, name, params, module,
+                                                        broken):
     """Three rows with prompts of different lengths: each row's 3-token continuations follow
     its own warped p (chi-square, fixed seeds); with the residual replaced by p they do not."""
     prompts = [[1, 0], [3, 1, 0, 2], [0]]
     exact = [exact_joint(lossless_pair, Warp(), p, n_tokens=3) for p in prompts]
-    decoder = get_decoder("spd", gamma=3)
+    decoder = get_decoder(name, **params)
     n = 300 if broken else 600
     counts = [Counter() for _ in prompts]
-    with mock.patch.object(acceptance, "residual", (lambda p, q: p) if broken
-                           else acceptance.residual):
+    with mock.patch.object(module, "residual", (lambda p, q: p) if broken else module.residual):
         for seed in range(n):
             for c, g in zip(counts, generate_rows(decoder, lossless_pair, prompts, 3, seed=seed,
                                                   compute_perplexity=False), strict=True):
@@ -136,3 +142,53 @@ def test_batched_spd_is_lossless_per_row(lossless_pair, broken):
         assert min(pvalues) < 1e-6, pvalues
     else:
         assert min(pvalues) > 1e-3, pvalues
+
+
+@torch.inference_mode()
+def test_rows_runner_beam_rows_follow_each_sequence_alone(llama_pair):
+    """W beam rows per sequence (row b*W + w): expand, reorder within each sequence, keep one
+    beam per sequence; every row's logits are those of its sequence's batch-1 runner doing the
+    same to its own cache."""
+    model, width = llama_pair.target, 2
+    rows = RowsRunner(model, PhaseTimer("cpu"), "target", 2)
+    prompts = PROMPTS[:2]
+    alone = [ModelRunner(model, PhaseTimer("cpu"), "target") for _ in prompts]
+    w = max(map(len, prompts))
+    rows(torch.tensor([[0] * (w - len(p)) + p for p in prompts]), [len(p) for p in prompts])
+    for r, p in zip(alone, prompts, strict=True):
+        r(torch.tensor([p]))
+    rows.repeat_rows(width)
+    for r in alone:
+        r.repeat_rows(width)
+    step = torch.tensor([[3], [4], [5], [6]])  # [B*W, 1]
+    got = rows(step)
+    for b, r in enumerate(alone):
+        torch.testing.assert_close(got[b * width:(b + 1) * width], r(step[b * width:(b + 1) * width]),
+                                   atol=1e-5, rtol=0)
+    parents = [torch.tensor([1, 1]), torch.tensor([1, 0])]  # per sequence
+    rows.select_rows(torch.cat([b * width + p for b, p in enumerate(parents)]))
+    for r, p in zip(alone, parents, strict=True):
+        r.select_rows(p)
+    got = rows(step)
+    for b, r in enumerate(alone):
+        torch.testing.assert_close(got[b * width:(b + 1) * width], r(step[b * width:(b + 1) * width]),
+                                   atol=1e-5, rtol=0)
+    best = [1, 0]
+    rows.select_rows(torch.tensor([b * width + k for b, k in enumerate(best)]))
+    for r, k in zip(alone, best, strict=True):
+        r.select_rows(torch.tensor([k]))
+    got = rows(torch.tensor([[7], [8]]))
+    for b, r in enumerate(alone):
+        torch.testing.assert_close(got[b:b + 1], r(torch.tensor([[7 + b]])), atol=1e-5, rtol=0)
+    assert rows.width == 1 and rows.row_lengths == [len(r) for r in alone]
+
+
+def test_beam_rows_stop_at_eos_independently(llama_pair):
+    decoder = get_decoder("mtjd", temperature=0, k=3, beam_width=2)
+    first = generate_ids(decoder, llama_pair, PROMPTS[0], 16).token_ids
+    tok = mock.Mock(wraps=llama_pair.tokenizer, eos_token_id=first[4])
+    pair = replace(llama_pair, tokenizer=tok)
+    rows = generate_rows(decoder, pair, PROMPTS, 16)
+    assert rows[0].stats.stop_reason == "eos"
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        assert row.token_ids == generate_ids(decoder, pair, prompt, 16).token_ids
