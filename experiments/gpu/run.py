@@ -17,7 +17,7 @@ to run.log there):
               shapes (random weights), projected tokens/s and J/token at the block efficiencies
               measured on the real CPU pair; MMTAD tree vs chain verification time; the
               same eager and with compile=True (static cache, CUDA graphs) for a few decoders
-    batched   decoders that batch (ar, spd, typical, mtad, specinfer) decoding B = 1..16 prompts at
+    batched   ar, spd, typical, mtad, mmtad, specinfer, spectr decoding B = 1..16 prompts at
               once at the same shapes: cost and J per iteration by batch size, projected tokens/s and
               J/token with the CPU pair's block efficiencies, speed-up over ar per batch size
     floor     target forward time at batch 1 (eager and static-cache + torch.compile) against
@@ -98,7 +98,7 @@ class Plan:
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
                    ("llama3.1-8b", "llama3.2-1b"), "inductor",
                    ("ar", "spd", "mtad", "specinfer", "mmtad"),
-                   ("ar", "spd", "typical", "mtad", "specinfer"), 3.0, 16384)
+                   ("ar", "spd", "typical", "mtad", "mmtad", "specinfer", "spectr"), 3.0, 16384)
 
     def mitigation(self):
         from mtad_energy.measure import MitigationConfig

@@ -160,8 +160,9 @@ def typical_accept_length(p: torch.Tensor, draft: torch.Tensor, eps: float,
 
 
 def rollback_length(nll: torch.Tensor, threshold: float) -> torch.Tensor:
-    """BiLD: draft tokens kept before the first rollback, ``nll [m]`` = -log p(x_i) -> 0-d long.
+    """BiLD: draft tokens kept before the first rollback, ``nll [..., m]`` = -log p(x_i) ->
+    ``[...]`` long (0-d for one draft).
 
     A position rolls back when -log p(x) > threshold; everything from there on is discarded.
     """
-    return (nll <= threshold).long().cumprod(0).sum()
+    return (nll <= threshold).long().cumprod(-1).sum(-1)

@@ -72,13 +72,15 @@ class StepResult:
 
     # [m] tokens to append, m >= 1 (or a padded buffer, see `length`); [B, m] for B rows
     tokens: torch.Tensor
-    proposed: int = 0  # draft tokens shown to the target per row (tree nodes, k*gamma: Spectr)
+    # draft tokens shown to the target per row (tree nodes, k*gamma: Spectr); a list: per row
+    proposed: int | list[int] = 0
     accepted: int | torch.Tensor = 0  # of those, accepted (an int, or a 0-d / [B] device tensor)
     length: torch.Tensor | None = None  # 0-d / [B] device tensor: only tokens[..., :length] count
     # 0-d device tensor: the draft cache is valid only up to this many positions (the loop crops
     # it there, after the read-back), for drafts whose kept row diverges from the emitted path
     draft_cache_len: torch.Tensor | None = None
-    depth: int = 0  # draft tokens on one path that could have been accepted (the drafted depth)
+    # draft tokens on one path that could have been accepted (the drafted depth); list: per row
+    depth: int | list[int] = 0
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor, proposed: int,
@@ -249,6 +251,8 @@ class ModelRunner:
         M cached positions), ``depths [K]`` (1 for a node on the prefix) -> logits ``[B, K, V]``.
         Each node sees the whole prefix, its ancestors and itself, at position prefix + depth - 1.
         """
+        if anc_rows.dim() == 3:  # one tree per sequence: here one sequence
+            anc_rows, depths = anc_rows[0], depths[0]
         k = input_ids.shape[1]
         prefix = len(self) - (anc_rows.shape[1] - k)
         allowed = torch.cat([anc_rows.new_ones(k, prefix), anc_rows], 1)  # [K, prefix + M + K]

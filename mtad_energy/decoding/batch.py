@@ -79,15 +79,16 @@ class RowsRunner(ModelRunner):
         b, k = input_ids.shape
         dev = input_ids.device
         t = len(self)
-        m = anc_rows.shape[1] - k
+        m = anc_rows.shape[-1] - k
         t0 = t - m  # the tree's first column
         prefix = to_device([len(c) - m for c in self.cols], dev)  # [B]
         head = (self.valid[:, None, :t0] if self.valid is not None
                 else torch.zeros(b, 1, 0, dtype=torch.bool, device=dev))
-        allowed = torch.cat([head.expand(b, k, t0), anc_rows[None].expand(b, k, m + k)], 2)
+        tree = anc_rows.expand(b, k, m + k)  # one shape for all ([K, M+K]) or one per row
+        allowed = torch.cat([head.expand(b, k, t0), tree], 2)
         dtype = getattr(self.model, "dtype", torch.float32)
         logits = ModelRunner.__call__(self, input_ids, attention_mask=additive_mask(allowed, dtype),
-                                      position_ids=prefix[:, None] - 1 + depths[None])
+                                      position_ids=prefix[:, None] - 1 + depths.expand(b, k))
         new = torch.ones(b, k, dtype=torch.bool, device=dev)
         self.valid = new if self.valid is None else torch.cat([self.valid, new], 1)
         for c in self.cols:

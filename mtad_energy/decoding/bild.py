@@ -20,6 +20,7 @@ to BiLD) and one for the rollback position.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,9 @@ from mtad_energy.decoding.base import (
     StepResult,
     param,
     require,
+    to_device,
 )
-from mtad_energy.decoding.sampling import Warp, sample, take
+from mtad_energy.decoding.sampling import Warp, sample
 
 
 @dataclass(frozen=True)
@@ -53,23 +55,33 @@ class BildParams(DecoderParams):
 
 
 def draft_until_unsure(draft: ModelRunner, pending: torch.Tensor, cap: int, fallback: float,
-                       warp: Warp, generator: torch.Generator) -> torch.Tensor:
-    """BiLD's fallback policy: sample from ~q while max ~q >= fallback, at most cap tokens.
+                       warp: Warp, generator: torch.Generator,
+                       counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """BiLD's fallback policy per sequence: sample from ~q while max ~q >= fallback, at most cap
+    tokens, after feeding ``pending [B, k]`` (row b's last counts[b] tokens real).
 
-    Returns the draft tokens ``[m]``, 0 <= m <= cap (m = 0: the target takes over at once).
+    Returns ``(tokens [B, M], lengths)``: row b's draft is ``tokens[b, :lengths[b]]``,
+    0 <= lengths[b] <= cap (0: the target takes over at once); M = max(lengths). Rows keep
+    drafting (their extra tokens ignored) while another row is still sure.
     """
-    tokens = []
-    ids = pending
-    for _ in range(cap):
-        q = warp.probs(draft(ids)[0, -1])  # [V]
-        if float(q.max()) < fallback:  # the draft is unsure here: the target decides
+    rows = pending.shape[0]
+    tokens: list[torch.Tensor] = []
+    lengths = [0] * rows
+    sure = [True] * rows
+    q = warp.probs(draft(pending, counts)[:, -1])  # [B, V]
+    for i in range(cap):
+        if i:
+            q = warp.probs(draft(tokens[-1][:, None])[:, -1])
+        # the fallback decision is data-dependent control flow: one read-back per draft token
+        confident = (q.amax(-1) >= fallback).tolist()
+        sure = [a and c for a, c in zip(sure, confident, strict=True)]
+        if not any(sure):  # every draft is unsure here: the target decides
             break
-        tok = sample(q, generator)
-        tokens.append(tok)
-        ids = tok.view(1, 1)
+        tokens.append(sample(q, generator))
+        lengths = [n + s for n, s in zip(lengths, sure, strict=True)]
     if not tokens:
-        return pending.new_empty(0)
-    return torch.stack(tokens)
+        return pending.new_empty(rows, 0), lengths
+    return torch.stack(tokens, 1), lengths
 
 
 def rollback_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -82,6 +94,7 @@ class Bild(Decoder):
     help = "BiLD: draft while max ~q >= fallback, roll back where -log p(x) > rollback (lossy)"
     Params = BildParams
     needs_draft = True
+    batched = True
 
     @property
     def lookahead(self) -> int:
@@ -91,13 +104,21 @@ class Bild(Decoder):
         prm = self.params
         warp = prm.warp
         cap = self.draft_len(s)
-        draft = draft_until_unsure(s.draft, s.draft_pending(), cap, prm.fallback, warp,
-                                   s.generator)  # [m]
-        m = draft.shape[0]
-        logits = s.target(torch.cat([s.last_token[0], draft])[None])[0]  # [m+1, V]
-        log_p = rollback_log_probs(logits[:m], prm.temperature)  # [m, V]
-        nll = -log_p.gather(-1, draft[:, None])[:, 0]  # [m]
-        n = rollback_length(nll, prm.rollback)  # 0-d, stays on the device
+        pending, counts = s.draft_feed()
+        draft, lengths = draft_until_unsure(s.draft, pending, cap, prm.fallback, warp,
+                                            s.generator, counts)  # [B, M]
+        m = draft.shape[1]
+        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, M+1, V]
+        log_p = rollback_log_probs(logits[:, :m], prm.temperature)  # [B, M, V]
+        nll = -log_p.gather(-1, draft[..., None])[..., 0]  # [B, M]
+        if len(set(lengths)) > 1:  # a row's tokens past its own draft roll back by definition
+            past = torch.arange(m, device=nll.device)[None] >= to_device(lengths, nll.device)[:, None]
+            nll = nll.masked_fill(past, float("inf"))
+        n = rollback_length(nll, prm.rollback)  # [B], stays on the device
         # rollback: replace x_{n+1} by a sample from ~p there; none: bonus token from ~p after x_m
-        nxt = sample(warp.probs(take(logits, n)), s.generator)
-        return StepResult.block(draft, n, nxt, m)
+        at = n[:, None, None].expand(-1, 1, logits.shape[-1])
+        nxt = sample(warp.probs(logits.gather(1, at).squeeze(1)), s.generator)
+        result = StepResult.block(draft, n, nxt, m)
+        if len(set(lengths)) > 1:  # per-row proposals and depths
+            result = dataclasses.replace(result, proposed=lengths, depth=lengths)
+        return result

@@ -178,6 +178,10 @@ def _read_back(result: StepResult, rows: int) -> list[tuple[list[int], int, floa
     return out
 
 
+def _of_row(value: int | list[int], b: int) -> int:
+    return value[b] if isinstance(value, list) else value
+
+
 PhaseHook = Callable[[str], None]
 """Called with "prefill", "decode" and "end" at the phase boundaries, after the device is synced,
 so a caller can open and close measurement windows without this module knowing about meters."""
@@ -307,9 +311,9 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             new_tokens[b].extend(token_list)
             # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted
             counts_per_row[b].append({
-                "emitted": len(token_list), "proposed": result.proposed,
+                "emitted": len(token_list), "proposed": _of_row(result.proposed, b),
                 "accepted": min(accepted, len(token_list)), "draft_forwards": fw[1],
-                "target_forwards": fw[0], "draft_depth": result.depth})
+                "target_forwards": fw[0], "draft_depth": _of_row(result.depth, b)})
             if stop[b] == "eos" or state.row_remaining(b) == 0:
                 state.active[b] = False
                 last_iter[b] = it

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from mtad_energy.decoding.base import Decoder, DecodeState, StepResult, target_step
-from mtad_energy.decoding.beams import beam_sample
+from mtad_energy.decoding.beams import beam_sample_rows
 from mtad_energy.decoding.mtad import MtadParams
 from mtad_energy.decoding.sampling import sample, take
-from mtad_energy.decoding.tree import ancestors, keep_path, tree_forward
+from mtad_energy.decoding.tree import ancestors, tree_forward
 
 
 def lineage(parents: torch.Tensor) -> torch.Tensor:
@@ -67,6 +67,7 @@ class Mmtad(Decoder):
     help = "MMTAD: verify the whole draft beam tree in one tree-attention forward, keep the best"
     Params = MtadParams
     needs_draft = True
+    batched = True
 
     @property
     def lookahead(self) -> int:
@@ -79,31 +80,41 @@ class Mmtad(Decoder):
         gamma = self.draft_len(s)
         if gamma == 0:
             return target_step(s, warp)
-        n = s.n
-        beams = beam_sample(s.draft, s.draft_pending(), gamma, width, warp, s.generator)
+        pending, counts = s.draft_feed()
+        beams = beam_sample_rows(s.draft, pending, gamma, width, warp, s.generator,
+                                 counts=counts)  # fields [B, ...]
+        rows = beams.tokens.shape[0]
         dev = beams.tokens.device
-        # flat target tree: root = last token (0), node (d, b) -> 1 + d*W + b
-        flat_par = torch.cat([beams.parents.new_full((1,), -1), beams.parents.new_zeros(width),
-                              1 + (torch.arange(gamma - 1, device=dev)[:, None] * width
-                                   + beams.parents[1:]).reshape(-1)])
-        anc = ancestors(flat_par)
-        tokens = torch.cat([s.last_token[0], beams.tokens.reshape(-1)])  # [1 + D*W]
-        p = warp.probs(tree_forward(s.target, tokens, anc, n - 1))  # [1 + D*W, V]
-        log_p_tok = p[flat_par[1:], tokens[1:]].log().view(gamma, width)
-        eta, b, path = mmtad_select(log_p_tok, beams.log_q, beams.parents, beams.best,
-                                    prm.log_tau)
+        # flat target tree per sequence: root = last token (0), node (d, b) -> 1 + d*W + b
+        flat_par = torch.cat([beams.parents.new_full((rows, 1), -1),
+                              beams.parents.new_zeros(rows, width),
+                              1 + (torch.arange(gamma - 1, device=dev)[None, :, None] * width
+                                   + beams.parents[:, 1:]).reshape(rows, -1)], 1)  # [B, N]
+        anc = torch.stack([ancestors(par) for par in flat_par])  # [B, N, N]
+        tokens = torch.cat([s.last_token, beams.tokens.reshape(rows, -1)], 1)  # [B, 1 + D*W]
+        p = warp.probs(tree_forward(s.target, tokens, anc))  # [B, 1 + D*W, V]
+        # p at each node's parent, of the node's token: the node's conditional log ~p
+        at_parent = p.gather(1, flat_par[:, 1:, None].expand(-1, -1, p.shape[-1]))
+        log_p_tok = at_parent.gather(2, tokens[:, 1:, None]).squeeze(2).log()
+        chosen = [mmtad_select(lp.view(gamma, width), lq, par, best, prm.log_tau)
+                  for lp, lq, par, best in zip(log_p_tok, beams.log_q, beams.parents,
+                                               beams.best, strict=True)]  # B tiny selections
+        eta, b, path = (torch.stack(x) for x in zip(*chosen, strict=True))  # [B], [B], [B, D]
         d_idx = torch.arange(gamma, device=dev)
-        path_tok = beams.tokens[d_idx, path]  # [D]; the first eta are the accepted tokens
-        node = torch.where(eta > 0, 1 + (eta - 1) * width + b, 0)
-        nxt = sample(take(p, node), s.generator)
+        path_tok = beams.tokens.gather(2, path[:, :, None]).squeeze(2)  # [B, D]: first eta kept
+        node = torch.where(eta > 0, 1 + (eta - 1) * width + b, 0)  # [B]
+        nxt = sample(p.gather(1, node[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1),
+                     s.generator)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
-        valid = d_idx < eta
-        lcp = ((beams.seqs == path_tok[None]) & valid[None]).long().cumprod(1).sum(1)  # [W]
-        row = lcp.argmax()
+        valid = d_idx[None] < eta[:, None]  # [B, D]
+        lcp = ((beams.seqs == path_tok[:, None]) & valid[:, None]).long().cumprod(2).sum(2)
+        row = lcp.argmax(1)  # [B]
         beams.keep(s.draft, row)
-        # target: gather the path's node at every depth; the loop crops to the accepted eta
-        path_nodes = 1 + d_idx * width + path
-        keep_path(s.target, n - 1, torch.cat([path_nodes.new_zeros(1), path_nodes]))
+        # target: keep the path's node at every depth; the loop crops to the accepted eta
+        path_nodes = 1 + d_idx[None] * width + path  # [B, D]
+        s.target.keep_tree(1 + gamma * width,
+                           torch.cat([path_nodes.new_zeros(rows, 1), path_nodes], 1))
+        lcp_row = lcp.gather(1, row[:, None]).squeeze(1)
         return StepResult.block(path_tok, eta, nxt, gamma * width,
-                                draft_cache_len=n + take(lcp, row))
+                                draft_cache_len=s.lengths_on_device() + lcp_row)

@@ -43,21 +43,26 @@ class SpectrParams(DecoderParams):
 
 
 def draft_sequences(draft: ModelRunner, pending: torch.Tensor, k: int, gamma: int, warp: Warp,
-                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """k i.i.d. sequences of gamma tokens from ~q: ``(drafts [k, gamma], q [k, gamma, V])``.
+                    generator: torch.Generator, counts: list[int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k i.i.d. sequences of gamma tokens from ~q per sequence, after feeding ``pending [B, m]``
+    (row b's last counts[b] tokens real): ``(drafts [B, k, gamma], q [B, k, gamma, V])``.
 
-    Leaves the draft cache at k rows when gamma > 1 (row i holds draft i's first gamma-1 tokens).
+    Leaves the draft cache at k rows per sequence when gamma > 1 (row b*k + i holds draft i's
+    first gamma-1 tokens).
     """
-    q = warp.probs(draft(pending)[0, -1]).expand(k, -1)  # [k, V] shared first position
-    tok = sample(q, generator)  # [k]
+    first = warp.probs(draft(pending, counts)[:, -1])  # [B, V], shared by the k drafts
+    rows = first.shape[0]
+    q = first[:, None].expand(rows, k, -1)  # [B, k, V]
+    tok = sample(q, generator)  # [B, k]
     tokens, qs = [tok], [q]
     if gamma > 1:
         draft.repeat_rows(k)
     for _ in range(1, gamma):
-        q = warp.probs(draft(tok[:, None])[:, -1])  # [k, V]
+        q = warp.probs(draft(tok.reshape(rows * k, 1))[:, -1]).view(rows, k, -1)  # [B, k, V]
         tok = sample(q, generator)
         tokens.append(tok), qs.append(q)
-    return torch.stack(tokens, 1), torch.stack(qs, 1)
+    return torch.stack(tokens, 2), torch.stack(qs, 2)
 
 
 class Spectr(Decoder):
@@ -65,6 +70,7 @@ class Spectr(Decoder):
     help = "SpecTr: k i.i.d. drafts verified as k rows, k-sequential selection (lossless)"
     Params = SpectrParams
     needs_draft = True
+    batched = True
 
     @property
     def lookahead(self) -> int:
@@ -75,19 +81,26 @@ class Spectr(Decoder):
         gamma = self.draft_len(s)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
-        drafts, q = draft_sequences(s.draft, s.draft_pending(), k, gamma, warp, s.generator)
+        pending, counts = s.draft_feed()
+        drafts, q = draft_sequences(s.draft, pending, k, gamma, warp, s.generator, counts)
+        rows = drafts.shape[0]
         if k > 1:
             s.target.repeat_rows(k)
-        ids = torch.cat([s.last_token.expand(k, 1), drafts], 1)  # [k, gamma+1]
-        p = warp.probs(s.target(ids))  # [k, gamma+1, V]
+        ids = torch.cat([s.last_token.repeat_interleave(k, 0), drafts.reshape(rows * k, gamma)],
+                        1)  # [B*k, gamma+1]
+        p = warp.probs(s.target(ids)).view(rows, k, gamma + 1, -1)  # [B, k, gamma+1, V]
         # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
         support = 2 * self.params.top_k
-        n, nxt, row = spectr_accept(p, q, drafts, s.generator, support)
-        # back to batch 1 on the row consistent with the emitted prefix (the loop then crops)
+        n, nxt, row = (torch.stack(x) for x in zip(*[
+            spectr_accept(p_b, q_b, d_b, s.generator, support)
+            for p_b, q_b, d_b in zip(p, q, drafts, strict=True)], strict=True))  # [B] each
+        # back to one row per sequence, the one consistent with the emitted prefix (the loop
+        # then crops)
         if k > 1:
-            s.target.select_rows(row[None])
+            keep = torch.arange(rows, device=row.device) * k + row
+            s.target.select_rows(keep)
             if gamma > 1:
-                s.draft.select_rows(row[None])
-        kept = drafts.index_select(0, row[None])[0]  # [gamma]; the first n are accepted
+                s.draft.select_rows(keep)
+        kept = drafts.gather(1, row[:, None, None].expand(-1, 1, gamma)).squeeze(1)  # [B, gamma]
         # proposed = every draft token shown to the target (k * gamma), as for tree decoders
         return StepResult.block(kept, n, nxt, k * gamma)

@@ -313,6 +313,8 @@ class StaticRunner(ModelRunner):
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                      depths: torch.Tensor) -> torch.Tensor:
+        if anc_rows.dim() == 3:  # one tree per sequence: here one sequence
+            anc_rows, depths = anc_rows[0], depths[0]
         k = input_ids.shape[1]
         prefix = self.n - (anc_rows.shape[1] - k)
         allowed = torch.cat([anc_rows.new_ones(k, prefix), anc_rows], 1)  # [K, n + K]

@@ -63,8 +63,8 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
 
 
 def depths(anc: torch.Tensor) -> torch.Tensor:
-    """``[N]`` long: 1 for a node on the prefix, parent's depth + 1 otherwise."""
-    return anc.sum(1)
+    """``[(B,) N]`` long: 1 for a node on the prefix, parent's depth + 1 otherwise."""
+    return anc.sum(-1)
 
 
 def tree_mask(anc_rows: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -89,11 +89,11 @@ def tree_forward(runner: ModelRunner, tokens: torch.Tensor, anc: torch.Tensor,
     """
     check_tree_support(runner.model)
     k = tokens.shape[-1]
-    m = anc.shape[0] - k
+    m = anc.shape[-1] - k
     if prefix_len is not None and len(runner) != prefix_len + m:
         raise ValueError(f"cache holds {len(runner)} positions, expected prefix_len + M = "
                          f"{prefix_len} + {m}")
-    rows = anc[m:]
+    rows = anc[..., m:, :]  # [(B,) K, M + K]: one tree shape for all, or one per sequence
     logits = runner.forward_tree(tokens.reshape(-1, k), rows, depths(rows))
     return logits if tokens.dim() == 2 else logits[0]
 

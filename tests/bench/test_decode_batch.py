@@ -65,24 +65,32 @@ def test_sweep_decodes_each_size_stores_rows_and_resumes(tmp_path, model_dirs):
     assert (tmp_path / "sweep-report" / "figures" / "batch_crossover.png").is_file()
 
 
-def test_a_decoder_that_does_not_batch_is_refused_before_anything_runs(tmp_path, model_dirs):
-    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "spectr", "--target",
+def test_a_decoder_that_does_not_batch_is_refused_before_anything_runs(tmp_path, model_dirs,
+                                                                        monkeypatch):
+    from mtad_energy.decoding.bild import Bild
+
+    monkeypatch.setattr(Bild, "batched", False)  # every registry decoder batches today
+    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "bild", "--target",
                               model_dirs["llama"], "--draft", model_dirs["llama-draft"],
                               "--sizes", "1,2", "--device", "cpu", "--meter", "none",
                               "--output", str(tmp_path / "s"), "--json"])
     assert out.exit_code == 2
     err = json.loads(out.stdout)
-    assert "spectr do not decode batches yet" in json.dumps(err)
-    assert "ar, beam, mtjd, spd, mtad, specinfer, mcss, typical" in json.dumps(err)
+    assert "bild do not decode batches yet" in json.dumps(err)
+    assert not (tmp_path / "s").exists() or not list((tmp_path / "s").rglob("*.parquet"))
 
 
-def test_profile_batch_size_reaches_the_rows_and_refuses_what_does_not_batch(tmp_path, model_dirs):
+def test_profile_batch_size_reaches_the_rows_and_refuses_what_does_not_batch(tmp_path, model_dirs,
+                                                                           monkeypatch):
+    from mtad_energy.decoding.bild import Bild
+
+    monkeypatch.setattr(Bild, "batched", False)
     common = ["--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"],
               "--device", "cpu", "--meter", "none", "--dataset", "mtbench", "--n-prompts", "2",
               "--max-new-tokens", "4", "--json"]
-    bad = runner.invoke(app, ["profile", "--decoder", "mmtad", "--batch-size", "2",
+    bad = runner.invoke(app, ["profile", "--decoder", "bild", "--batch-size", "2",
                               "--output", str(tmp_path / "bad"), *common])
-    assert bad.exit_code == 2 and "mmtad do not decode batches yet" in bad.stdout
+    assert bad.exit_code == 2 and "bild do not decode batches yet" in bad.stdout
     ok = runner.invoke(app, ["profile", "--decoder", "spd", "--batch-size", "2",
                              "--output", str(tmp_path / "ok"), *common])
     assert ok.exit_code == 0, ok.output

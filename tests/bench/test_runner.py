@@ -221,6 +221,9 @@ def test_batched_profile_rows_match_batch_1_and_split_the_batch_energy(tmp_path,
     assert not set(b2.index.map(lambda p: b2.loc[p, "run_key"])) & set(b1.run_key)
 
 
-def test_batch_size_with_a_decoder_that_does_not_batch_is_refused():
-    with pytest.raises(ValueError, match="spectr do not decode batches yet"):
-        config(decoders=(DecoderSpec("spectr"),), batch_size=2)
+def test_batch_size_with_a_decoder_that_does_not_batch_is_refused(monkeypatch):
+    from mtad_energy.decoding.bild import Bild
+
+    monkeypatch.setattr(Bild, "batched", False)  # every registry decoder batches today
+    with pytest.raises(ValueError, match="bild do not decode batches yet"):
+        config(decoders=(DecoderSpec("bild"),), batch_size=2)

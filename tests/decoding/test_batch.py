@@ -82,9 +82,13 @@ def test_the_api_and_its_errors(llama_pair):
     gens = me.generate("ar", llama_pair, ["w1 w2", "w3"], max_new_tokens=4, batch_size=2,
                        chat=False)
     assert [g.config["row"] for g in gens] == [0, 1]
-    with pytest.raises(ValueError, match="'mmtad' does not decode batches yet.*"
-                                         "ar, beam, mtjd, spd, mtad, specinfer, mcss, typical"):
-        me.generate("mmtad", llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
+    assert BATCHED == sorted(DECODERS)  # every decoder decodes batches
+
+    class OneAtATime(type(get_decoder("ar"))):  # a decoder written for one sequence
+        name, batched = "one-at-a-time", False
+
+    with pytest.raises(ValueError, match="'one-at-a-time' does not decode batches yet.*ar, "):
+        me.generate(OneAtATime(), llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
     with pytest.raises(ValueError, match="compile does not run batches"):
         generate_rows(get_decoder("ar"), llama_pair, PROMPTS, 4, compile=True)
 
@@ -118,7 +122,8 @@ def test_rows_runner_logits_equal_each_row_alone(llama_pair):
 
 LOSSLESS = [("spd", {"gamma": 3}, acceptance),
             ("specinfer", {"branching": (2, 2)}, tree_accept),
-            ("mcss", {"branching": (2, 2)}, tree_accept)]
+            ("mcss", {"branching": (2, 2)}, tree_accept),
+            ("spectr", {"num_drafts": 3, "gamma": 2}, acceptance)]
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["lossless", "residual-broken"])
@@ -192,3 +197,26 @@ def test_beam_rows_stop_at_eos_independently(llama_pair):
     assert rows[0].stats.stop_reason == "eos"
     for prompt, row in zip(PROMPTS, rows, strict=True):
         assert row.token_ids == generate_ids(decoder, pair, prompt, 16).token_ids
+
+
+@torch.inference_mode()
+def test_batched_bild_rows_draft_different_lengths_and_keep_the_rollback_rule(lossless_pair):
+    """BiLD's drafts stop where each row's draft turns unsure, so rows draft different lengths in
+    one iteration; every draft token a row keeps passes the rollback test under its own prefix
+    (a row never keeps tokens drafted past its own stop), and its steps add up."""
+    prompts = [[1, 0], [3, 1, 0, 2], [0]]
+    decoder = get_decoder("bild", fallback=0.4, max_draft=4, rollback=1.5)
+    rows = generate_rows(decoder, lossless_pair, prompts, 12, seed=1, compute_perplexity=False)
+    depths = list(zip(*[[st.draft_depth for st in r.steps] for r in rows], strict=False))
+    assert any(len(set(d)) > 1 for d in depths)  # ragged iterations happened
+    for prompt, row in zip(prompts, rows, strict=True):
+        ids = prompt + row.token_ids
+        logits = lossless_pair.target(input_ids=torch.tensor([ids])).logits[0].float()
+        nll = -torch.log_softmax(logits, -1)
+        at = len(prompt)
+        for st in row.steps:
+            assert st.accepted <= st.draft_depth and st.emitted == st.accepted + 1
+            for j in range(st.accepted):  # kept draft tokens pass the rollback test
+                assert nll[at + j - 1, ids[at + j]] <= 1.5 + 1e-4
+            at += st.emitted
+        assert len(row.token_ids) == 12
