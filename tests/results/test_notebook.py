@@ -22,7 +22,8 @@ KernelSpecManager = pytest.importorskip("jupyter_client.kernelspec").KernelSpecM
 AsyncKernelManager = pytest.importorskip("jupyter_client.manager").AsyncKernelManager
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "jpt_vs_speedup.ipynb"
-FIGURE_TAGS = {"figure:jpt_vs_speedup", "figure:ppl_vs_block_efficiency", "figure:batch_energy"}
+FIGURE_TAGS = {"figure:jpt_vs_speedup", "figure:ppl_vs_block_efficiency", "figure:batch_energy",
+               "figure:batch_crossover"}
 
 
 async def _execute(store: Path) -> nbformat.NotebookNode:
@@ -82,3 +83,4 @@ def test_notebook_explains_missing_energy(executed):
     text = _text(nb)
     assert "No energy readings in these runs" in text and "no GPU energy counter" in text
     assert "No energy in the batch sweep" in text
+    assert "No energy in the decoding sweep" in text
