@@ -338,14 +338,18 @@ def plot_batch_crossover(table: pd.DataFrame, title: str = "") -> Figure:
                     title="Energy saving over ar")
     else:
         reason = "no energy measured here (the meter reads none on this machine)"
-        axes[1].text(0.5, 0.5, reason, ha="center", va="center", wrap=True,
+        axes[1].text(0.5, 0.1, reason, ha="center", va="center", wrap=True,
                      transform=axes[1].transAxes)
         axes[1].set_axis_off()
     sizes = sorted(set(table.batch_size))
     for ax in axes[:1 + has_energy]:
         ax.set_xticks(sizes, labels=[str(s) for s in sizes])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.legend(fontsize=8)
+        if has_energy:
+            ax.legend(fontsize=8)
+    if not has_energy:  # the legend goes to the free right panel, off the lines
+        axes[1].legend(*axes[0].get_legend_handles_labels(), loc="upper center", fontsize=9,
+                       ncols=2, title="decoder")
     if has_energy:
         axes[1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     if title:
