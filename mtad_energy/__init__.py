@@ -4,6 +4,7 @@ Public API (imported lazily so ``import mtad_energy.measure`` stays light)::
 
     pair = mtad_energy.load_pair("smollm2")           # or target=..., draft=...
     gen = mtad_energy.generate("mtad", pair, "Write a haiku", max_new_tokens=64, tau=0.5)
+    gens = mtad_energy.generate("spd", pair, ["one", "two"], batch_size=2)  # 2 rows per forward
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _EXPORTS = {
     "ModelPair": "mtad_energy.models",
     "ALIASES": "mtad_energy.models",
     "generate": "mtad_energy.decoding",
+    "generate_rows": "mtad_energy.decoding",
     "get_decoder": "mtad_energy.decoding",
     "DECODERS": "mtad_energy.decoding",
     "Generation": "mtad_energy.decoding",
