@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 from mtad_energy.bench.prompts import load_prompts
-from mtad_energy.bench.runner import Runner, WorkUnit, _PhaseWindows
+from mtad_energy.bench.runner import PhaseWindows, Runner, WorkUnit
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 from mtad_energy.decoding.generate import encode_prompt, generate_ids
 from mtad_energy.measure import NoneMeter
@@ -68,7 +68,7 @@ def main() -> None:
                                            compute_perplexity=False)
                         decode_s, tokens = gen.stats.decode_time_s, gen.stats.tokens_emitted
                     elif variant == "hooked":
-                        windows = _PhaseWindows(meter, f"bench{rep}-{i}")
+                        windows = PhaseWindows(meter, f"bench{rep}-{i}")
                         try:
                             gen = generate_ids(decoder, pair, ids, args.max_new_tokens, seed=seed,
                                                compute_perplexity=False, on_phase=windows)

@@ -132,17 +132,12 @@ class RunConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.batch_size > 1:
-            from mtad_energy.decoding.registry import DECODERS
+            from mtad_energy.decoding.registry import DECODERS, check_batched
 
             if self.compile:
                 raise ValueError("--compile runs batch size 1 only for now; drop --compile or "
                                  "use --batch-size 1")
-            slow = [d.name for d in self.decoders if d.name in DECODERS
-                    and not DECODERS[d.name].batched]
-            if slow:
-                ok = ", ".join(n for n, c in DECODERS.items() if c.batched)
-                raise ValueError(f"decoder(s) {', '.join(slow)} do not decode batches yet; with "
-                                 f"--batch-size > 1 use {ok}")
+            check_batched(DECODERS[d.name] for d in self.decoders if d.name in DECODERS)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

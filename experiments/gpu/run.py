@@ -43,6 +43,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -451,6 +452,19 @@ def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.Dat
     return agg
 
 
+def _measured(meter, key: str, run: Callable[..., Any]) -> tuple[Any, Any]:
+    """``run(on_phase=...)`` inside the runner's phase windows on ``meter``: (its result, the
+    decode window's Measurement); the windows close even if it raises."""
+    from mtad_energy.bench.runner import PhaseWindows
+
+    windows = PhaseWindows(meter, key)
+    try:
+        out = run(on_phase=windows)
+    finally:
+        windows.close()
+    return out, windows.measurements["decode"]
+
+
 def stage_decoders(kit: Kit) -> None:
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_ids
@@ -484,17 +498,10 @@ def stage_decoders(kit: Kit) -> None:
                          compile=compile)
             warm_s = time.perf_counter() - t_warm
             for rep in range(plan.decode_repeats):
-                windows: dict[str, Any] = {}
-
-                def hook(phase: str, windows=windows, key=f"{name}-{mode}-{rep}") -> None:
-                    if phase == "decode":
-                        meter.begin_window(key)
-                    elif phase == "end":
-                        windows["m"] = meter.end_window(key)
-
-                g = generate_ids(dec, pair, prompt, plan.decode_tokens, seed=rep,
-                                 compute_perplexity=False, on_phase=hook, compile=compile)
-                s, m = g.stats, windows["m"]
+                g, m = _measured(meter, f"{name}-{mode}-{rep}", partial(
+                    generate_ids, dec, pair, prompt, plan.decode_tokens, seed=rep,
+                    compute_perplexity=False, compile=compile))
+                s = g.stats
                 it = max(s.iterations, 1)
                 rows.append({
                     "decoder": name, "mode": mode, "warmup_s": warm_s, "repeat": rep,
@@ -553,17 +560,9 @@ def stage_batched(kit: Kit) -> None:
                 generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
                               compute_perplexity=False)
                 for rep in range(plan.decode_repeats):
-                    windows: dict[str, Any] = {}
-
-                    def hook(phase: str, windows=windows, key=f"{name}-b{b}-{rep}") -> None:
-                        if phase == "decode":
-                            meter.begin_window(key)
-                        elif phase == "end":
-                            windows["m"] = meter.end_window(key)
-
-                    gens = generate_rows(dec, pair, batch, plan.decode_tokens, seed=rep,
-                                         compute_perplexity=False, on_phase=hook)
-                    m = windows["m"]
+                    gens, m = _measured(meter, f"{name}-b{b}-{rep}", partial(
+                        generate_rows, dec, pair, batch, plan.decode_tokens, seed=rep,
+                        compute_perplexity=False))
                     it = max(max(g.stats.iterations for g in gens), 1)
                     decode_s = max(g.stats.decode_time_s for g in gens)
                     target_fw = max(g.stats.target_forwards for g in gens)

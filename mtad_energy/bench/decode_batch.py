@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mtad_energy.bench.runner import PhaseWindows
 from mtad_energy.config import DecoderSpec
 from mtad_energy.decoding.generate import generate_rows
+from mtad_energy.decoding.registry import check_batched
 from mtad_energy.measure import EnergyMeter
 from mtad_energy.models import ModelPair
 from mtad_energy.results.schema import params_json, stable_key
@@ -48,13 +50,8 @@ def decode_batch_sweep(
     if not prompts:
         raise ValueError("give at least one prompt")
     built = {spec: spec.build() for spec in decoders}  # validates every parameter up front
-    unbatched = [s.name for s, d in built.items() if not d.batched and max(sizes) > 1]
-    if unbatched:
-        from mtad_energy.decoding.registry import DECODERS
-
-        ok = ", ".join(n for n, c in DECODERS.items() if c.batched)
-        raise ValueError(f"decoder(s) {', '.join(unbatched)} do not decode batches yet; decoders "
-                         f"that do: {ok}")
+    if max(sizes) > 1:
+        check_batched(built.values())
     desc = pair.describe()
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
     out = []
@@ -91,23 +88,12 @@ def decode_batch_sweep(
 
 def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int, seed: int,
              meter: EnergyMeter, key: str) -> dict[str, Any]:
-    window: dict[str, Any] = {}
-
-    def hook(phase: str) -> None:
-        if phase == "decode":
-            meter.begin_window(key)
-        elif phase == "end":
-            window["m"] = meter.end_window(key)
-
+    windows = PhaseWindows(meter, key)
     try:
-        gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed, on_phase=hook)
+        gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed, on_phase=windows)
     finally:
-        if "m" not in window:  # an error inside the window: close it
-            try:
-                meter.end_window(key)
-            except Exception:  # noqa: BLE001 - the original error matters, not this one
-                pass
-    m = window["m"]
+        windows.close()
+    m = windows.measurements["decode"]
     tokens = sum(g.stats.tokens_emitted for g in gens)
     decode_s = max(g.stats.decode_time_s for g in gens)
     target_fw = max(g.stats.target_forwards for g in gens)

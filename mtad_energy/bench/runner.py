@@ -88,7 +88,7 @@ def load_config_prompts(config: RunConfig) -> list[Prompt]:
     return prompts
 
 
-class _PhaseWindows:
+class PhaseWindows:
     """Opens a "prefill" and a "decode" window at the generate loop's phase hooks; closes whatever
     is still open in `close()` (called from a finally), so an exception never leaks a window."""
 
@@ -220,7 +220,7 @@ class Runner:
             self.warm_up(spec, [u.prompt for u in units])
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
-        windows = _PhaseWindows(self.meter, batch_key)
+        windows = PhaseWindows(self.meter, batch_key)
         try:
             gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
                                  compute_perplexity=False, on_phase=windows, compile=c.compile)

@@ -219,6 +219,19 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None] if allowed.dim() == 2 else mask[:, None]
 
 
+def tree_inputs(anc_rows: torch.Tensor, depths: torch.Tensor, cached: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tree forward (`ModelRunner.forward_tree`) over a cache of ``cached``
+    positions, the last M of them earlier tree nodes: ``(allowed [K, cached + K], position_ids
+    [1, K])``. ``anc_rows [(1,) K, M + K]``, ``depths [(1,) K]``."""
+    if anc_rows.dim() == 3:  # one tree per sequence: here one sequence
+        anc_rows, depths = anc_rows[0], depths[0]
+    k = anc_rows.shape[0]
+    prefix = cached - (anc_rows.shape[1] - k)
+    allowed = torch.cat([anc_rows.new_ones(k, prefix), anc_rows], 1)
+    return allowed, (prefix - 1 + depths)[None]
+
+
 class ModelRunner:
     """One model with its KV cache; counts and times forwards."""
 
@@ -251,14 +264,9 @@ class ModelRunner:
         M cached positions), ``depths [K]`` (1 for a node on the prefix) -> logits ``[B, K, V]``.
         Each node sees the whole prefix, its ancestors and itself, at position prefix + depth - 1.
         """
-        if anc_rows.dim() == 3:  # one tree per sequence: here one sequence
-            anc_rows, depths = anc_rows[0], depths[0]
-        k = input_ids.shape[1]
-        prefix = len(self) - (anc_rows.shape[1] - k)
-        allowed = torch.cat([anc_rows.new_ones(k, prefix), anc_rows], 1)  # [K, prefix + M + K]
+        allowed, pos = tree_inputs(anc_rows, depths, len(self))
         dtype = getattr(self.model, "dtype", torch.float32)  # first floating parameter's dtype
-        return self(input_ids, attention_mask=additive_mask(allowed, dtype),
-                    position_ids=(prefix - 1 + depths)[None])
+        return self(input_ids, attention_mask=additive_mask(allowed, dtype), position_ids=pos)
 
     def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
         """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node
@@ -336,10 +344,6 @@ class DecodeState:
             raise ValueError("DecodeState.n is for one sequence; this state holds "
                              f"{self.batch} rows (use lengths)")
         return self.lengths[0]
-
-    @property
-    def prompt_len(self) -> int:
-        return self.prompt_lens[0] if self.batch == 1 else min(self.prompt_lens)
 
     def row_remaining(self, b: int) -> int:
         return self.prompt_lens[b] + self.max_new_tokens - self.lengths[b]

@@ -123,7 +123,7 @@ class RowsRunner(ModelRunner):
     def repeat_rows(self, n: int) -> None:
         """Expand every sequence's one row to n identical rows (row b*n + w)."""
         assert self.width == 1, "rows are expanded already"
-        kv.repeat_interleave_rows(self.cache, n)
+        kv.repeat_rows(self.cache, n)
         self.valid = self.valid.repeat_interleave(n, 0)
         self.width = n
 

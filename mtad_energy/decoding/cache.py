@@ -47,14 +47,8 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
 
 
 def repeat_rows(cache: DynamicCache, n: int) -> None:
-    """Expand a batch-1 cache to n identical rows (start of a beam search)."""
-    for layer in _layers(cache):
-        layer.keys = layer.keys.expand(n, -1, -1, -1).contiguous()
-        layer.values = layer.values.expand(n, -1, -1, -1).contiguous()
-
-
-def repeat_interleave_rows(cache: DynamicCache, n: int) -> None:
-    """Expand every row to n consecutive identical rows (B rows -> B*n: beams per sequence)."""
+    """Expand every row to n consecutive identical rows (B rows -> B*n, row b*n + w: the beams
+    of a beam search per sequence; a batch-1 cache becomes n rows)."""
     for layer in _layers(cache):
         layer.keys = layer.keys.repeat_interleave(n, 0)
         layer.values = layer.values.repeat_interleave(n, 0)

@@ -243,11 +243,11 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
         raise ValueError(f"decoder {decoder.name!r} needs a draft model, but the pair has none; "
                          "load one with draft=... (e.g. 'self:int8') or pick ar/beam/mtjd")
     if rows > 1 and not decoder.batched:
-        from mtad_energy.decoding.registry import DECODERS
+        from mtad_energy.decoding.registry import batched_names
 
-        ok = ", ".join(n for n, c in DECODERS.items() if c.batched)
         raise ValueError(f"decoder {decoder.name!r} does not decode batches yet (batch size "
-                         f"{rows}); decoders that do: {ok}. Use batch size 1 for {decoder.name}")
+                         f"{rows}); decoders that do: {batched_names()}. Use batch size 1 for "
+                         f"{decoder.name}")
     prompt_lens = [len(p) for p in prompts]
     for n in prompt_lens:
         _check_lengths(pair, decoder, n, max_new_tokens)
@@ -300,6 +300,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
         read = _read_back(result, rows)  # the one host sync per iteration
         timer.flush()  # this iteration's events are complete now: reading them does not stall
         fw = (target.forwards - before[0], (draft.forwards if draft else 0) - before[1])
+        block = result.tokens.reshape(rows, -1)  # [B, m]
         for b, (token_list, accepted, _) in enumerate(read):
             if not state.active[b]:
                 continue
@@ -307,7 +308,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             if eos is not None and eos in token_list:
                 token_list = token_list[:token_list.index(eos) + 1]
                 stop[b] = "eos"
-            state.append(b, result.tokens.reshape(rows, -1)[b, :len(token_list)])
+            state.append(b, block[b, :len(token_list)])
             new_tokens[b].extend(token_list)
             # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted
             counts_per_row[b].append({

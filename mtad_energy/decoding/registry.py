@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 from mtad_energy.decoding.ar import Multinomial
@@ -77,3 +78,16 @@ def get_decoder(name: str, **params: Any) -> Decoder:
                          f"are: {', '.join(hints)}")
     kwargs = {k: _coerce(v, hints[k], k) for k, v in params.items()}
     return cls(cls.Params(**kwargs))
+
+
+def batched_names() -> str:
+    """The registry decoders that decode B rows at once, as a comma list (for messages)."""
+    return ", ".join(n for n, c in DECODERS.items() if c.batched)
+
+
+def check_batched(decoders: Iterable[Decoder | type[Decoder]]) -> None:
+    """Raise ValueError naming the decoders that cannot decode batches of B > 1 rows."""
+    slow = [d.name for d in decoders if not d.batched]
+    if slow:
+        raise ValueError(f"decoder(s) {', '.join(slow)} do not decode batches yet; decoders that "
+                         f"do: {batched_names()}; use batch size 1 for them")

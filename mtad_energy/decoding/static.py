@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer, additive_mask
+from mtad_energy.decoding.base import ModelRunner, PhaseTimer, additive_mask, tree_inputs
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
 
 MIN_SLOTS = 256
@@ -313,12 +313,8 @@ class StaticRunner(ModelRunner):
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                      depths: torch.Tensor) -> torch.Tensor:
-        if anc_rows.dim() == 3:  # one tree per sequence: here one sequence
-            anc_rows, depths = anc_rows[0], depths[0]
-        k = input_ids.shape[1]
-        prefix = self.n - (anc_rows.shape[1] - k)
-        allowed = torch.cat([anc_rows.new_ones(k, prefix), anc_rows], 1)  # [K, n + K]
-        return self._run(input_ids, (prefix - 1 + depths)[None], allowed, compiled=True)
+        allowed, pos = tree_inputs(anc_rows, depths, self.n)  # [K, n + K], [1, K]
+        return self._run(input_ids, pos, allowed, compiled=True)
 
     def __len__(self) -> int:
         return self.n

@@ -16,3 +16,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def self_pair(model_dirs):
+    """The tiny Llama with its first two layers as the draft: greedy drafts are partly accepted
+    (a random tiny draft never agrees with the target), so rollback paths run."""
+    from mtad_energy.models import load_pair
+
+    return load_pair(target=model_dirs["llama"], draft="self:layers=0-1", device="cpu")

@@ -23,14 +23,6 @@ BATCHED = sorted(n for n, c in DECODERS.items() if c.batched)
 PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # different lengths
 
 
-@pytest.fixture(scope="module")
-def self_pair(model_dirs):
-    """The tiny Llama with its first two layers as the draft: greedy drafts are partly accepted."""
-    from mtad_energy.models import load_pair
-
-    return load_pair(target=model_dirs["llama"], draft="self:layers=0-1", device="cpu")
-
-
 @pytest.mark.parametrize("arch", ["llama", "opt", "self"])
 @pytest.mark.parametrize("name", BATCHED)
 def test_greedy_rows_are_exactly_their_batch_1_outputs(arch, name, request):

@@ -29,15 +29,6 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.fixture(scope="module")
-def self_pair(model_dirs):
-    """The tiny Llama with its first two layers as the draft: greedy drafts are partly accepted
-    (a random tiny draft never agrees with the target), so rollback paths run."""
-    from mtad_energy.models import load_pair
-
-    return load_pair(target=model_dirs["llama"], draft="self:layers=0-1", device="cpu")
-
-
 @pytest.mark.parametrize("arch", ["llama", "opt", "self"])
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_greedy_output_is_token_identical_with_and_without_compile(arch, name, request):
