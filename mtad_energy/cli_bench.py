@@ -434,7 +434,7 @@ def sweep_batch_size(
     draft: Draft = None, dataset: Dataset = "mtbench",
     n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
     max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
-    set_: Sets = None,
+    set_: Sets = None, compile: Compile = False,
 ):
     """The paper's batch-size study: energy and time per run and per input.
 
@@ -450,7 +450,8 @@ def sweep_batch_size(
     if decoder is not None:
         _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
                             max_new_tokens, repeats, set_, meter, device, dtype, seed,
-                            output or Path("results/batch-size-decode"), require_energy, as_json)
+                            output or Path("results/batch-size-decode"), require_energy, as_json,
+                            compile)
         return
     out = output or Path("results/batch-size")
     try:
@@ -516,7 +517,7 @@ def sweep_batch_size(
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
                         repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
-                        as_json) -> None:
+                        as_json, compile: bool = False) -> None:
     from mtad_energy.bench.decode_batch import decode_batch_sweep
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
@@ -549,6 +550,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     total = len(specs) * len(size_list) * repeats
+    skipped: list[dict] = []
     try:
         with _progress() as bar:
             task = bar.add_task("decode batch sizes", total=total, note="")
@@ -557,10 +559,14 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
                 bar.update(task, advance=1, note=f"{row['label']} B={row['batch_size']}: "
                                                  f"{row['tokens_per_s']:.1f} tok/s")
 
+            def skip(label: str, b: int, reason: str) -> None:
+                skipped.append({"decoder": label, "batch_size": b, "reason": reason})
+                bar.update(task, advance=repeats, note=f"{label} B={b}: skipped")
+
             rows = decode_batch_sweep(pair, specs, size_list, prompts, store, m, model=pair.name,
                                       dataset=dataset, max_new_tokens=max_new_tokens,
                                       repeats=repeats, seed=seed, env_id=snap.snapshot_id,
-                                      progress=step)
+                                      progress=step, compile=compile, on_skip=skip)
     except KeyboardInterrupt:
         fail(f"interrupted: the finished rows are stored in {out}; re-run to resume", code=130,
              label="[yellow]")
@@ -575,7 +581,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
                          ).savefig(png, dpi=150)
     if as_json:
         emit({"output": str(out), "meter": m.name, "plot": str(png),
-              "rows": json.loads(table.to_json(orient="records"))})
+              "rows": json.loads(table.to_json(orient="records")), "skipped": skipped})
         return
     t = Table(title="decoders vs batch size", title_justify="left", show_edge=False)
     for col in ("decoder", "B", "tok/s", "speed-up", "J/token", "energy saving", "block eff.",
@@ -593,6 +599,9 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     if reasons:
         t.caption = esc("J/token n/a: " + "; ".join(reasons))
     console.print(t)
+    for s in skipped:
+        console.print(f"[yellow]skipped[/] {esc(s['decoder'])} at B={s['batch_size']}: "
+                      f"{esc(s['reason'])}")
     console.print(f"[dim]results in {esc(out)}; plot {esc(png)}[/]")
 
 

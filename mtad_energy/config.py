@@ -134,9 +134,6 @@ class RunConfig:
         if self.batch_size > 1:
             from mtad_energy.decoding.registry import DECODERS, check_batched
 
-            if self.compile:
-                raise ValueError("--compile runs batch size 1 only for now; drop --compile or "
-                                 "use --batch-size 1")
             check_batched(DECODERS[d.name] for d in self.decoders if d.name in DECODERS)
 
     def to_dict(self) -> dict[str, Any]:

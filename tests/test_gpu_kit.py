@@ -50,10 +50,12 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert compiled.compiled_speedup_per_iter.notna().all()
     assert compiled.projected_speedup_vs_ar.iloc[0] == 1.0  # ar compiled is its own baseline
     batched = pd.read_csv(out / "batched.csv")
-    assert set(zip(batched.decoder, batched.batch_size, strict=True)) == {
-        (d, b) for d in ("ar", "spd", "typical") for b in (1, 2, 4)}
+    assert set(zip(batched.decoder, batched["mode"], batched.batch_size, strict=True)) == {
+        (d, m, b) for d in ("ar", "spd", "typical") for m in ("eager", "compiled")
+        for b in (1, 2, 4)}
     assert (batched[batched.decoder == "ar"].projected_speedup_vs_ar == 1.0).all()
-    assert (batched.cost_per_iter_ms > 0).all()
+    assert (batched.cost_per_iter_ms > 0).all() and (batched.peak_memory_gb > 0).all()
+    assert (batched.host_overhead >= 1.0).all()  # an iteration costs at least its forwards
     floor = pd.read_csv(out / "floor.csv")
     assert list(floor["mode"]) == ["eager", "compiled"] and floor.error.isna().all()
     from mtad_energy.measure import METER_NAMES
@@ -68,6 +70,14 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     from mtad_energy.results.store import ResultStore
 
     assert len(ResultStore(out / "store").load("batch")) == 6
+    # and `batched` keeps its rows, reruns none, and stops starting new ones when out of budget
+    raw = pd.read_csv(out / "batched_raw.csv")
+    again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batched",
+                            "--smoke", "--out", str(out), "--sizes", "1,2,4,8", "--budget-s", "0"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "budget-s 0 s spent" in again.stdout
+    assert pd.read_csv(out / "batched_raw.csv").equals(raw)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])

@@ -17,9 +17,12 @@ to run.log there):
               shapes (random weights), projected tokens/s and J/token at the block efficiencies
               measured on the real CPU pair; MMTAD tree vs chain verification time; the
               same eager and with compile=True (static cache, CUDA graphs) for a few decoders
-    batched   ar, spd, typical, mtad, mmtad, specinfer, spectr decoding B = 1..16 prompts at
-              once at the same shapes: cost and J per iteration by batch size, projected tokens/s and
-              J/token with the CPU pair's block efficiencies, speed-up over ar per batch size
+    batched   ar, spd, typical, mtad, mmtad, specinfer, spectr decoding B = 1..128 prompts at
+              once at the same shapes, eager and compiled: cost and J per iteration by batch
+              size, the forwards' own time, peak memory, projected tokens/s and J/token with the
+              CPU pair's block efficiencies, speed-up over ar per batch size; sizes that would
+              not fit are skipped with the reason; resumes (--budget-s, --decoders, --sizes,
+              --modes split it over several commands)
     floor     target forward time at batch 1 (eager and static-cache + torch.compile) against
               weight bytes / measured copy bandwidth
     plots     PNG figures of the above
@@ -83,6 +86,9 @@ class Plan:
     batched_decoders: tuple[str, ...]  # run at every batch size in `batched`
     workload_s: float  # side-by-side window length in `meters`
     matrix_n: int
+    batched_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    batched_modes: tuple[str, ...] = ("eager", "compiled")
+    budget_s: float = math.inf  # `batched` starts nothing new after this (it resumes)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -90,7 +96,8 @@ class Plan:
         if smoke:
             return cls(True, torch.device("cpu"), torch.float32, ("tiny-opt", "tiny-llama"),
                        (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
-                       "eager", ("ar", "spd"), ("ar", "spd", "typical"), 0.3, 256)
+                       "eager", ("ar", "spd"), ("ar", "spd", "typical"), 0.3, 256,
+                       batched_sizes=(1, 2, 4))
         if need_gpu and not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
                              "(only `plots` runs without one, from the CSVs already written)")
@@ -533,15 +540,28 @@ def stage_decoders(kit: Kit) -> None:
 
 
 def stage_batched(kit: Kit) -> None:
-    """Batched decoding at real shapes: per decoder that batches and per batch size, the cost
-    and joules of an iteration (median of repeats after a full-length warm-up); projected
-    tokens/s = B x CPU-pair block efficiency x target forwards per iteration / cost."""
+    """Batched decoding at real shapes, eager and compiled (static caches padded to row buckets,
+    CUDA graphs): per decoder, mode and batch size B = 1..128, the cost and joules of an
+    iteration (median of repeats after a full-length warm-up, which compiles every shape) and
+    the forwards' own time (CUDA events), the peak memory; projected tokens/s = B x CPU-pair
+    block efficiency x target forwards per iteration / cost. A size whose caches would not fit
+    is skipped with the reason, as is one that runs out of memory. Rows already in
+    ``batched_raw.csv`` are kept and not rerun, and no new (decoder, mode, B) starts once
+    ``--budget-s`` has passed: a sweep too long for one command resumes in the next."""
+    from mtad_energy.bench.decode_batch import does_not_fit
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_rows
     from mtad_energy.decoding.registry import get_decoder
-    from mtad_energy.measure import get_meter
+    from mtad_energy.decoding.static import CompileOptions, release_engines
+    from mtad_energy.measure import get_meter, peak_memory
 
     plan = kit.plan
+    t_start = time.perf_counter()
+    raw_path = kit.out / "batched_raw.csv"
+    done = pd.read_csv(raw_path) if raw_path.is_file() else pd.DataFrame()
+    if len(done) and "mode" not in done:  # rows written before the compiled path
+        done = done.assign(mode="eager")
+    have = {(r.decoder, r.mode, r.batch_size) for r in done.itertuples()} if len(done) else set()
     pair = random_pair(plan.target, plan.draft, device=plan.device, dtype=plan.dtype,
                        max_positions=1024)
     gen = torch.Generator().manual_seed(0)
@@ -549,48 +569,103 @@ def stage_batched(kit: Kit) -> None:
     context = 128 if not plan.smoke else 16
     prompts = [torch.randint(0, vocab, (context - context // 8 * i,), generator=gen).tolist()
                for i in range(4)]  # rows of different lengths
-    block_eff = cpu_block_efficiency()
     meter = get_meter("simulated") if plan.smoke else get_meter("auto")
-    rows = []
+    device = str(plan.device)
+    rows, skipped = [], []
     try:
-        for name in plan.batched_decoders:
-            dec = get_decoder(name)
-            for b in plan.batch_sizes:
-                batch = [prompts[i % len(prompts)] for i in range(b)]
-                generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
-                              compute_perplexity=False)
-                for rep in range(plan.decode_repeats):
-                    gens, m = _measured(meter, f"{name}-b{b}-{rep}", partial(
-                        generate_rows, dec, pair, batch, plan.decode_tokens, seed=rep,
-                        compute_perplexity=False))
-                    it = max(max(g.stats.iterations for g in gens), 1)
-                    decode_s = max(g.stats.decode_time_s for g in gens)
-                    target_fw = max(g.stats.target_forwards for g in gens)
-                    rows.append({"decoder": name, "batch_size": b, "repeat": rep,
-                                 "iterations": it, "cost_per_iter_ms": decode_s / it * 1e3,
-                                 "target_forwards_per_iter": target_fw / it,
-                                 "j_per_iter": None if m.energy_j is None else m.energy_j / it,
-                                 "energy_flags": ",".join(m.flag_codes)})
-                kit.log(f"batched: {name} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration")
+        for mode in plan.batched_modes:
+            compile = CompileOptions(backend=plan.compile_backend) if mode == "compiled" else False
+            for b in plan.batched_sizes:
+                release_engines()  # the static caches of the last size
+                for name in plan.batched_decoders:
+                    if (name, mode, b) in have:
+                        continue
+                    if time.perf_counter() - t_start > plan.budget_s:
+                        kit.log(f"batched: --budget-s {plan.budget_s:.0f} s spent; run the stage "
+                                "again to go on from here")
+                        raise _BudgetSpent
+                    dec = get_decoder(name)
+                    batch = [prompts[i % len(prompts)] for i in range(b)]
+                    why = does_not_fit(pair, dec, batch, plan.decode_tokens, bool(compile))
+                    t_warm = time.perf_counter()
+                    try:
+                        if why is None:
+                            generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
+                                          compute_perplexity=False, compile=compile)
+                            for rep in range(plan.decode_repeats):
+                                rows.append(_batched_row(kit, meter, dec, pair, batch, mode,
+                                                         rep, compile, peak_memory, device))
+                    except torch.OutOfMemoryError as err:
+                        why = f"out of memory: {str(err).splitlines()[0][:160]}"
+                        torch.cuda.empty_cache()
+                    if why is not None:
+                        skipped.append({"decoder": name, "mode": mode, "batch_size": b,
+                                        "reason": why})
+                        kit.log(f"batched: {name} {mode} B={b} skipped: {why}")
+                        continue
+                    rows[-1]["warmup_s"] = time.perf_counter() - t_warm
+                    kit.log(f"batched: {name} {mode} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} "
+                            f"ms/iteration, forwards {rows[-1]['forwards_ms_per_iter']:.2f} ms, "
+                            f"peak {rows[-1]['peak_memory_gb']:.1f} GB")
+    except _BudgetSpent:
+        pass
     finally:
         meter.close()
-    raw = pd.DataFrame(rows)
-    raw.to_csv(kit.out / "batched_raw.csv", index=False)
-    agg = (raw.groupby(["decoder", "batch_size"], sort=False).median(numeric_only=True)
-           .reset_index().drop(columns="repeat"))
+    raw = pd.concat([done, pd.DataFrame(rows)], ignore_index=True)
+    raw.to_csv(raw_path, index=False)
+    if skipped:
+        pd.DataFrame(skipped).to_csv(kit.out / "batched_skipped.csv", index=False)
+    kit.table("batched", summarise_batched(raw, cpu_block_efficiency()),
+              "batched: decoders at B rows per forward, eager and compiled, cost and J per "
+              "iteration (median of repeats after a full-length warm-up); projected with the "
+              "CPU pair's block efficiencies; host_overhead = cost / the forwards' own time",
+              RANDOM_NOTE)
+    del pair
+
+
+class _BudgetSpent(Exception):
+    pass
+
+
+def _batched_row(kit: Kit, meter, dec, pair, batch, mode: str, rep: int, compile,
+                 peak_memory, device: str) -> dict[str, Any]:
+    from mtad_energy.decoding.generate import generate_rows
+
+    with peak_memory(device) as peak:
+        gens, m = _measured(meter, f"{dec.name}-{mode}-b{len(batch)}-{rep}", partial(
+            generate_rows, dec, pair, batch, kit.plan.decode_tokens, seed=rep,
+            compute_perplexity=False, compile=compile))
+    it = max(max(g.stats.iterations for g in gens), 1)
+    s = max(gens, key=lambda g: g.stats.decode_time_s).stats  # the batch's last row to finish
+    return {"decoder": dec.name, "mode": mode, "batch_size": len(batch), "repeat": rep,
+            "iterations": it, "cost_per_iter_ms": s.decode_time_s / it * 1e3,
+            "draft_ms_per_iter": s.time_draft_s / it * 1e3,
+            "target_ms_per_iter": s.time_target_s / it * 1e3,
+            "forwards_ms_per_iter": (s.time_draft_s + s.time_target_s) / it * 1e3,
+            "target_forwards_per_iter": s.target_forwards / it,
+            "j_per_iter": None if m.energy_j is None else m.energy_j / it,
+            "peak_memory_gb": (peak.bytes or 0) / 1e9, "compile_s": s.compile_s,
+            "energy_flags": ",".join(m.flag_codes)}
+
+
+def summarise_batched(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.DataFrame:
+    """Medians over repeats per (decoder, mode, B), projected tokens/s and J/token, and the
+    speed-up / energy saving over ar in the same mode at the same B."""
+    agg = (raw.groupby(["decoder", "mode", "batch_size"], sort=False)
+           .median(numeric_only=True).reset_index().drop(columns="repeat"))
     agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
     tokens_per_iter = agg.batch_size * agg.cpu_pair_block_eff * agg.target_forwards_per_iter
     agg["projected_tokens_per_s"] = tokens_per_iter / (agg.cost_per_iter_ms / 1e3)
     agg["projected_j_per_token"] = agg.j_per_iter / tokens_per_iter
-    ar = agg[agg.decoder == "ar"].set_index("batch_size")
-    agg["projected_speedup_vs_ar"] = agg.projected_tokens_per_s / agg.batch_size.map(
-        ar.projected_tokens_per_s)
-    agg["projected_energy_saving_vs_ar"] = 1.0 - agg.projected_j_per_token / agg.batch_size.map(
-        ar.projected_j_per_token)
-    kit.table("batched", agg, "batched: decoders at B rows per forward, cost and J per iteration "
-              "(median of repeats after a full-length warm-up); projected with the CPU pair's "
-              "block efficiencies", RANDOM_NOTE)
-    del pair
+    if "forwards_ms_per_iter" in agg:
+        agg["host_overhead"] = agg.cost_per_iter_ms / agg.forwards_ms_per_iter
+    for _, part in agg.groupby("mode", sort=False):
+        ar = part[part.decoder == "ar"].set_index("batch_size")
+        agg.loc[part.index, "projected_speedup_vs_ar"] = (
+            part.projected_tokens_per_s / part.batch_size.map(ar.projected_tokens_per_s))
+        agg.loc[part.index, "projected_energy_saving_vs_ar"] = (
+            1.0 - part.projected_j_per_token / part.batch_size.map(ar.projected_j_per_token))
+    return agg
 
 
 def _tree_vs_chain(kit: Kit) -> None:
@@ -717,7 +792,8 @@ def stage_plots(kit: Kit) -> None:
                                ("projected_energy_saving_vs_ar", axes[1],
                                 "energy saving vs ar (projected)")):
             if df[col].notna().any():
-                sns.lineplot(df, x="batch_size", y=col, hue="decoder", marker="o", ax=ax)
+                sns.lineplot(df, x="batch_size", y=col, hue="decoder", marker="o", ax=ax,
+                             style="mode" if "mode" in df else None)
             ax.set(xscale="log", xlabel="batch size", ylabel=label)
             ax.set_xticks(sorted(set(df.batch_size)), labels=[str(b) for b in sorted(set(df.batch_size))])
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -756,12 +832,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default experiments/results/gpu/<gpu-name>/)")
     ap.add_argument("--smoke", action="store_true", help="CPU rehearsal at tiny shapes, simulated meter")
+    ap.add_argument("--decoders", help="batched: these decoders only (comma list)")
+    ap.add_argument("--sizes", help="batched: these batch sizes only (comma list)")
+    ap.add_argument("--modes", help="batched: eager, compiled or both (comma list)")
+    ap.add_argument("--budget-s", type=float, default=math.inf,
+                    help="batched: start no new (decoder, mode, size) after this many seconds; "
+                         "a second run goes on where this one stopped")
     args = ap.parse_args(argv)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     stages = list(STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
     plan = Plan.make(args.smoke, need_gpu=stages != ["plots"])
+    plan.budget_s = args.budget_s
+    if args.decoders:
+        plan.batched_decoders = tuple(args.decoders.split(","))
+    if args.sizes:
+        plan.batched_sizes = tuple(int(s) for s in args.sizes.split(","))
+    if args.modes:
+        plan.batched_modes = tuple(args.modes.split(","))
     if args.out is None and not args.smoke and not torch.cuda.is_available():
         raise SystemExit("plots without a GPU: name the results folder with --out DIR")
     out = args.out or ROOT / "experiments" / "results" / "gpu" / (

@@ -8,6 +8,14 @@ J/token (or n/a with the reason), block efficiency (tokens per target forward of
 decodes; rows done early ride along in the forwards, which tokens/s counts),
 acceptance rate and the rows' mean perplexity under the unwarped target (outside the window).
 The forward-only study (`batch_sweep.py`) is separate and unchanged.
+
+``compile``: the compiled path (static caches padded to row buckets, CUDA graphs on CUDA), stored
+under model ``<model>+compile`` so its rows never pool with eager ones; each (decoder, B) first
+runs a full-length unmeasured generation that compiles every shape, and a row that still compiled
+inside its window is flagged ``compiled_in_window`` (its ``compile_s`` says how long). Every row
+stores the batch's peak memory (``peak_memory_bytes``). A batch size whose caches would not fit
+in the free memory is skipped with the reason (``on_skip``), as is one that runs out of memory:
+a sweep to B = 128 never ends in an out-of-memory crash.
 """
 
 from __future__ import annotations
@@ -17,11 +25,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mtad_energy.bench.runner import PhaseWindows
+import torch
+
+from mtad_energy.bench.runner import FLAG_COMPILED_IN_WINDOW, PhaseWindows
 from mtad_energy.config import DecoderSpec
-from mtad_energy.decoding.generate import generate_rows
+from mtad_energy.decoding.base import Decoder
+from mtad_energy.decoding.generate import generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
-from mtad_energy.measure import EnergyMeter
+from mtad_energy.measure import EnergyMeter, peak_memory
 from mtad_energy.models import ModelPair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore
@@ -42,8 +53,11 @@ def decode_batch_sweep(
     seed: int = 0,
     env_id: str = "",
     progress: Callable[[dict[str, Any]], object] | None = None,
+    compile: bool = False,
+    on_skip: Callable[[str, int, str], object] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every decoder at every batch size; rows the store holds already are not rerun."""
+    """Run every decoder at every batch size; rows the store holds already are not rerun.
+    ``on_skip(label, batch size, reason)`` hears of every size skipped for memory."""
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
         raise ValueError(f"batch sizes must be positive integers, got {list(sizes) or 'none'}")
@@ -54,6 +68,7 @@ def decode_batch_sweep(
         check_batched(built.values())
     desc = pair.describe()
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
+    label = model + ("+compile" if compile else "")
     out = []
     for spec, decoder in built.items():
         params = {k: v for k, v in decoder.config().items() if k != "decoder"}
@@ -62,23 +77,38 @@ def decode_batch_sweep(
             warm = False
             for rep in range(repeats):
                 identity = {
-                    "model": model, "target_id": pair.target_id, "draft_id": pair.draft_id,
+                    "model": label, "target_id": pair.target_id, "draft_id": pair.draft_id,
                     "decoder": spec.name, "params_json": params_json(params), "batch_size": b,
                     "dataset": dataset, "prompts": stable_key({"ids": rows}),
                     "max_new_tokens": max_new_tokens, "seed": seed + rep, "repeat": rep,
                     "meter": meter.name, "device": desc["device"], "dtype": desc["dtype"],
+                    **({"compile": True} if compile else {}),  # eager rows keep their keys
                 }
                 key = stable_key(identity)
                 if stored is not None and (stored["row_key"] == key).any():
                     row = stored[stored["row_key"] == key].iloc[0].to_dict()
                 else:
-                    if not warm:  # first-call allocations at this batch size, unmeasured
-                        generate_rows(decoder, pair, rows, min(8, max_new_tokens), seed=seed,
-                                      compute_perplexity=False)
+                    if not warm:
+                        why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
+                        try:
+                            if why is None:  # first calls (compiled: every shape), unmeasured
+                                _warm_up(decoder, pair, rows, max_new_tokens, seed, compile)
+                        except torch.OutOfMemoryError as error:
+                            why = _out_of_memory(b, error)
+                        if why is not None:
+                            if on_skip is not None:
+                                on_skip(spec.label, b, why)
+                            break
                         warm = True
-                    row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter, key)
+                    try:
+                        row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
+                                       key, compile)
+                    except torch.OutOfMemoryError as error:
+                        if on_skip is not None:
+                            on_skip(spec.label, b, _out_of_memory(b, error))
+                        break
                     row = {"row_key": key, "created_unix_s": time.time(), "env_id": env_id,
-                           **identity, "label": spec.label, **row}
+                           **identity, "label": spec.label, "compile": compile, **row}
                     store.write("decode_batch", key, [row])
                 out.append(row)
                 if progress is not None:
@@ -86,14 +116,92 @@ def decode_batch_sweep(
     return out
 
 
-def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int, seed: int,
-             meter: EnergyMeter, key: str) -> dict[str, Any]:
-    windows = PhaseWindows(meter, key)
+def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int,
+             seed: int, compile: bool) -> None:
+    """Eager: first-call allocations (a few tokens). Compiled: a full-length generation, after
+    freeing the static caches of other batch sizes, so every shape this batch size uses is
+    compiled (and on CUDA recorded) here, not inside the measured window."""
+    if compile:
+        from mtad_energy.decoding.static import release_engines
+
+        release_engines()
+    generate_rows(decoder, pair, rows, max_new_tokens if compile else min(8, max_new_tokens),
+                  seed=seed, compute_perplexity=False, compile=compile)
+
+
+def _out_of_memory(b: int, error: BaseException) -> str:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return f"out of memory at batch size {b}: {str(error).splitlines()[0][:160]}"
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one cached token of one row takes in ``model``'s KV cache (all layers)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    item = next(p.element_size() for p in model.parameters() if p.is_floating_point())
+    return cfg.num_hidden_layers * 2 * heads * head_dim * item
+
+
+def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int,
+                        compile: bool) -> int:
+    """An estimate (on the high side) of the memory B rows need beyond the weights: each model's
+    KV cache (compiled: rows padded to their bucket, times the rows a sequence expands to, over
+    the slot bucket; eager: twice, as a dynamic cache is copied when it grows) and the float32
+    logits of the widest forward with their warps."""
+    from mtad_energy.decoding.static import row_bucket, slot_bucket
+
+    total = 0
+    roles = [("target", pair.target)] + ([("draft", pair.draft)] if decoder.needs_draft else [])
+    for role, model in roles:
+        r = (row_bucket(rows) if compile else rows) * decoder.cache_rows(role)
+        cache = kv_bytes_per_token(model) * r * (slot_bucket(slots) if compile else 2 * slots)
+        width = max(decoder.lookahead + 1, 32)  # trees are wider than their depth
+        total += cache + 4 * r * width * model.config.vocab_size * 4
+    return total
+
+
+def free_memory_bytes(device: str) -> int | None:
+    """Free memory on ``device``: CUDA's free bytes plus what PyTorch's allocator holds unused;
+    on the CPU, Linux's ``MemAvailable`` (None where unknown)."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
-        gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed, on_phase=windows)
-    finally:
-        windows.close()
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def does_not_fit(pair: ModelPair, decoder: Decoder, rows: list[list[int]], max_new_tokens: int,
+                  compile: bool) -> str | None:
+    slots = slots_needed(decoder, [len(r) for r in rows], max_new_tokens)
+    need = memory_needed_bytes(pair, decoder, len(rows), slots, compile)
+    free = free_memory_bytes(pair.describe()["device"])
+    if free is None or need <= 0.9 * free:
+        return None
+    return (f"needs about {need / 2**30:.1f} GiB for its caches and logits at batch size "
+            f"{len(rows)}, {free / 2**30:.1f} GiB free")
+
+
+def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int, seed: int,
+             meter: EnergyMeter, key: str, compile: bool = False) -> dict[str, Any]:
+    windows = PhaseWindows(meter, key)
+    with peak_memory(pair.describe()["device"]) as peak:
+        try:
+            gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
+                                 on_phase=windows, compile=compile)
+        finally:
+            windows.close()
     m = windows.measurements["decode"]
+    compile_s = max(g.stats.compile_s for g in gens)
+    flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if compile_s > 0 else set())
     tokens = sum(g.stats.tokens_emitted for g in gens)
     decode_s = max(g.stats.decode_time_s for g in gens)
     target_fw = max(g.stats.target_forwards for g in gens)
@@ -111,5 +219,6 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         "perplexity": sum(ppl) / len(ppl) if ppl else None,
         "energy_j": energy, "energy_per_token_j": energy / tokens if energy is not None else None,
         "energy_reason": m.reason if energy is None else None,
-        "energy_flags": json.dumps(sorted(m.flag_codes)),
+        "energy_flags": json.dumps(sorted(flags)),
+        "peak_memory_bytes": peak.bytes, "compile_s": compile_s,
     }

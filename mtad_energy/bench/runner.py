@@ -27,6 +27,7 @@ from mtad_energy.decoding.generate import (
     generate_ids,
     generate_rows,
     perplexity,
+    slots_needed,
 )
 from mtad_energy.measure import (
     EnergyMeter,
@@ -34,6 +35,7 @@ from mtad_energy.measure import (
     MitigationConfig,
     get_meter,
     measure_mitigated,
+    peak_memory,
     profile_ops,
     select_meter,
     snapshot,
@@ -41,6 +43,10 @@ from mtad_energy.measure import (
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore, RowExistsError
+
+# a compiled run that still compiled a shape inside its measurement windows: its time excludes
+# the compilation (`compile_s`), its joules do not
+FLAG_COMPILED_IN_WINDOW = "compiled_in_window"
 
 Progress = Callable[[dict[str, Any] | None, "WorkUnit"], None]
 """Called once per work unit with its new row, or None when it was already stored (skipped)."""
@@ -154,7 +160,7 @@ class Runner:
         desc = self.pair.describe()
         self.device, self.dtype = desc["device"], desc["dtype"]
         self._decoders: dict[DecoderSpec, Decoder] = {d: d.build() for d in config.decoders}
-        self._warm: set[tuple[DecoderSpec, int]] = set()  # (decoder, batch size)
+        self._warm: set[tuple] = set()  # `warm_key`s warmed up
 
     @property
     def model_label(self) -> str:
@@ -187,18 +193,31 @@ class Runner:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.pair, prompt.text, self.config.chat)
 
-    def warm_up(self, spec: DecoderSpec, prompts: Sequence[Prompt]) -> None:
-        """One unmeasured generation of ``prompts`` together: first-call allocations and kernel
-        selection; short when eager, full length when compiled (every shape the loop uses, the
-        shorter drafts of the last iterations included, is compiled here and not inside a
-        measured window)."""
-        if (spec, len(prompts)) in self._warm:
+    def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]]) -> None:
+        """One unmeasured generation of ``prompts`` (token ids) together: first-call allocations
+        and kernel selection; short when eager, full length when compiled, once per decoder, row
+        bucket and slot bucket (`warm_key`): every shape the compiled loop uses is compiled here,
+        not inside a measured window (one that still compiles there is flagged)."""
+        key = self.warm_key(spec, prompts)
+        if key in self._warm:
             return
         c = self.config
-        generate_rows(self._decoders[spec], self.pair, [self._prompt_ids(p) for p in prompts],
+        generate_rows(self._decoders[spec], self.pair, list(prompts),
                       c.max_new_tokens if c.compile else min(8, c.max_new_tokens), seed=c.seed,
                       compute_perplexity=False, compile=c.compile)
-        self._warm.add((spec, len(prompts)))
+        self._warm.add(key)
+
+    def warm_key(self, spec: DecoderSpec, prompts: Sequence[list[int]]) -> tuple:
+        """What decides the shapes a batch runs at: eager, the decoder and the batch size;
+        compiled, the decoder, the row bucket and the static cache's slot bucket (prompts of
+        similar length share graphs)."""
+        if not self.config.compile:
+            return spec, len(prompts)
+        from mtad_energy.decoding.static import row_bucket, slot_bucket
+
+        slots = slots_needed(self._decoders[spec], [len(p) for p in prompts],
+                             self.config.max_new_tokens)
+        return spec, row_bucket(len(prompts)), slot_bucket(slots)
 
     def run_unit(self, unit: WorkUnit) -> dict[str, Any]:
         return self.run_batch([unit])[0]
@@ -217,16 +236,23 @@ class Runner:
         prompts = [self._prompt_ids(u.prompt) for u in units]
         seed = c.seed + repeat
         if c.warmup:
-            self.warm_up(spec, [u.prompt for u in units])
+            self.warm_up(spec, prompts)
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
         windows = PhaseWindows(self.meter, batch_key)
-        try:
-            gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                 compute_perplexity=False, on_phase=windows, compile=c.compile)
-        finally:
-            windows.close()
+        with peak_memory(self.device) as peak:
+            try:
+                gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
+                                     compute_perplexity=False, on_phase=windows,
+                                     compile=c.compile)
+            finally:
+                windows.close()
         energy = _energy_columns(windows.measurements)
+        compile_s = max(g.stats.compile_s for g in gens)
+        if compile_s > 0:  # a shape the warm-up did not cover compiled inside the windows
+            energy["energy_flags"] = json.dumps(
+                sorted({*json.loads(energy["energy_flags"]), FLAG_COMPILED_IN_WINDOW}))
+        measured = {"peak_memory_bytes": peak.bytes, "compile_s": compile_s}
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
@@ -254,15 +280,15 @@ class Runner:
         for unit, key, ids, gen in zip(units, keys, prompts, gens, strict=True):
             share = 1.0 if len(units) == 1 else (
                 gen.stats.tokens_emitted / total_tokens if total_tokens else 1.0 / len(units))
-            rows.append(self._store_row(unit, key, ids, gen, seed, energy, mitigation, share,
-                                        len(units)))
+            rows.append(self._store_row(unit, key, ids, gen, seed, {**energy, **measured},
+                                        mitigation, share, len(units)))
         return rows
 
     def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
                    energy: dict[str, Any], mitigation: dict[str, Any], share: float,
                    batch_size: int) -> dict[str, Any]:
         c = self.config
-        if share != 1.0:  # this row's part of a batch's joules
+        if share != 1.0:  # this row's part of a batch's joules (not of its memory or time)
             energy = {k: (v * share if k.endswith("_j") and v is not None else v)
                       for k, v in energy.items()}
             mitigation = {k: (v * share if k.endswith("_j") and v is not None else v)

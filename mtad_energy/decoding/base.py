@@ -83,14 +83,17 @@ class StepResult:
     depth: int | list[int] = 0
 
     @classmethod
-    def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor, proposed: int,
-              draft_cache_len: torch.Tensor | None = None) -> StepResult:
+    def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
+              proposed: int | list[int], draft_cache_len: torch.Tensor | None = None,
+              depth: int | list[int] | None = None) -> StepResult:
         """``draft[:n]`` followed by ``nxt``, with ``n`` left on the device: the buffer is
         ``draft`` with ``nxt`` written at index n, of which n + 1 count. One sequence: draft
-        ``[gamma]``, n and nxt 0-d; B rows: draft ``[B, gamma]``, n and nxt ``[B]``."""
+        ``[gamma]``, n and nxt 0-d; B rows: draft ``[B, gamma]``, n and nxt ``[B]``. ``depth``
+        (default: the draft's length) may be per row (`Decoder.draft_lens`)."""
         n1, nxt1 = n[..., None], nxt[..., None]
         buf = torch.cat([draft, nxt1], -1).scatter(-1, n1, nxt1)
-        return cls(buf, proposed, n, n + 1, draft_cache_len, depth=draft.shape[-1])
+        return cls(buf, proposed, n, n + 1, draft_cache_len,
+                   depth=draft.shape[-1] if depth is None else depth)
 
 
 class PhaseTimer:
@@ -235,6 +238,9 @@ def tree_inputs(anc_rows: torch.Tensor, depths: torch.Tensor, cached: int
 class ModelRunner:
     """One model with its KV cache; counts and times forwards."""
 
+    compiled = False  # forwards through torch.compile (`static.StaticRunner`)
+    compile_s = 0.0  # seconds spent compiling, outside the timed forwards (`static.StaticRunner`)
+
     def __init__(self, model, timer: PhaseTimer, phase: str):
         self.model = model
         self.cache = kv.new_cache(model)
@@ -354,6 +360,12 @@ class DecodeState:
         return max((self.row_remaining(b) for b in range(self.batch) if self.active[b]),
                    default=0)
 
+    def row_depths(self, depth: int) -> torch.Tensor:
+        """``[B]`` long on the device: ``depth`` capped by what each row still wants (a row that
+        is done: 1), the depth a row's own search of at most ``depth`` tokens would run to."""
+        return to_device([max(1, min(depth, self.row_remaining(b))) if self.active[b] else 1
+                          for b in range(self.batch)], self.ids.device)
+
     def lengths_on_device(self) -> torch.Tensor:
         """``[B]`` long: `lengths` on the model device (copied once per change of lengths)."""
         if self._lengths_dev is None:
@@ -369,7 +381,7 @@ class DecodeState:
 
     def draft_pending(self) -> torch.Tensor:
         """``[1, k]``, k >= 1: the tokens the draft cache has not seen (one sequence)."""
-        return self.ids[:, len(self.draft):self.n]
+        return self.ids[:, self.draft.row_lengths[0]:self.n]
 
     def draft_feed(self) -> tuple[torch.Tensor, list[int] | None]:
         """What the draft has not seen, for B rows: ``(ids [B, k], counts)`` with row b's
@@ -388,6 +400,13 @@ class DecodeState:
         self.ids[b, n:n + m] = tokens
         self.lengths[b] = n + m
         self._lengths_dev = None
+
+
+def cap_per_row(n: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """``n [B]`` capped at each row's own draft length (a no-op when no row's is shorter)."""
+    if len(set(lens)) == 1:  # all draft max(lens): n cannot exceed it
+        return n
+    return torch.minimum(n, to_device(lens, n.device))
 
 
 def target_step(s: DecodeState, warp: Warp) -> StepResult:
@@ -414,10 +433,23 @@ class Decoder:
         """Positions beyond the emitted ones the target may see in one iteration."""
         return 0
 
+    def cache_rows(self, role: str) -> int:
+        """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):
+        the beam width of a beam search over that model, Spectr's k drafts; 1 otherwise."""
+        return 1
+
     def draft_len(self, s: DecodeState) -> int:
         """Draft positions worth proposing this iteration: the lookahead, capped one short of the
-        tokens still wanted (the bonus token from p fills the last). 0: take a `target_step`."""
+        tokens still wanted (the bonus token from p fills the last) by the row that wants the
+        most. 0: take a `target_step`."""
         return max(0, min(self.lookahead, s.remaining - 1))
+
+    def draft_lens(self, s: DecodeState) -> list[int]:
+        """`draft_len` per row, as each row would draft alone: capped by what the row itself
+        still wants; 0 for a row that is done. A batch drafts ``max(draft_lens)``; a lossy
+        rule must not accept past a row's own length, and statistics count it per row."""
+        return [max(0, min(self.lookahead, s.row_remaining(b) - 1)) if s.active[b] else 0
+                for b in range(s.batch)]
 
     def step(self, s: DecodeState) -> StepResult:
         raise NotImplementedError

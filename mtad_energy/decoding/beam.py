@@ -23,9 +23,14 @@ class Beam(Decoder):
     Params = BeamParams
     batched = True
 
+    def cache_rows(self, role: str) -> int:
+        return self.params.beam_width if role == "target" else 1
+
     def step(self, s: DecodeState) -> StepResult:
         p = self.params
         beams = beam_sample_rows(s.target, s.last_token, s.remaining, p.beam_width, p.warp,
                                  s.generator, p.stochastic, s.eos_token_id)
         beams.keep(s.target, beams.best)
-        return StepResult(beams.best_seq)
+        # each row's most likely beam over its own remaining length (a batch searches to the
+        # longest row's; a search is sequential, so a shorter row's beams are those at its end)
+        return StepResult(beams.best_at(s.row_depths(s.remaining))[0])

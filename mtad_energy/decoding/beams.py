@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mtad_energy.decoding.base import ModelRunner
 from mtad_energy.decoding.sampling import Warp, gumbel_topk, log_probs, take
@@ -42,6 +43,33 @@ class BeamDraft:
     def best_path_log_q(self) -> torch.Tensor:  # [(B,) D]
         return _pick(self.path_log_q, self.best)
 
+    def best_at(self, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, the beam a search of ``depth[b]`` steps would end with (the highest
+        joint log-prob among the W beams after that step, traced through its ancestors; beam
+        search is sequential, so those are exactly the beams it would hold):
+        ``(tokens [B, D], cumulative log ~q [B, D])``, entries past depth[b] meaningless.
+        ``depth [B]`` in 1..D; all D gives `best_seq` and `best_path_log_q`."""
+        width, full = self.tokens.shape[-1], self.tokens.shape[-2]
+        d = (depth - 1)[:, None, None]  # [B, 1, 1]
+        at_d = self.log_q.gather(1, d.expand(-1, 1, width))[:, 0]  # [B, W]
+        w = at_d.argmax(-1)  # [B]: first index on ties, as `best`
+        lin = lineage(self.parents)  # [B, D, W, D]
+        path = lin.gather(1, d[..., None].expand(-1, 1, width, full))[:, 0]  # [B, W, D]
+        path = path.gather(1, w[:, None, None].expand(-1, 1, full))[:, 0]  # [B, D]: node per depth
+        return (self.tokens.gather(2, path[..., None])[..., 0],
+                self.log_q.gather(2, path[..., None])[..., 0])
+
+    def keep_closest(self, runner: ModelRunner, tokens: torch.Tensor, n: torch.Tensor
+                     ) -> torch.Tensor:
+        """Keep, per sequence, the final beam sharing the longest prefix with ``tokens[b, :n[b]]``
+        (``tokens [B, D]``, the emitted draft) in the runner's rows, and return that common
+        prefix's length ``[B]``: the draft cache is valid up to the sequence plus that many."""
+        valid = torch.arange(tokens.shape[-1], device=n.device)[None] < n[:, None]  # [B, D]
+        lcp = ((self.seqs == tokens[:, None]) & valid[:, None]).long().cumprod(2).sum(2)  # [B, W]
+        row = lcp.argmax(1)  # [B]
+        self.keep(runner, row)
+        return lcp.gather(1, row[:, None])[:, 0]
+
     def keep(self, runner: ModelRunner, beam: torch.Tensor) -> None:
         """Shrink the runner's W rows per sequence back to final beam ``beam [(B,)]``."""
         if self.tokens.shape[-2] > 1:  # depth 1 never expanded the cache
@@ -53,6 +81,20 @@ class BeamDraft:
         """The one sequence of a batch of 1, without the batch dim."""
         return BeamDraft(*(x[0] for x in (self.tokens, self.parents, self.log_q, self.seqs,
                                           self.path_log_q, self.best)))
+
+
+def lineage(parents: torch.Tensor) -> torch.Tensor:
+    """``lin [(B,) D, W, D]``: ``lin[..., d, b, e]`` = index at depth e of the ancestor of node
+    (d, b) (itself at e = d); entries with e > d are 0 and meaningless. parents: ``[(B,) D, W]``."""
+    depth, width = parents.shape[-2:]
+    own = torch.arange(width, device=parents.device).expand(parents.shape[:-2] + (width,))
+    own = own[..., None]  # [(B,) W, 1]
+    lin = [own]
+    for d in range(1, depth):  # D tiny gathers; no host sync
+        prev, par = lin[-1], parents[..., d, :, None]  # [(B,) W, d], [(B,) W, 1]
+        lin.append(torch.cat([prev.gather(-2, par.expand(par.shape[:-1] + prev.shape[-1:])),
+                              own], -1))
+    return torch.stack([F.pad(x, (0, depth - x.shape[-1])) for x in lin], -3)
 
 
 def _pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ to BiLD) and one for the rollback position.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -54,28 +53,29 @@ class BildParams(DecoderParams):
         require(self.max_draft >= 1, f"max_draft must be >= 1, got {self.max_draft}")
 
 
-def draft_until_unsure(draft: ModelRunner, pending: torch.Tensor, cap: int, fallback: float,
-                       warp: Warp, generator: torch.Generator,
+def draft_until_unsure(draft: ModelRunner, pending: torch.Tensor, caps: list[int],
+                       fallback: float, warp: Warp, generator: torch.Generator,
                        counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-    """BiLD's fallback policy per sequence: sample from ~q while max ~q >= fallback, at most cap
-    tokens, after feeding ``pending [B, k]`` (row b's last counts[b] tokens real).
+    """BiLD's fallback policy per sequence: sample from ~q while max ~q >= fallback, at most
+    caps[b] tokens for row b (0: a row that drafts nothing, e.g. one that is done), after
+    feeding ``pending [B, k]`` (row b's last counts[b] tokens real).
 
     Returns ``(tokens [B, M], lengths)``: row b's draft is ``tokens[b, :lengths[b]]``,
-    0 <= lengths[b] <= cap (0: the target takes over at once); M = max(lengths). Rows keep
+    0 <= lengths[b] <= caps[b] (0: the target takes over at once); M = max(lengths). Rows keep
     drafting (their extra tokens ignored) while another row is still sure.
     """
     rows = pending.shape[0]
     tokens: list[torch.Tensor] = []
     lengths = [0] * rows
-    sure = [True] * rows
+    sure = [c > 0 for c in caps]
     q = warp.probs(draft(pending, counts)[:, -1])  # [B, V]
-    for i in range(cap):
+    for i in range(max(caps, default=0)):
         if i:
             q = warp.probs(draft(tokens[-1][:, None])[:, -1])
         # the fallback decision is data-dependent control flow: one read-back per draft token
         confident = (q.amax(-1) >= fallback).tolist()
-        sure = [a and c for a, c in zip(sure, confident, strict=True)]
-        if not any(sure):  # every draft is unsure here: the target decides
+        sure = [a and c and i < cap for a, c, cap in zip(sure, confident, caps, strict=True)]
+        if not any(sure):  # every draft is unsure here (or at its cap): the target decides
             break
         tokens.append(sample(q, generator))
         lengths = [n + s for n, s in zip(lengths, sure, strict=True)]
@@ -103,10 +103,9 @@ class Bild(Decoder):
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
-        cap = self.draft_len(s)
         pending, counts = s.draft_feed()
-        draft, lengths = draft_until_unsure(s.draft, pending, cap, prm.fallback, warp,
-                                            s.generator, counts)  # [B, M]
+        draft, lengths = draft_until_unsure(s.draft, pending, self.draft_lens(s), prm.fallback,
+                                            warp, s.generator, counts)  # [B, M]
         m = draft.shape[1]
         logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, M+1, V]
         log_p = rollback_log_probs(logits[:, :m], prm.temperature)  # [B, M, V]
@@ -118,7 +117,4 @@ class Bild(Decoder):
         # rollback: replace x_{n+1} by a sample from ~p there; none: bonus token from ~p after x_m
         at = n[:, None, None].expand(-1, 1, logits.shape[-1])
         nxt = sample(warp.probs(logits.gather(1, at).squeeze(1)), s.generator)
-        result = StepResult.block(draft, n, nxt, m)
-        if len(set(lengths)) > 1:  # per-row proposals and depths
-            result = dataclasses.replace(result, proposed=lengths, depth=lengths)
-        return result
+        return StepResult.block(draft, n, nxt, lengths, depth=lengths)  # per row

@@ -61,3 +61,13 @@ def keep_positions(cache: DynamicCache, positions: torch.Tensor) -> None:
         positions = positions.to(layer.keys.device)
         layer.keys = layer.keys.index_select(2, positions)
         layer.values = layer.values.index_select(2, positions)
+
+
+def gather_columns(cache: DynamicCache, order: torch.Tensor) -> None:
+    """Row r keeps positions ``order[r]`` (``[B, T']``, per row; compaction of a batched cache)."""
+    for layer in _layers(cache):
+        order = order.to(layer.keys.device)
+        b, h, _, d = layer.keys.shape
+        idx = order[:, None, :, None].expand(b, h, order.shape[1], d)
+        layer.keys = layer.keys.gather(2, idx)
+        layer.values = layer.values.gather(2, idx)

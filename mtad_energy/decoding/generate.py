@@ -69,6 +69,9 @@ class GenerationStats:
     stop_reason: str  # "eos" | "max_new_tokens"
     draft_depth: int = 0  # sum over iterations of the draftable positions on one path
     mean_accepted_length: float | None = None  # accepted draft tokens per drafting iteration
+    # seconds the first forwards of new shapes took (compiling; on CUDA also recording their
+    # graphs), run untimed and left out of every time above; > 0 means this generation compiled
+    compile_s: float = 0.0
 
 
 @dataclass
@@ -182,6 +185,12 @@ def _of_row(value: int | list[int], b: int) -> int:
     return value[b] if isinstance(value, list) else value
 
 
+def slots_needed(decoder: Decoder, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+    """Cache slots a static cache is sized for: the longest row, plus headroom, as a token tree
+    and a padded verify write past the emitted tokens (so it rarely has to compact)."""
+    return max(prompt_lens) + max_new_tokens + decoder.lookahead + 64
+
+
 PhaseHook = Callable[[str], None]
 """Called with "prefill", "decode" and "end" at the phase boundaries, after the device is synced,
 so a caller can open and close measurement windows without this module knowing about meters."""
@@ -197,19 +206,17 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     rows, or (``compile``) `static.StaticRunner` - different runners under the same loop."""
     roles = [("target", pair.target)] + ([("draft", pair.draft)] if decoder.needs_draft else [])
     if compile:
-        if rows > 1:
-            raise ValueError("compile does not run batches of rows yet; use batch size 1 with "
-                             "compile, or drop compile for batch_size > 1")
-        from mtad_energy.decoding.static import make_runner  # imports the compiler stack
+        from mtad_energy.decoding.static import ForwardShape, make_runner  # the compiler stack
 
         opts = compile if not isinstance(compile, bool) else None
-        runners = [make_runner(model, timer, role, slots, opts) for role, model in roles]
-    elif rows > 1:
-        from mtad_energy.decoding.batch import RowsRunner
-
-        runners = [RowsRunner(model, timer, role, rows) for role, model in roles]
+        key = repr(decoder)
+        runners = [make_runner(model, timer, role, rows, slots, opts,
+                               ForwardShape(key, decoder.cache_rows(role), decoder.lookahead + 1))
+                   for role, model in roles]
     else:
-        runners = [ModelRunner(model, timer, role) for role, model in roles]
+        from mtad_energy.decoding.batch import rows_runner
+
+        runners = [rows_runner(model, timer, role, rows) for role, model in roles]
     return runners[0], (runners[1] if len(runners) > 1 else None)
 
 
@@ -257,10 +264,8 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
     generator = torch.Generator(device=device).manual_seed(seed)
-    # a token tree and a padded verify write past the emitted tokens: headroom, so a static
-    # cache rarely has to grow (and its forwards recompile) mid-generation
-    slots = max(prompt_lens) + max_new_tokens + decoder.lookahead + 64
-    target, draft = _runners(decoder, pair, timer, rows, slots, compile)
+    target, draft = _runners(decoder, pair, timer, rows,
+                             slots_needed(decoder, prompt_lens, max_new_tokens), compile)
     state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
                         generator, pair.eos_token_id)
 
@@ -282,7 +287,12 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     timer.sync()
     t_prefill = time.perf_counter()
     hook("decode")
-    t_decode = time.perf_counter()  # after the hook, so a meter's bookkeeping is not billed to decode
+    runners = [r for r in (target, draft) if r is not None]
+
+    def clock() -> float:  # wall time less the first forwards of new shapes (compiling)
+        return time.perf_counter() - sum(r.compile_s for r in runners)
+
+    t_decode = clock()  # after the hook, so a meter's bookkeeping is not billed to decode
     fwd0 = (target.forwards, draft.forwards if draft else 0)
 
     eos = pair.eos_token_id
@@ -310,11 +320,13 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
                 stop[b] = "eos"
             state.append(b, block[b, :len(token_list)])
             new_tokens[b].extend(token_list)
-            # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted
+            # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted,
+            # and a row never keeps more than its own depth (a batch may draft further)
+            depth = _of_row(result.depth, b)
             counts_per_row[b].append({
                 "emitted": len(token_list), "proposed": _of_row(result.proposed, b),
-                "accepted": min(accepted, len(token_list)), "draft_forwards": fw[1],
-                "target_forwards": fw[0], "draft_depth": _of_row(result.depth, b)})
+                "accepted": min(accepted, len(token_list), depth), "draft_forwards": fw[1],
+                "target_forwards": fw[0], "draft_depth": depth})
             if stop[b] == "eos" or state.row_remaining(b) == 0:
                 state.active[b] = False
                 last_iter[b] = it
@@ -323,27 +335,34 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
         phase_times.append(_draft_target(timer))
         it += 1
         if not any(state.active):
-            bounds.append(time.perf_counter())
+            bounds.append(clock())
             break
         # roll the caches back to the cache invariant: target sees all but the last token
         target.crop_rows([n - 1 for n in state.lengths])
         if draft is not None:
             draft.crop_rows([min(c, n - 1, r[2]) for c, n, r in
                              zip(draft.row_lengths, state.lengths, read, strict=True)])
-        bounds.append(time.perf_counter())
+        bounds.append(clock())
     timer.sync()
-    t_end = time.perf_counter()
+    t_end = clock()
     hook("end")
 
+    compile_s = sum(r.compile_s for r in runners)
     bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode
     splits = [_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1])
               for i in range(it)]
     config = {**decoder.config(), "max_new_tokens": max_new_tokens, "seed": seed}
     if compile:  # the models whose forwards ran compiled (an int8 draft stays eager)
         config["compiled"] = [role for role, r in (("target", target), ("draft", draft))
-                              if r is not None and type(r) is not ModelRunner]
+                              if r is not None and r.compiled]
     if rows > 1:
         config["batch_size"] = rows
+        from mtad_energy.decoding.batch import PerRowRunner
+
+        per_row = [role for role, r in (("target", target), ("draft", draft))
+                   if isinstance(r, PerRowRunner)]
+        if per_row:  # rows not batched, so that each is exactly its batch-1 self
+            config["per_row"] = per_row
     out = []
     for b in range(rows):
         steps = [StepStats(**c, time_draft_s=d, time_target_s=t, time_other_s=o)
@@ -366,7 +385,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             tokens_per_s=len(tokens) / decode_s if decode_s > 0 else float("inf"),
             block_efficiency=len(tokens) / target_fw if target_fw else 0.0,
             acceptance_rate=accepted / depth if depth else None,
-            perplexity=ppl, stop_reason=stop[b], draft_depth=depth,
+            perplexity=ppl, stop_reason=stop[b], draft_depth=depth, compile_s=compile_s,
             mean_accepted_length=accepted / drafting if drafting else None)
         text = pair.tokenizer.decode(tokens, skip_special_tokens=True)
         out.append(Generation(tokens, text, prompt_lens[b], stats, steps,

@@ -17,22 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtad_energy.decoding.base import Decoder, DecodeState, StepResult, target_step
-from mtad_energy.decoding.beams import beam_sample_rows
+from mtad_energy.decoding.base import Decoder, DecodeState, StepResult, cap_per_row, target_step
+from mtad_energy.decoding.beams import beam_sample_rows, lineage
 from mtad_energy.decoding.mtad import MtadParams
 from mtad_energy.decoding.sampling import sample, take
 from mtad_energy.decoding.tree import ancestors, tree_forward
-
-
-def lineage(parents: torch.Tensor) -> torch.Tensor:
-    """``lin [D, W, D]``: ``lin[d, b, e]`` = index at depth e of the ancestor of node (d, b)
-    (itself at e = d); entries with e > d are 0 and meaningless. parents: ``[D, W]``."""
-    depth, width = parents.shape
-    own = torch.arange(width, device=parents.device)[:, None]  # [W, 1]
-    lin = [own]
-    for d in range(1, depth):  # D tiny gathers; no host sync
-        lin.append(torch.cat([lin[-1][parents[d]], own], 1))  # [W, d+1]
-    return torch.stack([F.pad(x, (0, depth - x.shape[1])) for x in lin])
 
 
 def mmtad_select(log_p_tok: torch.Tensor, log_q: torch.Tensor, parents: torch.Tensor,
@@ -73,11 +62,15 @@ class Mmtad(Decoder):
     def lookahead(self) -> int:
         return self.params.gamma
 
+    def cache_rows(self, role: str) -> int:
+        return self.params.beam_width if role == "draft" else 1
+
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
         width = prm.beam_width
-        gamma = self.draft_len(s)
+        lens = self.draft_lens(s)
+        gamma = max(lens)
         if gamma == 0:
             return target_step(s, warp)
         pending, counts = s.draft_feed()
@@ -96,10 +89,15 @@ class Mmtad(Decoder):
         # p at each node's parent, of the node's token: the node's conditional log ~p
         at_parent = p.gather(1, flat_par[:, 1:, None].expand(-1, -1, p.shape[-1]))
         log_p_tok = at_parent.gather(2, tokens[:, 1:, None]).squeeze(2).log()
-        chosen = [mmtad_select(lp.view(gamma, width), lq, par, best, prm.log_tau)
-                  for lp, lq, par, best in zip(log_p_tok, beams.log_q, beams.parents,
-                                               beams.best, strict=True)]  # B tiny selections
-        eta, b, path = (torch.stack(x) for x in zip(*chosen, strict=True))  # [B], [B], [B, D]
+        # B tiny selections, each over the row's own depth g (its search alone stops there;
+        # y* is then the best beam at depth g); a row that is done takes any depth
+        chosen = [mmtad_select(lp.view(gamma, width)[:g], lq[:g], par[:g], lq[g - 1].argmax(),
+                               prm.log_tau)
+                  for lp, lq, par, g in zip(log_p_tok, beams.log_q, beams.parents,
+                                            [max(n, 1) for n in lens], strict=True)]
+        eta, b = (torch.stack(x) for x in list(zip(*chosen, strict=True))[:2])  # [B], [B]
+        eta = cap_per_row(eta, lens)  # a row with no draft of its own takes its token from p
+        path = torch.stack([F.pad(c[2], (0, gamma - c[2].shape[0])) for c in chosen])  # [B, D]
         d_idx = torch.arange(gamma, device=dev)
         path_tok = beams.tokens.gather(2, path[:, :, None]).squeeze(2)  # [B, D]: first eta kept
         node = torch.where(eta > 0, 1 + (eta - 1) * width + b, 0)  # [B]
@@ -107,14 +105,10 @@ class Mmtad(Decoder):
                      s.generator)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
-        valid = d_idx[None] < eta[:, None]  # [B, D]
-        lcp = ((beams.seqs == path_tok[:, None]) & valid[:, None]).long().cumprod(2).sum(2)
-        row = lcp.argmax(1)  # [B]
-        beams.keep(s.draft, row)
+        kept = beams.keep_closest(s.draft, path_tok, eta)
         # target: keep the path's node at every depth; the loop crops to the accepted eta
         path_nodes = 1 + d_idx[None] * width + path  # [B, D]
         s.target.keep_tree(1 + gamma * width,
                            torch.cat([path_nodes.new_zeros(rows, 1), path_nodes], 1))
-        lcp_row = lcp.gather(1, row[:, None]).squeeze(1)
-        return StepResult.block(path_tok, eta, nxt, gamma * width,
-                                draft_cache_len=s.lengths_on_device() + lcp_row)
+        return StepResult.block(path_tok, eta, nxt, [n * width for n in lens],
+                                s.lengths_on_device() + kept, depth=lens)

@@ -22,6 +22,7 @@ from mtad_energy.decoding.base import (
     param,
     require,
     target_step,
+    to_device,
 )
 from mtad_energy.decoding.beams import beam_sample_rows
 from mtad_energy.decoding.sampling import sample
@@ -54,34 +55,45 @@ class Mtad(Decoder):
     def lookahead(self) -> int:
         return self.params.gamma
 
+    def cache_rows(self, role: str) -> int:
+        return self.params.beam_width if role == "draft" else 1
+
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
-        gamma = self.draft_len(s)
+        lens = self.draft_lens(s)
+        gamma = max(lens)
         if gamma == 0:
             return target_step(s, warp)
         pending, counts = s.draft_feed()
         beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
                                  counts=counts)
-        beams.keep(s.draft, beams.best)
-        y = beams.best_seq  # [B, gamma]
+        # y*: each row's best beam at its own depth (what its search alone would end with); a
+        # row with no draft of its own (one token left) accepts nothing: its token is from p
+        depth = to_device(lens, pending.device)  # [B]
+        y, cum_log_q = beams.best_at(depth.clamp_min(1))  # [B, gamma]
         p = warp.probs(s.target(torch.cat([s.last_token, y], 1)))  # [B, gamma+1, V]
-        eta, nxt = mtad_verify(p, y, beams.best_path_log_q, prm.log_tau, s.generator)  # [B]
-        return StepResult.block(y, eta, nxt, gamma)
+        eta, nxt = mtad_verify(p, y, cum_log_q, prm.log_tau, s.generator, depth)  # [B]
+        kept = beams.keep_closest(s.draft, y, eta)  # the draft cache holds y*_1..y*_kept
+        return StepResult.block(y, eta, nxt, lens, s.lengths_on_device() + kept, depth=lens)
 
 
 def mtad_verify(p: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor, log_tau: float,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None = None, depth: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """MTAD verification of one draft, or of B (leading ``[B]`` dims).
 
     p: ``[..., gamma+1, V]`` warped target after each draft prefix; y: ``[..., gamma]`` draft
-    tokens; cum_log_q: ``[..., gamma]`` cumulative warped draft log-prob of y_1..y_j. Returns
-    ``(eta, next)``, each ``[...]``: the accepted length and a token sampled from p after
-    y_1..y_eta.
+    tokens; cum_log_q: ``[..., gamma]`` cumulative warped draft log-prob of y_1..y_j; depth
+    ``[...]``: only y_1..y_depth are a draft (default: all gamma). Returns ``(eta, next)``, each
+    ``[...]``: the accepted length and a token sampled from p after y_1..y_eta.
     """
     gamma = y.shape[-1]
     log_q = torch.diff(cum_log_q, prepend=torch.zeros_like(cum_log_q[..., :1]))  # log ~q(y_i)
     log_p = p[..., :gamma, :].gather(-1, y[..., None]).squeeze(-1).log()
+    if depth is not None:  # positions past a row's own draft never pass
+        past = torch.arange(gamma, device=y.device) >= depth[..., None]
+        log_p = log_p.masked_fill(past, float("-inf"))
     eta = joint_accept_length(log_p, log_q, log_tau)
     at = eta[..., None, None].expand(*eta.shape, 1, p.shape[-1])
     return eta, sample(p.gather(-2, at).squeeze(-2), generator)

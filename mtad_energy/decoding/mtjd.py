@@ -30,6 +30,9 @@ class Mtjd(Decoder):
     Params = MtjdParams
     batched = True
 
+    def cache_rows(self, role: str) -> int:
+        return self.params.beam_width if role == "target" and self.params.k > 1 else 1
+
     def step(self, s: DecodeState) -> StepResult:
         p = self.params
         # K=1 is multinomial sampling (the paper): one token drawn from ~p, no beam to pick from
@@ -37,4 +40,5 @@ class Mtjd(Decoder):
         beams = beam_sample_rows(s.target, s.last_token, min(p.k, s.remaining), width, p.warp,
                                  s.generator, p.stochastic, s.eos_token_id)
         beams.keep(s.target, beams.best)
-        return StepResult(beams.best_seq)
+        # a row with fewer tokens left decodes them jointly: its best beam at its own depth
+        return StepResult(beams.best_at(s.row_depths(min(p.k, s.remaining)))[0])

@@ -56,11 +56,12 @@ class SpeculativeDecoding(Decoder):
 
     def step(self, s: DecodeState) -> StepResult:
         warp = self.params.warp
-        gamma = self.draft_len(s)
+        lens = self.draft_lens(s)  # per row; lossless: a longer batch draft changes no row's law
+        gamma = max(lens)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         pending, counts = s.draft_feed()
         draft, q = draft_chain(s.draft, pending, gamma, warp, s.generator, counts)  # [B, gamma]
         p = warp.probs(s.target(torch.cat([s.last_token, draft], 1)))  # [B, gamma+1, V]
         n, nxt = speculative_accept(p, q, draft, s.generator)  # [B], [B]
-        return StepResult.block(draft, n, nxt, gamma)
+        return StepResult.block(draft, n, nxt, lens, depth=lens)

@@ -49,9 +49,14 @@ class SpecInferParams(DecoderParams):
         require(len(branching) >= 1, "branching must name at least one level, e.g. 4,2,2")
         require(all(b >= 1 for b in branching),
                 f"every branching factor must be >= 1, got {branching}")
-        nodes = sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
+        nodes = tree_nodes(branching)
         require(nodes <= MAX_TREE_NODES, f"branching {branching} gives {nodes} tree nodes; at "
                 f"most {MAX_TREE_NODES} fit one verification forward")
+
+
+def tree_nodes(branching: tuple[int, ...]) -> int:
+    """Nodes of a static tree (4, 2, 2: 4 + 8 + 16 = 28)."""
+    return sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
 
 
 @lru_cache(maxsize=32)
@@ -113,7 +118,8 @@ class SpecInfer(Decoder):
 
     def step(self, s: DecodeState) -> StepResult:
         warp = self.params.warp
-        branching = self.params.branching[:self.draft_len(s)]
+        lens = self.draft_lens(s)  # per row: tree depth it would draft alone (lossless)
+        branching = self.params.branching[:max(lens)]
         if not branching:  # one token left: no point drafting
             return target_step(s, warp)
         anc_d, anc_t = tree_structure(branching, s.ids.device)
@@ -131,4 +137,5 @@ class SpecInfer(Decoder):
         s.target.keep_tree(1 + n_nodes, torch.cat([path.new_zeros(path.shape[0], 1), 1 + path],
                                                   1))
         s.draft.keep_tree(q.shape[1] - 1, path[:, :len(branching) - 1])  # internal nodes fed
-        return StepResult.block(tokens.gather(1, path), depth, nxt, n_nodes)
+        nodes = [tree_nodes(self.params.branching[:n]) for n in lens]
+        return StepResult.block(tokens.gather(1, path), depth, nxt, nodes, depth=lens)

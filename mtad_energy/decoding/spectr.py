@@ -76,9 +76,13 @@ class Spectr(Decoder):
     def lookahead(self) -> int:
         return self.params.gamma
 
+    def cache_rows(self, role: str) -> int:
+        return self.params.num_drafts
+
     def step(self, s: DecodeState) -> StepResult:
         warp, k = self.params.warp, self.params.num_drafts
-        gamma = self.draft_len(s)
+        lens = self.draft_lens(s)  # per row (lossless: a longer batch draft changes no law)
+        gamma = max(lens)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         pending, counts = s.draft_feed()
@@ -103,4 +107,4 @@ class Spectr(Decoder):
                 s.draft.select_rows(keep)
         kept = drafts.gather(1, row[:, None, None].expand(-1, 1, gamma)).squeeze(1)  # [B, gamma]
         # proposed = every draft token shown to the target (k * gamma), as for tree decoders
-        return StepResult.block(kept, n, nxt, k * gamma)
+        return StepResult.block(kept, n, nxt, [k * g for g in lens], depth=lens)

@@ -1,46 +1,74 @@
 """The compiled path: a static KV cache the runner writes at its own position, and a forward
-compiled once per shape (gpt-fast style), under the same generate loop and decoders.
+compiled once per shape (gpt-fast style), under the same generate loop and decoders, for one
+sequence or a batch of rows.
 
-`StaticRunner` has `ModelRunner`'s interface. Differences, all inside it:
+`StaticRunner` has `ModelRunner`'s interface and `batch.RowLayout`'s layout (columns shared by
+the rows, a per-row validity mask, compaction). Differences from the eager runners, all inside:
 
-* the KV cache is preallocated ``[rows, H_kv, L, D]`` per layer (`SlotCache`); a forward of k
-  tokens writes slots ``start .. start+k-1`` where ``start`` is a 0-d device tensor the runner
-  sets from its host-side length, so **rollback is moving the write position** (nothing is
-  freed or copied) and slots past it are masked out;
-* every forward gets an explicit 4-D additive mask over all L slots (built inside the compiled
-  graph for a chain: slot j is visible to query i iff ``j <= start + i``; given by the caller for a
-  token tree) and explicit position ids; transformers returns a 4-D mask as-is, so the model
+* the KV cache is preallocated ``[R, H_kv, L, D]`` per layer, with a bool ``valid [R, L]``
+  (`SlotCache`); a forward of k tokens writes slots ``start .. start+k-1`` where ``start`` is a
+  0-d device tensor the runner sets from its host-side column count, so **rollback is
+  invalidating columns and moving the write position** (nothing is freed or copied);
+* the rows are padded to a **bucket** (1, 2, 4, 8, ... sequences, times the rows a sequence
+  expands to: beams, Spectr's drafts), so a sweep over batch sizes compiles a bounded number of
+  graphs; padding rows hold no valid column and see only their own token; rows that finish
+  keep riding in their slot;
+* every forward builds its 4-D additive mask and position ids inside the compiled graph from
+  ``valid`` and ``start`` (a chain: row r's query i sees r's valid columns up to ``start + i``;
+  a token tree: r's valid columns before the tree plus the node's ancestors) and writes which
+  of its columns are real into ``valid``; transformers returns a 4-D mask as-is, so the model
   code never asks the cache for its length and the graph has no data-dependent shapes;
 * ``torch.compile(dynamic=False)`` specialises on the input shape: one graph per (rows, k, L)
-  the loop uses - draft step, catch-up, verify of gamma+1, a tree of N nodes - compiled on first
-  use; with ``mode="reduce-overhead"`` on CUDA each graph is replayed as a CUDA graph;
-* keeping beam rows is an in-place gather into the first rows; keeping a tree path is an
-  in-place gather of the path's slots to just after the prefix.
+  the loop uses. A chain forward of k > 2 tokens runs at the decoder's widest chain width
+  (``ForwardShape.max_chain``: its verify of gamma + 1) and a tree at the widest tree of the
+  same decoder and shape seen so far, the extra tokens invalid; so a generation's shorter
+  last verifies never need a new graph, and each decoder pads only to its own widths;
+* the first forward of a shape on a cache (compiling, and on CUDA recording its CUDA graph)
+  runs untimed before the timed one, and its seconds are kept apart (`compile_s`): the loop's
+  clock skips them, and `Generation.stats.compile_s` reports them;
+* dead columns are reclaimed by compaction when the next forward would not fit.
 
-The compiled forward and its buffers live in a `StaticEngine` per (model, role) that outlives a
-generation, so later generations reuse the graphs; the buffers grow (to the next power of two)
-only when a generation needs more rows or slots, and the next forward then compiles again.
-The prefill runs the same function uncompiled (its length differs per prompt).
+The compiled forward and its cache live in a `StaticEngine` per (model, role) that outlives a
+generation, so later generations reuse the graphs (and the cache, when they need the same rows
+and slots). The prefill runs the same function uncompiled (its length differs per prompt).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer, additive_mask, tree_inputs
+from mtad_energy.decoding.base import ModelRunner, PhaseTimer, additive_mask, to_device
+from mtad_energy.decoding.batch import RowLayout, rows_runner
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
 
 MIN_SLOTS = 256
 
 
-def _bucket(n: int) -> int:
+def slot_bucket(n: int) -> int:
     """The power of two >= n (at least MIN_SLOTS): prompts of similar length share graphs."""
     return max(MIN_SLOTS, 1 << (max(n, 1) - 1).bit_length())
+
+
+def row_bucket(n: int) -> int:
+    """The power of two >= n: a batch of n sequences runs padded to it (1, 2, 4, ... 128)."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """What a decoder tells the compiled runner of one of its models up front."""
+
+    key: str = ""  # the decoder (name and parameters): tree widths are remembered per key
+    rows_per_seq: int = 1  # cache rows a sequence expands to at most (beams, Spectr's drafts)
+    max_chain: int = 1  # widest chain forward (a verify of gamma + 1 tokens)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -82,7 +110,8 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SlotCache(Cache):
-    """The static cache of one model: a `SlotLayer` per decoder layer, one shared ``start``."""
+    """The static cache of one model: a `SlotLayer` per decoder layer, one shared ``start``,
+    and ``valid [rows, L]`` (row r holds slot j)."""
 
     def __init__(self, model, rows: int, slots: int, device: torch.device):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
@@ -91,40 +120,69 @@ class SlotCache(Cache):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.start = torch.zeros((), dtype=torch.long, device=device)
+        self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
         shape = (rows, heads, slots, head_dim)
         layers = [SlotLayer(self.start, torch.zeros(shape, dtype=dtype, device=device),
                             torch.zeros(shape, dtype=dtype, device=device))
                   for _ in range(cfg.num_hidden_layers)]
         super().__init__(layers=layers)
+        # the forward shapes already run (compiled, and on CUDA recorded) on these buffers
+        self.warmed: set[tuple] = set()
         if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may mutate them
-            for t in (self.start, *(x for layer in layers for x in (layer.keys, layer.values))):
+            for t in (self.start, self.valid, *self.buffers()):
                 torch._dynamo.mark_static_address(t)
+
+    def buffers(self):
+        for layer in self.layers:
+            yield layer.keys
+            yield layer.values
 
     @property
     def rows(self) -> int:
-        return self.layers[0].keys.shape[0]
+        return self.valid.shape[0]
 
     @property
     def slots(self) -> int:
-        return self.layers[0].keys.shape[2]
+        return self.valid.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
-def _forward(model, cache: SlotCache, input_ids: torch.Tensor,
-             position_ids: torch.Tensor | None = None,
-             allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """``input_ids [B, k]`` -> float32 logits ``[B, k, V]``, written at slots start.. of ``cache``.
+def _forward(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+             anc: torch.Tensor | None = None, depths: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """``input_ids [r, k]`` -> float32 logits ``[r, k, V]``, written at slots start.. of the
+    cache's first r rows; ``new [r, k]`` (bool) says which tokens are real (a row's left
+    padding, padded widths and padding rows are not: they see only themselves and stay invalid).
 
-    position_ids ``[1, k]`` and allowed ``[k, L]`` (bool: query i sees slot j) default to a
-    chain: positions ``start + i`` and slots ``j <= start + i``.
+    A chain (``anc`` None): row r's token i sits at position (r's valid columns before start) +
+    (its real tokens up to i) - 1 and sees r's valid columns up to slot start + i. A token tree:
+    ``anc [1 or r, k, M + k]`` (node i sees tree node j; the M earlier nodes are the M columns
+    before start) and ``depths [1 or r, k]``: node i sees r's valid columns before the tree and
+    its ancestors, at position (r's prefix length) + depth - 1.
     """
-    k = input_ids.shape[1]
-    if position_ids is None:
-        position_ids = (cache.start + torch.arange(k, device=input_ids.device))[None]  # [1, k]
-    if allowed is None:
-        slots = torch.arange(cache.slots, device=input_ids.device)
-        allowed = slots[None, :] <= position_ids[0, :, None]  # [k, L]
-    mask = additive_mask(allowed, cache.layers[0].keys.dtype)  # [1, 1, k, L]
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+    r, k = input_ids.shape
+    dev = input_ids.device
+    start = cache.start
+    cols = torch.arange(cache.slots, device=dev)  # [L]
+    slots = start + torch.arange(k, device=dev)  # [k]
+    valid = cache.valid[:r]  # [r, L]
+    count = (valid & (cols < start)).sum(1)  # [r]: valid columns before the new ones
+    valid.index_copy_(1, slots, new)
+    if anc is None:
+        pos = (count[:, None] + new.long().cumsum(1) - 1).clamp_min(0)  # [r, k]
+        allowed = (valid[:, None, :] & (cols <= slots[:, None])) | (cols == slots[:, None])
+    else:
+        m = anc.shape[-1] - k
+        tree_cols = start - m + torch.arange(m + k, device=dev)  # [M + k]
+        tree = torch.zeros(r, k, cache.slots, dtype=torch.bool, device=dev).index_copy(
+            2, tree_cols, anc.expand(r, k, m + k))
+        allowed = (valid & (cols < start - m))[:, None, :] | tree  # [r, k, L]
+        pos = ((count - m - 1)[:, None] + depths).clamp_min(0)
+    mask = additive_mask(allowed, cache.layers[0].keys.dtype)  # [r, 1, k, L]
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
                 past_key_values=cache, use_cache=True)
     return out.logits.float()
 
@@ -139,6 +197,11 @@ class CompileOptions:
     # graphs the compiled forward may hold (dynamo counts them per code object, and every
     # engine compiles the same function: shapes x buffer sizes x models); dynamo's default is 8
     recompile_limit: int = 256
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    return counters["stats"]["unique_graphs"]
 
 
 class StaticEngine:
@@ -164,43 +227,49 @@ class StaticEngine:
         # them per layer index), slower than eager; better an error naming the cause
         self.compiled = torch.compile(_forward, backend=options.backend, mode=mode,
                                       dynamic=False, fullgraph=True)
-        self.cache: SlotCache | None = None
-        self._widths: set[tuple[int, int]] = set()  # (rows, tokens) of the compiled forwards
+        # (rows, slots) -> cache: decoders that expand to other row counts (beams, drafts) keep
+        # their own buffers, so alternating between them neither reallocates nor, on CUDA,
+        # re-records graphs; `release` frees them
+        self.caches: dict[tuple[int, int], SlotCache] = {}
+        # (decoder key, rows, earlier tree nodes) -> tree widths run so far
+        self.tree_widths: dict[tuple[str, int, int], set[int]] = {}
 
-    def width_for(self, rows: int, k: int) -> int:
-        """The width to run a forward of k tokens at: k itself for a draft step or catch-up
-        (k <= 2) or when no wider forward of these rows was compiled yet; otherwise the
-        narrowest compiled width >= k, the input padded. So the shorter drafts of a
-        generation's last iterations (gamma shrinks to what is still wanted) reuse the full
-        verify's graph instead of compiling new shapes in the middle of a measurement: the first
-        verify of a generation is the widest, and a warm-up generation has compiled it."""
-        if k <= 2:
-            return k
-        wider = [w for r, w in self._widths if r == rows and w >= k]
-        if wider:
-            return min(wider)
-        self._widths.add((rows, k))
-        return k
+    @property
+    def warm_calls(self) -> int:
+        """Untimed calls of a new shape: compile (CUDA graphs: warm up, record, replay once)."""
+        return 3 if self.mode == "reduce-overhead" else 1
 
-    def reserve(self, rows: int, slots: int) -> SlotCache:
-        """The cache, grown (keeping its contents) when it has fewer rows or slots than asked."""
-        old = self.cache
-        if old is not None and old.rows >= rows and old.slots >= slots:
-            return old
-        rows = max(rows, old.rows if old else 1)
-        new = SlotCache(self.model, rows, _bucket(max(slots, old.slots if old else 0)),
-                        self.device)
-        if old is not None:
-            for a, b in zip(old.layers, new.layers, strict=True):
-                b.keys[:a.keys.shape[0], :, :a.keys.shape[2]] = a.keys
-                b.values[:a.values.shape[0], :, :a.values.shape[2]] = a.values
-        self.cache = new
+    def cache_for(self, rows: int, slots: int) -> SlotCache:
+        """A cache of exactly ``rows`` rows and ``slot_bucket(slots)`` slots, emptied (its graphs'
+        buffers: the same shape always gets the same cache)."""
+        key = (rows, slot_bucket(slots))
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = SlotCache(self.model, *key, self.device)
+        cache.valid.zero_()
+        return cache
+
+    def grow(self, cache: SlotCache, slots: int) -> SlotCache:
+        """``cache`` with at least ``slots`` slots, its contents kept (mid-generation)."""
+        new = self.cache_for(cache.rows, slots)
+        for a, b in zip(cache.buffers(), new.buffers(), strict=True):
+            b[:, :, :a.shape[2]] = a
+        new.valid[:, :cache.slots] = cache.valid
+        new.start.copy_(cache.start)
         return new
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                allowed: torch.Tensor | None, compiled: bool = True) -> torch.Tensor:
+    def release(self) -> None:
+        """Free every cache (the graphs stay compiled; a later cache of a shape seen before
+        compiles nothing, and on CUDA records its graphs again, untimed)."""
+        self.caches.clear()
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
+
+    def forward(self, cache: SlotCache, args: tuple, compiled: bool = True) -> torch.Tensor:
         fn = self.compiled if compiled else _forward
-        logits = fn(self.model, self.cache, input_ids, position_ids, allowed)
+        logits = fn(self.model, cache, *args)
         # a CUDA graph's outputs are overwritten by its next replay
         if compiled and self.mode == "reduce-overhead":
             return logits.clone()
@@ -236,6 +305,13 @@ def engine_for(model, role: str, device: torch.device,
     return eng
 
 
+def release_engines() -> None:
+    """Free the static caches of every engine (between the batch sizes of a sweep, say)."""
+    for per_model in list(_ENGINES.values()):
+        for eng in per_model.values():
+            eng.release()
+
+
 def check_static_support(model) -> None:
     """Raise NotImplementedError naming the architecture if its forwards cannot run on a
     `SlotCache` (a custom 4-D mask and explicit position ids, as token trees need)."""
@@ -250,100 +326,201 @@ def check_static_support(model) -> None:
             f"with attn_implementation {' or '.join(sorted(TREE_ATTN))}. Run without --compile.")
 
 
-def make_runner(model, timer: PhaseTimer, phase: str, slots: int,
-                options: CompileOptions | None = None) -> ModelRunner:
-    """A `StaticRunner` for ``model``, or the eager `ModelRunner` (with a warning naming why)
-    for a model that cannot compile."""
+def make_runner(model, timer: PhaseTimer, phase: str, rows: int, slots: int,
+                options: CompileOptions | None = None,
+                shape: ForwardShape | None = None) -> ModelRunner:
+    """A `StaticRunner` for ``model`` and ``rows`` sequences, or the eager runner (with a
+    warning naming why) for a model that cannot compile."""
     why = eager_reason(model)
     if why is None:
-        return StaticRunner(model, timer, phase, slots, options)
+        return StaticRunner(model, timer, phase, slots, options, rows, shape)
     warnings.warn(f"compile ({phase}): {why}", stacklevel=3)
-    return ModelRunner(model, timer, phase)
+    return rows_runner(model, timer, phase, rows)
 
 
-class StaticRunner(ModelRunner):
-    """`ModelRunner` over a `StaticEngine`: same interface, static cache, compiled forwards."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StaticRunner(RowLayout, ModelRunner):
+    """`ModelRunner` over a `StaticEngine`: same interface, static cache, compiled forwards, for
+    ``seqs`` sequences padded to their bucket (see the module docstring)."""
+
+    compiled = True
 
     def __init__(self, model, timer: PhaseTimer, phase: str, slots: int,
-                 options: CompileOptions | None = None):
+                 options: CompileOptions | None = None, seqs: int = 1,
+                 shape: ForwardShape | None = None):
         check_static_support(model)
         self.model = model
         self.forwards = 0
+        self.compile_s = 0.0  # seconds of first forwards of a shape (compiling), untimed
         self._timer = timer
         self._phase = phase
-        device = next(model.parameters()).device
-        self.engine = engine_for(model, phase, device, options)
-        self.engine.reserve(1, slots)
-        self.n = 0  # slots in use (host side: set by forwards, crops and gathers)
-        self.rows = 1
+        self.shape = shape or ForwardShape()
+        self.device = next(model.parameters()).device
+        self.engine = engine_for(model, phase, self.device, options)
+        bucket = row_bucket(seqs)
+        self._init_layout(seqs, pad=bucket - seqs)
+        self.cache = self.engine.cache_for(bucket * self.shape.rows_per_seq, slots)
+        self.n = 0  # columns in use (host side: set by forwards, cuts and compaction)
 
+    # -- RowLayout storage ---------------------------------------------------------------------
     @property
-    def cache(self) -> SlotCache:
-        return self.engine.cache
+    def _rows(self) -> int:
+        return (len(self.cols) + self.pad) * self.width
 
-    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-             allowed: torch.Tensor | None, compiled: bool) -> torch.Tensor:
-        b, k = input_ids.shape
-        width = self.engine.width_for(b, k) if compiled else k
-        cache = self.engine.reserve(b, self.n + width)
-        if width > k:  # pad with copies of the last token: written past n, masked, overwritten
-            pad = width - k
-            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(b, pad)], 1)
-            if position_ids is not None:
-                position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(1, pad)], 1)
-            if allowed is not None:
-                allowed = torch.cat([allowed, allowed[-1:].expand(pad, -1)], 0)
-        if allowed is not None and allowed.shape[1] != cache.slots:  # [w, n+k] -> [w, L]
-            allowed = torch.cat([allowed, allowed.new_zeros(width, cache.slots - allowed.shape[1])],
-                                1)
-        cache.start.fill_(self.n)
+    def _valid(self) -> torch.Tensor:
+        return self.cache.valid[:self._rows, :self.n]
+
+    def _set_valid(self, valid: torch.Tensor) -> None:
+        self.cache.valid[:self._rows, :self.n] = valid
+
+    def _cut(self, end: int) -> None:
+        self.cache.valid[:, end:self.n] = False
+        self.n = end
+
+    def _gather_columns(self, order: torch.Tensor) -> None:
+        r, keep = order.shape
+        for buf in self.cache.buffers():
+            idx = order[:, None, :, None].expand(r, buf.shape[1], keep, buf.shape[3])
+            buf[:r, :, :keep] = buf[:r, :, :self.n].gather(2, idx)
+        self.cache.valid[:r, :keep] = self.cache.valid[:r, :self.n].gather(1, order)
+        self.cache.valid[:, keep:self.n] = False
+        self.n = keep
+
+    # -- forwards ------------------------------------------------------------------------------
+    def _width(self, rows: int, k: int, m: int | None) -> int:
+        """The width to run a forward of k tokens at (see the module docstring)."""
+        if m is None:
+            return k if k <= 2 else max(k, self.shape.max_chain)
+        seen = self.engine.tree_widths.setdefault((self.shape.key, rows, m), set())
+        wider = [w for w in seen if w >= k]
+        if wider:
+            return min(wider)
+        seen.add(k)
+        return k
+
+    def _fit(self, width: int) -> None:
+        """Room for ``width`` more columns: compact, and grow only if that is not enough."""
+        if self.n + width <= self.cache.slots:
+            return
+        self.compact()
+        if self.n + width > self.cache.slots:
+            self.cache = self.engine.grow(self.cache, self.n + width)
+
+    def _run(self, input_ids: torch.Tensor, new: torch.Tensor | None,
+             anc: torch.Tensor | None = None, depths: torch.Tensor | None = None,
+             compiled: bool = True) -> torch.Tensor:
+        rows, k = input_ids.shape
+        total = self._rows
+        m = None if anc is None else anc.shape[-1] - k
+        width = self._width(total, k, m) if compiled else k
+        self._fit(width)
+        grow = (0, width - k, 0, total - rows)  # pad: tokens right, rows below
+        real = new if new is not None else input_ids.new_ones(input_ids.shape, dtype=torch.bool)
+        # contiguous copies: dynamo guards on strides, and a slice of the ids buffer has the
+        # buffer's (which grows with the prompt)
+        dense = torch.contiguous_format
+        args: tuple = (F.pad(input_ids, grow).clone(memory_format=dense),
+                       F.pad(real, grow, value=False).clone(memory_format=dense))
+        if anc is not None:  # padded nodes see only themselves, at depth 1
+            pad_n = width - k
+            anc = F.pad(anc, (0, pad_n, 0, pad_n))
+            if pad_n:
+                anc[..., k:, m + k:] |= torch.eye(pad_n, dtype=torch.bool, device=anc.device)
+            depths = F.pad(depths, (0, pad_n), value=1)
+            if anc.shape[0] > 1:  # one tree per sequence: padding rows take the first's
+                anc = torch.cat([anc, anc[:1].expand(total - rows, -1, -1)])
+                depths = torch.cat([depths, depths[:1].expand(total - rows, -1)])
+            args += (anc, depths)
+        self.cache.start.fill_(self.n)
+        key = (total, width, m)
+        if compiled and key not in self.cache.warmed:
+            self._warm(args)
+            self.cache.warmed.add(key)
         self.forwards += 1
+        before = graphs_compiled()
         with self._timer(self._phase):
-            logits = self.engine.forward(input_ids, position_ids, allowed, compiled)
+            logits = self.engine.forward(self.cache, args, compiled)
+        if graphs_compiled() != before:
+            warnings.warn(f"compile ({self._phase}): a forward of shape {key} compiled inside "
+                          "its timed window", stacklevel=3)
         self.n += k
-        return logits[:, :k] if width > k else logits
+        return logits[:rows, :k]
+
+    def _warm(self, args: tuple) -> None:
+        """Run a new shape untimed (compiling it): the calls are idempotent (the same KV and
+        validity written at the same slots), their seconds go to ``compile_s``."""
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(self.engine.warm_calls):
+            self.engine.forward(self.cache, args)
+        _sync(self.device)
+        self.compile_s += time.perf_counter() - t0
+
+    def _new(self, k: int, counts: list[int] | None) -> torch.Tensor | None:
+        if counts is None:
+            return None
+        assert self.width == 1, "ragged input while beams are expanded"
+        return torch.arange(k, device=self.device)[None, :] >= k - to_device(
+            counts, self.device)[:, None]
 
     def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
-        assert counts is None, "a StaticRunner holds one sequence"
-        return self._run(input_ids, None, None, compiled=True)
+        t, k = self.n, input_ids.shape[1]
+        logits = self._run(input_ids, self._new(k, counts))
+        self._append_cols(t, k, counts)
+        return logits
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
-        assert counts is None, "a StaticRunner holds one sequence"
-        return self._run(input_ids, None, None, compiled=False)
+        t, k = self.n, input_ids.shape[1]
+        logits = self._run(input_ids, self._new(k, counts), compiled=False)
+        self._append_cols(t, k, counts)
+        return logits
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                      depths: torch.Tensor) -> torch.Tensor:
-        allowed, pos = tree_inputs(anc_rows, depths, self.n)  # [K, n + K], [1, K]
-        return self._run(input_ids, pos, allowed, compiled=True)
+        assert self.width == 1, "a token tree while beams are expanded"
+        t, k = self.n, input_ids.shape[1]
+        anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, M + K]
+        depths = depths if depths.dim() == 2 else depths[None]
+        logits = self._run(input_ids, None, anc, depths)
+        self._append_cols(t, k, None)
+        return logits
 
     def __len__(self) -> int:
         return self.n
 
-    def crop(self, length: int) -> None:
-        self.n = min(self.n, length)
-
-    def _layers(self):
-        for layer in self.cache.layers:
-            yield layer.keys
-            yield layer.values
+    # -- rows ----------------------------------------------------------------------------------
+    def _padding_rows(self, width: int) -> list[int]:
+        """Rows of the padding sequences, ``width`` each, in the current layout."""
+        seqs = len(self.cols)
+        return [s * self.width + j for s in range(seqs, seqs + self.pad) for j in range(width)]
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        rows = rows.to(self.cache.start.device)
-        m, n = rows.shape[0], self.n
-        for buf in self._layers():
-            buf[:m, :, :n] = buf[:, :, :n].index_select(0, rows)
-        self.rows = m
+        """Gather rows ``[B * W']`` (within each sequence, as `RowsRunner.select_rows`)."""
+        width = rows.shape[0] // len(self.cols)
+        assert width * len(self.cols) == rows.shape[0], "rows must keep B sequences"
+        rows = rows.to(self.device)
+        if self.pad:
+            rows = torch.cat([rows, to_device(self._padding_rows(width), self.device)])
+        r, n = rows.shape[0], self.n
+        for buf in self.cache.buffers():
+            buf[:r, :, :n] = buf[:, :, :n].index_select(0, rows)
+        self.cache.valid[:r, :n] = self.cache.valid[:, :n].index_select(0, rows)
+        self.width = width
 
     def repeat_rows(self, n_rows: int) -> None:
-        self.engine.reserve(n_rows, self.n)
-        n = self.n
-        for buf in self._layers():
-            buf[1:n_rows, :, :n] = buf[:1, :, :n]
-        self.rows = n_rows
+        """Expand every sequence's one row to n_rows identical rows (row b*n_rows + w)."""
+        assert self.width == 1, "rows are expanded already"
+        seqs, n = len(self.cols) + self.pad, self.n
+        assert seqs * n_rows <= self.cache.rows, (
+            f"{n_rows} rows per sequence exceed the {self.shape.rows_per_seq} the decoder "
+            "declared (Decoder.cache_rows)")
+        for buf in self.cache.buffers():
+            buf[:seqs * n_rows, :, :n] = buf[:seqs, :, :n].repeat_interleave(n_rows, 0)
+        valid = self.cache.valid
+        valid[:seqs * n_rows, :n] = valid[:seqs, :n].repeat_interleave(n_rows, 0)
+        self.width = n_rows
 
-    def keep_positions(self, prefix_len: int, positions: torch.Tensor) -> None:
-        positions = positions.to(self.cache.start.device)
-        end, r = prefix_len + positions.shape[0], self.rows
-        for buf in self._layers():
-            buf[:r, :, prefix_len:end] = buf[:r].index_select(2, positions)
-        self.n = end

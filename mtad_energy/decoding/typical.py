@@ -22,6 +22,7 @@ from mtad_energy.decoding.base import (
     DecoderParams,
     DecodeState,
     StepResult,
+    cap_per_row,
     param,
     require,
     target_step,
@@ -56,7 +57,8 @@ class Typical(Decoder):
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
-        gamma = self.draft_len(s)
+        lens = self.draft_lens(s)
+        gamma = max(lens)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         pending, counts = s.draft_feed()
@@ -64,6 +66,7 @@ class Typical(Decoder):
         logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
         p_test = warp_probs(logits[:, :gamma], prm.temperature, top_k=0, top_p=1.0)
         n = typical_accept_length(p_test, draft, prm.eps, prm.delta)  # [B], stays on the device
+        n = cap_per_row(n, lens)  # a row accepts no further than it would draft alone
         at_n = n[:, None, None].expand(-1, 1, logits.shape[-1])
         nxt = sample(warp.probs(logits.gather(1, at_n)[:, 0]), s.generator)  # only row n warped
-        return StepResult.block(draft, n, nxt, gamma)
+        return StepResult.block(draft, n, nxt, lens, depth=lens)

@@ -35,6 +35,7 @@ from mtad_energy.measure.base import (
 )
 from mtad_energy.measure.env import EnvSnapshot, GpuInfo, preflight_check, snapshot
 from mtad_energy.measure.integrate import trapezoid_energy_j
+from mtad_energy.measure.memory import PeakMemory, peak_memory
 from mtad_energy.measure.mitigation import (
     GroupResult,
     MitigatedEnergy,
@@ -98,6 +99,7 @@ __all__ = [
     "NvmlCounterMeter",
     "NvmlPowerMeter",
     "OpRecord",
+    "PeakMemory",
     "PowerProfile",
     "PowerSample",
     "PowerTimeline",
@@ -119,6 +121,7 @@ __all__ = [
     "measure_mitigated",
     "measure_peaks",
     "no_sync",
+    "peak_memory",
     "polled_energy_j",
     "preflight_check",
     "profile_ops",

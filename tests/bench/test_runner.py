@@ -227,3 +227,64 @@ def test_batch_size_with_a_decoder_that_does_not_batch_is_refused(monkeypatch):
     monkeypatch.setattr(Bild, "batched", False)  # every registry decoder batches today
     with pytest.raises(ValueError, match="bild do not decode batches yet"):
         config(decoders=(DecoderSpec("bild"),), batch_size=2)
+
+
+class CompileWatch(WattMeter):
+    """A meter that counts the graphs dynamo compiles while each window is open."""
+
+    def __init__(self):
+        super().__init__()
+        self.compiled_inside: list[int] = []
+
+    def begin_window(self, key: str) -> None:
+        from mtad_energy.decoding.static import graphs_compiled
+
+        self._graphs = graphs_compiled()
+        super().begin_window(key)
+
+    def end_window(self, key: str) -> Measurement:
+        from mtad_energy.decoding.static import graphs_compiled
+
+        self.compiled_inside.append(graphs_compiled() - self._graphs)
+        return super().end_window(key)
+
+
+VARIED = [Prompt(f"v{i}", " ".join(f"w{(i * 5 + j) % 50 + 2}" for j in range(n)), "toy")
+          for i, n in enumerate((3, 9, 20, 5, 14))]
+
+
+def test_compiled_batched_profile_compiles_nothing_inside_its_windows(tmp_path, llama_pair):
+    """--compile --batch-size 2 over prompts of five lengths (batches of 2, 2 and 1: two row
+    buckets): the warm-up compiles every shape, so no window sees a compile, no row is flagged,
+    and the texts are the eager batch-1 ones; every row has its batch's peak memory."""
+    base = config(decoders=(DecoderSpec.of("mtad", temperature="0"),
+                            DecoderSpec.of("specinfer", temperature="0")), n_prompts=5)
+    run_profile(base, ResultStore(tmp_path / "eager"), pair=llama_pair, meter=NoneMeter(),
+                prompts=VARIED)
+    meter = CompileWatch()
+    rep = run_profile(dataclasses.replace(base, compile=True, batch_size=2),
+                      ResultStore(tmp_path / "compiled"), pair=llama_pair, meter=meter,
+                      prompts=VARIED)
+    assert rep.ran == 10 and len(meter.compiled_inside) == 12  # 6 batches x prefill/decode
+    assert meter.compiled_inside == [0] * 12
+    runs = load_results(tmp_path / "compiled").set_index(["prompt_id", "decoder"]).sort_index()
+    eager = load_results(tmp_path / "eager").set_index(["prompt_id", "decoder"]).sort_index()
+    assert list(runs.text) == list(eager.text)
+    assert (runs.compile_s == 0).all() and (runs.peak_memory_bytes > 0).all()
+    assert not runs.energy_flags.str.contains("compiled_in_window").any()
+    assert set(runs.model) == {"custom+compile+batch2"}
+
+
+def test_a_compiled_run_that_compiles_inside_its_window_is_flagged(tmp_path, model_dirs):
+    """Without the warm-up (a fresh model, so nothing is compiled yet) the first batch compiles
+    inside its window: its time leaves the compilation out (`compile_s`), its joules cannot, so
+    the row is flagged."""
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["opt"], draft=model_dirs["opt-draft"], device="cpu")
+    cfg = config(decoders=(DecoderSpec.of("spd", gamma="2"),), n_prompts=1, compile=True,
+                 warmup=False)
+    run_profile(cfg, ResultStore(tmp_path), pair=pair, meter=WattMeter(), prompts=PROMPTS[:1])
+    row = load_results(tmp_path).iloc[0]
+    assert row.compile_s > 0 and "compiled_in_window" in json.loads(row.energy_flags)
+    assert row.decode_time_s < row.compile_s  # the stored time is decoding only

@@ -64,3 +64,45 @@ def chi_square_pvalue(counts: Counter, probs: dict[tuple, float]) -> float:
         exp[-1] += e_acc
     total = sum(exp)
     return float(chisquare(obs, [e * sum(obs) / total for e in exp]).pvalue)
+
+
+ROW_PROMPTS = [[1, 0], [3, 1, 0, 2], [0]]  # batched rows of different lengths
+
+
+def batched_row_pvalues(pair: ModelPair, decoder, module, broken: bool, **kwargs) -> list[float]:
+    """Per row of `ROW_PROMPTS` decoded together (3 tokens, fixed seeds: 600, or 300 when
+    ``broken``): the chi-square p-value of its continuations against its own warped p, with
+    ``module.residual`` replaced by p when ``broken``. kwargs go to `generate_rows`."""
+    from unittest import mock
+
+    from mtad_energy.decoding.generate import generate_rows
+
+    exact = [exact_joint(pair, Warp(), p, n_tokens=3) for p in ROW_PROMPTS]
+    counts = [Counter() for _ in ROW_PROMPTS]
+    with mock.patch.object(module, "residual", (lambda p, q: p) if broken else module.residual):
+        for seed in range(300 if broken else 600):
+            for c, g in zip(counts, generate_rows(decoder, pair, ROW_PROMPTS, 3, seed=seed,
+                                                  compute_perplexity=False, **kwargs),
+                            strict=True):
+                c[tuple(g.token_ids)] += 1
+    return [chi_square_pvalue(c, e) for c, e in zip(counts, exact, strict=True)]
+
+
+def two_sample_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
+    """Chi-square test that two samples of sequences come from one distribution (homogeneity);
+    cells seen fewer than ``min_count`` times in both samples together are pooled."""
+    from scipy.stats import chi2_contingency
+
+    keys = sorted(set(a) | set(b), key=lambda k: a[k] + b[k], reverse=True)
+    table, rare = [], [0, 0]
+    for k in keys:
+        if a[k] + b[k] >= min_count:
+            table.append([a[k], b[k]])
+        else:
+            rare[0] += a[k]
+            rare[1] += b[k]
+    if sum(rare) >= min_count or not table:
+        table.append(rare)
+    elif table:
+        table[-1] = [table[-1][0] + rare[0], table[-1][1] + rare[1]]
+    return float(chi2_contingency(table).pvalue) if len(table) > 1 else 1.0

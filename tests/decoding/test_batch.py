@@ -12,12 +12,11 @@ import torch
 
 import mtad_energy as me
 from mtad_energy.decoding import acceptance, tree_accept
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer
+from mtad_energy.decoding.base import Decoder, ModelRunner, PhaseTimer
 from mtad_energy.decoding.batch import RowsRunner
 from mtad_energy.decoding.generate import generate_ids, generate_rows
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.sampling import Warp
-from tests.decoding.lossless import chi_square_pvalue, exact_joint
+from tests.decoding.lossless import batched_row_pvalues, two_sample_pvalue
 
 BATCHED = sorted(n for n, c in DECODERS.items() if c.batched)
 PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # different lengths
@@ -34,6 +33,78 @@ def test_greedy_rows_are_exactly_their_batch_1_outputs(arch, name, request):
         assert row.token_ids == alone.token_ids
         assert row.stats.perplexity == pytest.approx(alone.stats.perplexity, rel=1e-5)
         assert row.prompt_len == len(prompt) and row.config["batch_size"] == 3
+
+
+@pytest.mark.parametrize("name", BATCHED)
+def test_greedy_rows_with_an_int8_draft_and_mixed_rollbacks_are_their_batch_1_runs(int8_pair,
+                                                                                    name):
+    """The CPU default's kind of draft (dynamic int8: one activation scale per input tensor)
+    and a target whose BiLD rollback sometimes passes: every row is its batch-1 run, tokens and
+    per-iteration statistics alike, to the last token (a row near its end drafts only what it
+    can still emit, and finished rows take no part in drafting decisions)."""
+    decoder = get_decoder(name, temperature=0)
+    rows = generate_rows(decoder, int8_pair, PROMPTS, 20, compute_perplexity=False)
+    assert rows[0].config.get("per_row") == (["draft"] if decoder.needs_draft else None)
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        alone = generate_ids(decoder, int8_pair, prompt, 20, compute_perplexity=False)
+        assert row.token_ids == alone.token_ids
+        assert [(s.accepted, s.draft_depth, s.proposed) for s in row.steps] == \
+            [(s.accepted, s.draft_depth, s.proposed) for s in alone.steps]
+    if name == "bild":  # the pair is one where the rule has something to decide
+        kept = {s.accepted / s.draft_depth for r in rows for s in r.steps if s.draft_depth}
+        assert 0.0 in kept and any(0 < k < 1 for k in kept), kept
+
+
+@pytest.mark.slow
+def test_batched_mtad_rows_follow_the_batch_1_law_to_the_last_token(lossless_pair):
+    """MTAD is lossy: its output law is the batch-1 run's, not p. Each row's full 3-token
+    output, batched with rows of other lengths (so rows reach their end at different
+    iterations), matches its batch-1 sample (two-sample chi-square, fixed seeds); drafting to
+    the batch's longest row instead does not."""
+    prompts = [[1, 0], [3, 1, 0, 2], [0]]
+    decoder = get_decoder("mtad", gamma=3, beam_width=2)
+    n = 600
+    alone = [Counter(tuple(generate_ids(decoder, lossless_pair, p, 3, seed=s,
+                                        compute_perplexity=False).token_ids) for s in range(n))
+             for p in prompts]
+
+    def batched() -> list[float]:
+        counts = [Counter() for _ in prompts]
+        for seed in range(n):
+            for c, g in zip(counts, generate_rows(decoder, lossless_pair, prompts, 3,
+                                                  seed=10**6 + seed, compute_perplexity=False),
+                            strict=True):
+                c[tuple(g.token_ids)] += 1
+        return [two_sample_pvalue(a, c) for a, c in zip(alone, counts, strict=True)]
+
+    assert min(batched()) > 1e-3
+
+    def batch_lens(self, s):  # the old rule: every active row drafts to the longest row's end
+        return [max(0, min(self.lookahead, s.remaining - 1)) if s.active[b] else 0
+                for b in range(s.batch)]
+
+    with mock.patch.object(Decoder, "draft_lens", batch_lens):
+        assert min(batched()) < 1e-6
+
+
+@torch.inference_mode()
+def test_int8_draft_rows_compute_what_they_compute_alone(int8_pair):
+    """A shared-cache batch of the int8 draft would not (the scale spans the rows and the
+    padding): its rows run one forward each, so every row's logits are exactly batch 1's."""
+    from mtad_energy.decoding.batch import PerRowRunner, rows_runner
+
+    model = int8_pair.draft
+    width = max(map(len, PROMPTS))
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    counts = [len(p) for p in PROMPTS]
+    runner = rows_runner(model, PhaseTimer("cpu"), "draft", 3)
+    assert isinstance(runner, PerRowRunner)
+    got = runner(padded, counts)
+    shared = RowsRunner(model, PhaseTimer("cpu"), "draft", 3)(padded, counts)
+    for b, prompt in enumerate(PROMPTS):
+        alone = ModelRunner(model, PhaseTimer("cpu"), "draft")(torch.tensor([prompt]))[0]
+        assert torch.equal(got[b, -len(prompt):], alone)
+        assert not torch.allclose(shared[b, -len(prompt):], alone, atol=1e-3)
 
 
 def test_rows_accept_different_numbers_of_tokens(self_pair):
@@ -81,8 +152,6 @@ def test_the_api_and_its_errors(llama_pair):
 
     with pytest.raises(ValueError, match="'one-at-a-time' does not decode batches yet.*ar, "):
         me.generate(OneAtATime(), llama_pair, ["w1", "w2"], max_new_tokens=4, batch_size=2)
-    with pytest.raises(ValueError, match="compile does not run batches"):
-        generate_rows(get_decoder("ar"), llama_pair, PROMPTS, 4, compile=True)
 
 
 @torch.inference_mode()
@@ -124,17 +193,7 @@ def test_batched_lossless_decoders_are_lossless_per_row(lossless_pair, name, par
                                                         broken):
     """Three rows with prompts of different lengths: each row's 3-token continuations follow
     its own warped p (chi-square, fixed seeds); with the residual replaced by p they do not."""
-    prompts = [[1, 0], [3, 1, 0, 2], [0]]
-    exact = [exact_joint(lossless_pair, Warp(), p, n_tokens=3) for p in prompts]
-    decoder = get_decoder(name, **params)
-    n = 300 if broken else 600
-    counts = [Counter() for _ in prompts]
-    with mock.patch.object(module, "residual", (lambda p, q: p) if broken else module.residual):
-        for seed in range(n):
-            for c, g in zip(counts, generate_rows(decoder, lossless_pair, prompts, 3, seed=seed,
-                                                  compute_perplexity=False), strict=True):
-                c[tuple(g.token_ids)] += 1
-    pvalues = [chi_square_pvalue(c, e) for c, e in zip(counts, exact, strict=True)]
+    pvalues = batched_row_pvalues(lossless_pair, get_decoder(name, **params), module, broken)
     if broken:
         assert min(pvalues) < 1e-6, pvalues
     else:

@@ -51,7 +51,7 @@ SURE, UNSURE = [0.95, 0.05, 0.0], [0.5, 0.3, 0.2]
 def test_fallback_stop(rows, cap, fallback, drafted, forwards):
     runner = TableRunner(rows)
     warp = Warp(1.0, 0, 1.0)  # no truncation: ~q is the table
-    draft, lengths = draft_until_unsure(runner, torch.tensor([[7]]), cap, fallback, warp,
+    draft, lengths = draft_until_unsure(runner, torch.tensor([[7]]), [cap], fallback, warp,
                                         torch.Generator().manual_seed(0))
     assert draft.shape == (1, drafted) and draft.dtype == torch.long and lengths == [drafted]
     assert runner.forwards == forwards
@@ -61,9 +61,9 @@ def test_fallback_uses_the_warped_draft():
     """max ~q after top-2 renormalisation is 0.8 / 0.95 = 0.84 >= 0.82; unwarped it is 0.8."""
     row = [[0.8, 0.15, 0.05]]
     gen = torch.Generator().manual_seed(0)
-    assert draft_until_unsure(TableRunner(row), torch.tensor([[7]]), 1, 0.82, Warp(1.0, 2, 1.0),
+    assert draft_until_unsure(TableRunner(row), torch.tensor([[7]]), [1], 0.82, Warp(1.0, 2, 1.0),
                               gen)[1] == [1]
-    assert draft_until_unsure(TableRunner(row), torch.tensor([[7]]), 1, 0.82, Warp(1.0, 0, 1.0),
+    assert draft_until_unsure(TableRunner(row), torch.tensor([[7]]), [1], 0.82, Warp(1.0, 0, 1.0),
                               gen)[1] == [0]
 
 

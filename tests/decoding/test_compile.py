@@ -17,7 +17,12 @@ from mtad_energy.decoding import static
 from mtad_energy.decoding.base import ModelRunner, PhaseTimer
 from mtad_energy.decoding.generate import generate_ids
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.static import CompileOptions, StaticRunner, check_static_support
+from mtad_energy.decoding.static import (
+    CompileOptions,
+    ForwardShape,
+    StaticRunner,
+    check_static_support,
+)
 from mtad_energy.decoding.tree import ancestors, keep_path, level_parents, tree_forward
 
 TRACE = CompileOptions(backend="aot_eager")
@@ -55,7 +60,8 @@ def test_the_greedy_comparison_exercises_rollback(self_pair, name):
 
 def _static(pair, role: str, options: CompileOptions) -> StaticRunner:
     model = pair.target if role == "target" else pair.draft
-    return StaticRunner(model, PhaseTimer("cpu"), role, slots=32, options=options)
+    return StaticRunner(model, PhaseTimer("cpu"), role, slots=32, options=options,
+                        shape=ForwardShape(rows_per_seq=3))
 
 
 def _compare_runner_ops(pair, options: CompileOptions, atol: float) -> None:
@@ -68,7 +74,7 @@ def _compare_runner_ops(pair, options: CompileOptions, atol: float) -> None:
     def both(fn):
         a, b = fn(eager), fn(comp)
         torch.testing.assert_close(b, a, atol=atol, rtol=0)
-        assert len(comp) == len(eager)
+        assert comp.row_lengths == eager.row_lengths
 
     both(lambda r: r.prefill(ids[:, :5]))
     both(lambda r: r(ids[:, 5:7]))                      # verify-like forward of 2
@@ -81,9 +87,11 @@ def _compare_runner_ops(pair, options: CompileOptions, atol: float) -> None:
     both(lambda r: tree_forward(r, nodes, anc, len(r)))
     prefix = len(eager) - 6
     both(lambda r: (keep_path(r, prefix, torch.tensor([1, 4])), r(torch.tensor([[16]])))[1])
-    n = len(eager)
+    # the static cache holds the same keys in its valid columns (a kept path leaves holes)
+    held = comp.cache.valid[0, :len(comp)].nonzero()[:, 0]
+    assert held.numel() == len(eager)
     for a, b in zip(eager.cache.layers, comp.cache.layers, strict=True):
-        torch.testing.assert_close(b.keys[:1, :, :n], a.keys, atol=atol, rtol=0)
+        torch.testing.assert_close(b.keys[:1, :, held], a.keys, atol=atol, rtol=0)
 
 
 @torch.inference_mode()  # as in generate: engines outlive a generation, with their caches
@@ -99,16 +107,18 @@ def test_static_cache_grows_mid_generation_and_keeps_its_contents(llama_pair, mo
     runner_cls = static.StaticRunner
 
     class Small(runner_cls):  # reserve too few slots: the cache must grow as it goes
-        def __init__(self, model, timer, phase, slots, options=None):
-            static.engine_for(model, phase, torch.device("cpu"), options).cache = None
-            super().__init__(model, timer, phase, 4, options)
+        def __init__(self, model, timer, phase, slots, options=None, seqs=1, shape=None):
+            super().__init__(model, timer, phase, 4, options, seqs, shape)
 
     monkeypatch.setattr(static, "StaticRunner", Small)
+    slots = []
+    real = Small._run
+    monkeypatch.setattr(Small, "_run", lambda self, *a, **k: (slots.append(self.cache.slots),
+                                                             real(self, *a, **k))[1])
     compiled = generate_ids(decoder, llama_pair, PROMPT, 20, compute_perplexity=False,
                             compile=TRACE)
     assert compiled.token_ids == eager.token_ids
-    grown = static.engine_for(llama_pair.target, "target", torch.device("cpu"), TRACE).cache
-    assert grown.slots >= len(PROMPT) + 20
+    assert slots[0] == 4 and slots[-1] >= len(PROMPT) + 20
 
 
 def test_an_int8_draft_stays_eager_with_a_warning_and_the_target_compiles(model_dirs):
@@ -124,20 +134,21 @@ def test_an_int8_draft_stays_eager_with_a_warning_and_the_target_compiles(model_
     assert compiled.token_ids == eager.token_ids
 
 
-def test_shorter_forwards_reuse_a_wider_compiled_graph(llama_pair):
-    """The last iterations draft fewer tokens: their verify is padded to the full verify's
-    width (no new graph mid-measurement), and the padding changes no logit."""
+def test_shorter_forwards_run_at_the_decoders_verify_width(llama_pair):
+    """The last iterations draft fewer tokens: a chain forward of k > 2 tokens runs padded to
+    the decoder's widest (its verify of gamma + 1: no new graph mid-measurement), and the
+    padding changes no logit; one or two tokens (draft steps, catch-ups) run as they are."""
     with torch.inference_mode():
         eager = ModelRunner(llama_pair.target, PhaseTimer("cpu"), "target")
         comp = StaticRunner(llama_pair.target, PhaseTimer("cpu"), "pad-test", slots=32,
-                            options=TRACE)
+                            options=TRACE, shape=ForwardShape(max_chain=5))
         for r in (eager, comp):
             r.prefill(torch.tensor([PROMPT[:2]]))
-        for ids in ([PROMPT[2:7], [4, 8, 6]]):  # 5 tokens, then 3: run padded to 5
+        for ids in ([PROMPT[2:5], [4, 8], [6]]):  # 3 tokens (run at 5), then 2, then 1
             torch.testing.assert_close(comp(torch.tensor([ids])), eager(torch.tensor([ids])),
                                        atol=1e-5, rtol=0)
-            assert len(comp) == len(eager)
-    assert comp.engine.width_for(1, 3) == 5 and comp.engine.width_for(1, 2) == 2
+            assert comp.row_lengths == eager.row_lengths
+    assert {w for _, w, _ in comp.cache.warmed} == {5, 2, 1}
 
 
 def test_architectures_without_custom_masks_are_refused_by_name():

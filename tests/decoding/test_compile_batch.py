@@ -1,0 +1,228 @@
+"""The compiled path for batches of rows: a static cache of B sequences padded to their bucket,
+per-row validity, compaction, widths per decoder, and compilation kept out of every timing.
+
+Traced with ``aot_eager`` (dynamo + AOT autograd, the graph inductor sees) to stay fast on CI;
+`test_compile.py` has the inductor checks.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from mtad_energy.decoding import acceptance, batch, static, tree_accept
+from mtad_energy.decoding.base import PhaseTimer
+from mtad_energy.decoding.batch import RowsRunner
+from mtad_energy.decoding.generate import generate_ids, generate_rows
+from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.static import CompileOptions, ForwardShape, StaticRunner, graphs_compiled
+from tests.decoding.lossless import batched_row_pvalues
+
+TRACE = CompileOptions(backend="aot_eager")
+PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # B = 3: bucket 4, one padding
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_compiled_batched_greedy_rows_are_their_eager_batch_1_outputs(arch, name, request):
+    pair = request.getfixturevalue(f"{arch}_pair")
+    decoder = get_decoder(name, temperature=0)
+    rows = generate_rows(decoder, pair, PROMPTS, 20, compute_perplexity=False, compile=TRACE)
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        alone = generate_ids(decoder, pair, prompt, 20, compute_perplexity=False)
+        assert row.token_ids == alone.token_ids
+        assert [s.accepted for s in row.steps] == [s.accepted for s in alone.steps]
+    assert rows[0].config["compiled"] == (["target", "draft"] if decoder.needs_draft
+                                          else ["target"])
+
+
+@pytest.mark.parametrize("name", ["spd", "mtad", "specinfer", "mmtad", "spectr", "bild"])
+def test_compiled_batched_rows_with_rollback(self_pair, name):
+    """The self-draft pair rejects drafts partly: rows hold holes of different sizes."""
+    decoder = get_decoder(name, temperature=0)
+    rows = generate_rows(decoder, self_pair, PROMPTS, 24, compute_perplexity=False, compile=TRACE)
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        assert row.token_ids == generate_ids(decoder, self_pair, prompt, 24,
+                                             compute_perplexity=False).token_ids
+
+
+LOSSLESS = [("spd", {"gamma": 3}, acceptance),
+            ("specinfer", {"branching": (2, 2)}, tree_accept)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [False, True], ids=["lossless", "residual-broken"])
+@pytest.mark.parametrize(("name", "params", "module"), LOSSLESS, ids=[x[0] for x in LOSSLESS])
+def test_compiled_batched_lossless_decoders_are_lossless_per_row(lossless_pair, name, params,
+                                                                 module, broken):
+    """B = 3 compiled (bucket 4: a padding row rides along): each row's 3-token continuations
+    follow its own warped p; with the residual replaced by p they do not."""
+    pvalues = batched_row_pvalues(lossless_pair, get_decoder(name, **params), module, broken,
+                                  compile=TRACE)
+    if broken:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-3, pvalues
+
+
+@pytest.mark.parametrize("name", ["ar", "beam", "spd", "mtad", "specinfer", "spectr"])
+def test_a_second_identical_call_compiles_nothing(llama_pair, name):
+    """Nor do prompts of other lengths in the same slot bucket, batched or not (the inputs are
+    dense copies: a slice of the ids buffer would carry the buffer's strides into the guards)."""
+    decoder = get_decoder(name, temperature=0)
+    first = generate_ids(decoder, llama_pair, PROMPTS[0], 12, compile=TRACE)
+    before = graphs_compiled()
+    for prompt in (PROMPTS[0], PROMPTS[1], list(range(2, 32)), PROMPTS[2]):
+        again = generate_ids(decoder, llama_pair, prompt, 12, compile=TRACE)
+        assert again.stats.compile_s == 0.0
+    assert graphs_compiled() == before
+    assert again.stats.decode_time_s > 0 and first.config["compiled"]
+
+
+def test_compile_time_is_reported_apart_and_left_out_of_the_timings(model_dirs):
+    """A fresh model compiles on its first generation: its seconds are `compile_s`, not decode
+    time (iterations still tile the decode phase); the next generation compiles nothing."""
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["llama"], draft="self:layers=0-0", device="cpu")
+    decoder = get_decoder("spd", temperature=0)
+    first = generate_ids(decoder, pair, PROMPTS[0], 12, compute_perplexity=False, compile=TRACE)
+    second = generate_ids(decoder, pair, PROMPTS[0], 12, compute_perplexity=False, compile=TRACE)
+    assert first.stats.compile_s > 0 and second.stats.compile_s == 0.0
+    assert first.stats.compile_s > 5 * second.stats.decode_time_s  # compiling dwarfs decoding
+    assert first.stats.decode_time_s < first.stats.compile_s
+    for gen in (first, second):
+        s = gen.stats
+        assert s.decode_time_s == pytest.approx(s.time_draft_s + s.time_target_s + s.time_other_s)
+        assert sum(st.time_target_s for st in gen.steps) == pytest.approx(s.time_target_s)
+
+
+def test_a_sweep_of_batch_sizes_compiles_a_bounded_number_of_graphs(llama_pair):
+    """Sizes 1..8 fall into 4 row buckets; per bucket spd compiles its target's verify and
+    one-token step, and its draft's step and catch-up: at most 4 x 4 graphs, then none."""
+    decoder = get_decoder("spd", temperature=0)
+    prompts = [PROMPTS[i % 3] for i in range(8)]
+    before = graphs_compiled()
+    for size in range(1, 9):
+        generate_rows(decoder, llama_pair, prompts[:size], 10, compute_perplexity=False,
+                      compile=TRACE)
+    compiled = graphs_compiled() - before
+    assert compiled <= 4 * 4, compiled
+    for size in range(1, 9):
+        generate_rows(decoder, llama_pair, prompts[:size], 10, compute_perplexity=False,
+                      compile=TRACE)
+    assert graphs_compiled() - before == compiled
+
+
+def test_each_decoder_pads_only_to_its_own_widths(llama_pair):
+    """specinfer's 16-node tree verify runs first in the process; spd's verify afterwards still
+    runs at gamma + 1 = 5, not padded to the tree's width."""
+    generate_ids(get_decoder("specinfer", temperature=0), llama_pair, PROMPTS[0], 12,
+                 compile=TRACE)
+    seen: list[tuple[int, int]] = []
+    real = static.StaticEngine.forward
+
+    def spy(self, cache, args, compiled=True):
+        if compiled:
+            seen.append(tuple(args[0].shape))
+        return real(self, cache, args, compiled)
+
+    with mock.patch.object(static.StaticEngine, "forward", spy):
+        generate_ids(get_decoder("spd", temperature=0), llama_pair, PROMPTS[0], 12,
+                     compile=TRACE)
+    assert {k for _, k in seen} <= {1, 2, 5}, seen
+    assert (1, 5) in seen
+
+
+def _track(monkeypatch, cls) -> list[tuple[int, int]]:
+    """Record (cache columns, longest row) after every crop of a runner class."""
+    seen: list[tuple[int, int]] = []
+    real = cls.crop_rows
+
+    def crop_rows(self, lengths):
+        real(self, lengths)
+        seen.append((len(self), max(self.row_lengths)))
+    monkeypatch.setattr(cls, "crop_rows", crop_rows)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["specinfer", "mcss", "mmtad", "spd", "spectr"])
+def test_eager_batched_caches_stay_within_a_constant_of_the_longest_row(llama_pair, monkeypatch,
+                                                                        name):
+    """Tree holes and rejected drafts are reclaimed: the cache never holds more than
+    `DEAD_COLUMNS` dead columns past the longest row, plus one iteration's forwards (the
+    audit saw 865 columns for a longest row of 46 before compaction)."""
+    seen = _track(monkeypatch, RowsRunner)
+    decoder = get_decoder(name, temperature=0)
+    rows = generate_rows(decoder, llama_pair, PROMPTS, 40, compute_perplexity=False)
+    widest = 1 + 28  # specinfer's default tree: the most one iteration appends
+    assert seen and all(cols <= longest + batch.DEAD_COLUMNS + widest for cols, longest in seen)
+    for prompt, row in zip(PROMPTS, rows, strict=True):  # compaction changed no token
+        assert row.token_ids == generate_ids(decoder, llama_pair, prompt, 40).token_ids
+
+
+@pytest.mark.parametrize(("name", "widest"), [("specinfer", 29), ("mmtad", 17), ("spd", 5)])
+def test_compiled_caches_compact_instead_of_growing(self_pair, monkeypatch, name, widest):
+    """A static cache sized for the prompt and the new tokens only (no headroom): the dead
+    columns are compacted away before a forward would overflow it, so it never grows, and
+    the tokens are the eager ones."""
+    monkeypatch.setattr(static, "MIN_SLOTS", 1)
+
+    class Tight(StaticRunner):
+        def __init__(self, model, timer, phase, slots, options=None, seqs=1, shape=None):
+            need = max(map(len, PROMPTS)) + 40 + widest  # prompt, new tokens, widest forward
+            super().__init__(model, timer, phase, need, options, seqs, shape)
+
+    monkeypatch.setattr(static, "StaticRunner", Tight)
+    compacted = []
+    monkeypatch.setattr(Tight, "compact", lambda self: (compacted.append(len(self)),
+                                                        StaticRunner.compact(self)))
+    grown = mock.patch.object(static.StaticEngine, "grow", side_effect=AssertionError("grew"))
+    decoder = get_decoder(name, temperature=0)
+    with grown:
+        rows = generate_rows(decoder, self_pair, PROMPTS, 40, compute_perplexity=False,
+                             compile=TRACE)
+    assert compacted  # it had to compact
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        assert row.token_ids == generate_ids(decoder, self_pair, prompt, 40).token_ids
+
+
+@torch.inference_mode()
+def test_static_rows_runner_follows_the_eager_rows_runner_op_by_op(llama_pair):
+    """Left padding, a ragged catch-up, per-row rollback, beam rows, a tree with a kept path
+    and a compaction: the bucketed static runner (3 sequences in a bucket of 4) gives the eager
+    rows runner's logits at every step."""
+    model = llama_pair.target
+    eager = RowsRunner(model, PhaseTimer("cpu"), "target", 3)
+    comp = StaticRunner(model, PhaseTimer("cpu"), "target", 64, TRACE, seqs=3,
+                        shape=ForwardShape(rows_per_seq=2, max_chain=4))
+    width = max(map(len, PROMPTS))
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+
+    def both(fn):
+        a, b = fn(eager), fn(comp)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        assert comp.row_lengths == eager.row_lengths
+
+    counts = [len(p) for p in PROMPTS]
+    both(lambda r: r.prefill(padded, counts))
+    both(lambda r: r(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])))  # padded to width 4
+    keep = [n - d for n, d in zip(eager.row_lengths, (2, 0, 3), strict=True)]
+    both(lambda r: (r.crop_rows(keep), r(torch.tensor([[10, 11], [0, 12], [13, 14]]),
+                                         [2, 1, 2]))[1])
+    both(lambda r: (r.repeat_rows(2), r(torch.tensor([[3], [4], [5], [6], [7], [8]])))[1])
+    both(lambda r: (r.select_rows(torch.tensor([1, 1, 2, 3, 5, 4])),
+                    r(torch.tensor([[3], [4], [5], [6], [7], [8]])))[1])
+    both(lambda r: (r.select_rows(torch.tensor([0, 3, 4])), r(torch.tensor([[1], [2], [3]])))[1])
+    from mtad_energy.decoding.tree import ancestors, level_parents, tree_forward
+
+    anc = ancestors(torch.cat([torch.tensor([-1]), level_parents((2, 2)) + 1]))  # root + 6
+    nodes = torch.arange(20, 27).repeat(3, 1)
+    both(lambda r: tree_forward(r, nodes, anc))
+    path = torch.tensor([[0, 1, 3], [0, 2, 5], [0, 1, 4]])
+    both(lambda r: (r.keep_tree(7, path), r(torch.tensor([[1], [2], [3]])))[1])
+    comp.compact()  # packs the holes away: the next logits are unchanged
+    assert len(comp) == max(comp.row_lengths)
+    both(lambda r: r(torch.tensor([[4], [5], [6]])))
