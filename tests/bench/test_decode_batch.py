@@ -123,6 +123,9 @@ def test_rows_another_worker_stored_since_the_start_count_as_skipped(tmp_path, l
     assert (other["report"].ran, other["report"].skipped) == (3, 1)
     stored = load_results(tmp_path, "decode_batch")
     assert len(stored) == 4 and stored["row_key"].is_unique
+    # the other worker's rows, as it stored them (not measured again here)
+    assert [r["created_unix_s"] for r in rep.rows[1:]] == [r["created_unix_s"] for r in
+                                                            other["report"].rows[1:]]
 
 
 def test_a_row_another_worker_stores_while_this_one_measures_it_counts_as_skipped(tmp_path,
@@ -183,8 +186,8 @@ def test_rerun_counts_stored_rows_and_an_interruption_counts_what_it_kept(tmp_pa
 def test_the_caption_gives_the_first_line_of_a_long_meter_reason(tmp_path, model_dirs, monkeypatch):
     from mtad_energy.measure import none
 
-    reason = ("no GPU energy counter here; zeus found no GPU\nrapl: /sys/class/powercap is not "
-              "readable\nnvml: NVMLError_LibraryNotFound")
+    reason = ("no GPU energy counter here\nrapl: /sys/class/powercap is not readable\n"
+              "nvml: NVMLError_LibraryNotFound")
     monkeypatch.setattr(none.NoneMeter.__init__, "__defaults__", (reason, None))
     res = runner.invoke(app, _cli_sweep(model_dirs, tmp_path / "s", "--meter", "none"))
     assert res.exit_code == 0, res.output
