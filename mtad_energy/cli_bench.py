@@ -108,9 +108,9 @@ def fmt(x: Any, spec: str = "{:.2f}") -> str:
 
 
 def short_reason(reason: Any) -> str:
-    """The first clause of a (possibly multi-line) meter or energy reason, for one table line."""
-    lines = str(reason or "").strip().splitlines()
-    return lines[0].split(";")[0].split(". ")[0].strip() if lines else "no energy measured"
+    from mtad_energy.results.analysis import short_reason  # pandas: not at `--help` time
+
+    return short_reason(reason)
 
 
 def energy_text(value: Any, reason: Any) -> str:

@@ -157,6 +157,13 @@ def _numeric(frame: pd.DataFrame, columns: Iterable[str]) -> pd.DataFrame:
 
 
 # -- per-decoder summary ---------------------------------------------------------------------------
+def short_reason(reason: Any) -> str:
+    """The first clause of a (possibly long or multi-line) meter or energy reason, for one table
+    line, caption or figure; reports list the whole reason."""
+    lines = str(reason or "").strip().splitlines()
+    return lines[0].split(";")[0].split(". ")[0].strip() if lines else "no energy measured"
+
+
 def _join_reasons(values: pd.Series) -> str | None:
     reasons = sorted({str(v) for v in values.dropna() if str(v).strip()})
     return "; ".join(reasons) if reasons else None

@@ -359,8 +359,7 @@ def plot_batch_crossover(table: pd.DataFrame, title: str = "", baseline: str = "
                     title=f"Energy saving over {baseline}")
         axes[1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     else:
-        reasons = sorted({str(r).strip().splitlines()[0] for r in table["energy_reason"].dropna()
-                          if str(r).strip()}) or ["no reason recorded"]
+        reasons = sorted({analysis.short_reason(r) for r in table["energy_reason"].dropna()})
         axes[1].text(0.5, 0.12, "no energy measured: " + "; ".join(reasons), ha="center", va="center",
                      wrap=True, transform=axes[1].transAxes)
         axes[1].set_axis_off()
@@ -474,7 +473,7 @@ def _crossover_section(decode_batch: pd.DataFrame, baseline: str, fig_dir: Path)
         notes = analysis.crossover_notes(part, baseline)[1:]  # the rule is stated above
         lines += [f"### {title}", "", f"{analysis.crossover_title(part).capitalize()}.", "",
                   analysis.to_markdown(shown.set_index(["decoder", "B"]), higher_is_better={}), ""]
-        lines += [f"- {n[0].upper()}{n[1:]}" for n in notes] + ([""] if notes else [])
+        lines += [f"- {n}" for n in notes] + ([""] if notes else [])
         _save(plot_batch_crossover(part, f"{title}: decoders across batch sizes", baseline=baseline),
               fig_dir, name)
         lines += _figure_links([name]) + [""]

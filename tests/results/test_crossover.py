@@ -105,7 +105,7 @@ def test_report_of_a_store_with_only_decoding_sweeps(decode_only_store_dir, tmp_
     assert "### llama3-8b · humaneval · 64 tokens · cpu (float16)" in text
     assert "| spd(temperature=0) | 1 | 120.0 | 2.00x |" in text
     assert "crossover_batch_size" not in text and "stops beating ar at 1" not in text
-    assert "One repeat: a single noisy measurement" in text
+    assert "- one repeat: a single noisy measurement" in text
     figures = sorted(p.name for p in (tmp_path / "rep" / "figures").glob("*.png"))
     assert figures == ["batch_crossover-2.png", "batch_crossover.png"]
 
@@ -123,6 +123,9 @@ def test_crossover_figure_labels_and_what_it_says_without_energy_or_decoders(tab
     assert "no GPU energy counter on this machine (CPU run)" in texts  # the rows' own reason
     assert "reads none on this machine" not in texts
     assert fig.axes[0].get_xlim()[1] < 11  # sizes up to 8, not an axis to 10 and beyond
+    long = mt.assign(energy_reason="no GPU meter here; nvml-counter: NVML could not start. Use rapl")
+    texts = " ".join(_texts(plot_batch_crossover(long)))
+    assert "no GPU meter here" in texts and "NVML" not in texts  # its first clause, as in the CLI
     alone = plot_batch_crossover(mt[mt.decoder == "ar"])
     assert "only ar was measured" in " ".join(_texts(alone))
     assert all(not ax.get_legend() for ax in alone.axes) and not any(ax.lines for ax in alone.axes)
