@@ -15,8 +15,10 @@ from mtad_energy.cli_common import (
     esc,
     fail,
     json_command,
+    pair_alias,
     parse_sets,
     quiet_libraries,
+    wrapping_table,
 )
 
 app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
@@ -34,30 +36,35 @@ def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-reada
     if as_json:
         emit(specs)
         return
+    cols = ("parameter", "type", "default", "help")
     for name, spec in specs.items():
-        table = Table(title=f"[bold]{esc(name)}[/] - {esc(spec['help'])}"
-                      + (" [dim](needs a draft)[/]" if spec["needs_draft"] else ""),
-                      title_justify="left", show_edge=False)
-        for col in ("parameter", "type", "default", "help"):
-            table.add_column(col)
-        for p in spec["params"]:
-            table.add_row(*(esc(v) for v in (p["name"], p["type"], p["default"], p["help"])))
+        table = wrapping_table(cols, [[esc(p[c if c != "parameter" else "name"]) for c in cols]
+                                      for p in spec["params"]], left=cols,
+                               title=f"[bold]{esc(name)}[/] - {esc(spec['help'])}"
+                               + (" [dim](needs a draft)[/]" if spec["needs_draft"] else ""))
         console.print(table)
         console.print()
 
 
 @app.command()
-def models():
+@json_command
+def models(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
     """List the model-pair aliases."""
     from mtad_energy.models import ALIASES
 
-    table = Table("alias", "target", "draft", "note", show_edge=False)
-    for name, spec in ALIASES.items():
-        draft = spec.draft or "-"
-        if spec.gpu_draft and spec.gpu_draft != spec.draft:
-            draft += f" (CUDA: {spec.gpu_draft})"
-        table.add_row(*(esc(v) for v in (name, spec.target, draft, spec.note)))
-    console.print(table)
+    pairs = {name: {"target": spec.target, "draft": spec.draft, "gpu_draft": spec.gpu_draft,
+                    "note": spec.note} for name, spec in ALIASES.items()}
+    if as_json:
+        emit(pairs)
+        return
+    rows = []
+    for name, spec in pairs.items():
+        draft = spec["draft"] or "-"
+        if spec["gpu_draft"] and spec["gpu_draft"] != spec["draft"]:
+            draft += f" (CUDA: {spec['gpu_draft']})"
+        rows.append([esc(v) for v in (name, spec["target"], draft, spec["note"])])
+    cols = ("alias", "target", "draft", "note")
+    console.print(wrapping_table(cols, rows, left=cols))
 
 
 @app.command()
@@ -74,15 +81,12 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")
     if as_json:
         emit({**snap.to_dict(), "meter": choice.to_dict(), "preflight": warnings})
         return
-    table = Table("field", "value", show_edge=False, show_header=False)
-    for key, value in snap.to_dict().items():
-        if key not in ("gpus", "libraries"):
-            table.add_row(esc(key), esc(value))
-    for name, version in snap.libraries.items():
-        table.add_row(f"lib {esc(name)}", esc(version))
-    for gpu in snap.to_dict()["gpus"]:
-        table.add_row(f"gpu {esc(gpu.get('index'))}", esc(", ".join(f"{k}={v}" for k, v in gpu.items())))
-    console.print(table)
+    rows = [[esc(key), esc(value)] for key, value in snap.to_dict().items()
+            if key not in ("gpus", "libraries")]
+    rows += [[f"lib {esc(name)}", esc(version)] for name, version in snap.libraries.items()]
+    rows += [[f"gpu {esc(gpu.get('index'))}", esc(", ".join(f"{k}={v}" for k, v in gpu.items()))]
+             for gpu in snap.to_dict()["gpus"]]
+    console.print(wrapping_table(("field", "value"), rows, left=("field", "value"), show_header=False))
     console.print(f"[bold]meter auto ->[/] {esc(choice.name)}: {esc(choice.reason)}")
     for w in warnings:
         console.print(f"[yellow]preflight:[/] {esc(w)}")
@@ -90,19 +94,15 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")
 
 def stats_table(rows: list[tuple[str, dict]]) -> Table:
     """One row per (label, stats dict)."""
-    table = Table(show_edge=False)
-    for col in ("decoder", "tokens", "tokens/s", "block eff.", "accepted/depth", "perplexity",
-                "draft s", "target s", "other s"):
-        table.add_column(col, justify="right" if col != "decoder" else "left")
 
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
 
-    for label, s in rows:
-        table.add_row(esc(label), str(s["tokens_emitted"]), f(s["tokens_per_s"], "{:.1f}"),
-                      f(s["block_efficiency"]), f(s["acceptance_rate"]), f(s["perplexity"], "{:.3f}"),
-                      f(s["time_draft_s"]), f(s["time_target_s"]), f(s["time_other_s"]))
-    return table
+    cells = [[esc(label), str(s["tokens_emitted"]), f(s["tokens_per_s"], "{:.1f}"),
+              f(s["block_efficiency"]), f(s["acceptance_rate"]), f(s["perplexity"], "{:.3f}"),
+              f(s["time_draft_s"]), f(s["time_target_s"]), f(s["time_other_s"])] for label, s in rows]
+    return wrapping_table(("decoder", "tokens", "tokens/s", "block eff.", "accepted/depth", "perplexity",
+                           "draft s", "target s", "other s"), cells, left=("decoder",))
 
 
 @app.command()
@@ -133,8 +133,8 @@ def generate(
     quiet_libraries()
     try:
         dec = get_decoder(decoder, **parse_sets(set_))
-        pair = load_pair(model, target=target, draft=draft, device=device, dtype=dtype,
-                         with_draft=dec.needs_draft)
+        pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
+                         dtype=dtype, with_draft=dec.needs_draft)
         gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat,
                   compile=compile)
     except (ValueError, RuntimeError, OSError) as error:

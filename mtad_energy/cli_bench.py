@@ -18,7 +18,17 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mtad_energy.cli_common import console, emit, esc, fail, json_command, parse_sets, quiet_libraries
+from mtad_energy.cli_common import (
+    console,
+    emit,
+    esc,
+    fail,
+    json_command,
+    pair_alias,
+    parse_sets,
+    quiet_libraries,
+    wrapping_table,
+)
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
@@ -97,10 +107,15 @@ def fmt(x: Any, spec: str = "{:.2f}") -> str:
     return spec.format(x)
 
 
+def short_reason(reason: Any) -> str:
+    from mtad_energy.results.analysis import short_reason  # pandas: not at `--help` time
+
+    return short_reason(reason)
+
+
 def energy_text(value: Any, reason: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        short = str(reason or "no energy measured").split(";")[0].split(". ")[0]
-        return f"n/a: {short}"
+        return f"n/a: {short_reason(reason)}"
     return f"{value:.4g}"
 
 
@@ -114,7 +129,6 @@ def is_simulated(meter: Any) -> bool:
 
 
 def summary_table(summary, title: str = "") -> Table:
-    table = Table(title=esc(title) or None, title_justify="left", show_edge=False, caption_justify="left")
     reasons: set[str] = set()
     simulated = False
     cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
@@ -123,9 +137,7 @@ def summary_table(summary, title: str = "") -> Table:
             ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
     extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
     cols += [(c.replace("_", "-"), c) for c in extra]
-    for name, _ in cols:
-        table.add_column(name, justify="left" if name in ("decoder", "dataset") else "right",
-                         no_wrap=name in ("decoder", "dataset"))
+    rows = []
     for _, r in summary.iterrows():
         cells = []
         for _name, col in cols:
@@ -144,7 +156,9 @@ def summary_table(summary, title: str = "") -> Table:
             else:
                 cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
-        table.add_row(*cells)
+        rows.append(cells)
+    table = wrapping_table([name for name, _ in cols], rows, left=("decoder", "dataset"),
+                           title=esc(title) or None)
     captions = [SIMULATED_NOTE] if simulated else []
     if not reasons:
         captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
@@ -174,19 +188,27 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
                cluster: str = "local"):
     """Run/resume ``config`` into ``out`` with a progress bar (or as ``workers`` submitit jobs);
     print and return the summary."""
+    from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
+
+    try:
+        prompts = load_config_prompts(config)
+        check_batch_size(config, prompts)  # before loading any model
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    title = f"{title} · {model_label(config)}" + (
+        f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
     if workers > 1:
         return run_distributed(config, out, as_json, title, workers, cluster)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.runner import Runner, load_config_prompts, quality_scorer, run_profile, work_units
+    from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, work_units
     from mtad_energy.results import ResultStore
     from mtad_energy.results.analysis import decoder_summary
 
     quiet_libraries()
     try:
         store = ResultStore(out)
-        prompts = load_config_prompts(config)
         with console.status("loading models"):
             runner = Runner(config, store, scorer=quality_scorer(config.allow_code_execution))
     except (ValueError, RuntimeError, OSError) as error:
@@ -197,7 +219,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
                                                f"{pair.draft_id or 'no draft'} on {runner.device} "
                                                f"({runner.dtype}), loaded in {pair.load_time_s:.1f} s"))
         console.print(runner.pair.draft_line(), markup=False, highlight=False)
-        console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(runner.meter_reason.split(';')[0])}")
+        console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(short_reason(runner.meter_reason))}")
     try:
         with _progress() as bar:
             task = bar.add_task(esc(config.sweep), total=len(runner.unique(work_units(config, prompts))),
@@ -271,9 +293,8 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
 def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
             seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep,
             require_energy=False, compile=False, batch_size=1):
-    alias = None if target and model == "smollm2" else model  # a custom target is not "smollm2"
     return RunConfig(
-        decoders=decoders, model=ModelSpec(alias, target, draft, device, dtype),
+        decoders=decoders, model=ModelSpec(pair_alias(model, target), target, draft, device, dtype),
         datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
         seed=seed, repeats=repeats, chat=chat, ops=ops,
         measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
@@ -290,7 +311,7 @@ Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dail
 NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
 MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]
 Sets = Annotated[list[str] | None, typer.Option("--set", help="decoder param key=value or decoder.key=value")]
-Meter = Annotated[str, typer.Option(help="auto|nvml-counter|nvml-power|zeus|rapl|none|simulated "
+Meter = Annotated[str, typer.Option(help="auto, nvml-counter, nvml-power, zeus, rapl, none or simulated "
                                           "(simulated: a modelled GPU and sensor, not a measurement)")]
 Mitigate = Annotated[str, typer.Option(help="Yang et al. repetitions: auto (GPU meters that measure "
                                             "energy here)|on|off")]
@@ -301,7 +322,7 @@ Json = Annotated[bool, typer.Option("--json", help="print JSON")]
 Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")]
 Ops = Annotated[bool, typer.Option("--ops", help="also profile FLOPs/bytes per decoder (for decompose)")]
 Workers = Annotated[int, typer.Option(min=1, help="split the work over N submitit jobs, one GPU each")]
-Cluster = Annotated[str, typer.Option(help="where --workers jobs run: local|slurm|debug")]
+Cluster = Annotated[str, typer.Option(help="where --workers jobs run: local, slurm or debug")]
 Compile = Annotated[bool, typer.Option(
     "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA); rows are "
                       "stored under model '<model>+compile'")]
@@ -417,8 +438,25 @@ def sweep_param(
                cluster)
 
 
+# options of one study that the other ignores (`sweep batch-size` with and without --decoder)
+FORWARD_ONLY_OPTIONS = ("runs", "forwards_per_run", "context_len", "mitigate", "profile_ops")
+DECODING_ONLY_OPTIONS = ("draft", "dataset", "n_prompts", "max_new_tokens", "repeats", "set_",
+                         "compile")
+
+
+def given_options(ctx: typer.Context, names: typing.Iterable[str]) -> list[str]:
+    """The options among ``names`` typed on the command line (a default value typed out
+    counts), as the user spelled them (``--context-len``)."""
+    from typer._click.core import ParameterSource  # typer vendors click
+
+    params = {p.name: p for p in ctx.command.params}
+    return [params[n].opts[0] for n in names
+            if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+
+
 @json_command
 def sweep_batch_size(
+    ctx: typer.Context,
     model: Model = "smollm2", target: Target = None,
     sizes: Annotated[str, typer.Option(help="batch sizes, comma separated")] = "1,2,4,8,16",
     runs: Annotated[int, typer.Option(min=1, help="runs (target forward groups) per batch size")] = 10,
@@ -447,6 +485,15 @@ def sweep_batch_size(
     from mtad_energy.results import ResultStore
 
     quiet_libraries()
+    unused = given_options(ctx, FORWARD_ONLY_OPTIONS if decoder is not None else DECODING_ONLY_OPTIONS)
+    if unused:
+        why = ("the decoding sweep (--decoder) decodes prompts: it has no fixed forward runs, "
+               "context length or Yang et al. repetitions" if decoder is not None else
+               "without --decoder, the forward-only study runs the target on a filled KV cache and "
+               "decodes no prompts")
+        fail(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used here: {why}; "
+             f"drop {'it' if len(unused) == 1 else 'them'}"
+             + ("" if decoder is not None else ", or add --decoder ar,spd,... to decode prompts"))
     if decoder is not None:
         _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
                             max_new_tokens, repeats, set_, meter, device, dtype, seed,
@@ -465,14 +512,15 @@ def sweep_batch_size(
         mitigates = mcfg.mitigation_for(m)  # before loading: --require-energy, --mitigate on
         store = ResultStore(out)
         with console.status("loading the target"):
-            pair = load_pair(model, target=target, device=device, dtype=dtype, with_draft=False)
+            pair = load_pair(pair_alias(model, target), target=target, device=device, dtype=dtype,
+                             with_draft=False)
         snap = snapshot()
         store.write_env(snap.snapshot_id, snap.to_dict())
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if not as_json:
         console.print(f"[bold]target[/] {esc(pair.target_id)} on {esc(pair.describe()['device'])}; "
-                      f"[bold]meter[/] {esc(m.name)}: {esc(why.split(';')[0])}")
+                      f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
     mitigation = MitigationConfig() if mitigates else None
     try:
         with _progress() as bar:
@@ -481,7 +529,7 @@ def sweep_batch_size(
             def step(batch_size: int, row: dict) -> None:
                 bar.update(task, advance=1, note=f"B={batch_size}: {row['time_per_run_s']:.3f} s/run")
 
-            rows = batch_sweep(pair, size_list, runs, store, m, model=model, context_len=context_len,
+            rows = batch_sweep(pair, size_list, runs, store, m, model=pair.name, context_len=context_len,
                                forwards_per_run=forwards_per_run, seed=seed, mitigation=mitigation,
                                profile=profile_ops, env_id=snap.snapshot_id, progress=step)
     except KeyboardInterrupt:
@@ -496,14 +544,11 @@ def sweep_batch_size(
     if as_json:
         emit({"output": str(out), "meter": m.name, "rows": json.loads(table.to_json(orient="records"))})
         return
-    t = Table(title="batch size vs energy", title_justify="left", show_edge=False,
-              caption_justify="left")
-    for col in table.columns:
-        t.add_column(str(col), justify="right")
-    for _, r in table.iterrows():
-        t.add_row(*[str(int(v)) if c == table.columns[0] else
-                    energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
-                    for c, v in r.items()])
+    t = wrapping_table([str(c) for c in table.columns],
+                       [[str(int(v)) if c == table.columns[0] else
+                         energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
+                         for c, v in r.items()] for _, r in table.iterrows()],
+                       title="batch size vs energy")
     reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
     captions = ["Energy " + "; ".join(sorted(reasons))] if reasons else []
     if m.name == "simulated" and len(reasons) < len(rows):
@@ -524,7 +569,12 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     from mtad_energy.measure import get_meter, select_meter, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
-    from mtad_energy.results.analysis import batch_crossover
+    from mtad_energy.results.analysis import (
+        batch_crossover,
+        crossover_display,
+        crossover_notes,
+        crossover_title,
+    )
     from mtad_energy.results.report import plot_batch_crossover
 
     try:
@@ -534,15 +584,15 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         specs = decoder_specs(names, parse_sets(sets))
         size_list = parse_sizes(sizes)
         if meter == "auto":
-            m = select_meter().meter
+            choice = select_meter()
+            m, why = choice.meter, choice.reason
         else:
-            m = get_meter(meter)
+            m, why = get_meter(meter), f"asked for {meter}"
         MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
-        alias = None if target and model == "smollm2" else model
         needs_draft = any(s.build().needs_draft for s in specs)
         with console.status("loading the models"):
-            pair = load_pair(alias, target=target, draft=draft, device=device, dtype=dtype,
-                             with_draft=needs_draft)
+            pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
+                             dtype=dtype, with_draft=needs_draft)
         prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
         store = ResultStore(out)
         snap = snapshot()
@@ -550,59 +600,67 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     total = len(specs) * len(size_list) * repeats
-    skipped: list[dict] = []
+    not_run: list[dict] = []  # sizes skipped for memory, with the reason
+    if not as_json:
+        console.print("[bold]model[/] " + esc(f"{pair.name}: {pair.target_id} + "
+                                               f"{pair.draft_id or 'no draft'} on "
+                                               f"{pair.describe()['device']}"))
+        console.print(f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
+    done = {"ran": 0, "skipped": 0}
     try:
         with _progress() as bar:
             task = bar.add_task("decode batch sizes", total=total, note="")
 
-            def step(row: dict) -> None:
-                bar.update(task, advance=1, note=f"{row['label']} B={row['batch_size']}: "
-                                                 f"{row['tokens_per_s']:.1f} tok/s")
+            def step(row: dict, ran: bool) -> None:
+                done["ran" if ran else "skipped"] += 1
+                bar.update(task, advance=1, note=f"{row['label']} B={row['batch_size']}: " + (
+                    f"{row['tokens_per_s']:.1f} tok/s" if ran else "(stored)"))
 
             def skip(label: str, b: int, reason: str) -> None:
-                skipped.append({"decoder": label, "batch_size": b, "reason": reason})
-                bar.update(task, advance=repeats, note=f"{label} B={b}: skipped")
+                not_run.append({"decoder": label, "batch_size": b, "reason": reason})
+                bar.update(task, advance=repeats, note=f"{label} B={b}: does not fit")
 
-            rows = decode_batch_sweep(pair, specs, size_list, prompts, store, m, model=pair.name,
-                                      dataset=dataset, max_new_tokens=max_new_tokens,
-                                      repeats=repeats, seed=seed, env_id=snap.snapshot_id,
-                                      progress=step, compile=compile, on_skip=skip)
+            rep = decode_batch_sweep(pair, specs, size_list, prompts, store, m, model=pair.name,
+                                     dataset=dataset, max_new_tokens=max_new_tokens,
+                                     repeats=repeats, seed=seed, env_id=snap.snapshot_id,
+                                     progress=step, compile=compile, on_skip=skip)
     except KeyboardInterrupt:
-        fail(f"interrupted: the finished rows are stored in {out}; re-run to resume", code=130,
-             label="[yellow]")
+        fail(f"interrupted: {done['ran']} row(s) measured and stored in {out} ({done['skipped']} "
+             f"were stored before), {total - done['ran'] - done['skipped']} left; re-run the same "
+             "command to resume where it stopped", code=130, label="[yellow]")
     except (ValueError, RuntimeError) as error:
         fail(error)
     finally:
         m.close()
-    table = batch_crossover(rows)
-    png = out.parent / f"{out.name}-crossover.png"  # beside the store, which holds only tables
-    plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes {size_list} "
-                                f"({max_new_tokens} tokens, {pair.describe()['device']})"
-                         ).savefig(png, dpi=150)
+    table = batch_crossover(rep.rows)
+    notes = crossover_notes(table)
+    out_dir = out.resolve()  # `--output .` has no name of its own
+    png = out_dir.parent / f"{out_dir.name}-crossover.png"  # beside the store: it holds only tables
+    plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "
+                                f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "
+                                f"{pair.describe()['device']})").savefig(png, dpi=150)
     if as_json:
-        emit({"output": str(out), "meter": m.name, "plot": str(png),
-              "rows": json.loads(table.to_json(orient="records")), "skipped": skipped})
+        emit({"output": str(out), "meter": m.name, "plot": str(png), "ran": rep.ran,
+              "skipped": rep.skipped, "not_run": not_run, "notes": notes,
+              "rows": json.loads(table.to_json(orient="records"))})
         return
-    t = Table(title="decoders vs batch size", title_justify="left", show_edge=False)
-    for col in ("decoder", "B", "tok/s", "speed-up", "J/token", "energy saving", "block eff.",
-                "stops beating ar at B"):
-        t.add_column(col, justify="left" if col == "decoder" else "right")
-    for _, r in table.iterrows():
-        cross = r.crossover_batch_size
-        t.add_row(esc(r.label), str(int(r.batch_size)), fmt(r.tokens_per_s, "{:.1f}"),
-                  fmt(r.speedup, "{:.2f}x"),
-                  "n/a" if r.energy_per_token_j != r.energy_per_token_j
-                  else fmt(r.energy_per_token_j, "{:.4g}"),
-                  fmt(r.energy_saving, "{:.1%}"), fmt(r.block_efficiency),
-                  "-" if r.decoder == "ar" else ("never" if cross != cross else str(int(cross))))
-    reasons = sorted({str(r.get("energy_reason")) for r in rows if r.get("energy_j") is None})
+    shown = crossover_display(table)
+    t = wrapping_table(list(shown.columns), [[esc(v) for v in r] for r in shown.to_numpy()],
+                       left=("decoder",), title=crossover_title(table))
+    reasons = sorted({short_reason(r) for r in table["energy_reason"].dropna()})
+    captions = [SIMULATED_NOTE] if m.name == "simulated" and len(reasons) == 0 else []
     if reasons:
-        t.caption = esc("J/token n/a: " + "; ".join(reasons))
+        captions.append("J/tok n/a: " + "; ".join(reasons))
+    if captions:
+        t.caption = esc("\n".join(captions))
     console.print(t)
-    for s in skipped:
-        console.print(f"[yellow]skipped[/] {esc(s['decoder'])} at B={s['batch_size']}: "
+    for s in not_run:
+        console.print(f"[yellow]not run:[/] {esc(s['decoder'])} at B={s['batch_size']}: "
                       f"{esc(s['reason'])}")
-    console.print(f"[dim]results in {esc(out)}; plot {esc(png)}[/]")
+    for note in notes:
+        console.print(f"[yellow]note:[/] {esc(note)}")
+    console.print(f"[dim]{rep.ran} row(s) measured, {rep.skipped} already stored; results in "
+                  f"{esc(out)}; plot {esc(png)}[/]")
 
 
 @json_command
@@ -635,25 +693,30 @@ def decompose(
         console.print("[dim]no profile runs with FLOP/byte accounting: run `mtad-energy profile --ops` "
                       "into one of the directories to decompose decoders[/]")
         return
-    t = Table(title="energy per token by term", title_justify="left", show_edge=False)
-    for col in breakdown.columns:
-        t.add_column(esc(col), justify="left" if col in ("decoder", "model") else "right")
-    for _, r in breakdown.iterrows():
-        t.add_row(*[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values])
+    t = wrapping_table([str(c) for c in breakdown.columns],
+                       [[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values]
+                        for _, r in breakdown.iterrows()],
+                       left=("decoder", "model"), title="energy per token by term")
     console.print(t)
 
 
+@json_command
 def report(
     results: Annotated[Path, typer.Argument(help="results directory")],
     out: Annotated[Path | None, typer.Option(help="where to write report.md and figures")] = None,
+    as_json: Json = False,
 ):
-    """Write report.md with the main table, the batch-size table and PNG/SVG figures."""
+    """Write report.md with the main table, the batch-size tables and PNG/SVG figures."""
     from mtad_energy.results.report import write_report
 
     try:
         path = write_report(results, out)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
+    if as_json:
+        figures = sorted(str(p) for p in (path.parent / "figures").glob("*.png"))
+        emit({"report": str(path), "figures": figures})
+        return
     console.print(f"report written to {esc(path)}")
 
 

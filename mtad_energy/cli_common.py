@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 from typer._click.exceptions import ClickException  # typer vendors click: not the click package's
 from typer.core import TyperGroup
 
@@ -32,6 +34,12 @@ def parse_sets(sets: list[str] | None) -> dict[str, str]:
     return out
 
 
+def pair_alias(model: str, target: str | None) -> str | None:
+    """The alias to load: a --target of one's own replaces the default pair, whose name it must
+    not carry (its rows and output say "custom"); an alias asked for by name keeps its name."""
+    return None if target and model == "smollm2" else model
+
+
 def quiet_libraries() -> None:
     """Hide transformers' per-load progress bars and info logs on the command line."""
     import transformers
@@ -43,6 +51,66 @@ def quiet_libraries() -> None:
 def esc(value: Any) -> str:
     """User text (paths, prompt ids, labels, messages) made safe for rich markup: `[/x]` prints as is."""
     return escape(str(value))
+
+
+def _header_words(header: str) -> list[str]:
+    """A header's words, also broken after '/' and '-' ("accepted/", "depth"): where it must
+    wrap, it wraps there rather than mid-word."""
+    return [w for word in header.split() for w in re.split(r"(?<=[/-])(?=.)", word)]
+
+
+def wrapping_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], left: Sequence[str] = (),
+                   width: int | None = None, **options: Any) -> Table:
+    """A table for the console whose headers and cells wrap, never cut, when it is wider than the
+    terminal (``width``, default the console's: 80 columns when piped to a file). Each column
+    gets at least its longest word (headers may break after '/' and '-') where they all fit, and
+    the rest of the room goes to the columns with the most text to wrap, so headers and
+    sentences wrap at spaces and numbers stay whole; where even the longest words do not fit,
+    the longest fold onto the next line. ``left``: the columns of names (left-aligned); the
+    others are numbers. Cells are text (escape user text with `esc`)."""
+    table = Table(show_edge=False, pad_edge=False, title_justify="left", caption_justify="left",
+                  **options)
+    texts = [[str(col), *(str(r[i]) for r in rows)] for i, col in enumerate(columns)]
+    widths = column_widths(texts, (width or console.width) - 3 * max(0, len(columns) - 1))
+    for col, w in zip(columns, widths, strict=True):
+        header = col if max(map(len, col.split()), default=0) <= w else " ".join(_header_words(col))
+        table.add_column(esc(header), justify="left" if col in left else "right", overflow="fold",
+                         width=w)
+    for r in rows:
+        table.add_row(*map(str, r))
+    return table
+
+
+def column_widths(texts: Sequence[Sequence[str]], room: int) -> list[int]:
+    """Content widths for columns of ``texts`` (each column: its header, then its cells) within
+    ``room`` characters: natural widths when they fit; else every column its longest word plus a
+    share of what is left, by how much it would still wrap; where not even the longest words
+    fit, the widest headers give up characters first, then the widest columns (their longest
+    words fold), until the table fits."""
+    natural = [max(len(line) for t in col for line in t.splitlines() or [""]) for col in texts]
+    if sum(natural) <= room:
+        return list(natural)
+    cells = [max([len(w) for t in col[1:] for w in t.split()], default=1) for col in texts]
+    least = [max([len(w) for w in _header_words(col[0])] + [c]) for col, c in zip(texts, cells, strict=True)]
+    while sum(least) > room:  # fold headers before numbers and names: the widest first
+        over = [i for i, (w, c) in enumerate(zip(least, cells, strict=True)) if w > c] or \
+            [i for i, w in enumerate(least) if w > 1]
+        if not over:
+            break
+        least[max(over, key=lambda i: least[i])] -= 1
+    widths, spare = list(least), max(0, room - sum(least))
+    want = [n - m for n, m in zip(natural, least, strict=True)]
+    total = sum(want)
+    for i, w in enumerate(want):  # in proportion to what each still lacks, rounded down
+        widths[i] += min(w, spare * w // total) if total else 0
+    left = room - sum(widths)
+    for i in sorted(range(len(texts)), key=lambda i: natural[i] - widths[i], reverse=True):
+        if left <= 0:
+            break
+        add = min(left, natural[i] - widths[i])
+        widths[i] += add
+        left -= add
+    return widths
 
 
 @contextlib.contextmanager
@@ -100,12 +168,31 @@ def fail(error: Exception | str, code: int = 2, label: str = "[bold red]error:[/
     raise typer.Exit(code)
 
 
+RICH_HELP_MIN_WIDTH = 100  # narrower, rich's option panels cut long option names with "…"
+
+
+def plain_help_unless_wide(command: Any, console_: Console | None = None) -> None:
+    """Typer's rich help panels cut what does not fit ("--allow-code-exec…"); click's plain help
+    wraps and cuts nothing. Use the plain one for ``command`` and its subcommands unless the help
+    goes to a terminal at least `RICH_HELP_MIN_WIDTH` columns wide (a pipe or file is 80)."""
+    c = console_ or console
+    if c.is_terminal and c.width >= RICH_HELP_MIN_WIDTH:
+        return
+    command.rich_markup_mode = None
+    if not command.short_help and command.help:  # click cuts a derived one at 45 characters
+        command.short_help = command.help.strip().split("\n\n")[0].replace("\n", " ")
+    for sub in getattr(command, "commands", {}).values():
+        plain_help_unless_wide(sub, c)
+
+
 class JsonErrorGroup(TyperGroup):
     """The app's group: with --json on the command line, a usage error (unknown option, value out
-    of range) is also one JSON document on stdout, with click's exit code."""
+    of range) is also one JSON document on stdout, with click's exit code. Help is plain text
+    (wrapped, never cut) unless it goes to a wide terminal (`plain_help_unless_wide`)."""
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        plain_help_unless_wide(self)
         argv = list(sys.argv[1:] if args is None else args)
         if "--json" not in argv or not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)

@@ -84,3 +84,92 @@ def test_square_brackets_in_user_text_print_as_text(model_dirs, tmp_path):
     res = runner.invoke(app, ["profile", "--decoder", "ar", *pair_args(model_dirs), "--dataset",
                               str(tmp_path / "no[/such].jsonl"), "--output", str(tmp_path / "e")])
     assert res.exit_code == 2 and "no[/such].jsonl" in res.output.replace("\n", ""), res.output
+
+
+# -- what a new user meets first -------------------------------------------------------------------
+def _lines_fit(text: str, width: int = 80) -> None:
+    assert "…" not in text, text  # wrapped, never cut
+    assert all(len(line) <= width for line in text.splitlines()), text
+
+
+def test_tables_and_help_wrap_at_80_columns_instead_of_cutting(model_dirs, tmp_path):
+    from mtad_energy.cli import app as the_app
+    from mtad_energy.cli_common import console
+
+    assert console.width == 80  # as when piped to a file
+    for args in (["models"], ["decoders"], ["--help"], ["profile", "--help"],
+                 ["sweep", "batch-size", "--help"], ["sweep", "--help"]):
+        res = runner.invoke(the_app, args)
+        assert res.exit_code == 0, res.output
+        _lines_fit(res.output)
+    assert "--allow-code-execution" in runner.invoke(the_app, ["profile", "--help"]).output
+    res = runner.invoke(the_app, ["profile", "--decoder", "ar,spd", *pair_args(model_dirs), "--dataset",
+                                  prompts(tmp_path), "--n-prompts", "2", "--output", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output
+    _lines_fit(res.output)
+    assert "speed-" in res.output and "ppl" in res.output
+
+
+def test_wrapping_keeps_numbers_whole():
+    from mtad_energy.cli_common import column_widths
+
+    texts = [["decoder", "spd(gamma=6)"], ["perplexity", "54.231"], ["speed-up", "1.25x"],
+             ["accepted/depth", "0.50"], ["a long note that can wrap", "x y z"]]
+    natural = [max(map(len, col)) for col in texts]
+    assert column_widths(texts, 100) == natural  # room for everything: nothing wraps
+    for room in (45, 36):  # the long note wraps first; then headers fold, numbers never do
+        widths = column_widths(texts, room)
+        assert sum(widths) <= room, (room, widths)
+        assert widths[0] >= len("spd(gamma=6)") and widths[1] >= len("54.231")
+        assert widths[2] >= len("1.25x") and widths[3] >= len("0.50")
+    assert column_widths(texts, 45)[1] >= len("perplexity")
+
+
+def test_every_command_takes_json(model_dirs, tmp_path):
+    res = runner.invoke(app, ["models", "--json"])
+    assert res.exit_code == 0 and only_json(res)["smollm2"]["draft"] == "self:int8"
+    runner.invoke(app, ["profile", "--decoder", "ar", *pair_args(model_dirs), "--dataset",
+                        prompts(tmp_path), "--n-prompts", "1", "--output", str(tmp_path / "p")])
+    res = runner.invoke(app, ["report", str(tmp_path / "p"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = only_json(res)
+    assert doc["report"] == str(tmp_path / "p-report" / "report.md") and doc["figures"]
+    res = runner.invoke(app, ["report", str(tmp_path / "nothing"), "--json"])
+    assert res.exit_code == 2 and "does not exist" in only_json(res)["error"]
+    # every command of the app, and of `sweep`, has --json
+    from typer.main import get_command
+
+    group = get_command(app)
+    commands = [*group.commands.values(), *group.commands["sweep"].commands.values()]
+    for command in commands:
+        if command.name != "sweep":
+            assert "--json" in [o for p in command.params for o in p.opts], command.name
+
+
+def test_generate_with_a_target_of_ones_own_is_not_the_default_pair(model_dirs):
+    args = ["generate", "--decoder", "spd", "--target", model_dirs["llama"], "--draft",
+            model_dirs["llama-draft"], "--device", "cpu", "--max-new-tokens", "3", "--prompt", "w3 w4"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "spd on custom (" in res.output and "smollm2" not in res.output
+    assert only_json(runner.invoke(app, [*args, "--json"]))["pair"]["pair"] == "custom"
+
+
+def test_profile_batches_hold_batch_size_rows_or_are_refused(model_dirs, tmp_path):
+    common = ["profile", "--decoder", "ar", *pair_args(model_dirs), "--dataset", prompts(tmp_path, ids=(
+        "a", "b", "c")), "--device", "cpu"]
+    res = runner.invoke(app, [*common, "--batch-size", "64", "--n-prompts", "2", "--output",
+                              str(tmp_path / "big"), "--json"])
+    assert res.exit_code == 2
+    assert "--batch-size 64 is more than the 2 prompt(s)" in only_json(res)["error"]
+    assert not (tmp_path / "big").exists()
+    # 3 prompts in batches of 2: the last batch is completed with another prompt (not stored)
+    res = runner.invoke(app, [*common, "--batch-size", "2", "--n-prompts", "3", "--output",
+                              str(tmp_path / "b2")])
+    assert res.exit_code == 0, res.output
+    assert "profile · custom+batch2 (2 prompts decoded together)" in res.output
+    rows = load_results(tmp_path / "b2")
+    assert sorted(rows.prompt_id) == ["a", "b", "c"]
+    assert (rows.batch_size == 2).all() and (rows.model == "custom+batch2").all()
+    last = rows[rows.prompt_id == "c"].iloc[0]
+    assert 0 < last.energy_share < 1  # its share of a two-row batch

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +36,14 @@ from mtad_energy.decoding.registry import check_batched
 from mtad_energy.measure import EnergyMeter, peak_memory
 from mtad_energy.models import ModelPair
 from mtad_energy.results.schema import params_json, stable_key
-from mtad_energy.results.store import ResultStore
+from mtad_energy.results.store import ResultStore, RowExistsError
+
+
+@dataclass
+class DecodeBatchReport:
+    rows: list[dict[str, Any]]  # every row the sweep asked for (stored before or now)
+    ran: int  # measured by this call
+    skipped: int  # already stored (earlier, or by another worker meanwhile)
 
 
 def decode_batch_sweep(
@@ -52,11 +60,13 @@ def decode_batch_sweep(
     repeats: int = 1,
     seed: int = 0,
     env_id: str = "",
-    progress: Callable[[dict[str, Any]], object] | None = None,
+    progress: Callable[[dict[str, Any], bool], object] | None = None,
     compile: bool = False,
     on_skip: Callable[[str, int, str], object] | None = None,
-) -> list[dict[str, Any]]:
-    """Run every decoder at every batch size; rows the store holds already are not rerun.
+) -> DecodeBatchReport:
+    """Run every decoder at every batch size; rows the store holds already are not rerun, and a
+    row another worker stores meanwhile (into the same store) counts as skipped, as in `Runner`.
+    ``progress(row, ran)`` is called once per row (``ran``: measured now, not found stored);
     ``on_skip(label, batch size, reason)`` hears of every size skipped for memory."""
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
@@ -69,7 +79,7 @@ def decode_batch_sweep(
     desc = pair.describe()
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
     label = model + ("+compile" if compile else "")
-    out = []
+    out, ran = [], 0
     for spec, decoder in built.items():
         params = {k: v for k, v in decoder.config().items() if k != "decoder"}
         for b in dict.fromkeys(int(s) for s in sizes):
@@ -85,9 +95,8 @@ def decode_batch_sweep(
                     **({"compile": True} if compile else {}),  # eager rows keep their keys
                 }
                 key = stable_key(identity)
-                if stored is not None and (stored["row_key"] == key).any():
-                    row = stored[stored["row_key"] == key].iloc[0].to_dict()
-                else:
+                row, measured = _stored_row(store, stored, key), False
+                if row is None:
                     if not warm:
                         why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
                         try:
@@ -109,11 +118,27 @@ def decode_batch_sweep(
                         break
                     row = {"row_key": key, "created_unix_s": time.time(), "env_id": env_id,
                            **identity, "label": spec.label, "compile": compile, **row}
-                    store.write("decode_batch", key, [row])
+                    try:
+                        store.write("decode_batch", key, [row])
+                        measured = True
+                    except RowExistsError:  # another worker stored it while this one measured
+                        row = _stored_row(store, None, key)
                 out.append(row)
+                ran += measured
                 if progress is not None:
-                    progress(row)
-    return out
+                    progress(row, measured)
+    return DecodeBatchReport(out, ran, len(out) - ran)
+
+
+def _stored_row(store: ResultStore, stored, key: str) -> dict[str, Any] | None:
+    """The stored row with ``key``: from the frame loaded at the start, else from the store (a
+    row another worker wrote since then), else None."""
+    if stored is not None and (stored["row_key"] == key).any():
+        return stored[stored["row_key"] == key].iloc[0].to_dict()
+    if store.has("decode_batch", key):
+        frame = store.load("decode_batch")
+        return frame[frame["row_key"] == key].iloc[0].to_dict()
+    return None
 
 
 def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int,

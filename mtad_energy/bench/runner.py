@@ -87,6 +87,25 @@ def shard(units: Sequence[WorkUnit], index: int, count: int) -> list[WorkUnit]:
     return list(units[index::count])
 
 
+def model_label(config: RunConfig) -> str:
+    """The stored ``model``: compiled or batched runs are another system (other times, other
+    joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
+    ``<model>+batch<B>``; every row stored under ``+batch<B>`` was decoded with B rows."""
+    return (config.model.label + ("+compile" if config.compile else "")
+            + (f"+batch{config.batch_size}" if config.batch_size > 1 else ""))
+
+
+def check_batch_size(config: RunConfig, prompts: Sequence[Prompt]) -> None:
+    """Refuse a batch larger than the prompts of a decoder and repeat: its rows could never all
+    be this configuration's own prompts (they would be stored as ``+batch<B>`` while fewer rows
+    were decoded together)."""
+    n = len(dict.fromkeys(prompts))
+    if config.batch_size > n:
+        raise ValueError(f"--batch-size {config.batch_size} is more than the {n} prompt(s) per "
+                         f"decoder and repeat; nothing was run. Give at least {config.batch_size} "
+                         f"prompts (--n-prompts, or more datasets) or --batch-size {n} or less")
+
+
 def load_config_prompts(config: RunConfig) -> list[Prompt]:
     prompts: list[Prompt] = []
     for name in config.datasets:
@@ -164,12 +183,7 @@ class Runner:
 
     @property
     def model_label(self) -> str:
-        """The stored ``model``: compiled or batched runs are another system (other times, other
-        joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
-        ``<model>+batch<B>``."""
-        c = self.config
-        return (c.model.label + ("+compile" if c.compile else "")
-                + (f"+batch{c.batch_size}" if c.batch_size > 1 else ""))
+        return model_label(self.config)
 
     # -- identity -----------------------------------------------------------------------------
     def _params(self, spec: DecoderSpec) -> dict[str, Any]:
@@ -222,18 +236,21 @@ class Runner:
     def run_unit(self, unit: WorkUnit) -> dict[str, Any]:
         return self.run_batch([unit])[0]
 
-    def run_batch(self, units: Sequence[WorkUnit]) -> list[dict[str, Any]]:
-        """Decode the units' prompts together (one decoder and repeat; B = len(units) rows per
-        set of forwards, `generate_rows`) inside one pair of windows, and store one runs row per
-        unit. With B > 1 each row gets the batch's energy in proportion to its tokens
-        (``energy_share``), and the batch's decode time (its rows' tokens/s are per row)."""
+    def run_batch(self, units: Sequence[WorkUnit], fill: Sequence[WorkUnit] = ()
+                  ) -> list[dict[str, Any]]:
+        """Decode the units' prompts together (one decoder and repeat; B = len(units) +
+        len(fill) rows per set of forwards, `generate_rows`) inside one pair of windows, and store
+        one runs row per unit; the ``fill`` rows (other prompts of the configuration, completing
+        a partly filled batch) are decoded but not stored. With B > 1 each row gets the batch's
+        energy in proportion to its tokens (``energy_share``, of all B rows), and the batch's
+        decode time (its rows' tokens/s are per row)."""
         c = self.config
         spec, repeat = units[0].decoder, units[0].repeat
-        if any(u.decoder != spec or u.repeat != repeat for u in units):
+        if any(u.decoder != spec or u.repeat != repeat for u in [*units, *fill]):
             raise ValueError("a batch holds one decoder and one repeat")
         decoder = self._decoders[spec]
         keys = [self.run_key(u) for u in units]
-        prompts = [self._prompt_ids(u.prompt) for u in units]
+        prompts = [self._prompt_ids(u.prompt) for u in [*units, *fill]]
         seed = c.seed + repeat
         if c.warmup:
             self.warm_up(spec, prompts)
@@ -277,11 +294,11 @@ class Runner:
 
         total_tokens = sum(g.stats.tokens_emitted for g in gens)
         rows = []
-        for unit, key, ids, gen in zip(units, keys, prompts, gens, strict=True):
-            share = 1.0 if len(units) == 1 else (
-                gen.stats.tokens_emitted / total_tokens if total_tokens else 1.0 / len(units))
+        for unit, key, ids, gen in zip(units, keys, prompts, gens, strict=False):  # not the fill
+            share = 1.0 if len(gens) == 1 else (
+                gen.stats.tokens_emitted / total_tokens if total_tokens else 1.0 / len(gens))
             rows.append(self._store_row(unit, key, ids, gen, seed, {**energy, **measured},
-                                        mitigation, share, len(units)))
+                                        mitigation, share, len(gens)))
         return rows
 
     def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
@@ -378,6 +395,9 @@ class Runner:
         A row another worker stores meanwhile (into the same store) counts as stored."""
         done = self.store.keys("runs")
         todo: dict[tuple[DecoderSpec, int], list[WorkUnit]] = {}  # batches being filled
+        pools: dict[tuple[DecoderSpec, int], list[WorkUnit]] = {}  # every unit, for the fill
+        for unit in units:
+            pools.setdefault((unit.decoder, unit.repeat), []).append(unit)
         size = self.config.batch_size
         for unit in units:
             key = self.run_key(unit)
@@ -388,13 +408,17 @@ class Runner:
             batch.append(unit)
             if len(batch) == size:
                 yield from self._run_batch_rows(todo.pop((unit.decoder, unit.repeat)), done)
-        for batch in todo.values():  # the last, partly filled batches
-            yield from self._run_batch_rows(batch, done)
+        for group, batch in todo.items():  # the last, partly filled batches (or what an
+            # interrupted batch left): completed with other prompts, so every row is decoded
+            # with batch_size rows, as its stored model label says
+            others = [u for u in pools[group] if u not in batch] or batch
+            fill = [others[i % len(others)] for i in range(size - len(batch))]
+            yield from self._run_batch_rows(batch, done, fill)
 
-    def _run_batch_rows(self, batch: list[WorkUnit], done: set[str]
+    def _run_batch_rows(self, batch: list[WorkUnit], done: set[str], fill: Sequence[WorkUnit] = ()
                         ) -> Iterator[tuple[dict[str, Any] | None, WorkUnit]]:
         try:
-            rows: list[dict[str, Any] | None] = list(self.run_batch(batch))
+            rows: list[dict[str, Any] | None] = list(self.run_batch(batch, fill))
         except RowExistsError:  # another worker finished the same row first
             rows = [None] * len(batch)
         for unit, row in zip(batch, rows, strict=True):
@@ -440,6 +464,7 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     to show the model and meter); otherwise one is built from ``pair``, ``meter`` and ``scorer``."""
     runner = runner or Runner(config, store, pair=pair, meter=meter, scorer=scorer)
     prompts = list(prompts) if prompts is not None else load_config_prompts(config)
+    check_batch_size(config, prompts)
     units = shard(runner.unique(work_units(config, prompts)), shard_index, shard_count)
     check_prompt_lengths(runner, units)
     ran = skipped = 0

@@ -310,89 +310,174 @@ def _simulated_note(rows: pd.DataFrame, what: str) -> list[str]:
             "and power sensor; their joules were not measured.", ""]
 
 
-def plot_batch_crossover(table: pd.DataFrame, title: str = "") -> Figure:
-    """Speed-up over ar and energy saving against batch size, one line per decoder; a ring marks
-    the batch size from which a decoder stops beating ar."""
+def plot_batch_crossover(table: pd.DataFrame, title: str = "", baseline: str = "ar") -> Figure:
+    """Speed-up over ``baseline`` and energy saving against batch size (`analysis.batch_crossover`
+    of one setting), one line per decoder configuration through the medians, bars from the
+    smallest to the largest repeat; a ring marks the crossover. Without energy readings the
+    right panel says why (the rows' recorded reason); with the baseline alone, the figure says
+    there is nothing to compare."""
     import matplotlib.ticker
 
-    others = table[table.decoder != "ar"]
+    others = table[table["label"] != table["baseline_label"]] if not table.empty else table
     fig, axes = _new_figure(1, 2, 6, 4.5)
     axes = axes.ravel()
-    has_energy = others.energy_saving.notna().any()
+    if title:
+        fig.suptitle(title, fontsize=10)
+    if others.empty or others["speedup"].isna().all():
+        for ax in axes:
+            ax.set_axis_off()
+        what = (f"only {baseline} was measured: no decoder to compare with it" if not table.empty
+                and table["decoder"].eq(baseline).all() else f"no {baseline} rows: no speed-up to plot")
+        axes[0].text(1.1, 0.5, what, ha="center", va="center", transform=axes[0].transAxes)
+        return fig
+    has_energy = others["energy_saving"].notna().any()
     for label, g in others.groupby("label", sort=False):
-        line, = axes[0].plot(g.batch_size, g.speedup, marker="o", label=label)
+        spread = g["repeats"] > 1
+        line, = axes[0].plot(g["batch_size"], g["speedup"], marker="o", label=label)
+        if spread.any():
+            axes[0].errorbar(g.loc[spread, "batch_size"], g.loc[spread, "speedup"],
+                             yerr=[g.loc[spread, "speedup"] - g.loc[spread, "speedup_min"],
+                                   g.loc[spread, "speedup_max"] - g.loc[spread, "speedup"]],
+                             fmt="none", ecolor=line.get_color(), elinewidth=1, capsize=3)
         if has_energy:
-            axes[1].plot(g.batch_size, g.energy_saving, marker="o", color=line.get_color(),
+            axes[1].plot(g["batch_size"], g["energy_saving"], marker="o", color=line.get_color(),
                          label=label)
-        cross = g.crossover_batch_size.iloc[0]
-        if not math.isnan(cross):
-            at = g[g.batch_size == cross]
-            axes[0].scatter(at.batch_size, at.speedup, s=180, facecolors="none",
+        cross = g["crossover_batch_size"].iloc[0]
+        if math.isfinite(cross):
+            at = g[g["batch_size"] == cross]
+            axes[0].scatter(at["batch_size"], at["speedup"], s=180, facecolors="none",
                             edgecolors=line.get_color(), linewidths=2)
     axes[0].axhline(1.0, color="k", lw=1, ls="--")
-    axes[0].set(xscale="log", xlabel="batch size", ylabel="speed-up over ar (tokens/s)",
-                title="Speed-up over ar (ring: stops beating ar)")
+    n = sorted({int(r) for r in others["repeats"]})
+    reps = ("one repeat" if n == [1] else f"median of {n[0]} repeats" if len(n) == 1
+            else "medians over repeats")
+    axes[0].set(xscale="log", xlabel="batch size", ylabel=f"speed-up over {baseline} (×)",
+                title=f"Speed-up over {baseline} ({reps}; ring: crossover)")
     if has_energy:
         axes[1].axhline(0.0, color="k", lw=1, ls="--")
-        axes[1].set(xscale="log", xlabel="batch size", ylabel="energy saving vs ar (J/token)",
-                    title="Energy saving over ar")
+        axes[1].set(xscale="log", xlabel="batch size", ylabel=f"energy saving vs {baseline} (J/token)",
+                    title=f"Energy saving over {baseline}")
+        axes[1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     else:
-        reason = "no energy measured here (the meter reads none on this machine)"
-        axes[1].text(0.5, 0.1, reason, ha="center", va="center", wrap=True,
-                     transform=axes[1].transAxes)
+        reasons = sorted({analysis.short_reason(r) for r in table["energy_reason"].dropna()})
+        axes[1].text(0.5, 0.12, "no energy measured: " + "; ".join(reasons), ha="center", va="center",
+                     wrap=True, transform=axes[1].transAxes)
         axes[1].set_axis_off()
-    sizes = sorted(set(table.batch_size))
+    sizes = sorted({int(b) for b in table["batch_size"]})
     for ax in axes[:1 + has_energy]:
-        ax.set_xticks(sizes, labels=[str(s) for s in sizes])
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(sizes, labels=[str(b) for b in sizes])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlim(sizes[0] / 1.3, sizes[-1] * 1.3)
         if has_energy:
             ax.legend(fontsize=8)
     if not has_energy:  # the legend goes to the free right panel, off the lines
         axes[1].legend(*axes[0].get_legend_handles_labels(), loc="upper center", fontsize=9,
                        ncols=2, title="decoder")
-    if has_energy:
-        axes[1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    if title:
-        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame) -> list[str]:
+def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame,
+                  decode_batch: pd.DataFrame) -> list[str]:
     notes = _simulated_note(runs, "runs") + _simulated_note(batch, "batch-sweep rows")
-    energy = pd.to_numeric(runs["energy_j"], errors="coerce")
-    missing = runs[energy.isna()]
-    if runs.empty:
-        return ["The store has no runs."]
-    if missing.empty:
-        notes.append(f"Every run ({len(runs)}) has an energy reading.")
-    else:
-        if len(missing) == len(runs):
-            notes.append(f"**No run has an energy reading** ({len(runs)} runs): J/token and energy "
-                         "saving are n/a, and `jpt_vs_speedup` shows speed-up vs block efficiency "
-                         "instead. Recorded reasons:")
-        else:
-            notes.append(f"{len(missing)} of {len(runs)} runs have no energy reading; a "
-                         "configuration's J/token uses only its runs with energy "
-                         "(`n_energy_runs` of `n_runs`). Recorded reasons:")
-        notes.append("")
-        reasons = (missing.assign(meter=missing["meter"].fillna("?"),
-                                  energy_reason=missing["energy_reason"].fillna("(no reason recorded)"))
-                   .groupby(["meter", "energy_reason"]).size())
-        for (meter, reason), n in reasons.items():
-            notes.append(f"- meter `{meter}`: {reason} ({n} runs)")
-        notes.append("")
-        partial = summary[(summary["n_energy_runs"] > 0) & (summary["n_energy_runs"] < summary["n_runs"])]
-        if not partial.empty:
-            notes += ["Configurations whose J/token rests on part of their runs:", ""]
-            notes += [f"- {r.label} ({r.model}, {r.dataset}): energy from {r.n_energy_runs} of {r.n_runs} "
-                      "runs" for r in partial.itertuples()]
-            notes.append("")
+    if runs.empty and batch.empty and decode_batch.empty:
+        return ["The store holds no rows."]
+    if not runs.empty:
+        notes += _run_energy_notes(runs, summary)
     if not batch.empty and pd.to_numeric(batch["energy_j"], errors="coerce").isna().any():
         reasons = sorted({str(v) for v in batch["energy_reason"].dropna()}) or ["(no reason recorded)"]
         notes.append("Batch sweep rows without energy (the batch figure shows time instead when none "
                      f"has it): {'; '.join(reasons)}")
+        notes.append("")
+    if not decode_batch.empty:
+        energy = pd.to_numeric(decode_batch["energy_j"], errors="coerce")
+        missing = decode_batch[energy.isna()]
+        if missing.empty:
+            notes.append(f"Every decoding batch-size row ({len(decode_batch)}) has an energy reading.")
+        else:
+            notes += [f"{len(missing)} of {len(decode_batch)} decoding batch-size rows have no energy "
+                      "reading (their J/token and energy saving are n/a). Recorded reasons:", ""]
+            notes += _reason_lines(missing, "rows")
     return notes
+
+
+def _reason_lines(missing: pd.DataFrame, what: str) -> list[str]:
+    """One bullet per (meter, recorded reason) of the rows without energy, with their count."""
+    reasons = (missing.assign(meter=missing["meter"].fillna("?"),
+                              energy_reason=missing["energy_reason"].fillna("(no reason recorded)"))
+               .groupby(["meter", "energy_reason"]).size())
+    return [f"- meter `{meter}`: {reason} ({n} {what})" for (meter, reason), n in reasons.items()] + [""]
+
+
+def _run_energy_notes(runs: pd.DataFrame, summary: pd.DataFrame) -> list[str]:
+    energy = pd.to_numeric(runs["energy_j"], errors="coerce")
+    missing = runs[energy.isna()]
+    if missing.empty:
+        return [f"Every run ({len(runs)}) has an energy reading.", ""]
+    if len(missing) == len(runs):
+        notes = [f"**No run has an energy reading** ({len(runs)} runs): J/token and energy "
+                 "saving are n/a, and `jpt_vs_speedup` shows speed-up vs block efficiency "
+                 "instead. Recorded reasons:"]
+    else:
+        notes = [f"{len(missing)} of {len(runs)} runs have no energy reading; a "
+                 "configuration's J/token uses only its runs with energy "
+                 "(`n_energy_runs` of `n_runs`). Recorded reasons:"]
+    notes += ["", *_reason_lines(missing, "runs")]
+    partial = summary[(summary["n_energy_runs"] > 0) & (summary["n_energy_runs"] < summary["n_runs"])]
+    if not partial.empty:
+        notes += ["Configurations whose J/token rests on part of their runs:", ""]
+        notes += [f"- {r.label} ({r.model}, {r.dataset}): energy from {r.n_energy_runs} of {r.n_runs} "
+                  "runs" for r in partial.itertuples()]
+        notes.append("")
+    return notes
+
+
+def _store_line(store_dir: Path, runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame,
+                decode_batch: pd.DataFrame) -> str:
+    """What the store holds, table by table."""
+    held = []
+    if not runs.empty:
+        held.append(f"{len(runs)} runs of {summary['label'].nunique()} decoder configurations; models "
+                    f"{', '.join(sorted(map(str, runs['model'].unique())))}; datasets "
+                    f"{', '.join(sorted(map(str, runs['dataset'].unique())))}; meters "
+                    f"{', '.join(sorted(map(str, runs['meter'].dropna().unique())))}")
+    if not batch.empty:
+        held.append(f"{len(batch)} forward-only batch-size rows (`sweep batch-size`)")
+    if not decode_batch.empty:
+        held.append(f"{len(decode_batch)} decoding batch-size rows (`sweep batch-size --decoder`) of "
+                    f"{decode_batch['decoder'].nunique()} decoders at batch sizes "
+                    f"{', '.join(str(int(b)) for b in sorted(decode_batch['batch_size'].unique()))}")
+    if not held:
+        return f"Store `{store_dir}` holds no rows yet."
+    return f"Store `{store_dir}`: " + "; ".join(held) + "."
+
+
+def _crossover_section(decode_batch: pd.DataFrame, baseline: str, fig_dir: Path) -> list[str]:
+    """One subsection per setting (model, dataset, tokens, device: never pooled): the table the
+    CLI prints, its notes, and the figure."""
+    cross = analysis.batch_crossover(decode_batch, baseline)
+    settings = analysis.crossover_settings(cross)
+    lines = ["## Decoders across batch sizes", "",
+             f"B prompts decoded together per decoder and batch size (`sweep batch-size --decoder`): "
+             f"tokens/s of all B rows and the speed-up and energy saving over `{baseline}` at the "
+             f"same batch size (medians over the repeats; min-max: the speed-up's spread over "
+             f"them). The last column is the crossover: "
+             f"{analysis.CROSSOVER_RULE.format(baseline=baseline)}.", "",
+             *_simulated_note(decode_batch, "decoding batch-size rows")]
+    if len(settings) > 1:
+        lines += [f"The store holds {len(settings)} settings (model, dataset, tokens, device); each "
+                  "has its own table, never pooled with another.", ""]
+    for i, (title, part) in enumerate(settings):
+        name = "batch_crossover" if i == 0 else f"batch_crossover-{i + 1}"
+        shown = analysis.crossover_display(part, baseline)
+        notes = analysis.crossover_notes(part, baseline)[1:]  # the rule is stated above
+        lines += [f"### {title}", "", f"{analysis.crossover_title(part).capitalize()}.", "",
+                  analysis.to_markdown(shown.set_index(["decoder", "B"]), higher_is_better={}), ""]
+        lines += [f"- {n}" for n in notes] + ([""] if notes else [])
+        _save(plot_batch_crossover(part, f"{title}: decoders across batch sizes", baseline=baseline),
+              fig_dir, name)
+        lines += _figure_links([name]) + [""]
+    return lines
 
 
 def _figure_links(names: Sequence[str]) -> list[str]:
@@ -418,14 +503,8 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     curve = analysis.batch_curve(batch)
     palette = label_palette(summary) if not summary.empty else None
 
-    lines = ["# mtad-energy report", ""]
-    if runs.empty:
-        lines += [f"Store `{store_dir}` has no runs.", ""]
-    else:
-        lines += [f"Store `{store_dir}`: {len(runs)} runs of {summary['label'].nunique()} decoder "
-                  f"configurations; models {', '.join(sorted(map(str, runs['model'].unique())))}; "
-                  f"datasets {', '.join(sorted(map(str, runs['dataset'].unique())))}; meters "
-                  f"{', '.join(sorted(map(str, runs['meter'].dropna().unique())))}.", ""]
+    decode_batch = load_results(store_dir, "decode_batch")
+    lines = ["# mtad-energy report", "", _store_line(store_dir, runs, summary, batch, decode_batch), ""]
     figures: list[str] = []
     if not summary.empty:
         has_energy = summary["energy_per_token_j"].notna().any()
@@ -461,7 +540,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
             figures.append(name)
         lines += ["## Figures", "", *_figure_links(figures), ""]
 
-    lines += ["## Energy", "", *_energy_notes(runs, summary, batch), ""]
+    lines += ["## Energy", "", *_energy_notes(runs, summary, batch, decode_batch), ""]
 
     if not curve.empty:
         cols = [c for c in analysis.BATCH_COLUMNS if c != "batch_size"] + ["energy_per_run_rel"]
@@ -476,26 +555,14 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
         figures.append("batch_energy")
         lines += _figure_links(["batch_energy"]) + [""]
 
-    decode_batch = load_results(store_dir, "decode_batch")
     if not decode_batch.empty:
-        cross = analysis.batch_crossover(decode_batch, baseline)
-        lines += ["## Decoders across batch sizes", "",
-                  f"B prompts decoded together per decoder and batch size (`sweep batch-size "
-                  f"--decoder`): tokens/s of all B rows, speed-up and energy saving over "
-                  f"`{baseline}` at the same batch size; the last column is the batch size from "
-                  f"which on the decoder no longer beats `{baseline}`.", "",
-                  *_simulated_note(decode_batch, "decoding batch-size rows"),
-                  analysis.to_markdown(cross.set_index(["label", "batch_size"])[
-                      ["tokens_per_s", "speedup", "energy_per_token_j", "energy_saving",
-                       "block_efficiency", "crossover_batch_size"]], higher_is_better={}), ""]
-        _save(plot_batch_crossover(cross), fig_dir, "batch_crossover")
-        figures.append("batch_crossover")
-        lines += _figure_links(["batch_crossover"]) + [""]
+        lines += _crossover_section(decode_batch, baseline, fig_dir)
 
-    lines += ["## Accepted draft lengths", ""]
-    if hist.empty:
+    if not runs.empty:  # accepted lengths come from the profile runs' steps
+        lines += ["## Accepted draft lengths", ""]
+    if not runs.empty and hist.empty:
         lines += ["No drafting iterations recorded (no steps, or only decoders that do not draft).", ""]
-    else:
+    elif not runs.empty:
         stats = analysis.accepted_length_stats(hist).set_index("label").drop(columns="decoder")
         lines += ["Per decoder configuration, over iterations that proposed draft tokens: how many "
                   "were accepted.", "", analysis.to_markdown(stats, higher_is_better={}), ""]

@@ -96,3 +96,126 @@ def test_profile_batch_size_reaches_the_rows_and_refuses_what_does_not_batch(tmp
     assert ok.exit_code == 0, ok.output
     rows = load_results(tmp_path / "ok")
     assert list(rows.batch_size) == [2, 2] and rows.energy_share.sum() == pytest.approx(1.0)
+
+
+# -- several workers, re-runs, interruptions ---------------------------------------------------
+def _sweep(pair, store, meter, progress=None):
+    from mtad_energy.bench.decode_batch import decode_batch_sweep
+    from mtad_energy.config import DecoderSpec
+
+    prompts = [[5, 9, 4], [7, 3, 11, 12]]
+    return decode_batch_sweep(pair, [DecoderSpec("ar"), DecoderSpec("spd")], [1, 2], prompts, store,
+                              meter, max_new_tokens=4, progress=progress)
+
+
+def test_rows_another_worker_stored_since_the_start_count_as_skipped(tmp_path, llama_pair):
+    from mtad_energy.measure.none import NoneMeter
+    from mtad_energy.results import ResultStore
+
+    other = {}
+
+    def progress(row, ran):  # after this worker's first row, another one does the whole sweep
+        if not other:
+            other["report"] = _sweep(llama_pair, ResultStore(tmp_path), NoneMeter())
+
+    rep = _sweep(llama_pair, ResultStore(tmp_path), NoneMeter(), progress)
+    assert (rep.ran, rep.skipped, len(rep.rows)) == (1, 3, 4)
+    assert (other["report"].ran, other["report"].skipped) == (3, 1)
+    stored = load_results(tmp_path, "decode_batch")
+    assert len(stored) == 4 and stored["row_key"].is_unique
+    # the other worker's rows, as it stored them (not measured again here)
+    assert [r["created_unix_s"] for r in rep.rows[1:]] == [r["created_unix_s"] for r in
+                                                            other["report"].rows[1:]]
+
+
+def test_a_row_another_worker_stores_while_this_one_measures_it_counts_as_skipped(tmp_path,
+                                                                                   llama_pair):
+    """Two identical sweeps at once: the second stores a row while the first is measuring it."""
+    import time
+
+    from mtad_energy.measure.none import NoneMeter
+    from mtad_energy.results import ResultStore
+
+    other = {}
+
+    def clock():  # the first window of this worker: the other worker runs the whole sweep
+        if not other:
+            other["report"] = _sweep(llama_pair, ResultStore(tmp_path), NoneMeter())
+        return time.perf_counter()
+
+    rep = _sweep(llama_pair, ResultStore(tmp_path), NoneMeter(clock=clock))
+    assert (rep.ran, rep.skipped) == (0, 4)  # its one measured row lost the race: the other's
+    assert other["report"].ran == 4
+    stored = load_results(tmp_path, "decode_batch")
+    assert len(stored) == 4
+    assert {r["row_key"] for r in rep.rows} == set(stored["row_key"])
+
+
+def _cli_sweep(model_dirs, out, *extra):
+    return ["sweep", "batch-size", "--decoder", "spd", "--target", model_dirs["llama"],
+            "--draft", model_dirs["llama-draft"], "--sizes", "1,2", "--device", "cpu",
+            "--max-new-tokens", "4", "--n-prompts", "2", "--output", str(out), *extra]
+
+
+def test_rerun_counts_stored_rows_and_an_interruption_counts_what_it_kept(tmp_path, model_dirs,
+                                                                          monkeypatch):
+    from mtad_energy.bench import decode_batch
+
+    out = tmp_path / "s"
+    real, calls = decode_batch._measure, {"n": 0}
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while the third row is measured
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_batch, "_measure", interrupted)
+    res = runner.invoke(app, _cli_sweep(model_dirs, out, "--meter", "none"))
+    assert res.exit_code == 130
+    text = " ".join(res.output.split())
+    assert "interrupted: 2 row(s) measured and stored" in text and "2 left" in text, text
+    monkeypatch.setattr(decode_batch, "_measure", real)
+    res = runner.invoke(app, _cli_sweep(model_dirs, out, "--meter", "none"))
+    assert res.exit_code == 0, res.output
+    assert "2 row(s) measured, 2 already stored" in " ".join(res.output.split())
+    doc = json.loads(runner.invoke(app, _cli_sweep(model_dirs, out, "--meter", "none", "--json")).stdout)
+    assert (doc["ran"], doc["skipped"]) == (0, 4)
+
+
+def test_the_caption_gives_the_first_line_of_a_long_meter_reason(tmp_path, model_dirs, monkeypatch):
+    from mtad_energy.measure import none
+
+    reason = ("no GPU energy counter here\nrapl: /sys/class/powercap is not readable\n"
+              "nvml: NVMLError_LibraryNotFound")
+    monkeypatch.setattr(none.NoneMeter.__init__, "__defaults__", (reason, None))
+    res = runner.invoke(app, _cli_sweep(model_dirs, tmp_path / "s", "--meter", "none"))
+    assert res.exit_code == 0, res.output
+    assert "J/tok n/a: no GPU energy counter here" in res.output
+    assert "powercap" not in res.output and "NVMLError" not in res.output
+
+
+def test_options_of_the_other_study_are_refused_before_anything_runs(tmp_path, model_dirs):
+    res = runner.invoke(app, ["sweep", "batch-size", "--decoder", "ar", "--runs", "5000",
+                              "--mitigate", "on", "--context-len", "99999", "--forwards-per-run", "7",
+                              "--target", model_dirs["llama"], "--meter", "none",
+                              "--output", str(tmp_path / "d")])
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert "--runs, --forwards-per-run, --context-len, --mitigate are not used here" in text
+    res = runner.invoke(app, ["sweep", "batch-size", "--max-new-tokens", "5", "--set", "gamma=3",
+                              "--target", model_dirs["llama"], "--meter", "none",
+                              "--output", str(tmp_path / "f"), "--json"])
+    assert res.exit_code == 2
+    assert "--max-new-tokens, --set are not used here" in json.loads(res.stdout)["error"]
+    assert not (tmp_path / "d").exists() and not (tmp_path / "f").exists()
+
+
+def test_output_dot_puts_the_plot_beside_the_store(tmp_path, model_dirs, monkeypatch):
+    store = tmp_path / "here"
+    store.mkdir()
+    monkeypatch.chdir(store)
+    res = runner.invoke(app, _cli_sweep(model_dirs, ".", "--meter", "none", "--json"))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["plot"] == str(tmp_path / "here-crossover.png")
+    assert (tmp_path / "here-crossover.png").is_file()

@@ -40,6 +40,7 @@ BATCH_RUNS = 3000
 class Stores:
     energy: Path
     no_energy: Path
+    decode_only: Path
 
 
 def _run_rows(rng: random.Random, energy: bool) -> tuple[list[dict], dict[str, list[dict]]]:
@@ -125,16 +126,29 @@ DECODE_BATCH = [("ar", 1, 30.0, 2.0), ("ar", 2, 55.0, 1.1), ("ar", 4, 100.0, 0.6
                 ("spd", 4, 90.0, 0.7), ("spd", 8, 120.0, 0.5)]
 
 
-def _decode_batch_rows(energy: bool) -> list[dict]:
+WARP = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}  # every stored row has its defaults
+
+
+def _decode_batch_rows(energy: bool, dataset: str = "mtbench", max_new_tokens: int = 32,
+                       temperature: float = 1.0, repeats: int = 1, scale: float = 1.0,
+                       spread: float = 0.0) -> list[dict]:
+    """One sweep's rows; ``scale`` multiplies every tokens/s, repeat r adds ``spread`` * (r - 1)
+    of it (so the median is the repeat-1 value)."""
     rows = []
-    for decoder, size, tok_s, jpt in DECODE_BATCH:
-        key = stable_key({"sweep": "decode_batch", "decoder": decoder, "batch_size": size})
-        tokens = 32 * size
+    for (decoder, size, tok_s, jpt), rep in ((d, r) for d in DECODE_BATCH for r in range(repeats)):
+        params = params_json({**WARP, "temperature": temperature,
+                              **({"gamma": 4} if decoder == "spd" else {})})
+        tok_s = tok_s * scale * (1.0 + spread * (rep - 1) * (decoder != "ar"))
+        key = stable_key({"sweep": "decode_batch", "decoder": decoder, "batch_size": size,
+                          "dataset": dataset, "max_new_tokens": max_new_tokens, "params": params,
+                          "repeat": rep})
+        tokens = max_new_tokens * size
         rows.append({
             "row_key": key, "created_unix_s": 1.7e9, "env_id": "0123456789abcdef",
             "model": "llama3-8b", "target_id": "meta-llama/Meta-Llama-3-8B", "draft_id": "x",
-            "decoder": decoder, "params_json": "{}", "label": decoder, "batch_size": size,
-            "dataset": "mtbench", "prompts": "p", "max_new_tokens": 32, "seed": 0, "repeat": 0,
+            "decoder": decoder, "params_json": params, "label": decoder, "batch_size": size,
+            "dataset": dataset, "prompts": "p", "max_new_tokens": max_new_tokens, "seed": rep,
+            "repeat": rep,
             "meter": "nvml" if energy else "none", "device": "cuda:0" if energy else "cpu",
             "dtype": "float16", "tokens": tokens, "decode_time_s": tokens / tok_s,
             "tokens_per_s": tok_s, "iterations": 32, "target_forwards": 32, "draft_forwards": 0,
@@ -160,11 +174,27 @@ def build_store(root: Path, energy: bool, seed: int = 0) -> Path:
     return root
 
 
+def build_decode_only_store(root: Path) -> Path:
+    """What three `sweep batch-size --decoder ar,spd` runs into one --output leave, without a
+    meter: the fixture sweep (mtbench, 32 tokens); the same with --set temperature=0 (twice the
+    speed: ar(temperature=0) is spd(temperature=0)'s baseline, not ar); and one on humaneval
+    with 64 tokens and three repeats (a setting of its own, never pooled with the first)."""
+    store = ResultStore(root)
+    sweeps = (_decode_batch_rows(False),
+              _decode_batch_rows(False, temperature=0.0, scale=2.0),
+              _decode_batch_rows(False, dataset="humaneval", max_new_tokens=64, repeats=3,
+                                 scale=0.5, spread=0.3))
+    for row in (r for sweep in sweeps for r in sweep):
+        store.write("decode_batch", row["row_key"], [row])
+    return root
+
+
 @pytest.fixture(scope="session")
 def stores(tmp_path_factory) -> Stores:
     root = tmp_path_factory.mktemp("stores")
     return Stores(build_store(root / "energy", energy=True),
-                  build_store(root / "no-energy", energy=False))
+                  build_store(root / "no-energy", energy=False),
+                  build_decode_only_store(root / "decode-only"))
 
 
 @pytest.fixture(scope="session")
@@ -175,3 +205,8 @@ def store_dir(stores) -> Path:
 @pytest.fixture(scope="session")
 def no_energy_store_dir(stores) -> Path:
     return stores.no_energy
+
+
+@pytest.fixture(scope="session")
+def decode_only_store_dir(stores) -> Path:
+    return stores.decode_only

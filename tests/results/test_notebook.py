@@ -37,12 +37,13 @@ async def _execute(store: Path) -> nbformat.NotebookNode:
 
 
 @pytest.fixture(scope="module")
-def executed(store_dir, no_energy_store_dir) -> dict[str, nbformat.NotebookNode]:
-    async def both():
-        return await asyncio.gather(_execute(store_dir), _execute(no_energy_store_dir))
+def executed(store_dir, no_energy_store_dir, decode_only_store_dir) -> dict[str, nbformat.NotebookNode]:
+    async def all_three():
+        return await asyncio.gather(_execute(store_dir), _execute(no_energy_store_dir),
+                                    _execute(decode_only_store_dir))
 
-    energy, no_energy = asyncio.run(both())
-    return {"energy": energy, "no_energy": no_energy}
+    energy, no_energy, decode_only = asyncio.run(all_three())
+    return {"energy": energy, "no_energy": no_energy, "decode_only": decode_only}
 
 
 def _figures_by_tag(nb) -> dict[str, int]:
@@ -84,3 +85,18 @@ def test_notebook_explains_missing_energy(executed):
     assert "No energy readings in these runs" in text and "no GPU energy counter" in text
     assert "No energy in the batch sweep" in text
     assert "No energy in the decoding sweep" in text
+
+
+@pytest.mark.slow
+def test_notebook_on_a_store_with_only_decoding_sweeps(executed):
+    """No profile runs: the run cells say so and go on; the decoding sweeps of two settings (and a
+    --set temperature=0 sweep beside the first) get a table and a figure each."""
+    nb = executed["decode_only"]
+    assert not any(out.output_type == "error" for c in nb.cells for out in c.get("outputs", []))
+    text = _text(nb)
+    assert "has no profile runs" in text and "No profile runs: no J/token vs speed-up figure" in text
+    assert _figures_by_tag(nb)["figure:batch_crossover"] == 2
+    markdown = "".join(out.get("data", {}).get("text/markdown", "") for c in nb.cells
+                       for out in c.get("outputs", []))
+    assert "| spd(temperature=0) | 1 | 120.0 | 2.00x |" in markdown
+    assert "crossover_batch_size" not in markdown and "**" not in markdown.split("### ")[-1]

@@ -57,7 +57,7 @@ def test_empty_store_and_default_location(tmp_path):
     ResultStore(store)
     report = write_report(store)
     assert report == tmp_path / "profile-report" / "report.md"
-    assert "has no runs" in report.read_text()
+    assert "holds no rows yet" in report.read_text()
     ResultStore(store, create=False)  # the store is still a valid store: nothing was written inside
 
 
