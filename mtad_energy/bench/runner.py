@@ -294,6 +294,10 @@ class Runner:
             "time_draft_s": s.time_draft_s, "time_target_s": s.time_target_s,
             "time_other_s": s.time_other_s, "tokens_per_s": s.tokens_per_s,
             "block_efficiency": s.block_efficiency, "acceptance_rate": s.acceptance_rate,
+            # counted work of the decode phase (the batch's forwards when B > 1) and the prefill
+            "draft_flops": s.draft_flops, "draft_bytes": s.draft_bytes,
+            "target_flops": s.target_flops, "target_bytes": s.target_bytes,
+            "prefill_flops": s.prefill_flops, "prefill_bytes": s.prefill_bytes,
             "perplexity": ppl, "stop_reason": s.stop_reason, **energy, **mitigation,
             "energy_per_token_j": (energy["energy_j"] / tokens
                                    if energy["energy_j"] is not None and tokens else None),
@@ -303,7 +307,9 @@ class Runner:
                   "draft_depth": st.draft_depth,
                   "accepted": st.accepted, "draft_forwards": st.draft_forwards,
                   "target_forwards": st.target_forwards, "time_draft_s": st.time_draft_s,
-                  "time_target_s": st.time_target_s, "time_other_s": st.time_other_s}
+                  "time_target_s": st.time_target_s, "time_other_s": st.time_other_s,
+                  "draft_flops": st.draft_flops, "draft_bytes": st.draft_bytes,
+                  "target_flops": st.target_flops, "target_bytes": st.target_bytes}
                  for i, st in enumerate(gen.steps)]
         # steps first: the run row is the commit mark (a run without its row is redone, and its
         # steps file is then overwritten, never duplicated)

@@ -63,7 +63,7 @@ from mtad_energy.measure.sensor import (
     get_preset,
     polled_energy_j,
 )
-from mtad_energy.measure.simulated import SimClock, SimulatedGPU, SimulatedMeter
+from mtad_energy.measure.simulated import RooflineDevice, SimClock, SimulatedGPU, SimulatedMeter, WorkTap
 from mtad_energy.measure.zeus_meter import (
     PowerTimeline,
     ZeusMeter,
@@ -104,12 +104,14 @@ __all__ = [
     "PowerTrace",
     "ProfileResult",
     "RaplMeter",
+    "RooflineDevice",
     "SensorModel",
     "SensorPreset",
     "SimClock",
     "SimulatedGPU",
     "SimulatedMeter",
     "WindowHandle",
+    "WorkTap",
     "ZeusMeter",
     "default_sync",
     "export_trace",
