@@ -252,7 +252,8 @@ class ModelRunner:
         and only its last counts[b] tokens are real; here every row is whole."""
         self.forwards += 1
         rows, k = input_ids.shape
-        self.forward_shapes.append((rows, k, len(self) + k))
+        # the cache's length before this forward (O(1); len(self) walks every layer)
+        self.forward_shapes.append((rows, k, self.cache.get_seq_length() + k))
         with self._timer(self._phase):
             out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                              **kwargs)
