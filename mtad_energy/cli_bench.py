@@ -80,13 +80,13 @@ def parse_range(text: str) -> list[str]:
     return values
 
 
-def parse_sizes(text: str) -> list[int]:
+def parse_sizes(text: str, option: str = "--sizes") -> list[int]:
     try:
         sizes = [int(s) for s in split_list(text)]
     except ValueError:
-        raise UsageError(f"--sizes expects integers like 1,2,4,8,16, got {text!r}") from None
+        raise UsageError(f"{option} expects integers like 1,2,4,8,16, got {text!r}") from None
     if not sizes or min(sizes) < 1:
-        raise UsageError(f"--sizes must be positive integers, got {text!r}")
+        raise UsageError(f"{option} must be positive integers, got {text!r}")
     return sizes
 
 
@@ -424,6 +424,10 @@ def sweep_batch_size(
     runs: Annotated[int, typer.Option(min=1, help="runs (target forward groups) per batch size")] = 10,
     forwards_per_run: Annotated[int, typer.Option(min=1, help="decode forwards per run")] = 8,
     context_len: Annotated[int, typer.Option(min=1, help="KV-cache length per row")] = 128,
+    contexts: Annotated[str, typer.Option(help="also decode at batch size 1 over these cache lengths "
+                                               "(e.g. 1024,4096,8192: KV bytes vary, for decompose)")] = "",
+    chunks: Annotated[str, typer.Option(help="also run one forward of these many new tokens over "
+                                             "--context-len (e.g. 128,1024,4096: FLOPs vary)")] = "",
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None,
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
@@ -439,9 +443,11 @@ def sweep_batch_size(
     """The paper's batch-size study: energy and time per run and per input.
 
     A fixed number of target runs at each batch size; prints and stores energy, energy/run,
-    energy/input, time, time/run, time/input. With --decoder: real decoding of B prompts at once
-    per decoder and batch size, and the batch size from which each decoder stops beating ar."""
-    from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
+    energy/input, time, time/run, time/input. --contexts and --chunks add the points that make
+    the energy roofline identifiable (`mtad-energy decompose`). With --decoder: real decoding of
+    B prompts at once per decoder and batch size (--set gamma=1,2,3,5 sweeps variants), and the
+    batch size from which each decoder stops beating ar."""
+    from mtad_energy.bench.batch_sweep import batch_sweep, batch_table, design_points
     from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
@@ -455,6 +461,8 @@ def sweep_batch_size(
     out = output or Path("results/batch-size")
     try:
         size_list = parse_sizes(sizes)
+        context_list = parse_sizes(contexts, "--contexts") if contexts else []
+        chunk_list = parse_sizes(chunks, "--chunks") if chunks else []
         mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
         if meter == "auto":
             choice = select_meter()
@@ -475,14 +483,18 @@ def sweep_batch_size(
     mitigation = MitigationConfig() if mitigates else None
     try:
         with _progress() as bar:
-            task = bar.add_task("batch-size", total=len(size_list), note="")
+            total = len(design_points(size_list, context_list, chunk_list, context_len, 1))
+            task = bar.add_task("batch-size", total=total, note="")
 
             def step(batch_size: int, row: dict) -> None:
-                bar.update(task, advance=1, note=f"B={batch_size}: {row['time_per_run_s']:.3f} s/run")
+                bar.update(task, advance=1, note=f"B={batch_size} c={row['context_len']} "
+                                                 f"n={row.get('new_tokens') or 1}: "
+                                                 f"{row['time_per_run_s']:.3f} s/run")
 
             rows = batch_sweep(pair, size_list, runs, store, m, model=model, context_len=context_len,
                                forwards_per_run=forwards_per_run, seed=seed, mitigation=mitigation,
-                               profile=profile_ops, env_id=snap.snapshot_id, progress=step)
+                               profile=profile_ops, env_id=snap.snapshot_id, progress=step,
+                               contexts=context_list, chunks=chunk_list)
     except KeyboardInterrupt:
         from mtad_energy.results import load_results
 
@@ -511,13 +523,17 @@ def sweep_batch_size(
     if captions:
         t.caption = esc("\n".join(captions))
     console.print(t)
+    extra = len(rows) - len(table)
+    if extra:
+        console.print(f"[dim]+ {extra} context-length / prefill-chunk point(s) for the fit: "
+                      f"mtad-energy decompose {esc(out)}[/]")
     console.print(f"[dim]results in {esc(out)}[/]")
 
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
                         repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
                         as_json) -> None:
-    from mtad_energy.bench.decode_batch import decode_batch_sweep
+    from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
     from mtad_energy.measure import get_meter, select_meter, snapshot
@@ -530,7 +546,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         names = split_list(decoders)
         if "ar" not in names:
             names = ["ar", *names]  # the baseline of every speed-up
-        specs = decoder_specs(names, parse_sets(sets))
+        specs = expand_variants(decoder_specs(names, parse_sets(sets)))  # --set gamma=1,2,3,5
         size_list = parse_sizes(sizes)
         if meter == "auto":
             m = select_meter().meter
@@ -598,40 +614,154 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
 
 @json_command
 def decompose(
-    results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and profile runs")],
+    results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and decoding runs")],
+    fit_from: Annotated[list[Path] | None, typer.Option(
+        "--fit-from", help="fit on the batch rows of these stores only (default: every RESULTS dir)")
+    ] = None,
+    max_rows: Annotated[int, typer.Option(min=1, help="validation rows printed (--json: all)")] = 40,
     as_json: Json = False,
 ):
-    """Split energy into static, compute and memory terms.
+    """Fit the energy models, check them on held-out runs, and split every run's joules.
 
-    Fits E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (non-negative least squares) on a batch
-    sweep's rows, prints the fit quality, then each decoder's energy split into the three terms."""
-    from mtad_energy.results.breakdown import decoder_breakdown, fit_from_stores
+    Fits E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (the paper's form) and
+    E = pi0*T + eps_flop*FLOPs + eps_byte*bytes (the energy roofline) on the batch-sweep rows,
+    with bootstrap 95 % intervals and a verdict per coefficient; predicts the decode energy of
+    every decoding run (runs and decode_batch rows, never in the fit) from its counted work and
+    prints the error per run and its median; then splits each decoder's measured decode joules
+    into draft / target / other and static / FLOP / memory, adding up to the measurement."""
+    import pandas as pd
+
+    from mtad_energy.results.breakdown import (
+        attribute,
+        attribution_summary,
+        decode_windows,
+        fit_stores,
+        ops_fractions_breakdown,
+        validate,
+    )
 
     try:
-        fit, n_rows = fit_from_stores(results)
-        breakdown = decoder_breakdown(results, fit)
+        fits, n_rows = fit_stores(fit_from or results)
+        if all(isinstance(f, str) for f in fits.values()):  # nothing to show: say why, once
+            raise ValueError("; ".join(dict.fromkeys(f"{form}: {why}" if len(set(fits.values())) > 1
+                                                     else why for form, why in fits.items())))
+        windows = decode_windows(results)
+        roofline = fits.get("roofline")
+        valid = validate(roofline, windows) if not isinstance(roofline, str) else pd.DataFrame()
+        summary = attribution_summary(attribute(windows, roofline))
+        paper = fits.get("paper")
+        paper_split = (ops_fractions_breakdown(results, paper) if not isinstance(paper, str)
+                       else pd.DataFrame())
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
+    errors = valid["error"].abs() if not valid.empty else pd.Series(dtype=float)
+    median = float(errors.median()) if len(errors) else None
     if as_json:
-        emit({"fit": fit.to_dict(), "rows": n_rows,
-              "decoders": json.loads(breakdown.to_json(orient="records"))})
+        emit({"rows": n_rows,
+              "fits": {f: (v.to_dict() if not isinstance(v, str) else {"error": v})
+                       for f, v in fits.items()},
+              "validation": {"median_abs_error": median,
+                             "runs": json.loads(valid.to_json(orient="records"))},
+              "attribution": json.loads(summary.to_json(orient="records")),
+              "decoders": json.loads(paper_split.to_json(orient="records"))})
         return
-    console.print(f"[bold]fit[/] over {n_rows} batch-sweep rows: P_static = {fit.p_static_w:.1f} W, "
-                  f"PW_flop = {fit.pw_flop_w:.1f} W, PW_mem = {fit.pw_mem_w:.1f} W")
-    console.print(f"[bold]quality[/] R^2 = {fit.r2:.4f}, RMSE = {fit.rmse_j:.4g} J, max |rel. error| = "
-                  f"{fit.max_abs_rel_error:.1%}, condition number {fit.condition_number:.3g}")
-    for w in fit.warnings:
-        console.print(f"[yellow]warning:[/] {esc(w)}")
-    if breakdown.empty:
-        console.print("[dim]no profile runs with FLOP/byte accounting: run `mtad-energy profile --ops` "
-                      "into one of the directories to decompose decoders[/]")
+    for form, fit in fits.items():
+        if isinstance(fit, str):
+            console.print(f"[bold]{FORM_NAMES[form]}[/]: not fitted: {esc(fit)}")
+        else:
+            console.print(fit_table(form, fit, n_rows))
+    if isinstance(roofline, str):
+        console.print("[dim]no validation or attribution without the roofline fit[/]")
         return
-    t = Table(title="energy per token by term", title_justify="left", show_edge=False)
-    for col in breakdown.columns:
-        t.add_column(esc(col), justify="left" if col in ("decoder", "model") else "right")
-    for _, r in breakdown.iterrows():
-        t.add_row(*[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values])
-    console.print(t)
+    console.print(validation_table(valid, max_rows))
+    if median is not None:
+        console.print(f"[bold]median |prediction error|[/] {median:.1%} over {len(valid)} decode "
+                      "window(s) not used in the fit")
+    if not summary.empty:
+        for table in attribution_tables(summary):
+            console.print(table)
+    if not paper_split.empty:
+        t = Table(title="paper form: J/token by term (T_flop/T_mem shares from the ops rows)",
+                  title_justify="left", show_edge=False)
+        for col in paper_split.columns:
+            t.add_column(esc(col), justify="left" if col in ("decoder", "model") else "right")
+        for _, r in paper_split.iterrows():
+            t.add_row(*[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values])
+        console.print(t)
+
+
+FORM_NAMES = {"paper": "paper form E = P_static*T + PW_flop*T_flop + PW_mem*T_mem",
+              "roofline": "energy roofline E = pi0*T + eps_flop*FLOPs + eps_byte*bytes"}
+
+
+def fit_table(form: str, fit, n_rows: int) -> Table:
+    """One form's coefficients with their 95 % intervals and verdicts."""
+    t = Table(title=esc(f"{FORM_NAMES[form]} ({n_rows} batch rows)"), title_justify="left",
+              show_edge=False, caption_justify="left")
+    for col in ("term", "value", "95 % interval", "verdict"):
+        t.add_column(col, justify="left" if col in ("term", "verdict") else "right",
+                     no_wrap=col != "verdict")
+    for c in fit.coefficients:
+        t.add_row(f"{c.symbol} ({c.unit})", f"{c.value:.4g}", f"{c.ci_low:.4g} - {c.ci_high:.4g}",
+                  esc(c.verdict))
+    t.caption = esc(f"R^2 {fit.r2:.4f}, RMSE {fit.rmse_j:.4g} J, max |rel. error| "
+                    f"{fit.max_abs_rel_error:.1%}, condition number {fit.condition_number:.3g}")
+    return t
+
+
+def validation_table(valid, max_rows: int) -> Table:
+    t = Table(title="held-out decode windows: roofline prediction vs measurement",
+              title_justify="left", show_edge=False, caption_justify="left")
+    for col in ("from", "decoder", "B", "measured J", "predicted J", "error"):
+        t.add_column(col, justify="left" if col in ("from", "decoder") else "right",
+                     overflow="fold")
+    for _, r in valid.head(max_rows).iterrows():
+        t.add_row(SOURCES.get(r.source, esc(r.source)), esc(r.label), str(int(r.batch_size)),
+                  f"{r.decode_energy_j:.4g}",
+                  f"{r.predicted_j:.4g}", f"{r.error:+.1%}")
+    if valid.empty:
+        t.caption = "no decoding run with a measured decode energy and counted work"
+    elif len(valid) > max_rows:
+        t.caption = f"... {len(valid) - max_rows} more (--max-rows, or --json for all)"
+    return t
+
+
+SOURCES = {"runs": "runs", "decode_batch": "B sweep"}  # the tables decode windows come from
+
+
+def attribution_tables(summary) -> list[Table]:
+    """Per table, decoder and batch size: decode joules per token by phase, then by term with
+    the joules per accepted draft token and the rejected share; n/a with the reasons."""
+    key = [("from", "source"), ("decoder", "label"), ("B", "batch_size")]
+    parts = (
+        ("decode J/token by phase (phases add up to the measured decode energy)",
+         [("draft", "draft_j_per_token"), ("target", "target_j_per_token"),
+          ("other", "other_j_per_token"), ("scale", "scale")],
+         "scale: measured / predicted decode energy (1 = the model explains the window)"),
+        ("decode J/token by term, and the price of drafting",
+         [("static", "static_j_per_token"), ("FLOP", "flop_j_per_token"),
+          ("memory", "mem_j_per_token"), ("J/acc. draft", "j_per_accepted_draft_token"),
+          ("rejected", "rejected_share")],
+         "J/acc. draft: draft joules per accepted draft token; rejected: share of the decode "
+         "joules spent drafting and verifying draft tokens that were rejected"),
+    )
+    reasons = sorted({r for r in summary["reason"] if isinstance(r, str)})
+    tables = []
+    for title, cols, note in parts:
+        t = Table(title=title, title_justify="left", show_edge=False, caption_justify="left")
+        for name, _ in (*key, *cols):
+            t.add_column(name, justify="left" if name in ("from", "decoder") else "right",
+                         overflow="fold")
+        for _, r in summary.iterrows():
+            cells = [SOURCES.get(r.source, esc(r.source)), esc(r.label), str(int(r.batch_size))]
+            for _name, col in cols:
+                v = r[col]
+                cells.append("n/a" if v != v else f"{v:.1%}" if col == "rejected_share"
+                             else f"{v:.3g}")
+            t.add_row(*cells)
+        t.caption = esc(note + ("\nn/a: " + "; ".join(reasons) if reasons else ""))
+        tables.append(t)
+    return tables
 
 
 def report(

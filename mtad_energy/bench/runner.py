@@ -37,6 +37,7 @@ from mtad_energy.measure import (
     profile_ops,
     select_meter,
     snapshot,
+    work_tap,
 )
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
@@ -221,22 +222,24 @@ class Runner:
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
         windows = PhaseWindows(self.meter, batch_key)
-        try:
-            gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                 compute_perplexity=False, on_phase=windows, compile=c.compile)
+        try:  # work_tap: the simulated roofline device sees the forwards' work; others ignore it
+            with work_tap(self.meter, self.pair.target, self.pair.draft):
+                gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
+                                     compute_perplexity=False, on_phase=windows, compile=c.compile)
         finally:
             windows.close()
         energy = _energy_columns(windows.measurements)
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
-            m = measure_mitigated(
-                lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                      compute_perplexity=False, compile=c.compile),
-                self.meter,
-                MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
-                                 min_duration_s=c.measure.mitigation_min_s),
-                sleep=self.sleep)
+            with work_tap(self.meter, self.pair.target, self.pair.draft):
+                m = measure_mitigated(
+                    lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens,
+                                          seed=seed, compute_perplexity=False, compile=c.compile),
+                    self.meter,
+                    MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
+                                     min_duration_s=c.measure.mitigation_min_s),
+                    sleep=self.sleep)
             mitigation = {
                 "mitigated": True, "energy_ci_low_j": m.ci_low_j, "energy_ci_high_j": m.ci_high_j,
                 "idle_power_w": m.idle_power_w, "dynamic_energy_j": m.dynamic_energy_per_rep_j,

@@ -63,7 +63,14 @@ from mtad_energy.measure.sensor import (
     get_preset,
     polled_energy_j,
 )
-from mtad_energy.measure.simulated import RooflineDevice, SimClock, SimulatedGPU, SimulatedMeter, WorkTap
+from mtad_energy.measure.simulated import (
+    RooflineDevice,
+    SimClock,
+    SimulatedGPU,
+    SimulatedMeter,
+    WorkTap,
+    work_tap,
+)
 from mtad_energy.measure.zeus_meter import (
     PowerTimeline,
     ZeusMeter,
@@ -128,5 +135,6 @@ __all__ = [
     "snapshot",
     "trapezoid_energy_j",
     "window",
+    "work_tap",
     "zeus_power_timelines",
 ]

@@ -203,6 +203,13 @@ def _no_tap() -> Iterator[None]:
     yield
 
 
+def work_tap(meter: Any, *models: Any) -> Any:
+    """Context manager: let ``meter`` see the work of ``models``' forwards where it needs to (the
+    simulated roofline device); a no-op for every meter that reads a real sensor."""
+    tap = getattr(meter, "tap", None)
+    return tap(*models) if tap is not None else _no_tap()
+
+
 @dataclass(frozen=True)
 class RooflineDevice:
     """A simulated device whose energy is ``static_w * T + j_per_flop * W + j_per_byte * Q``
@@ -297,6 +304,10 @@ class WorkTap:
         from mtad_energy.measure.profiler import flop_counter
 
         def tapped(*args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            if torch.compiler.is_compiling():  # traced into a compiled graph: not seen
+                return forward(*args, **kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
             cache = kwargs.get("past_key_values")
             before = _kv_tensors(cache)
