@@ -113,43 +113,95 @@ def is_simulated(meter: Any) -> bool:
     return "simulated" in str(meter or "").split("; ")
 
 
-def summary_table(summary, title: str = "") -> Table:
+COLUMN_SETS = ("speed", "energy")
+ENERGY_COLUMNS = [("J/tok dec", "decode_energy_per_token_j"), ("draft", "draft_j_per_token"),
+                  ("target", "target_j_per_token"), ("other", "other_j_per_token"),
+                  ("J/acc. draft", "j_per_accepted_draft_token"), ("rejected", "rejected_share")]
+ATTRIBUTED = {c for _, c in ENERGY_COLUMNS[1:]}  # from the energy model: n/a with its own reason
+ENERGY_NOTE = ("draft / target / other: decode J/token of each phase (adding up to J/tok dec); J/acc. "
+               "draft: draft joules per accepted draft token; rejected: share of the decode joules "
+               "spent on rejected draft tokens")
+
+
+def check_columns(columns: str) -> str:
+    if columns not in COLUMN_SETS:
+        raise UsageError(f"--columns {columns!r}: choose {' or '.join(COLUMN_SETS)}")
+    return columns
+
+
+def with_attribution(summary, runs, store_dir: Path):
+    """``summary`` with each configuration's decode joules by phase, joules per accepted draft
+    token, rejected share and scale factor, from the energy model fitted on the batch rows of
+    ``store_dir`` (n/a with the reason in ``attribution_reason`` where there is none)."""
+    from mtad_energy.results.breakdown import attribute, attribution_summary, roofline_fit, windows_from
+
+    keys = ("model", "dataset", "decoder", "params_json")
+    fit = roofline_fit([store_dir]) if (store_dir / "mtad-energy-store.json").exists() else \
+        "no results store"
+    att = attribution_summary(attribute(windows_from(runs), fit), keys=keys)
+    if att.empty:
+        return summary.assign(attribution_reason="no runs")
+    att = att.drop(columns=["windows", "attributed"]).rename(columns={"reason": "attribution_reason"})
+    merged = summary.copy()
+    for k in keys:
+        merged[k] = merged[k].astype(object).where(merged[k].notna(), "")
+    return merged.merge(att, on=list(keys), how="left")
+
+
+def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
+    """The decoders' summary: ``columns`` "speed" (speed, quality and J/token) or "energy"
+    (decode joules by phase from the energy model, `with_attribution`)."""
     table = Table(title=esc(title) or None, title_justify="left", show_edge=False, caption_justify="left")
     reasons: set[str] = set()
     simulated = False
-    cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
-            ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
-            ("accepted/depth", "acceptance_rate"), ("ppl", "perplexity"),
-            ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
-    extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
-    cols += [(c.replace("_", "-"), c) for c in extra]
+    if columns == "energy":
+        cols = [("decoder", "label"), ("dataset", "dataset"), *ENERGY_COLUMNS]
+    else:
+        cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
+                ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
+                ("accepted/depth", "acceptance_rate"), ("ppl", "perplexity"),
+                ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
+        extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
+        cols += [(c.replace("_", "-"), c) for c in extra]
     for name, _ in cols:
         table.add_column(name, justify="left" if name in ("decoder", "dataset") else "right",
-                         no_wrap=name in ("decoder", "dataset"))
+                         no_wrap=name in ("decoder", "dataset"), overflow="fold")
     for _, r in summary.iterrows():
         cells = []
         for _name, col in cols:
             v = r.get(col)
             if col in ("energy_per_token_j", "decode_energy_per_token_j"):
                 cells.append(energy_text(v, None).split(":")[0])
-                if cells[-1] == "n/a":
+                if cells[-1] == "n/a" and columns != "energy":  # energy: the attribution says why
                     reasons.add(energy_text(v, r.get("energy_reason")).removeprefix("n/a: "))
-                elif is_simulated(r.get("meter")):
-                    cells[-1] += " (simulated)"
+                elif cells[-1] != "n/a" and is_simulated(r.get("meter")):
                     simulated = True
+                    if columns != "energy":  # energy: the caption says so (the columns are many)
+                        cells[-1] += " (simulated)"
             elif col in ("label", "dataset"):
                 cells.append(esc(v))
             elif col == "n_runs":
                 cells.append(str(int(v)))
+            elif col in ATTRIBUTED:
+                if v is None or v != v:
+                    cells.append("n/a")
+                    if isinstance(r.get("attribution_reason"), str):
+                        reasons.add(r["attribution_reason"])
+                else:
+                    cells.append(f"{v:.1%}" if col == "rejected_share" else f"{v:.3g}")
             else:
                 cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
         table.add_row(*cells)
     captions = [SIMULATED_NOTE] if simulated else []
-    if not reasons:
+    if columns == "energy":
+        scale = summary["scale"].dropna() if "scale" in summary else []
+        captions.append(ENERGY_NOTE + (f"; measured / predicted by the energy model: "
+                                       f"{min(scale):.3f} to {max(scale):.3f}" if len(scale) else ""))
+    elif not reasons:
         captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
     if reasons:
-        captions.append("J/tok n/a: " + "; ".join(sorted(reasons)))
+        captions.append("n/a: " + "; ".join(sorted(reasons)))
     if captions:
         table.caption = esc("\n".join(captions))
     return table
@@ -171,11 +223,11 @@ def _interrupted(out: Path) -> typing.NoReturn:
 
 # -- running a configuration -------------------------------------------------------------------
 def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers: int = 1,
-               cluster: str = "local"):
+               cluster: str = "local", columns: str = "speed"):
     """Run/resume ``config`` into ``out`` with a progress bar (or as ``workers`` submitit jobs);
-    print and return the summary."""
+    print the summary (``columns``: `summary_table`) and return it."""
     if workers > 1:
-        return run_distributed(config, out, as_json, title, workers, cluster)
+        return run_distributed(config, out, as_json, title, workers, cluster, columns)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
@@ -222,14 +274,16 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
               "pair": runner.pair.describe(), "config": config.to_dict(),
               "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
     else:
-        console.print(summary_table(summary, title))
+        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+        console.print(summary_table(shown, title, columns))
         console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
         for note in notes:
             console.print(f"[yellow]note:[/] {esc(note)}")
     return summary
 
 
-def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str):
+def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
+                    columns: str = "speed"):
     """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
     from mtad_energy.bench.quality import pass_at_1_notes
     from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
@@ -260,7 +314,8 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
               "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
     else:
-        console.print(summary_table(summary, title))
+        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+        console.print(summary_table(shown, title, columns))
         console.print(f"[dim]{ran} run(s) measured by {len(results)} job(s), {skipped} already stored; "
                       f"results in {esc(out)}[/]")
         for note in notes:
@@ -310,6 +365,10 @@ BatchSize = Annotated[int, typer.Option(
                 "batch's energy is split by tokens)")]
 AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
                                          help="run HumanEval tests on generated code (sandboxed)")]
+Columns = Annotated[str, typer.Option(
+    help="summary table: speed (tok/s, speed-up, quality, J/token) or energy (decode J/token by "
+         "phase, J per accepted draft token, rejected share: the energy model fitted on the "
+         "--output store's batch rows)")]
 
 
 @json_command
@@ -322,7 +381,8 @@ def profile(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, as_json: Json = False,
+    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -332,9 +392,10 @@ def profile(
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
                          require_energy, compile, batch_size)
+        check_columns(columns)
     except ValueError as error:
         fail(error)
-    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster)
+    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster, columns)
 
 
 @json_command
@@ -349,7 +410,8 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, as_json: Json = False,
+    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -361,10 +423,11 @@ def compare(
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
                          require_energy, compile, batch_size)
+        check_columns(columns)
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
-    summary = run_config(config, out, as_json, "compare", workers, cluster)
+    summary = run_config(config, out, as_json, "compare", workers, cluster, columns)
     table = main_table(summary)
     md = to_markdown(table)
     if "meter" in summary and summary["meter"].map(is_simulated).any():
@@ -388,7 +451,7 @@ def sweep_param(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
     require_energy: RequireEnergy = False, compile: Compile = False,
-    batch_size: BatchSize = 1, as_json: Json = False,
+    batch_size: BatchSize = 1, columns: Columns = "speed", as_json: Json = False,
 ):
     """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
     import itertools
@@ -411,10 +474,11 @@ def sweep_param(
         config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
                          repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
                          require_energy, compile, batch_size)
+        check_columns(columns)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
-               cluster)
+               cluster, columns)
 
 
 @json_command

@@ -71,7 +71,7 @@ def test_decompose_recovers_the_devices_coefficients_and_predicts_held_out_windo
     assert len(runs) == 2 * 2 + 3 * 2  # runs: 2 decoders x 2 prompts; sweep: 3 labels x 2 sizes
     assert out["validation"]["median_abs_error"] < 0.01
     labels = {(a["source"], a["label"]) for a in out["attribution"]}
-    assert labels == {("runs", "ar"), ("runs", "spd(gamma=3)"), ("decode_batch", "ar"),
+    assert labels == {("runs", "ar"), ("runs", "spd"), ("decode_batch", "ar"),
                       ("decode_batch", "spd(gamma=2)"), ("decode_batch", "spd(gamma=4)")}
 
 
@@ -142,10 +142,63 @@ def test_without_a_fit_or_energy_the_attribution_is_n_a_with_the_reason():
         "draft_bytes": 1e6, "target_flops": 1e7, "target_bytes": 1e7, "draft_proposed": 8.0,
         "draft_accepted": 4.0, "iterations": 3.0}])
     att = attribute(windows, None)
-    assert att["attribution_reason"][0] == ("no decode energy measured (meter 'none' measures no "
-                                            "energy)")
+    assert att["attribution_reason"][0] == "no decode energy measured: meter 'none' measures no energy"
     assert att[list(PHASES)].isna().all(axis=None)  # n/a, never 0
     measured = windows.assign(decode_energy_j=5.0)
     assert attribute(measured, None)["attribution_reason"][0].startswith("no energy model: run")
     assert attribute(measured, "the batch rows lack counted_flops")["attribution_reason"][0] == \
         "no energy model: the batch rows lack counted_flops"
+
+
+@pytest.mark.slow
+def test_the_summary_table_shows_joules_per_phase_on_request(tmp_path, model_dirs):
+    pair = ["--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"], "--device", "cpu"]
+    run = ["profile", "--decoder", "ar,spd", *pair, "--max-new-tokens", "6", "--n-prompts", "1"]
+    out = tmp_path / "sim"
+    sweep = CliRunner().invoke(app, ["sweep", "batch-size", *pair[:2], "--device", "cpu", "--sizes",
+                                     "1,4,16", "--contexts", "64,192", "--chunks", "16,96",
+                                     "--runs", "1", "--context-len", "8", "--forwards-per-run", "2",
+                                     "--no-ops", "--meter", "simulated", "--output", str(out)])
+    assert sweep.exit_code == 0, sweep.output
+    res = CliRunner().invoke(app, [*run, "--meter", "simulated", "--output", str(out),
+                                   "--columns", "energy"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    text = res.output
+    assert "J/acc." in text and "rejected" in text and "speed-up" not in text  # a choice, not wider
+    assert "measured / predicted by the energy model: 1.000 to 1.000" in " ".join(text.split())
+    assert max(len(line) for line in text.splitlines()) <= 80
+    res = CliRunner().invoke(app, [*run, "--meter", "none", "--output", str(tmp_path / "none"),
+                                   "--columns", "energy"])
+    assert res.exit_code == 0, res.output
+    assert "n/a: no decode energy measured: no energy meter selected" in " ".join(res.output.split())
+    assert "0.0%" not in res.output  # n/a, never 0
+    bad = CliRunner().invoke(app, [*run, "--columns", "joules", "--output", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "--columns 'joules': choose speed or energy" in bad.output
+
+
+def test_the_price_of_drafting_on_a_hand_built_window():
+    """pi0 = 10 W, 1 nJ/FLOP, 2 nJ/byte; a window measured 10 % above the model: every part
+    scales by 1.1. The draft proposed 8 tokens over 2 iterations and 6 were accepted."""
+    from mtad_energy.measure.decompose import fit_roofline
+
+    t, flops, nbytes = np.array([1.0, 2.0, 1.5, 3.0]), np.array([1e9, 5e9, 2e9, 1e9]), \
+        np.array([1e9, 1e9, 4e9, 2e9])
+    fit = fit_roofline(10.0 * t + 1e-9 * flops + 2e-9 * nbytes, t, flops, nbytes, bootstrap=0)
+    draft = 10.0 * 0.2 + 1e-9 * 1e8 + 2e-9 * 2e8  # 2.5 J
+    target = 10.0 * 0.5 + 1e-9 * 1e9 + 2e-9 * 1e9  # 8 J
+    other = 10.0 * 0.1  # 1 J
+    window = pd.DataFrame([{
+        "source": "runs", "key": "k", "model": "m", "decoder": "spd", "label": "spd",
+        "batch_size": 1.0, "meter": "x", "decode_energy_j": 1.1 * (draft + target + other),
+        "decode_time_s": 0.8, "tokens": 9.0, "share": 1.0, "energy_reason": None,
+        "time_draft_s": 0.2, "time_target_s": 0.5, "time_other_s": 0.1, "draft_flops": 1e8,
+        "draft_bytes": 2e8, "target_flops": 1e9, "target_bytes": 1e9, "draft_proposed": 8.0,
+        "draft_accepted": 6.0, "iterations": 2.0}])
+    row = attribute(window, fit).iloc[0]
+    assert row["attribution_scale"] == pytest.approx(1.1)
+    assert [row[c] for c in PHASES] == pytest.approx([1.1 * draft, 1.1 * target, 1.1 * other])
+    static, flop = 10.0 * 0.8, 1e-9 * 1.1e9
+    assert [row[c] for c in TERMS] == pytest.approx([1.1 * static, 1.1 * flop, 1.1 * 2e-9 * 1.2e9])
+    assert row["energy_per_accepted_draft_token_j"] == pytest.approx(1.1 * draft / 6)
+    # the draft's joules over its 8 tokens, the target's over 8 + one per iteration: 2 rejected
+    assert row["rejected_draft_energy_j"] == pytest.approx(1.1 * (draft * 2 / 8 + target * 2 / 10))

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from mtad_energy.measure.decompose import FORMS, EnergyFit, fit_form
+from mtad_energy.results.analysis import config_labels
 from mtad_energy.results.store import load_results
 
 PHASES = ("draft_energy_j", "target_energy_j", "other_energy_j")
@@ -96,19 +97,37 @@ def fit_stores(dirs: Sequence[str | Path], bootstrap: int = 1000) -> tuple[dict[
 
 
 # -- decode windows: validation and attribution -------------------------------------------------
+def roofline_fit(dirs: Sequence[str | Path]) -> EnergyFit | str:
+    """The roofline fit on the batch rows of ``dirs``, or why there is none (for attribution)."""
+    try:
+        fit = fit_stores(dirs)[0]["roofline"]
+    except ValueError as err:  # no batch rows
+        return str(err)
+    return fit
+
+
 def decode_windows(dirs: Sequence[str | Path]) -> pd.DataFrame:
-    """Every ``runs`` and ``decode_batch`` row, with the columns validation and attribution read
-    (``source`` names the table; ``share`` is a batched runs row's share of its batch's joules)."""
+    """Every ``runs`` and ``decode_batch`` row of ``dirs`` as `windows_from` gives them."""
+    return windows_from(_load_all(dirs, "runs"), _load_all(dirs, "decode_batch"))
+
+
+def windows_from(runs: pd.DataFrame | None, decode_batch: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Rows of the ``runs`` and ``decode_batch`` tables with the columns validation and
+    attribution read (``source`` names the table; ``share`` is a batched runs row's share of its
+    batch's joules; model, dataset, decoder and params_json identify a configuration)."""
     frames = []
-    for table in ("runs", "decode_batch"):
-        df = _load_all(dirs, table)
-        if df.empty:
+    for table, df in (("runs", runs), ("decode_batch", decode_batch)):
+        if df is None or df.empty:
             continue
         key = "run_key" if table == "runs" else "row_key"
         energy = _num(df, "decode_energy_j") if table == "runs" else _num(df, "energy_j")
         frames.append(pd.DataFrame({
-            "source": table, "key": df[key], "model": df.get("model"), "decoder": df["decoder"],
-            "label": df.get("label", df["decoder"]), "batch_size": _num(df, "batch_size").fillna(1.0),
+            "source": table, "key": df[key], "model": df.get("model"), "dataset": df.get("dataset"),
+            "params_json": df.get("params_json"), "decoder": df["decoder"],
+            # runs: one label per configuration, as the summaries name it; a sweep's as stored
+            "label": (config_labels(df) if table == "runs" and "params_json" in df
+                      else df.get("label", df["decoder"])),
+            "batch_size": _num(df, "batch_size").fillna(1.0),
             "meter": df.get("meter"), "decode_energy_j": energy,
             "decode_time_s": _num(df, "decode_time_s"),
             "tokens": _num(df, "tokens_emitted" if table == "runs" else "tokens"),
@@ -176,7 +195,7 @@ def _no_attribution(windows: pd.DataFrame, fit: EnergyFit | str | None) -> pd.Se
         if pd.isna(r["decode_energy_j"]):
             why = str(r["energy_reason"]) if isinstance(r["energy_reason"], str) and \
                 r["energy_reason"] else "no energy measured"
-            reasons.append(f"no decode energy measured ({why})")
+            reasons.append(f"no decode energy measured: {why}")
         elif no_fit is not None:
             reasons.append(no_fit)
         elif not countable[i]:
@@ -226,19 +245,26 @@ def attribute(windows: pd.DataFrame, fit: EnergyFit | str | None) -> pd.DataFram
     return out
 
 
-def attribution_summary(attributed: pd.DataFrame) -> pd.DataFrame:
-    """Per (source, model, label, batch size): windows, attributed windows, and the phase / term
-    joules per token, joules per accepted draft token, the rejected share of the decode energy
-    and the mean scale factor; n/a (NaN) with the reasons where nothing was attributed."""
+SUMMARY_KEYS = ("source", "model", "label", "batch_size")
+
+
+def attribution_summary(attributed: pd.DataFrame, keys: Sequence[str] = SUMMARY_KEYS) -> pd.DataFrame:
+    """Per ``keys`` (default: table, model, label, batch size): windows, attributed windows, and
+    the phase / term joules per token, joules per accepted draft token, the rejected share of
+    the decode energy and the mean scale factor; n/a (NaN) with the reasons (``reason``) where
+    nothing was attributed."""
     rows = []
-    keys = ["source", "model", "label", "batch_size"]
+    keys = list(keys)
     if attributed.empty:
         return pd.DataFrame()
-    frame = attributed.assign(model=attributed["model"].fillna(""))
+    frame = attributed.assign(**{k: attributed[k].astype(object).where(attributed[k].notna(), "")
+                                 for k in keys if k != "batch_size"})
     for k, g in frame.groupby(keys, sort=False):
         ok = g[g["attribution_reason"].isna()]
         tokens = float(ok["tokens"].mul(ok["share"]).sum()) if len(ok) else 0.0
         row = {**dict(zip(keys, k, strict=True)), "windows": len(g), "attributed": len(ok)}
+        if "batch_size" in row:
+            row["batch_size"] = int(row["batch_size"])
         for c in (*PHASES, *TERMS):
             row[c.replace("_energy_j", "_j_per_token")] = (ok[c].sum() / tokens if tokens > 0
                                                            else math.nan)
@@ -251,8 +277,8 @@ def attribution_summary(attributed: pd.DataFrame) -> pd.DataFrame:
         reasons = sorted({str(r) for r in g["attribution_reason"].dropna()})
         row["reason"] = "; ".join(reasons) if reasons else None
         rows.append(row)
-    return pd.DataFrame(rows).sort_values(["source", "label", "batch_size"], kind="stable",
-                                          ignore_index=True)
+    order = [k for k in ("source", "label", "batch_size") if k in keys]
+    return pd.DataFrame(rows).sort_values(order, kind="stable", ignore_index=True)
 
 
 def ops_fractions_breakdown(dirs: Sequence[str | Path], fit: EnergyFit) -> pd.DataFrame:
