@@ -828,6 +828,54 @@ def attribution_tables(summary) -> list[Table]:
     return tables
 
 
+@json_command
+def schedule(
+    results: Annotated[Path, typer.Argument(help="results dir with a decoding batch-size sweep")],
+    objective: Annotated[str, typer.Option(help="speed (tokens/s) or energy (decode J/token)")] = "speed",
+    decoder: Annotated[str, typer.Option(help="the chain decoder whose gamma the mapping sets")] = "spd",
+    max_batch_size: Annotated[int | None, typer.Option(
+        min=1, help="end of the last range (default: the largest batch size measured)")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="where to write the vLLM mapping (default: <results>-schedule-<objective>.json)")] = None,
+    as_json: Json = False,
+):
+    """The speculation schedule: per batch-size range, the best decoder and gamma, and vLLM's
+    num_speculative_tokens_per_batch_size for the chain decoder (0 where ar wins).
+
+    Reads a `sweep batch-size --decoder ar,spd --set gamma=1,2,3,5` store; prints each range with
+    the measured speed-up or energy saving behind it and writes the mapping as JSON."""
+    from mtad_energy.results import load_results
+    from mtad_energy.results.schedule import build_schedule, schedule_table
+
+    try:
+        rows = load_results(results, "decode_batch")
+        plan = build_schedule(rows, objective, decoder, max_batch_size)
+        path = out or results.parent / f"{results.name}-schedule-{objective}.json"
+        path.write_text(json.dumps(plan.vllm_config(), indent=2) + "\n")
+    except (ValueError, OSError) as error:
+        fail(error)
+    if as_json:
+        emit({**plan.to_dict(), "output": str(path)})
+        return
+    table = schedule_table(plan)
+    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar wins)",
+              title_justify="left", show_edge=False, caption_justify="left")
+    for col in table.columns:
+        t.add_column(esc(col), justify="left" if col in ("batch sizes", "best") else "right",
+                     overflow="fold", no_wrap=col in ("batch sizes", "best"))
+    percent = objective == "energy"
+    for _, r in table.iterrows():
+        t.add_row(*[(f"{v:.1%}" if percent else f"{v:.2f}x") if isinstance(v, float) else esc(v)
+                    for v in r.values])
+    simulated = "meter" in rows and (rows["meter"] == "simulated").any()
+    t.caption = esc(f"measured at batch size 'at B' (median of repeats); "
+                    f"{'energy saving: 1 - J/token / ar' if percent else 'speed-up: tokens/s / ar'}"
+                    + ("; joules from the simulated meter" if simulated and percent else ""))
+    console.print(t)
+    console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}):")
+    console.print(json.dumps(plan.vllm_config(), indent=2), markup=False, highlight=False)
+
+
 def report(
     results: Annotated[Path, typer.Argument(help="results directory")],
     out: Annotated[Path | None, typer.Option(help="where to write report.md and figures")] = None,
@@ -846,6 +894,7 @@ def register(app: typer.Typer) -> None:
     app.command()(profile)
     app.command()(compare)
     app.command()(decompose)
+    app.command()(schedule)
     app.command()(report)
     sweep_app.command("param")(sweep_param)
     sweep_app.command("batch-size")(sweep_batch_size)

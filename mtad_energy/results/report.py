@@ -449,6 +449,30 @@ def energy_model_section(store_dir: Path) -> list[str]:
     return lines
 
 
+def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[str]:
+    """The speculation schedule of a decoding sweep, per objective (energy only where measured):
+    the table of ranges and vLLM's mapping (`results.schedule`), or why there is none."""
+    import json
+
+    from mtad_energy.results.schedule import build_schedule, schedule_table
+
+    lines = ["### Speculation schedule", "",
+             f"Per batch-size range, the best configuration and `{decoder}`'s best gamma (0 where "
+             "`ar` wins), with the measured speed-up or energy saving behind it; the mapping is "
+             "vLLM's `num_speculative_tokens_per_batch_size` (inclusive ranges; `mtad-energy "
+             "schedule` writes it).", ""]
+    for objective in ("speed", "energy"):
+        try:
+            plan = build_schedule(decode_batch, objective, decoder)
+        except ValueError as err:
+            lines += [f"**{objective}**: no schedule: {err}.", ""]
+            continue
+        table = schedule_table(plan).set_index("batch sizes")
+        lines += [f"**{objective}**:", "", analysis.to_markdown(table, higher_is_better={}), "",
+                  "```json", json.dumps(plan.vllm_config()), "```", ""]
+    return lines
+
+
 def _figure_links(names: Sequence[str]) -> list[str]:
     return [f"![{n}](figures/{n}.png)  \n[SVG](figures/{n}.svg)" for n in names]
 
@@ -546,6 +570,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
         _save(plot_batch_crossover(cross), fig_dir, "batch_crossover")
         figures.append("batch_crossover")
         lines += _figure_links(["batch_crossover"]) + [""]
+        lines += schedule_section(decode_batch)
 
     lines += ["## Accepted draft lengths", ""]
     if hist.empty:

@@ -140,7 +140,8 @@ def _decode_batch_rows(energy: bool) -> list[dict]:
         rows.append({
             "row_key": key, "created_unix_s": 1.7e9, "env_id": "0123456789abcdef",
             "model": "llama3-8b", "target_id": "meta-llama/Meta-Llama-3-8B", "draft_id": "x",
-            "decoder": decoder, "params_json": "{}", "label": decoder, "batch_size": size,
+            "decoder": decoder, "params_json": "{}" if decoder == "ar" else '{"gamma":4}',
+            "label": decoder, "batch_size": size,
             "dataset": "mtbench", "prompts": "p", "max_new_tokens": 32, "seed": 0, "repeat": 0,
             "meter": "nvml" if energy else "none", "device": "cuda:0" if energy else "cpu",
             "dtype": "float16", "tokens": tokens, "decode_time_s": tokens / tok_s,
