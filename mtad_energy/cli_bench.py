@@ -712,7 +712,8 @@ def decompose(
         windows = decode_windows(results)
         roofline = fits.get("roofline")
         valid = validate(roofline, windows) if not isinstance(roofline, str) else pd.DataFrame()
-        summary = attribution_summary(attribute(windows, roofline))
+        attributed = attribute(windows, roofline)
+        summary = attribution_summary(attributed)
         paper = fits.get("paper")
         paper_split = (ops_fractions_breakdown(results, paper) if not isinstance(paper, str)
                        else pd.DataFrame())
@@ -727,6 +728,7 @@ def decompose(
               "validation": {"median_abs_error": median,
                              "runs": json.loads(valid.to_json(orient="records"))},
               "attribution": json.loads(summary.to_json(orient="records")),
+              "windows": json.loads(attributed.to_json(orient="records")),  # every row's split
               "decoders": json.loads(paper_split.to_json(orient="records"))})
         return
     for form, fit in fits.items():

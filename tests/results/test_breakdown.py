@@ -146,6 +146,10 @@ def test_cli_decompose_prints_both_forms_the_validation_and_the_attribution(roof
     assert out["validation"]["median_abs_error"] == pytest.approx((1 - 1 / 1.1) / 2)
     spd = next(a for a in out["attribution"] if a["label"] == "spd")
     assert spd["j_per_accepted_draft_token"] > 0 and spd["scale"] == pytest.approx(1.0)
+    rows = {w["decoder"]: w for w in out["windows"]}  # every row's own split, scale beside it
+    assert rows["ar"]["attribution_scale"] == pytest.approx(1.1)
+    assert sum(rows["ar"][c] for c in ("draft_energy_j", "target_energy_j", "other_energy_j")) == \
+        pytest.approx(rows["ar"]["decode_energy_j"])
     res = CliRunner().invoke(app, ["decompose", str(roofline_dir)], env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
     text = res.output
