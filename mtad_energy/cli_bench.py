@@ -867,13 +867,18 @@ def schedule(
                      overflow="fold", no_wrap=col in ("batch sizes", "best"))
     percent = objective == "energy"
     for _, r in table.iterrows():
-        t.add_row(*[(f"{v:.1%}" if percent else f"{v:.2f}x") if isinstance(v, float) else esc(v)
-                    for v in r.values])
+        t.add_row(*["-" if v is None or v != v else
+                    (f"{v:.1%}" if percent else f"{v:.2f}x") if isinstance(v, float) else
+                    esc(v) if isinstance(v, str) else str(int(v)) for v in r.values])
     simulated = "meter" in rows and (rows["meter"] == "simulated").any()
     t.caption = esc(f"measured at batch size 'at B' (median of repeats); "
                     f"{'energy saving: 1 - J/token / ar' if percent else 'speed-up: tokens/s / ar'}"
                     + ("; joules from the simulated meter" if simulated and percent else ""))
     console.print(t)
+    if plan.never_pays:
+        console.print(f"[yellow]note:[/] {esc(decoder)} loses to ar at every batch size measured: "
+                      "leave speculative decoding off on this hardware and pair (the mapping says 0 "
+                      "everywhere)")
     console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}):")
     console.print(json.dumps(plan.vllm_config(), indent=2), markup=False, highlight=False)
 

@@ -468,8 +468,10 @@ def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[s
             lines += [f"**{objective}**: no schedule: {err}.", ""]
             continue
         table = schedule_table(plan).set_index("batch sizes")
-        lines += [f"**{objective}**:", "", analysis.to_markdown(table, higher_is_better={}), "",
-                  "```json", json.dumps(plan.vllm_config()), "```", ""]
+        never = (f" `{decoder}` loses to `ar` at every batch size measured: leave speculation off."
+                 if plan.never_pays else "")
+        lines += [f"**{objective}**:{never}", "", analysis.to_markdown(table, higher_is_better={}),
+                  "", "```json", json.dumps(plan.vllm_config()), "```", ""]
     return lines
 
 

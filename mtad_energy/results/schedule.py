@@ -41,8 +41,10 @@ class ScheduleRange:
         best_label / best_decoder / best_gamma: the winning configuration under the objective
             (``ar`` included; gamma None where it has none).
         best_gain: its speed-up (speed) or energy saving (energy) over ``ar`` at that size.
-        gamma: the chain decoder's draft length for this range (0: ``ar`` wins).
-        gain: the chain decoder's measured gain at that gamma (1.0 / 0.0 for ``ar``).
+        chain_gamma / chain_gain: the chain decoder's best gamma there and its gain, also where
+            it loses to ``ar`` (None where it was not measured at that size).
+        gamma: the schedule's draft length for this range (``chain_gamma``, or 0 where ``ar``
+            wins).
     """
 
     low: int
@@ -52,8 +54,9 @@ class ScheduleRange:
     best_decoder: str
     best_gamma: int | None
     best_gain: float
+    chain_gamma: int | None
+    chain_gain: float | None
     gamma: int
-    gain: float
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class Schedule:
             else:
                 merged.append([r.low, r.high, r.gamma])
         return {f"{lo}-{hi}": k for lo, hi, k in merged}
+
+    @property
+    def never_pays(self) -> bool:
+        """The chain decoder loses to ``ar`` at every measured size: leave speculation off."""
+        return all(r.gamma == 0 for r in self.ranges)
 
     def vllm_config(self) -> dict[str, Any]:
         """The part of vLLM's ``speculative_config`` this schedule sets."""
@@ -154,22 +162,26 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
         mine = at[(at["decoder"] == decoder) & at["gamma"].notna()]
         pick = (mine.loc[mine[metric].idxmax() if objective == "speed" else mine[metric].idxmin()]
                 if len(mine) else None)
-        wins = pick is not None and (gain(pick[metric], b) > (1.0 if objective == "speed" else 0.0))
+        chain_gain = gain(pick[metric], b) if pick is not None else None
+        wins = chain_gain is not None and chain_gain > (1.0 if objective == "speed" else 0.0)
         ranges.append(ScheduleRange(
             low=1 if i == 0 else b, high=sizes[i + 1] - 1 if i + 1 < len(sizes) else top,
             measured_batch_size=b, best_label=str(best["label"]), best_decoder=str(best["decoder"]),
             best_gamma=None if pd.isna(best["gamma"]) else int(best["gamma"]),
-            best_gain=gain(best[metric], b), gamma=int(pick["gamma"]) if wins else 0,
-            gain=gain(pick[metric], b) if wins else (1.0 if objective == "speed" else 0.0)))
+            best_gain=gain(best[metric], b),
+            chain_gamma=int(pick["gamma"]) if pick is not None else None, chain_gain=chain_gain,
+            gamma=int(pick["gamma"]) if wins else 0))
     return Schedule(objective, decoder, tuple(ranges))
 
 
 def schedule_table(schedule: Schedule) -> pd.DataFrame:
     """One row per range: the range, the best configuration and its gain, the chain decoder's
-    gamma and its gain (speed-up or energy saving over ``ar``, measured at batch size ``at B``)."""
-    what = "speed-up" if schedule.objective == "speed" else "energy saving"
+    best gamma and its gain (also where it loses), and the schedule's gamma; gains are speed-ups
+    or energy savings over ``ar`` measured at batch size ``at B``."""
+    what = "speed-up" if schedule.objective == "speed" else "saving"
+    d = schedule.decoder
     return pd.DataFrame([{
-        "batch sizes": f"{r.low}-{r.high}", "at B": r.measured_batch_size,
-        "best": r.best_label, f"best {what}": r.best_gain,
-        f"{schedule.decoder} gamma": r.gamma, f"{schedule.decoder} {what}": r.gain,
+        "batch sizes": f"{r.low}-{r.high}", "at B": r.measured_batch_size, "best": r.best_label,
+        what: r.best_gain, f"best {d} gamma": r.chain_gamma, f"{d} {what}": r.chain_gain,
+        "vLLM gamma": r.gamma,
     } for r in schedule.ranges])

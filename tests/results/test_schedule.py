@@ -60,8 +60,10 @@ def test_the_speed_schedule_picks_the_best_gamma_per_range_and_0_where_ar_wins()
     assert plan.vllm_config()["num_speculative_tokens"] == 5
     at4 = plan.ranges[2]
     assert (at4.best_label, at4.best_gain) == ("typical", pytest.approx(1.4))
-    assert at4.gain == pytest.approx(1.25)  # spd(gamma=3)'s measured speed-up
-    assert plan.ranges[4].best_label == "ar" and plan.ranges[4].gain == 1.0
+    assert (at4.chain_gamma, at4.chain_gain) == (3, pytest.approx(1.25))  # spd(gamma=3) measured
+    at16 = plan.ranges[4]  # ar wins; spd's best (gamma 1) is 0.9x: shown, not scheduled
+    assert (at16.best_label, at16.gamma, at16.chain_gamma) == ("ar", 0, 1)
+    assert at16.chain_gain == pytest.approx(0.9) and not plan.never_pays
     wide = build_schedule(sweep_rows(), "speed", max_batch_size=4096)
     assert list(wide.mapping)[-1] == "16-4096"
 
@@ -69,11 +71,21 @@ def test_the_speed_schedule_picks_the_best_gamma_per_range_and_0_where_ar_wins()
 def test_the_energy_schedule_minimises_joules_per_token():
     plan = build_schedule(sweep_rows(), "energy")
     assert plan.mapping == {"1-7": 2, "8-15": 1, "16-32": 0}
-    assert plan.ranges[0].gain == pytest.approx(0.3)
+    assert plan.ranges[0].chain_gain == pytest.approx(0.3)
     assert plan.ranges[2].best_label == "typical" and plan.ranges[2].best_gain == pytest.approx(0.2)
     table = schedule_table(plan)
-    assert list(table.columns) == ["batch sizes", "at B", "best", "best energy saving",
-                                   "spd gamma", "spd energy saving"]
+    assert list(table.columns) == ["batch sizes", "at B", "best", "saving", "best spd gamma",
+                                   "spd saving", "vLLM gamma"]
+    assert table["vLLM gamma"].tolist() == [2, 2, 2, 1, 0, 0]
+
+
+def test_a_chain_decoder_that_never_pays_gets_0_everywhere():
+    rows = [r for r in sweep_rows() if r["decoder"] != "typical"]
+    slow = [{**r, "tokens_per_s": r["tokens_per_s"] * 0.4} if r["decoder"] == "spd" else r
+            for r in rows]
+    plan = build_schedule(slow, "speed")
+    assert plan.never_pays and plan.mapping == {"1-32": 0}
+    assert plan.vllm_config()["num_speculative_tokens"] == 0
 
 
 def test_what_the_schedule_cannot_answer_is_an_error_naming_the_fix():
