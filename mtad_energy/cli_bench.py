@@ -739,7 +739,11 @@ def decompose(
     if isinstance(roofline, str):
         console.print("[dim]no validation or attribution without the roofline fit[/]")
         return
-    console.print(validation_table(valid, max_rows))
+    if valid.empty:
+        console.print("[dim]no held-out decoding run with a measured decode energy and counted work "
+                      "(profile or sweep batch-size --decoder into one of the directories)[/]")
+    else:
+        console.print(validation_table(valid, max_rows))
     if median is not None:
         console.print(f"[bold]median |prediction error|[/] {median:.1%} over {len(valid)} decode "
                       "window(s) not used in the fit")
@@ -785,9 +789,7 @@ def validation_table(valid, max_rows: int) -> Table:
         t.add_row(SOURCES.get(r.source, esc(r.source)), esc(r.label), str(int(r.batch_size)),
                   f"{r.decode_energy_j:.4g}",
                   f"{r.predicted_j:.4g}", f"{r.error:+.1%}")
-    if valid.empty:
-        t.caption = "no decoding run with a measured decode energy and counted work"
-    elif len(valid) > max_rows:
+    if len(valid) > max_rows:
         t.caption = f"... {len(valid) - max_rows} more (--max-rows, or --json for all)"
     return t
 
