@@ -103,7 +103,8 @@ class ModelDims:
         """Dims of a loaded model: its config, its floating dtype, and 1-byte linear weights when
         its linear layers are dynamically int8-quantised (`models.int8_draft`)."""
         elem = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-        quantized = any(callable(getattr(m, "weight", None)) for m in model.modules())
+        modules = model.modules() if hasattr(model, "modules") else ()  # a wrapper may lack them
+        quantized = any(callable(getattr(m, "weight", None)) for m in modules)
         return cls.from_config(model.config, elem, 1 if quantized else None)
 
     @property

@@ -215,7 +215,7 @@ def _spans_work(runner: ModelRunner | None, marks: list[int | None]) -> list[Wor
     shapes = getattr(runner, "forward_shapes", None)
     try:
         dims = ModelDims.from_model(runner.model)
-    except ValueError:  # a model type the rule does not count
+    except (ValueError, AttributeError):  # a model type the rule does not count, or no config
         return [None] * spans
     if shapes is None or None in marks:
         return [None] * spans
