@@ -201,7 +201,7 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     elif not reasons:
         captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
     if reasons:
-        captions.append("n/a: " + "; ".join(sorted(reasons)))
+        captions.append(("n/a: " if columns == "energy" else "J/tok n/a: ") + "; ".join(sorted(reasons)))
     if captions:
         table.caption = esc("\n".join(captions))
     return table

@@ -248,7 +248,8 @@ def batch_sweep(
     longest = max(c + f * n for _, _, c, n, f in points)
     if max_len is not None and longest > max_len:
         raise ValueError(f"the design reaches {longest} positions (context + new tokens of a run), "
-                         f"beyond the model's {max_len}; lower --context-len, --contexts or --chunks")
+                         f"which exceeds the model's {max_len}; lower --context-len, --contexts or "
+                         "--chunks")
 
     target = pair.target
     device = pair.device

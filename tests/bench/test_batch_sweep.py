@@ -167,9 +167,9 @@ def test_bad_arguments(llama_pair, tmp_path) -> None:
     store = ResultStore(tmp_path / "store")
     with pytest.raises(ValueError, match="batch sizes must be positive integers"):
         batch_sweep(llama_pair, [0, 2], 2, store, NoneMeter(), **FAST)
-    with pytest.raises(ValueError, match="the design reaches 263 positions .* beyond the model's 256"):
+    with pytest.raises(ValueError, match="the design reaches 263 positions .* exceeds the model's 256"):
         batch_sweep(llama_pair, [1], 2, store, NoneMeter(), context_len=255, forwards_per_run=8)
-    with pytest.raises(ValueError, match="beyond the model's 256; lower --context-len, --contexts or"):
+    with pytest.raises(ValueError, match="exceeds the model's 256; lower --context-len, --contexts or"):
         batch_sweep(llama_pair, [1], 2, store, NoneMeter(), chunks=[250], **FAST)
     with pytest.raises(ValueError, match=r"context lengths must be positive integers, got \[0\]"):
         batch_sweep(llama_pair, [1], 2, store, NoneMeter(), contexts=[0], **FAST)
