@@ -477,6 +477,9 @@ def _crossover_section(decode_batch: pd.DataFrame, baseline: str, fig_dir: Path)
         _save(plot_batch_crossover(part, f"{title}: decoders across batch sizes", baseline=baseline),
               fig_dir, name)
         lines += _figure_links([name]) + [""]
+    return lines
+
+
 def energy_model_section(store_dir: Path) -> list[str]:
     """"Where the joules go": both energy models fitted on the store's batch rows (coefficients,
     95 % intervals, verdicts), the roofline fit's error on the decode windows, and every decoder's
