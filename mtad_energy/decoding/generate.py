@@ -257,8 +257,13 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
 
         opts = compile if not isinstance(compile, bool) else None
         key = repr(decoder)
+        chain = decoder.lookahead + 1
+        # widths a drafting decoder meets only on some runs: a draft's step and its catch-up
+        # after a full accept (1, 2), the target's last short verify or step (1, 2) and verify
+        warm = {"draft": (1, 2), "target": tuple(sorted({1, 2, chain}))}
         runners = [make_runner(model, timer, role, rows, slots, opts,
-                               ForwardShape(key, decoder.cache_rows(role), decoder.lookahead + 1))
+                               ForwardShape(key, decoder.cache_rows(role), chain,
+                                            warm[role] if decoder.lookahead else ()))
                    for role, model in roles]
     else:
         from mtad_energy.decoding.batch import rows_runner

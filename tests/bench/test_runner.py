@@ -285,8 +285,8 @@ def test_a_compiled_run_that_compiles_inside_its_window_is_flagged(tmp_path, mod
     from mtad_energy.models import load_pair
 
     pair = load_pair(target=model_dirs["opt"], draft=model_dirs["opt-draft"], device="cpu")
-    cfg = config(decoders=(DecoderSpec.of("spd", gamma="2"),), n_prompts=1, compile=True,
-                 warmup=False)
+    cfg = config(decoders=(DecoderSpec.of("specinfer", branching="2,2"),), n_prompts=1,
+                 compile=True, warmup=False)
     run_profile(cfg, ResultStore(tmp_path), pair=pair, meter=WattMeter(), prompts=PROMPTS[:1])
     row = load_results(tmp_path).iloc[0]
     assert row.compile_s > 0 and "compiled_in_window" in json.loads(row.energy_flags)
