@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mtad_energy.cli_common import console, emit, esc, fail, json_command, parse_sets, quiet_libraries
+from mtad_energy.cli_store import compact_after, store_app
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
@@ -213,6 +214,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
         _interrupted(out)
     except (ValueError, RuntimeError) as error:
         fail(error)
+    compact_after(out)
     ran, skipped = rep.ran, rep.skipped
     runs = pd.DataFrame(rep.rows)
     summary = decoder_summary(runs)
@@ -251,6 +253,7 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
         _interrupted(out)
     except (ValueError, RuntimeError, OSError, SweepError) as error:
         fail(error)
+    compact_after(out)
     runs = load_results(out)
     runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
     summary = decoder_summary(runs)
@@ -491,6 +494,7 @@ def sweep_batch_size(
              label="[yellow]")
     except (ValueError, RuntimeError) as error:  # e.g. --context-len beyond the model, disk full
         fail(error)
+    compact_after(out)
     table = batch_table(rows)
     if as_json:
         emit({"output": str(out), "meter": m.name, "rows": json.loads(table.to_json(orient="records"))})
@@ -568,6 +572,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         fail(error)
     finally:
         m.close()
+    compact_after(out)
     table = batch_crossover(rows)
     png = out.parent / f"{out.name}-crossover.png"  # beside the store, which holds only tables
     plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes {size_list} "
@@ -656,4 +661,5 @@ def register(app: typer.Typer) -> None:
     sweep_app.command("param")(sweep_param)
     sweep_app.command("batch-size")(sweep_batch_size)
     app.add_typer(sweep_app, name="sweep")
+    app.add_typer(store_app, name="store")
 
