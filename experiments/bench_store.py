@@ -18,7 +18,8 @@ Every load is checked to return the same rows. The page cache is warm in every c
 were just written or read): what is timed is opening and parsing, not the disk.
 
 Run: python experiments/bench_store.py [--sizes 1000,10000,100000] [--dir /tmp/bench-store]
-Writes experiments/results/bench_store.{csv,json}.
+(about 2 hours on 2 cores with 100000: the build and the base commit's loads dominate; --show
+prints the last run's table). Writes experiments/results/bench_store.{csv,json}.
 """
 
 from __future__ import annotations
@@ -167,7 +168,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="loads timed per case (median); the "
                     "base commit's are timed once")
     ap.add_argument("--keep", action="store_true", help="keep the stores")
+    ap.add_argument("--show", action="store_true", help="print the table of the last run "
+                    "(experiments/results/bench_store.json) and exit")
     args = ap.parse_args()
+    if args.show:
+        show(json.loads((RESULTS / "bench_store.json").read_text())["rows"])
+        return
     sizes = sorted(int(s) for s in args.sizes.split(","))
     args.dir.mkdir(parents=True, exist_ok=True)
     base_tree = args.dir / f"base-{args.base}"
@@ -225,10 +231,10 @@ def show(rows: list[dict]) -> None:
               caption_justify="left")
     for col in ("runs", "table", "rows", "before", "parallel", "compact", "packs", "after",
                 "gain"):
-        t.add_column(col, justify="left" if col == "table" else "right", no_wrap=True)
+        t.add_column(col, justify="left" if col == "table" else "right", overflow="fold")
     for r in rows:
-        t.add_row(str(r["runs"]), r["table"], str(r["rows"]), f"{r['before_s']:.2f}",
-                  f"{r['parallel_s']:.2f}", f"{r['compact_s']:.1f}", str(r["packs"]),
+        t.add_row(str(r["runs"]), r["table"], str(r["rows"]), f"{r['before_s']:.1f}",
+                  f"{r['parallel_s']:.1f}", f"{r['compact_s']:.1f}", str(r["packs"]),
                   f"{r['compacted_s']:.3f}", f"{r['speedup']:.0f}x")
     t.caption = ("seconds. before: the base commit's load, part files one by one; parallel: this "
                  "tree's, the same files read in parallel; compact: `store compact` (both tables); "
