@@ -41,6 +41,7 @@ from mtad_energy.measure import (
     snapshot,
     work_tap,
 )
+from mtad_energy.measure.calibrate import calibrated
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -174,7 +175,8 @@ class Runner:
         m = config.model
         self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
                                       dtype=m.dtype, with_draft=needs_draft)
-        snap = snapshot()
+        # a calibrated device: its record in the snapshot, windows below its minimum flagged
+        self.meter, snap = calibrated(self.meter, snapshot())
         self.env_id = snap.snapshot_id
         store.write_env(self.env_id, snap.to_dict())
         desc = self.pair.describe()
