@@ -1,16 +1,19 @@
-"""Benchmark: eager vs compiled (`compile=True`: static KV cache + torch.compile) per decoder.
+"""Benchmark: eager vs compiled (`compile=True`: static KV cache + torch.compile) per decoder and
+batch size.
 
-On the default pair at batch 1, in one run: every decoder decodes a few MT-Bench prompts eagerly
-and compiled, interleaved within each repeat (drift hits both alike), after a full-length warm-up
-per decoder and mode (compiled: every graph the loop uses is compiled there; its time is
-reported as ``compile_s``). Reports the median tokens/s of each mode, their ratio, and the
-median target-forward time. Prints a table and writes CSV + JSON.
+On the default pair, in one run: at each batch size B every decoder decodes B MT-Bench prompts
+(cycled) together, eagerly and compiled, interleaved within each repeat (drift hits both alike),
+after a full-length warm-up per decoder, mode and B (compiled: every graph the loop uses is
+compiled there; its time is reported as ``compile_s``, and the measured generations must report
+none). Reports the median tokens/s (all B rows) of each mode, their ratio, and the median
+target-forward time. Prints a table and writes CSV + JSON.
 
 On a CUDA device it also times the target forward at Llama-3.1-8B shapes (random weights, bf16,
 batch 1, 128 cached tokens), eager and compiled (CUDA graphs), against the memory floor
 ``weight bytes / measured copy bandwidth`` (goal: compiled within 1.5x of the floor).
 
     python experiments/bench_compile.py                      # smollm2 + its draft, 1 thread
+    python experiments/bench_compile.py --batch-sizes 1,4,8 --decoders ar,spd,mtad
     python experiments/bench_compile.py --decoders ar,spd --repeats 5 --out experiments/results/x
 """
 
@@ -27,7 +30,7 @@ import pandas as pd
 import torch
 
 from mtad_energy.bench.prompts import load_prompts
-from mtad_energy.decoding.generate import encode_prompt, generate_ids
+from mtad_energy.decoding.generate import encode_prompt, generate_rows
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from mtad_energy.models import load_pair
 
@@ -39,52 +42,62 @@ def decoder_table(args) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     unknown = [n for n in names if n not in DECODERS]
     if unknown:
         raise SystemExit(f"unknown decoder(s) {unknown}; known: {', '.join(DECODERS)}")
-    pair = load_pair(args.model, device=args.device)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    pair = load_pair(args.model, draft=args.draft, device=args.device)
     prompts = [encode_prompt(pair, p.text) for p in load_prompts("mtbench", args.prompts)]
     decoders = {n: get_decoder(n) for n in names}
-    compile_s: dict[str, float] = {}
-    for name, dec in decoders.items():
-        for mode in MODES:
-            t0 = time.perf_counter()
-            generate_ids(dec, pair, prompts[0], args.max_new_tokens, seed=99,
-                         compute_perplexity=False, compile=mode == "compiled")
-            if mode == "compiled":
-                compile_s[name] = time.perf_counter() - t0
-        print(f"warm: {name} (compiled warm-up {compile_s[name]:.1f} s)", flush=True)
+    batches = {b: [prompts[i % len(prompts)] for i in range(b)] for b in sizes}
+    compile_s: dict[tuple[str, int], float] = {}
+    for b, batch in batches.items():
+        for name, dec in decoders.items():
+            for mode in MODES:
+                gens = generate_rows(dec, pair, batch, args.max_new_tokens, seed=99,
+                                     compute_perplexity=False, compile=mode == "compiled")
+                if mode == "compiled":
+                    compile_s[name, b] = gens[0].stats.compile_s
+            print(f"warm: {name} B={b} (compiled warm-up compiled for {compile_s[name, b]:.1f} s)",
+                  flush=True)
     rows = []
     t0 = time.perf_counter()
     for rep in range(args.repeats):
-        for i, ids in enumerate(prompts):
+        for b, batch in batches.items():
             for name, dec in decoders.items():
-                for mode in (MODES if (rep + i) % 2 == 0 else MODES[::-1]):
-                    g = generate_ids(dec, pair, ids, args.max_new_tokens, seed=rep,
-                                     compute_perplexity=False, compile=mode == "compiled")
-                    s = g.stats
-                    rows.append({"decoder": name, "mode": mode, "repeat": rep, "prompt": i,
-                                 "tokens": s.tokens_emitted, "decode_time_s": s.decode_time_s,
-                                 "tokens_per_s": s.tokens_per_s,
+                for mode in (MODES if (rep + b) % 2 == 0 else MODES[::-1]):
+                    gens = generate_rows(dec, pair, batch, args.max_new_tokens, seed=rep,
+                                         compute_perplexity=False, compile=mode == "compiled")
+                    s = max(gens, key=lambda g: g.stats.decode_time_s).stats  # the last to end
+                    tokens = sum(g.stats.tokens_emitted for g in gens)
+                    rows.append({"decoder": name, "batch_size": b, "mode": mode, "repeat": rep,
+                                 "tokens": tokens, "decode_time_s": s.decode_time_s,
+                                 "tokens_per_s": tokens / s.decode_time_s,
                                  "target_forward_ms": s.time_target_s / s.target_forwards * 1e3,
                                  "other_frac": s.time_other_s / s.decode_time_s,
-                                 "block_efficiency": s.block_efficiency})
+                                 "compile_s": s.compile_s})
         print(f"repeat {rep + 1}/{args.repeats} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     runs = pd.DataFrame(rows)
-    med = runs.groupby(["decoder", "mode"], sort=False).agg(
-        tokens_per_s=("tokens_per_s", statistics.median),
-        target_forward_ms=("target_forward_ms", statistics.median),
-        other_frac=("other_frac", statistics.median), runs=("repeat", "size")).unstack("mode")
+    if (runs.compile_s > 0).any():
+        print("WARNING: a measured generation compiled (its row's compile_s > 0)", flush=True)
+    med = (runs.groupby(["decoder", "batch_size", "mode"], sort=False)
+           .agg(tokens_per_s=("tokens_per_s", statistics.median),
+                target_forward_ms=("target_forward_ms", statistics.median),
+                runs=("repeat", "size")).unstack("mode").reset_index())
     table = pd.DataFrame({
-        "decoder": names,
-        "eager_tok_s": med[("tokens_per_s", "eager")].reindex(names).to_numpy(),
-        "compiled_tok_s": med[("tokens_per_s", "compiled")].reindex(names).to_numpy(),
-        "eager_target_ms": med[("target_forward_ms", "eager")].reindex(names).to_numpy(),
-        "compiled_target_ms": med[("target_forward_ms", "compiled")].reindex(names).to_numpy(),
-        "compile_s": [compile_s[n] for n in names],
-        "runs": med[("runs", "eager")].reindex(names).to_numpy(),
+        "decoder": med["decoder"], "batch_size": med["batch_size"],
+        "eager_tok_s": med[("tokens_per_s", "eager")],
+        "compiled_tok_s": med[("tokens_per_s", "compiled")],
+        "eager_target_ms": med[("target_forward_ms", "eager")],
+        "compiled_target_ms": med[("target_forward_ms", "compiled")],
+        "runs": med[("runs", "eager")],
     })
+    table["compile_s"] = [compile_s[d, b] for d, b in zip(table.decoder, table.batch_size,
+                                                           strict=True)]
     table["speedup"] = table.compiled_tok_s / table.eager_tok_s
-    header = (f"{args.model} on {pair.device} ({pair.describe()['dtype']}), "
-              f"{torch.get_num_threads()} thread(s), {args.max_new_tokens} tokens, {len(prompts)} "
-              f"prompts x {args.repeats} repeats, eager and compiled interleaved (medians)")
+    table = table.sort_values(["batch_size", "decoder"], key=lambda c: c.map(
+        {n: i for i, n in enumerate(names)}) if c.name == "decoder" else c)
+    header = (f"{args.model} (draft {pair.draft_id}) on {pair.device} "
+              f"({pair.describe()['dtype']}), {torch.get_num_threads()} thread(s), "
+              f"{args.max_new_tokens} tokens, batch sizes {sizes}, {args.repeats} repeats, eager "
+              "and compiled interleaved (medians; tok/s of all B rows)")
     return table, runs, header
 
 
@@ -112,7 +125,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--draft", default=None, help="another draft (e.g. self:layers=0-24)")
     ap.add_argument("--decoders", default="ar,spd,mtad,typical,bild,mmtad,specinfer,mcss,spectr")
+    ap.add_argument("--batch-sizes", default="1", help="comma list, e.g. 1,4,8")
     ap.add_argument("--prompts", type=int, default=2, help="MT-Bench prompts")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
@@ -128,6 +143,7 @@ def main() -> None:
     table, runs, header = decoder_table(args)
     print(header)
     print(table.to_string(index=False, formatters={
+        "batch_size": "{:d}".format,
         "eager_tok_s": "{:.1f}".format, "compiled_tok_s": "{:.1f}".format,
         "eager_target_ms": "{:.2f}".format, "compiled_target_ms": "{:.2f}".format,
         "compile_s": "{:.0f}".format, "speedup": "{:.2f}x".format}))

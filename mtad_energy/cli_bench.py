@@ -91,13 +91,13 @@ def parse_range(text: str) -> list[str]:
     return values
 
 
-def parse_sizes(text: str) -> list[int]:
+def parse_sizes(text: str, option: str = "--sizes") -> list[int]:
     try:
         sizes = [int(s) for s in split_list(text)]
     except ValueError:
-        raise UsageError(f"--sizes expects integers like 1,2,4,8,16, got {text!r}") from None
+        raise UsageError(f"{option} expects integers like 1,2,4,8,16, got {text!r}") from None
     if not sizes or min(sizes) < 1:
-        raise UsageError(f"--sizes must be positive integers, got {text!r}")
+        raise UsageError(f"{option} must be positive integers, got {text!r}")
     return sizes
 
 
@@ -129,15 +129,55 @@ def is_simulated(meter: Any) -> bool:
     return "simulated" in str(meter or "").split("; ")
 
 
-def summary_table(summary, title: str = "") -> Table:
+COLUMN_SETS = ("speed", "energy")
+ENERGY_COLUMNS = [("J/tok dec", "decode_energy_per_token_j"), ("draft", "draft_j_per_token"),
+                  ("target", "target_j_per_token"), ("other", "other_j_per_token"),
+                  ("J/acc. draft", "j_per_accepted_draft_token"), ("rejected", "rejected_share")]
+ATTRIBUTED = {c for _, c in ENERGY_COLUMNS[1:]}  # from the energy model: n/a with its own reason
+ENERGY_NOTE = ("draft / target / other: decode J/token of each phase (adding up to J/tok dec); J/acc. "
+               "draft: draft joules per accepted draft token; rejected: share of the decode joules "
+               "spent on rejected draft tokens")
+
+
+def check_columns(columns: str) -> str:
+    if columns not in COLUMN_SETS:
+        raise UsageError(f"--columns {columns!r}: choose {' or '.join(COLUMN_SETS)}")
+    return columns
+
+
+def with_attribution(summary, runs, store_dir: Path):
+    """``summary`` with each configuration's decode joules by phase, joules per accepted draft
+    token, rejected share and scale factor, from the energy model fitted on the batch rows of
+    ``store_dir`` (n/a with the reason in ``attribution_reason`` where there is none)."""
+    from mtad_energy.results.breakdown import attribute, attribution_summary, roofline_fit, windows_from
+
+    keys = ("model", "dataset", "decoder", "params_json")
+    fit = roofline_fit([store_dir]) if (store_dir / "mtad-energy-store.json").exists() else \
+        "no results store"
+    att = attribution_summary(attribute(windows_from(runs), fit), keys=keys)
+    if att.empty:
+        return summary.assign(attribution_reason="no runs")
+    att = att.drop(columns=["windows", "attributed"]).rename(columns={"reason": "attribution_reason"})
+    merged = summary.copy()
+    for k in keys:
+        merged[k] = merged[k].astype(object).where(merged[k].notna(), "")
+    return merged.merge(att, on=list(keys), how="left")
+
+
+def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
+    """The decoders' summary: ``columns`` "speed" (speed, quality and J/token) or "energy"
+    (decode joules by phase from the energy model, `with_attribution`)."""
     reasons: set[str] = set()
     simulated = False
-    cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
-            ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
-            ("accepted/depth", "acceptance_rate"), ("ppl", "perplexity"),
-            ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
-    extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
-    cols += [(c.replace("_", "-"), c) for c in extra]
+    if columns == "energy":
+        cols = [("decoder", "label"), ("dataset", "dataset"), *ENERGY_COLUMNS]
+    else:
+        cols = [("decoder", "label"), ("dataset", "dataset"), ("runs", "n_runs"),
+                ("tok/s", "tokens_per_s"), ("speed-up", "speedup"), ("blk eff", "block_efficiency"),
+                ("accepted/depth", "acceptance_rate"), ("ppl", "perplexity"),
+                ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
+        extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
+        cols += [(c.replace("_", "-"), c) for c in extra]
     rows = []
     for _, r in summary.iterrows():
         cells = []
@@ -145,15 +185,23 @@ def summary_table(summary, title: str = "") -> Table:
             v = r.get(col)
             if col in ("energy_per_token_j", "decode_energy_per_token_j"):
                 cells.append(energy_text(v, None).split(":")[0])
-                if cells[-1] == "n/a":
+                if cells[-1] == "n/a" and columns != "energy":  # energy: the attribution says why
                     reasons.add(energy_text(v, r.get("energy_reason")).removeprefix("n/a: "))
-                elif is_simulated(r.get("meter")):
-                    cells[-1] += " (simulated)"
+                elif cells[-1] != "n/a" and is_simulated(r.get("meter")):
                     simulated = True
+                    if columns != "energy":  # energy: the caption says so (the columns are many)
+                        cells[-1] += " (simulated)"
             elif col in ("label", "dataset"):
                 cells.append(esc(v))
             elif col == "n_runs":
                 cells.append(str(int(v)))
+            elif col in ATTRIBUTED:
+                if v is None or v != v:
+                    cells.append("n/a")
+                    if isinstance(r.get("attribution_reason"), str):
+                        reasons.add(r["attribution_reason"])
+                else:
+                    cells.append(f"{v:.1%}" if col == "rejected_share" else f"{v:.3g}")
             else:
                 cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
@@ -161,10 +209,14 @@ def summary_table(summary, title: str = "") -> Table:
     table = wrapping_table([name for name, _ in cols], rows, left=("decoder", "dataset"),
                            title=esc(title) or None)
     captions = [SIMULATED_NOTE] if simulated else []
-    if not reasons:
+    if columns == "energy":
+        scale = summary["scale"].dropna() if "scale" in summary else []
+        captions.append(ENERGY_NOTE + (f"; measured / predicted by the energy model: "
+                                       f"{min(scale):.3f} to {max(scale):.3f}" if len(scale) else ""))
+    elif not reasons:
         captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
     if reasons:
-        captions.append("J/tok n/a: " + "; ".join(sorted(reasons)))
+        captions.append(("n/a: " if columns == "energy" else "J/tok n/a: ") + "; ".join(sorted(reasons)))
     if captions:
         table.caption = esc("\n".join(captions))
     return table
@@ -186,9 +238,9 @@ def _interrupted(out: Path) -> typing.NoReturn:
 
 # -- running a configuration -------------------------------------------------------------------
 def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers: int = 1,
-               cluster: str = "local"):
+               cluster: str = "local", columns: str = "speed"):
     """Run/resume ``config`` into ``out`` with a progress bar (or as ``workers`` submitit jobs);
-    print and return the summary."""
+    print the summary (``columns``: `summary_table`) and return it."""
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
 
     try:
@@ -199,7 +251,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     title = f"{title} · {model_label(config)}" + (
         f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
     if workers > 1:
-        return run_distributed(config, out, as_json, title, workers, cluster)
+        return run_distributed(config, out, as_json, title, workers, cluster, columns)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
@@ -245,7 +297,8 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
               "pair": runner.pair.describe(), "config": config.to_dict(),
               "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
     else:
-        console.print(summary_table(summary, title))
+        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+        console.print(summary_table(shown, title, columns))
         console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
         for note in notes:
             console.print(f"[yellow]note:[/] {esc(note)}")
@@ -259,7 +312,8 @@ def config_draft_notes(config: RunConfig) -> list[str]:
                                m.device)
 
 
-def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str):
+def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
+                    columns: str = "speed"):
     """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
     from mtad_energy.bench.quality import pass_at_1_notes
     from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
@@ -291,7 +345,8 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
               "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
     else:
-        console.print(summary_table(summary, title))
+        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+        console.print(summary_table(shown, title, columns))
         console.print(f"[dim]{ran} run(s) measured by {len(results)} job(s), {skipped} already stored; "
                       f"results in {esc(out)}[/]")
         for note in notes:
@@ -340,6 +395,10 @@ BatchSize = Annotated[int, typer.Option(
                 "batch's energy is split by tokens)")]
 AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
                                          help="run HumanEval tests on generated code (sandboxed)")]
+Columns = Annotated[str, typer.Option(
+    help="summary table: speed (tok/s, speed-up, quality, J/token) or energy (decode J/token by "
+         "phase, J per accepted draft token, rejected share: the energy model fitted on the "
+         "--output store's batch rows)")]
 
 
 @json_command
@@ -352,7 +411,8 @@ def profile(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, as_json: Json = False,
+    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -362,9 +422,10 @@ def profile(
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
                          require_energy, compile, batch_size)
+        check_columns(columns)
     except ValueError as error:
         fail(error)
-    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster)
+    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster, columns)
 
 
 @json_command
@@ -379,7 +440,8 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, as_json: Json = False,
+    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -391,10 +453,11 @@ def compare(
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
                          require_energy, compile, batch_size)
+        check_columns(columns)
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
-    summary = run_config(config, out, as_json, "compare", workers, cluster)
+    summary = run_config(config, out, as_json, "compare", workers, cluster, columns)
     table = main_table(summary)
     md = to_markdown(table)
     if "meter" in summary and summary["meter"].map(is_simulated).any():
@@ -418,7 +481,7 @@ def sweep_param(
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
     require_energy: RequireEnergy = False, compile: Compile = False,
-    batch_size: BatchSize = 1, as_json: Json = False,
+    batch_size: BatchSize = 1, columns: Columns = "speed", as_json: Json = False,
 ):
     """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
     import itertools
@@ -441,10 +504,11 @@ def sweep_param(
         config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
                          repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
                          require_energy, compile, batch_size)
+        check_columns(columns)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
-               cluster)
+               cluster, columns)
 
 
 # options of one study that the other ignores (`sweep batch-size` with and without --decoder)
@@ -471,6 +535,10 @@ def sweep_batch_size(
     runs: Annotated[int, typer.Option(min=1, help="runs (target forward groups) per batch size")] = 10,
     forwards_per_run: Annotated[int, typer.Option(min=1, help="decode forwards per run")] = 8,
     context_len: Annotated[int, typer.Option(min=1, help="KV-cache length per row")] = 128,
+    contexts: Annotated[str, typer.Option(help="also decode at batch size 1 over these cache lengths "
+                                               "(e.g. 1024,4096,8192: KV bytes vary, for decompose)")] = "",
+    chunks: Annotated[str, typer.Option(help="also run one forward of these many new tokens over "
+                                             "--context-len (e.g. 128,1024,4096: FLOPs vary)")] = "",
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None,
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
@@ -486,9 +554,11 @@ def sweep_batch_size(
     """The paper's batch-size study: energy and time per run and per input.
 
     A fixed number of target runs at each batch size; prints and stores energy, energy/run,
-    energy/input, time, time/run, time/input. With --decoder: real decoding of B prompts at once
-    per decoder and batch size, and the batch size from which each decoder stops beating ar."""
-    from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
+    energy/input, time, time/run, time/input. --contexts and --chunks add the points that make
+    the energy roofline identifiable (`mtad-energy decompose`). With --decoder: real decoding of
+    B prompts at once per decoder and batch size (--set gamma=1,2,3,5 sweeps variants), and the
+    batch size from which each decoder stops beating ar."""
+    from mtad_energy.bench.batch_sweep import batch_sweep, batch_table, design_points
     from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
@@ -512,6 +582,8 @@ def sweep_batch_size(
     out = output or Path("results/batch-size")
     try:
         size_list = parse_sizes(sizes)
+        context_list = parse_sizes(contexts, "--contexts") if contexts else []
+        chunk_list = parse_sizes(chunks, "--chunks") if chunks else []
         mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
         if meter == "auto":
             choice = select_meter()
@@ -533,14 +605,18 @@ def sweep_batch_size(
     mitigation = MitigationConfig() if mitigates else None
     try:
         with _progress() as bar:
-            task = bar.add_task("batch-size", total=len(size_list), note="")
+            total = len(design_points(size_list, context_list, chunk_list, context_len, 1))
+            task = bar.add_task("batch-size", total=total, note="")
 
             def step(batch_size: int, row: dict) -> None:
-                bar.update(task, advance=1, note=f"B={batch_size}: {row['time_per_run_s']:.3f} s/run")
+                bar.update(task, advance=1, note=f"B={batch_size} c={row['context_len']} "
+                                                 f"n={row.get('new_tokens') or 1}: "
+                                                 f"{row['time_per_run_s']:.3f} s/run")
 
             rows = batch_sweep(pair, size_list, runs, store, m, model=pair.name, context_len=context_len,
                                forwards_per_run=forwards_per_run, seed=seed, mitigation=mitigation,
-                               profile=profile_ops, env_id=snap.snapshot_id, progress=step)
+                               profile=profile_ops, env_id=snap.snapshot_id, progress=step,
+                               contexts=context_list, chunks=chunk_list)
     except KeyboardInterrupt:
         from mtad_energy.results import load_results
 
@@ -566,13 +642,17 @@ def sweep_batch_size(
     if captions:
         t.caption = esc("\n".join(captions))
     console.print(t)
+    extra = len(rows) - len(table)
+    if extra:
+        console.print(f"[dim]+ {extra} context-length / prefill-chunk point(s) for the fit: "
+                      f"mtad-energy decompose {esc(out)}[/]")
     console.print(f"[dim]results in {esc(out)}[/]")
 
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
                         repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
                         as_json, compile: bool = False) -> None:
-    from mtad_energy.bench.decode_batch import decode_batch_sweep
+    from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
     from mtad_energy.measure import get_meter, select_meter, snapshot
@@ -590,7 +670,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         names = split_list(decoders)
         if "ar" not in names:
             names = ["ar", *names]  # the baseline of every speed-up
-        specs = decoder_specs(names, parse_sets(sets))
+        specs = expand_variants(decoder_specs(names, parse_sets(sets)))  # --set gamma=1,2,3,5
         size_list = parse_sizes(sizes)
         if meter == "auto":
             choice = select_meter()
@@ -675,39 +755,209 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
 
 @json_command
 def decompose(
-    results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and profile runs")],
+    results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and decoding runs")],
+    fit_from: Annotated[list[Path] | None, typer.Option(
+        "--fit-from", help="fit on the batch rows of these stores only (default: every RESULTS dir)")
+    ] = None,
+    max_rows: Annotated[int, typer.Option(min=1, help="validation rows printed (--json: all)")] = 40,
     as_json: Json = False,
 ):
-    """Split energy into static, compute and memory terms.
+    """Fit the energy models, check them on held-out runs, and split every run's joules.
 
-    Fits E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (non-negative least squares) on a batch
-    sweep's rows, prints the fit quality, then each decoder's energy split into the three terms."""
-    from mtad_energy.results.breakdown import decoder_breakdown, fit_from_stores
+    Fits E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (the paper's form) and
+    E = pi0*T + eps_flop*FLOPs + eps_byte*bytes (the energy roofline) on the batch-sweep rows,
+    with bootstrap 95 % intervals and a verdict per coefficient; predicts the decode energy of
+    every decoding run (runs and decode_batch rows, never in the fit) from its counted work and
+    prints the error per run and its median; then splits each decoder's measured decode joules
+    into draft / target / other and static / FLOP / memory, adding up to the measurement."""
+    import pandas as pd
+
+    from mtad_energy.results.breakdown import (
+        attribute,
+        attribution_summary,
+        decode_windows,
+        fit_stores,
+        ops_fractions_breakdown,
+        validate,
+    )
 
     try:
-        fit, n_rows = fit_from_stores(results)
-        breakdown = decoder_breakdown(results, fit)
+        fits, n_rows = fit_stores(fit_from or results)
+        if all(isinstance(f, str) for f in fits.values()):  # nothing to show: say why, once
+            raise ValueError("; ".join(dict.fromkeys(f"{form}: {why}" if len(set(fits.values())) > 1
+                                                     else why for form, why in fits.items())))
+        windows = decode_windows(results)
+        roofline = fits.get("roofline")
+        valid = validate(roofline, windows) if not isinstance(roofline, str) else pd.DataFrame()
+        attributed = attribute(windows, roofline)
+        summary = attribution_summary(attributed)
+        paper = fits.get("paper")
+        paper_split = (ops_fractions_breakdown(results, paper) if not isinstance(paper, str)
+                       else pd.DataFrame())
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
+    errors = valid["error"].abs() if not valid.empty else pd.Series(dtype=float)
+    median = float(errors.median()) if len(errors) else None
     if as_json:
-        emit({"fit": fit.to_dict(), "rows": n_rows,
-              "decoders": json.loads(breakdown.to_json(orient="records"))})
+        emit({"rows": n_rows,
+              "fits": {f: (v.to_dict() if not isinstance(v, str) else {"error": v})
+                       for f, v in fits.items()},
+              "validation": {"median_abs_error": median,
+                             "runs": json.loads(valid.to_json(orient="records"))},
+              "attribution": json.loads(summary.to_json(orient="records")),
+              "windows": json.loads(attributed.to_json(orient="records")),  # every row's split
+              "decoders": json.loads(paper_split.to_json(orient="records"))})
         return
-    console.print(f"[bold]fit[/] over {n_rows} batch-sweep rows: P_static = {fit.p_static_w:.1f} W, "
-                  f"PW_flop = {fit.pw_flop_w:.1f} W, PW_mem = {fit.pw_mem_w:.1f} W")
-    console.print(f"[bold]quality[/] R^2 = {fit.r2:.4f}, RMSE = {fit.rmse_j:.4g} J, max |rel. error| = "
-                  f"{fit.max_abs_rel_error:.1%}, condition number {fit.condition_number:.3g}")
-    for w in fit.warnings:
-        console.print(f"[yellow]warning:[/] {esc(w)}")
-    if breakdown.empty:
-        console.print("[dim]no profile runs with FLOP/byte accounting: run `mtad-energy profile --ops` "
-                      "into one of the directories to decompose decoders[/]")
+    for form, fit in fits.items():
+        if isinstance(fit, str):
+            console.print(f"[bold]{FORM_NAMES[form]}[/]: not fitted: {esc(fit)}")
+        else:
+            console.print(fit_table(form, fit, n_rows))
+    if isinstance(roofline, str):
+        console.print("[dim]no validation or attribution without the roofline fit[/]")
         return
-    t = wrapping_table([str(c) for c in breakdown.columns],
-                       [[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values]
-                        for _, r in breakdown.iterrows()],
-                       left=("decoder", "model"), title="energy per token by term")
+    if valid.empty:
+        console.print("[dim]no held-out decoding run with a measured decode energy and counted work "
+                      "(profile or sweep batch-size --decoder into one of the directories)[/]")
+    else:
+        console.print(validation_table(valid, max_rows))
+    if median is not None:
+        console.print(f"[bold]median |prediction error|[/] {median:.1%} over {len(valid)} decode "
+                      "window(s) not used in the fit")
+    if not summary.empty:
+        for table in attribution_tables(summary):
+            console.print(table)
+    if not paper_split.empty:
+        console.print(wrapping_table(
+            [str(c) for c in paper_split.columns],
+            [[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values]
+             for _, r in paper_split.iterrows()], left=("decoder", "model"),
+            title="paper form: J/token by term (T_flop/T_mem shares from the ops rows)"))
+
+
+FORM_NAMES = {"paper": "paper form E = P_static*T + PW_flop*T_flop + PW_mem*T_mem",
+              "roofline": "energy roofline E = pi0*T + eps_flop*FLOPs + eps_byte*bytes"}
+
+
+def fit_table(form: str, fit, n_rows: int) -> Table:
+    """One form's coefficients with their 95 % intervals and verdicts."""
+    t = Table(title=esc(f"{FORM_NAMES[form]} ({n_rows} batch rows)"), title_justify="left",
+              show_edge=False, caption_justify="left")
+    for col in ("term", "value", "95 % interval", "verdict"):
+        t.add_column(col, justify="left" if col in ("term", "verdict") else "right",
+                     no_wrap=col != "verdict")
+    for c in fit.coefficients:
+        t.add_row(f"{c.symbol} ({c.unit})", f"{c.value:.4g}", f"{c.ci_low:.4g} - {c.ci_high:.4g}",
+                  esc(c.verdict))
+    t.caption = esc(f"R^2 {fit.r2:.4f}, RMSE {fit.rmse_j:.4g} J, max |rel. error| "
+                    f"{fit.max_abs_rel_error:.1%}, condition number {fit.condition_number:.3g}")
+    return t
+
+
+def validation_table(valid, max_rows: int) -> Table:
+    t = Table(title="held-out decode windows: roofline prediction vs measurement",
+              title_justify="left", show_edge=False, caption_justify="left")
+    for col in ("from", "decoder", "B", "measured J", "predicted J", "error"):
+        t.add_column(col, justify="left" if col in ("from", "decoder") else "right",
+                     overflow="fold")
+    for _, r in valid.head(max_rows).iterrows():
+        t.add_row(SOURCES.get(r.source, esc(r.source)), esc(r.label), str(int(r.batch_size)),
+                  f"{r.decode_energy_j:.4g}",
+                  f"{r.predicted_j:.4g}", f"{r.error:+.1%}")
+    if len(valid) > max_rows:
+        t.caption = f"... {len(valid) - max_rows} more (--max-rows, or --json for all)"
+    return t
+
+
+SOURCES = {"runs": "runs", "decode_batch": "B sweep"}  # the tables decode windows come from
+
+
+def attribution_tables(summary) -> list[Table]:
+    """Per table, decoder and batch size: decode joules per token by phase, then by term with
+    the joules per accepted draft token and the rejected share; n/a with the reasons."""
+    key = [("from", "source"), ("decoder", "label"), ("B", "batch_size")]
+    parts = (
+        ("decode J/token by phase (phases add up to the measured decode energy)",
+         [("draft", "draft_j_per_token"), ("target", "target_j_per_token"),
+          ("other", "other_j_per_token"), ("scale", "scale")],
+         "scale: measured / predicted decode energy (1 = the model explains the window)"),
+        ("decode J/token by term, and the price of drafting",
+         [("static", "static_j_per_token"), ("FLOP", "flop_j_per_token"),
+          ("memory", "mem_j_per_token"), ("J/acc. draft", "j_per_accepted_draft_token"),
+          ("rejected", "rejected_share")],
+         "J/acc. draft: draft joules per accepted draft token; rejected: share of the decode "
+         "joules spent drafting and verifying draft tokens that were rejected"),
+    )
+    reasons = sorted({r for r in summary["reason"] if isinstance(r, str)})
+    tables = []
+    for title, cols, note in parts:
+        t = Table(title=title, title_justify="left", show_edge=False, caption_justify="left")
+        for name, _ in (*key, *cols):
+            t.add_column(name, justify="left" if name in ("from", "decoder") else "right",
+                         overflow="fold")
+        for _, r in summary.iterrows():
+            cells = [SOURCES.get(r.source, esc(r.source)), esc(r.label), str(int(r.batch_size))]
+            for _name, col in cols:
+                v = r[col]
+                cells.append("n/a" if v != v else f"{v:.1%}" if col == "rejected_share"
+                             else f"{v:.3g}")
+            t.add_row(*cells)
+        t.caption = esc(note + ("\nn/a: " + "; ".join(reasons) if reasons else ""))
+        tables.append(t)
+    return tables
+
+
+@json_command
+def schedule(
+    results: Annotated[Path, typer.Argument(help="results dir with a decoding batch-size sweep")],
+    objective: Annotated[str, typer.Option(help="speed (tokens/s) or energy (decode J/token)")] = "speed",
+    decoder: Annotated[str, typer.Option(help="the chain decoder whose gamma the mapping sets")] = "spd",
+    max_batch_size: Annotated[int | None, typer.Option(
+        min=1, help="end of the last range (default: the largest batch size measured)")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="where to write the vLLM mapping (default: <results>-schedule-<objective>.json)")] = None,
+    as_json: Json = False,
+):
+    """The speculation schedule: per batch-size range, the best decoder and gamma, and vLLM's
+    num_speculative_tokens_per_batch_size for the chain decoder (0 where ar wins).
+
+    Reads a `sweep batch-size --decoder ar,spd --set gamma=1,2,3,5` store; prints each range with
+    the measured speed-up or energy saving behind it and writes the mapping as JSON."""
+    from mtad_energy.results import load_results
+    from mtad_energy.results.schedule import build_schedule, schedule_table
+
+    try:
+        rows = load_results(results, "decode_batch")
+        plan = build_schedule(rows, objective, decoder, max_batch_size)
+        path = out or results.parent / f"{results.name}-schedule-{objective}.json"
+        path.write_text(json.dumps(plan.vllm_config(), indent=2) + "\n")
+    except (ValueError, OSError) as error:
+        fail(error)
+    if as_json:
+        emit({**plan.to_dict(), "output": str(path)})
+        return
+    table = schedule_table(plan)
+    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar wins)",
+              title_justify="left", show_edge=False, caption_justify="left")
+    for col in table.columns:
+        t.add_column(esc(col), justify="left" if col in ("batch sizes", "best") else "right",
+                     overflow="fold", no_wrap=col in ("batch sizes", "best"))
+    percent = objective == "energy"
+    for _, r in table.iterrows():
+        t.add_row(*["-" if v is None or v != v else
+                    (f"{v:.1%}" if percent else f"{v:.2f}x") if isinstance(v, float) else
+                    esc(v) if isinstance(v, str) else str(int(v)) for v in r.values])
+    simulated = "meter" in rows and (rows["meter"] == "simulated").any()
+    t.caption = esc(f"measured at batch size 'at B' (median of repeats); "
+                    f"{'energy saving: 1 - J/token / ar' if percent else 'speed-up: tokens/s / ar'}"
+                    + ("; joules from the simulated meter" if simulated and percent else ""))
     console.print(t)
+    if plan.never_pays:
+        console.print(f"[yellow]note:[/] {esc(decoder)} loses to ar at every batch size measured: "
+                      "leave speculative decoding off on this hardware and pair (the mapping says 0 "
+                      "everywhere)")
+    console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}):")
+    console.print(json.dumps(plan.vllm_config(), indent=2), markup=False, highlight=False)
 
 
 @json_command
@@ -734,6 +984,7 @@ def register(app: typer.Typer) -> None:
     app.command()(profile)
     app.command()(compare)
     app.command()(decompose)
+    app.command()(schedule)
     app.command()(report)
     sweep_app.command("param")(sweep_param)
     sweep_app.command("batch-size")(sweep_batch_size)

@@ -55,3 +55,15 @@ def opt_pair(model_dirs):
 @pytest.fixture(scope="session")
 def lossless_pair():
     return tiny.lossless_pair()
+
+
+@pytest.fixture(scope="session")
+def int8_pair(tmp_path_factory):
+    """A tiny Llama whose p is peaked enough that BiLD's rollback test sometimes passes and
+    sometimes fails, with the CPU default's kind of draft: its own int8 copy (``self:int8``,
+    loaded through the real path)."""
+    from mtad_energy.models import load_pair
+
+    path = tiny.save(tiny.llama(64, 0, layers=3, init=0.2), tiny.word_tokenizer(64),
+                     tmp_path_factory.mktemp("peaked") / "llama")
+    return load_pair(target=path, draft="self:int8", device="cpu")

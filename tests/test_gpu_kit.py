@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_all_stages_smoke_on_cpu(tmp_path):
     out = tmp_path / "kit"
     proc = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "all", "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out", str(out)], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("env.json", "meters.csv", "batch.csv", "batch_paper_l40.csv", "decompose.json",
-                 "decoders.csv", "tree_verify.csv", "batched.csv", "floor.csv", "batch_energy.png",
+                 "decoders.csv", "validation.csv", "tree_verify.csv", "batched.csv", "floor.csv",
+                 "batch_energy.png",
                  "decoders.png", "batched.png",
                  "floor.png", "run.log"):
         assert (out / name).is_file(), name
@@ -38,8 +39,22 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert (meters[meters.meter == "nvml-counter"].vs_counter == 0).all()
     batch = pd.read_csv(out / "batch.csv")
     assert sorted(set(batch.model)) == ["tiny-llama", "tiny-opt"]
-    assert (batch.groupby("model").batch_size.apply(list) == pd.Series(
+    paper = batch[batch.axis == "batch"]
+    assert (paper.groupby("model").batch_size.apply(list) == pd.Series(
         {"tiny-llama": [1, 2, 4], "tiny-opt": [1, 2, 4]})).all()
+    design = batch[batch.model == "tiny-llama"].set_index("axis")
+    assert design.loc["context", "context_len"] == 48 and design.loc["chunk", "new_tokens"] == 16
+    fits = json.loads((out / "decompose.json").read_text())
+    # the simulated device's coefficients, recovered from the design (with one context and one
+    # chunk point the bootstrap often drops them, so the verdicts may say "not identified")
+    roofline = fits["tiny-llama"]["roofline"]
+    assert [roofline[k] for k in ("pi0_w", "eps_flop_j", "eps_byte_j")] == pytest.approx(
+        [30.0, 2e-9, 3e-9], rel=0.05)
+    assert not fits["tiny-opt"]["paper"]["coefficients"][1]["identified"]  # T_flop = 0 on the CPU
+    validation = pd.read_csv(out / "validation.csv")  # every eager decoder, one repeat in --smoke
+    from mtad_energy.decoding.registry import DECODERS
+
+    assert len(validation) == len(DECODERS) and validation.error.abs().median() < 0.05
     decoders = pd.read_csv(out / "decoders.csv")
     from mtad_energy.decoding.registry import DECODERS
 
@@ -69,7 +84,7 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     from mtad_energy.results.store import ResultStore
 
-    assert len(ResultStore(out / "store").load("batch")) == 6
+    assert len(ResultStore(out / "store").load("batch")) == 3 + 5
     # and `batched` keeps its rows, reruns none, and stops starting new ones when out of budget
     raw = pd.read_csv(out / "batched_raw.csv")
     again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batched",

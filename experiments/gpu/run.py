@@ -11,12 +11,16 @@ to run.log there):
     meters    a steady and a bursty decode-like workload measured side by side by nvml-counter,
               nvml-power (instant, 5 ms), zeus and naive 1 s power.draw polling, each plain and
               under the Yang et al. protocol; memory_average power beside the device's; idle power
-    batch     the paper's batch-size study at OPT-13B and Llama-3-8B shapes (random weights),
-              batch 1..16, then the energy decomposition fit (resumes through the results store)
+    batch     the paper's batch-size study at OPT-13B shapes (batch 1..16) and the identifying
+              design at Llama-3-8B shapes (random weights): batch 1..512 at 128 cached tokens,
+              1024..8192 cached tokens at batch 1, prefill chunks of 128..4096 tokens; then both
+              energy models (paper form and energy roofline) with bootstrap intervals and
+              verdicts, per shape and together (resumes through the results store)
     decoders  cost per iteration and J/iteration of every decoder at Llama-3.1-8B / Llama-3.2-1B
               shapes (random weights), projected tokens/s and J/token at the block efficiencies
               measured on the real CPU pair; MMTAD tree vs chain verification time; the
-              same eager and with compile=True (static cache, CUDA graphs) for a few decoders
+              same eager and with compile=True (static cache, CUDA graphs) for a few decoders;
+              the roofline fit of `batch` predicts every decode window (validation.csv)
     batched   ar, spd, typical, mtad, mmtad, specinfer, spectr decoding B = 1..128 prompts at
               once at the same shapes, eager and compiled: cost and J per iteration by batch
               size, the forwards' own time, peak memory, projected tokens/s and J/token with the
@@ -73,8 +77,9 @@ class Plan:
     smoke: bool
     device: torch.device
     dtype: torch.dtype
-    batch_models: tuple[str, ...]
-    batch_sizes: tuple[int, ...]
+    # (shape, batch sizes, context lengths at batch 1, prefill chunk lengths) per batch-stage model
+    batch_design: tuple[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+    batch_sizes: tuple[int, ...]  # the `batched` stage's
     batch_runs: int
     target: str
     draft: str
@@ -94,7 +99,8 @@ class Plan:
     @classmethod
     def make(cls, smoke: bool, need_gpu: bool = True) -> Plan:
         if smoke:
-            return cls(True, torch.device("cpu"), torch.float32, ("tiny-opt", "tiny-llama"),
+            return cls(True, torch.device("cpu"), torch.float32,
+                       (("tiny-opt", (1, 2, 4), (), ()), ("tiny-llama", (1, 2, 4), (48,), (16,))),
                        (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
                        "eager", ("ar", "spd"), ("ar", "spd", "typical"), 0.3, 256,
                        batched_sizes=(1, 2, 4))
@@ -102,7 +108,9 @@ class Plan:
             raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
                              "(only `plots` runs without one, from the CSVs already written)")
         return cls(False, torch.device("cuda" if need_gpu else "cpu"), torch.bfloat16,
-                   ("opt-13b", "llama3-8b"),
+                   (("opt-13b", (1, 2, 4, 8, 16), (), ()),
+                    ("llama3-8b", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1024, 2048, 4096, 8192),
+                     (128, 512, 1024, 2048, 4096))),
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
                    ("llama3.1-8b", "llama3.2-1b"), "inductor",
                    ("ar", "spd", "mtad", "specinfer", "mmtad"),
@@ -358,7 +366,9 @@ def stage_batch(kit: Kit) -> None:
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.measure import get_meter, snapshot
-    from mtad_energy.measure.decompose import fit_energy_model
+    from mtad_energy.measure.decompose import FORMS, fit_form
+    from mtad_energy.results.analysis import batch_axis
+    from mtad_energy.results.breakdown import fit_columns
     from mtad_energy.results.store import ResultStore
 
     plan = kit.plan
@@ -366,18 +376,22 @@ def stage_batch(kit: Kit) -> None:
     env_id = snapshot().snapshot_id
     meter = get_meter("simulated") if plan.smoke else get_meter("auto")
     rows: list[dict[str, Any]] = []
+    context = 128 if not plan.smoke else 16
     try:
-        for shape in plan.batch_models:
+        for shape, sizes, contexts, chunks in plan.batch_design:
             t0 = time.perf_counter()
-            pair = random_pair(shape, device=plan.device, dtype=plan.dtype, max_positions=512)
+            longest = max([context + 8, *(c + 8 for c in contexts), *(context + n for n in chunks)])
+            pair = random_pair(shape, device=plan.device, dtype=plan.dtype,
+                               max_positions=max(512, longest))
             kit.log(f"batch: {shape} built in {time.perf_counter() - t0:.1f} s ({RANDOM_NOTE})")
-            got = batch_sweep(pair, plan.batch_sizes, plan.batch_runs, store, meter, model=shape,
-                              context_len=128 if not plan.smoke else 16, forwards_per_run=8,
+            got = batch_sweep(pair, sizes, plan.batch_runs, store, meter, model=shape,
+                              context_len=context, forwards_per_run=8, contexts=contexts, chunks=chunks,
                               mitigation=plan.mitigation(), profile=True, sweep="gpu-kit",
                               env_id=env_id,
                               progress=lambda b, r: kit.log(
-                                  f"batch: {r['model']} b={b} time/run {r['time_per_run_s']:.4f} s, "
-                                  f"energy/run {r['energy_per_run_j']} J"))
+                                  f"batch: {r['model']} {r.get('axis') or 'batch'} b={b} "
+                                  f"c={r['context_len']} n={r.get('new_tokens') or 1}: time/run "
+                                  f"{r['time_per_run_s']:.4f} s, energy/run {r['energy_per_run_j']} J"))
             rows += got
             del pair
             if plan.device.type == "cuda":
@@ -385,13 +399,15 @@ def stage_batch(kit: Kit) -> None:
     finally:
         meter.close()
     df = pd.DataFrame(rows)
-    keep = ["model", "batch_size", "runs", "forwards_per_run", "context_len", "meter", "mitigated",
-            "energy_j", "energy_per_run_j", "energy_per_run_ci_low_j", "energy_per_run_ci_high_j",
-            "energy_per_input_j", "time_s", "time_per_run_s", "time_per_input_s", "power_w",
-            "idle_power_w", "t_flop_s", "t_mem_s", "t_other_s", "flops_per_run", "bytes_per_run",
-            "energy_flags", "energy_reason"]
+    keep = ["model", "axis", "batch_size", "context_len", "new_tokens", "runs", "forwards_per_run",
+            "meter", "mitigated", "energy_j", "energy_per_run_j", "energy_per_run_ci_low_j",
+            "energy_per_run_ci_high_j", "energy_per_input_j", "time_s", "time_per_run_s",
+            "time_per_input_s", "mitigated_time_per_run_s", "power_w", "idle_power_w", "t_flop_s",
+            "t_mem_s", "t_other_s", "flops_per_run", "bytes_per_run", "counted_flops",
+            "counted_bytes", "counted_flops_per_run", "counted_bytes_per_run", "energy_flags",
+            "energy_reason"]
     df = df[[c for c in keep if c in df.columns]]
-    for model, part in df.groupby("model", sort=False):
+    for model, part in batch_axis(df).groupby("model", sort=False):
         base = part[part.batch_size == part.batch_size.min()].iloc[0]
         df.loc[part.index, "energy_per_run_vs_b1"] = pd.to_numeric(part.energy_per_run_j) / (
             base.energy_per_run_j if base.energy_per_run_j else float("nan"))
@@ -408,17 +424,21 @@ def stage_batch(kit: Kit) -> None:
             "b=1 to b=16 (batch_paper_l40.csv)")
     fits: dict[str, Any] = {}
     for model, part in [("all", df), *df.groupby("model", sort=False)]:
-        try:
-            fit = fit_energy_model(pd.to_numeric(part.energy_j).to_numpy(float), part.time_s.to_numpy(float),
-                                   part.t_flop_s.to_numpy(float), part.t_mem_s.to_numpy(float))
-            fits[model] = fit.to_dict()
-            kit.log(f"decompose [{model}]: P_static {fit.p_static_w:.1f} W, PW_flop {fit.pw_flop_w:.1f} W, "
-                    f"PW_mem {fit.pw_mem_w:.1f} W; R^2 {fit.r2:.3f}, max rel err "
-                    f"{fit.max_abs_rel_error:.3f}, cond {fit.condition_number:.1f}"
-                    + (f"; warnings: {' | '.join(fit.warnings)}" if fit.warnings else ""))
-        except ValueError as err:
-            fits[model] = {"error": str(err)}
-            kit.log(f"decompose [{model}]: {err}")
+        fits[model] = {}
+        for form in FORMS:
+            try:
+                fit = fit_form(form, *fit_columns(part, form))
+            except ValueError as err:
+                fits[model][form] = {"error": str(err)}
+                kit.log(f"decompose [{model}, {form}]: {err}")
+                continue
+            fits[model][form] = fit.to_dict()
+            terms = ", ".join(f"{c.symbol} {c.value:.4g} {c.unit} [{c.ci_low:.3g}, {c.ci_high:.3g}]"
+                              f" ({'identified' if c.identified else 'NOT identified'})"
+                              for c in fit.coefficients)
+            kit.log(f"decompose [{model}, {form}]: {terms}; R^2 {fit.r2:.3f}, cond "
+                    f"{fit.condition_number:.3g}" + (f"; {' | '.join(fit.warnings)}" if fit.warnings
+                                                     else ""))
     kit.json("decompose", fits)
 
 
@@ -459,14 +479,17 @@ def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.Dat
     return agg
 
 
-def _measured(meter, key: str, run: Callable[..., Any]) -> tuple[Any, Any]:
+def _measured(meter, key: str, run: Callable[..., Any], pair: Any) -> tuple[Any, Any]:
     """``run(on_phase=...)`` inside the runner's phase windows on ``meter``: (its result, the
-    decode window's Measurement); the windows close even if it raises."""
+    decode window's Measurement); the windows close even if it raises. The simulated device of
+    --smoke sees the pair's work (`work_tap`); a real meter does not need to."""
     from mtad_energy.bench.runner import PhaseWindows
+    from mtad_energy.measure import work_tap
 
     windows = PhaseWindows(meter, key)
     try:
-        out = run(on_phase=windows)
+        with work_tap(meter, pair.target, pair.draft):
+            out = run(on_phase=windows)
     finally:
         windows.close()
     return out, windows.measurements["decode"]
@@ -507,7 +530,7 @@ def stage_decoders(kit: Kit) -> None:
             for rep in range(plan.decode_repeats):
                 g, m = _measured(meter, f"{name}-{mode}-{rep}", partial(
                     generate_ids, dec, pair, prompt, plan.decode_tokens, seed=rep,
-                    compute_perplexity=False, compile=compile))
+                    compute_perplexity=False, compile=compile), pair)
                 s = g.stats
                 it = max(s.iterations, 1)
                 rows.append({
@@ -522,6 +545,12 @@ def stage_decoders(kit: Kit) -> None:
                     "other_ms_per_iter": s.time_other_s / it * 1e3,
                     "decode_energy_j": m.energy_j,
                     "j_per_iter": None if m.energy_j is None else m.energy_j / it,
+                    # what the roofline fit predicts the window from (validation.csv)
+                    "time_draft_s": s.time_draft_s, "time_target_s": s.time_target_s,
+                    "time_other_s": s.time_other_s, "draft_flops": s.draft_flops,
+                    "draft_bytes": s.draft_bytes, "target_flops": s.target_flops,
+                    "target_bytes": s.target_bytes, "draft_proposed": s.draft_proposed,
+                    "draft_accepted": s.draft_accepted,
                     "energy_flags": ",".join(m.flag_codes),
                     "random_weights_block_eff": s.block_efficiency,
                 })
@@ -536,7 +565,39 @@ def stage_decoders(kit: Kit) -> None:
               "repeats after a full-length warm-up); projected tokens/s = CPU-pair block efficiency "
               "x target forwards per iteration / cost per iteration", RANDOM_NOTE)
     del pair
+    _validate_roofline(kit, df)
     _tree_vs_chain(kit)
+
+
+def _validate_roofline(kit: Kit, raw: pd.DataFrame) -> None:
+    """The `batch` stage's roofline fit (all shapes: its coefficients are the device's) predicts
+    every eager decode window measured here, none of which it was fitted on."""
+    from mtad_energy.measure.decompose import EnergyFit
+    from mtad_energy.results.breakdown import validate
+
+    path = kit.out / "decompose.json"
+    fit = json.loads(path.read_text()).get("all", {}).get("roofline", {}) if path.is_file() else {}
+    if "coefficients" not in fit:
+        kit.log("validation: no roofline fit from the batch stage (run `batch` first): skipped")
+        return
+    eager = raw[raw["mode"] == "eager"]
+    windows = pd.DataFrame({
+        "source": "gpu-kit", "key": eager.decoder + "-" + eager.repeat.astype(str), "model": "",
+        "decoder": eager.decoder, "label": eager.decoder, "batch_size": 1.0, "meter": "",
+        "decode_energy_j": pd.to_numeric(eager.decode_energy_j), "decode_time_s": eager.decode_time_s,
+        "tokens": eager.tokens, "share": 1.0, "energy_reason": None,
+        **{c: pd.to_numeric(eager[c]) for c in ("time_draft_s", "time_target_s", "time_other_s",
+                                                "draft_flops", "draft_bytes", "target_flops",
+                                                "target_bytes", "draft_proposed", "draft_accepted",
+                                                "iterations")}})
+    valid = validate(EnergyFit.from_dict(fit), windows)
+    cols = ["decoder", "decode_time_s", "decode_energy_j", "predicted_j", "error"]
+    kit.table("validation", valid[cols], "validation: the batch stage's roofline fit predicts each "
+              "decode window (eager, Llama-3.1-8B / 3.2-1B shapes); error = predicted / measured - 1",
+              RANDOM_NOTE)
+    if len(valid):
+        kit.log(f"validation: median |error| {valid.error.abs().median():.1%} over {len(valid)} "
+                "decode windows (target: <= 10 %)")
 
 
 def stage_batched(kit: Kit) -> None:
@@ -634,7 +695,7 @@ def _batched_row(kit: Kit, meter, dec, pair, batch, mode: str, rep: int, compile
     with peak_memory(device) as peak:
         gens, m = _measured(meter, f"{dec.name}-{mode}-b{len(batch)}-{rep}", partial(
             generate_rows, dec, pair, batch, kit.plan.decode_tokens, seed=rep,
-            compute_perplexity=False, compile=compile))
+            compute_perplexity=False, compile=compile), pair)
     it = max(max(g.stats.iterations for g in gens), 1)
     s = max(gens, key=lambda g: g.stats.decode_time_s).stats  # the batch's last row to finish
     return {"decoder": dec.name, "mode": mode, "batch_size": len(batch), "repeat": rep,
@@ -743,6 +804,8 @@ def stage_plots(kit: Kit) -> None:
     batch = kit.out / "batch.csv"
     if batch.is_file():
         df = pd.read_csv(batch)
+        if "axis" in df:  # the paper's curve: the batch axis (not the context / chunk points)
+            df = df[df["axis"].fillna("batch") == "batch"]
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for model, part in df.groupby("model", sort=False):
             axes[0].plot(part.batch_size, part.energy_per_run_vs_b1, "o-", label=f"{model} (this GPU)")
@@ -753,8 +816,9 @@ def stage_plots(kit: Kit) -> None:
                     title="Energy per run vs batch size")
         axes[1].set(xscale="log", yscale="log", xlabel="batch size", ylabel="J per input",
                     title="Energy per input")
+        sizes = sorted(set(df.batch_size))
         for ax in axes:
-            ax.set_xticks([1, 2, 4, 8, 16], labels=["1", "2", "4", "8", "16"])
+            ax.set_xticks(sizes, labels=[str(b) for b in sizes])
             ax.legend(fontsize=8)
         axes[1].yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())

@@ -12,7 +12,18 @@ Definitions (the paper's table "effect of batch size": OPT-13b on an L40):
   generator (seed, i), so batch B's rows are the first B rows of batch 16's.
 * an **input** is one row of one run: inputs = runs x batch size.
 
-Per batch size: prefill (unmeasured), one warm-up run (unmeasured), then one meter window around
+The identifying design (DESIGN.md section 8) adds two axes beside the batch sizes, so that FLOPs
+and bytes vary apart and the energy roofline can be fitted (`measure.decompose`):
+
+* **context** (``contexts``): decode runs at batch size 1 over ``c`` cached tokens: KV bytes grow
+  with ``c`` at nearly fixed FLOPs;
+* **chunk** (``chunks``): prefill-like runs at batch size 1: one forward of ``n`` new tokens over
+  the ``context_len`` cached ones: FLOPs grow with ``n`` at nearly fixed weight bytes.
+
+Every row carries its counted work (`mtad_energy.work`): ``counted_flops`` / ``counted_bytes``
+of the measured window, and per run.
+
+Per point: prefill (unmeasured), one warm-up run (unmeasured), then one meter window around
 `runs` runs. Optionally the Yang et al. mitigation protocol (`measure.measure_mitigated`) runs the
 same workload again for a per-run energy with a confidence interval, and `measure.profile_ops`
 accounts FLOPs/bytes of one run (outside the window) to split the measured time into T_flop, T_mem
@@ -43,11 +54,14 @@ from mtad_energy.measure import (
     no_sync,
     profile_ops,
     window,
+    work_tap,
 )
 from mtad_energy.measure.base import SyncFn
 from mtad_energy.models import ModelPair
+from mtad_energy.results.analysis import batch_axis
 from mtad_energy.results.schema import stable_key
 from mtad_energy.results.store import ResultStore
+from mtad_energy.work import ModelDims, shapes_work
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16)
 
@@ -91,14 +105,16 @@ def device_sync(device: torch.device) -> SyncFn:
 
 
 class BatchWorkload:
-    """The fixed work of one batch size: a prefilled KV cache and `run()` (one run).
+    """The fixed work of one point: a prefilled KV cache and `run()` (one run).
 
     Args:
         model: a Hugging Face causal LM (eval mode) with full-attention layers.
         batch_size: rows B.
         context_len: prompt tokens per row (cache length between runs).
-        forwards_per_run: decode forward passes per run (one new token per row each).
+        forwards_per_run: forward passes per run.
         seed: prompt seed (see `prompt_ids`).
+        new_tokens: tokens per row per forward: 1 decodes (each forward feeds the previous
+            one's greedy token), n > 1 feeds a fixed chunk of n random tokens (a prefill chunk).
 
     Attributes:
         cache: the DynamicCache, `context_len` positions long between runs.
@@ -107,13 +123,18 @@ class BatchWorkload:
     """
 
     def __init__(self, model: Any, batch_size: int, *, context_len: int = 128, forwards_per_run: int = 8,
-                 seed: int = 0):
+                 seed: int = 0, new_tokens: int = 1):
         self.model = model
         self.batch_size = batch_size
         self.context_len = context_len
         self.forwards_per_run = forwards_per_run
+        self.new_tokens = new_tokens
         device = next(model.parameters()).device
-        ids = prompt_ids(batch_size, context_len, int(model.config.vocab_size), seed).to(device)
+        vocab = int(model.config.vocab_size)
+        ids = prompt_ids(batch_size, context_len, vocab, seed).to(device)
+        # a chunk run feeds the same random tokens every forward (no data dependence needed)
+        self.chunk = (prompt_ids(batch_size, new_tokens, vocab, seed + 1).to(device)
+                      if new_tokens > 1 else None)
         self.cache = new_cache(model)
         with torch.no_grad():
             logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits
@@ -121,16 +142,24 @@ class BatchWorkload:
         self.last_ids = self.first_ids
 
     def run(self) -> None:
-        """One run: `forwards_per_run` greedy decode forwards, then crop the cache back."""
+        """One run: `forwards_per_run` forwards (greedy decode steps, or chunks), then crop the
+        cache back."""
         ids = self.first_ids
         # no_grad, not inference_mode: under inference_mode aten.linear reaches profile_ops'
         # dispatch mode undecomposed and its matmul FLOPs are not counted
         with torch.no_grad():
             for _ in range(self.forwards_per_run):
-                logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits
+                feed = ids if self.chunk is None else self.chunk
+                logits = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True).logits
                 ids = logits[:, -1:].argmax(-1)
             crop(self.cache, self.context_len)
         self.last_ids = ids
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """(rows, new tokens, KV columns attended) of a run's forwards (`mtad_energy.work`)."""
+        n = self.new_tokens
+        return [(self.batch_size, n, self.context_len + (k + 1) * n)
+                for k in range(self.forwards_per_run)]
 
     def cache_len(self) -> int:
         """Cached positions now (`context_len` between runs)."""
@@ -175,8 +204,13 @@ def batch_sweep(
     env_id: str = "",
     progress: Callable[[int, dict[str, Any]], object] | None = None,
     peaks: DevicePeaks | None = None,
+    contexts: Sequence[int] = (),
+    chunks: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
-    """Measure `runs` runs of the target at each batch size in `sizes`; one ``batch`` row per size.
+    """Measure `runs` runs of the target at each point of the design; one ``batch`` row per point:
+    every batch size in `sizes` at `context_len` (axis ``batch``), batch size 1 at every cache
+    length in `contexts` (axis ``context``) and one forward of every chunk length in `chunks`
+    over `context_len` cached tokens (axis ``chunk``); a point on two axes is measured once.
 
     Args:
         pair: the model pair; only `pair.target` runs.
@@ -191,25 +225,31 @@ def batch_sweep(
         profile: account one run's ops (outside the window) for the t_flop_s / t_mem_s /
             t_other_s columns, scaled to the measured window time.
         sweep / env_id: labels stored in the rows (`sweep` is part of the row identity).
-        progress: called as progress(batch_size, row) after each size (also for resumed rows).
+        progress: called as progress(batch_size, row) after each point (also for resumed rows).
         peaks: roofline peaks for the profile (default: measured once per device, then cached).
+        contexts / chunks: the context-length and prefill-chunk axes (module docstring).
 
     Returns:
-        One row dict per batch size, in the order of `sizes`. A batch size whose row the store
-        already holds is not rerun: its stored row is returned.
+        One row dict per point, batch axis first. A point whose row the store already holds is
+        not rerun: its stored row is returned.
     """
     if runs < 1 or context_len < 1 or forwards_per_run < 1:
         raise ValueError(f"runs, context_len and forwards_per_run must be >= 1; got runs={runs}, "
                          f"context_len={context_len}, forwards_per_run={forwards_per_run}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    bad = [b for b in sizes if int(b) != b or b < 1]
-    if bad:
-        raise ValueError(f"batch sizes must be positive integers, got {bad}")
+    for name, values in (("batch sizes", sizes), ("context lengths", contexts),
+                         ("chunk lengths", chunks)):
+        bad = [v for v in values if int(v) != v or v < 1]
+        if bad:
+            raise ValueError(f"{name} must be positive integers, got {bad}")
+    points = design_points(sizes, contexts, chunks, context_len, forwards_per_run)
     max_len = pair.context_length
-    if max_len is not None and context_len + forwards_per_run > max_len:
-        raise ValueError(f"context_len + forwards_per_run = {context_len + forwards_per_run} exceeds the "
-                         f"model's {max_len} positions; lower --context-len")
+    longest = max(c + f * n for _, _, c, n, f in points)
+    if max_len is not None and longest > max_len:
+        raise ValueError(f"the design reaches {longest} positions (context + new tokens of a run), "
+                         f"which exceeds the model's {max_len}; lower --context-len, --contexts or "
+                         "--chunks")
 
     target = pair.target
     device = pair.device
@@ -218,11 +258,12 @@ def batch_sweep(
     stored: pd.DataFrame | None = None
     out: list[dict[str, Any]] = []
     done: list[int] = []
-    for b in dict.fromkeys(int(s) for s in sizes):  # ordered de-duplication
+    for axis, b, ctx, new, fwd in points:
         identity: dict[str, Any] = {
             "model": model, "target_id": pair.target_id, "batch_size": b, "runs": runs,
-            "forwards_per_run": forwards_per_run, "context_len": context_len, "meter": meter.name,
+            "forwards_per_run": fwd, "context_len": ctx, "meter": meter.name,
             "device": str(device), "dtype": dtype, "seed": seed, "sweep": sweep,
+            **({"new_tokens": new} if new != 1 else {}),  # decode rows keep their old keys
         }
         if mitigation is not None:  # a mitigated row answers a different question
             identity["mitigation"] = mitigation.to_dict()
@@ -234,19 +275,21 @@ def batch_sweep(
             row = {k: _plain(v) for k, v in match.iloc[0].items()}
         else:
             try:
-                row = _measure_one(pair, b, runs, meter, sync, context_len=context_len,
-                                   forwards_per_run=forwards_per_run, seed=seed, mitigation=mitigation,
-                                   profile=profile, peaks=peaks)
+                with work_tap(meter, pair.target):
+                    row = _measure_one(pair, b, runs, meter, sync, context_len=ctx,
+                                       forwards_per_run=fwd, seed=seed, mitigation=mitigation,
+                                       profile=profile, peaks=peaks, new_tokens=new)
             except torch.cuda.OutOfMemoryError as err:
                 raise RuntimeError(
-                    f"batch size {b} ran out of GPU memory ({err}); the rows of batch sizes {done} are "
-                    "stored. Re-run with smaller batch sizes or a shorter context_len") from err
+                    f"the point B={b}, context {ctx}, {new} new token(s) ran out of GPU memory ({err}); "
+                    f"the rows of {done or 'no point'} are stored. Re-run with smaller batch sizes, "
+                    "contexts or chunks") from err
             row = {"row_key": row_key, "sweep": sweep, "created_unix_s": time.time(), "env_id": env_id,
-                   **identity, **row}
+                   **identity, "new_tokens": new, "axis": axis, **row}
             if mitigation is not None:
                 row["mitigation"] = json.dumps(mitigation.to_dict(), sort_keys=True)
             store.write("batch", row_key, [row])
-        done.append(b)
+        done.append((b, ctx, new))
         out.append(row)
         if progress is not None:
             progress(b, row)
@@ -266,11 +309,13 @@ def _measure_one(
     mitigation: MitigationConfig | None,
     profile: bool,
     peaks: DevicePeaks | None,
+    new_tokens: int = 1,
 ) -> dict[str, Any]:
-    """Measure one batch size; returns the measured columns (no identity columns)."""
+    """Measure one point; returns the measured columns (no identity columns)."""
     device = pair.device
     work = BatchWorkload(pair.target, batch_size, context_len=context_len,
-                         forwards_per_run=forwards_per_run, seed=seed)
+                         forwards_per_run=forwards_per_run, seed=seed, new_tokens=new_tokens)
+    counted = shapes_work(ModelDims.from_model(pair.target), work.shapes())
     try:
         work.run()  # warm-up: allocator, kernel selection, clocks
         with window(meter, f"batch{batch_size}", sync) as w:
@@ -283,7 +328,11 @@ def _measure_one(
         row: dict[str, Any] = {
             "inputs": inputs,
             "forwards": runs * forwards_per_run,
-            "tokens": inputs * forwards_per_run,
+            "tokens": inputs * forwards_per_run * new_tokens,
+            "counted_flops_per_run": counted.flops,
+            "counted_bytes_per_run": counted.bytes,
+            "counted_flops": counted.flops * runs,
+            "counted_bytes": counted.bytes * runs,
             "time_s": m.time_s,
             "energy_j": energy,
             "power_w": m.power_w,
@@ -338,14 +387,28 @@ def _measure_one(
             torch.cuda.empty_cache()  # hand the KV cache back before the next (bigger) batch
 
 
+def design_points(sizes: Sequence[int], contexts: Sequence[int], chunks: Sequence[int],
+                  context_len: int, forwards_per_run: int) -> list[tuple[str, int, int, int, int]]:
+    """(axis, batch size, context length, new tokens, forwards per run) of every point, in order,
+    each point once (the first axis that lists it names it)."""
+    points = [("batch", int(b), context_len, 1, forwards_per_run) for b in sizes]
+    points += [("context", 1, int(c), 1, forwards_per_run) for c in contexts]
+    points += [("chunk", 1, context_len, int(n), 1) for n in chunks]
+    first: dict[tuple[int, int, int, int], tuple[str, int, int, int, int]] = {}
+    for p in points:
+        first.setdefault(p[1:], p)
+    return list(first.values())
+
+
 def batch_table(rows_or_df: pd.DataFrame | Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     """The paper's table: one row per batch size, sorted, with its column headers in order.
 
     Columns: Batch Size, Energy (J), Energy/run (J), Energy/input (J), Time (s), Time/run (s),
-    Time/input (s). Missing energies are NaN. Rows of different configurations (model, meter,
-    runs, ...) cannot share one table: filter them first.
+    Time/input (s). Missing energies are NaN. Only the batch axis of a design counts. Rows of
+    different configurations (model, meter, runs, ...) cannot share one table: filter them first.
     """
     df = rows_or_df.copy() if isinstance(rows_or_df, pd.DataFrame) else pd.DataFrame(list(rows_or_df))
+    df = batch_axis(df)
     missing = [c for c in TABLE_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"batch rows lack column(s) {', '.join(missing)}")

@@ -6,7 +6,10 @@ cycled to fill B) decoded together by `generate_rows`, the decode phase inside o
 Per row: tokens (all B rows), decode time, tokens/s = tokens / decode time, decode energy and
 J/token (or n/a with the reason), block efficiency (tokens per target forward of a row while it
 decodes; rows done early ride along in the forwards, which tokens/s counts),
-acceptance rate and the rows' mean perplexity under the unwarped target (outside the window).
+acceptance rate and the rows' mean perplexity under the unwarped target (outside the window),
+and what the energy attribution reads (`results.breakdown`): the batch's draft / target / other
+seconds and counted FLOPs and bytes (those of the row that decoded longest: its forwards are the
+batch's), and the rows' draft tokens proposed and accepted and iterations.
 The forward-only study (`batch_sweep.py`) is separate and unchanged.
 
 ``compile``: the compiled path (static caches padded to row buckets, CUDA graphs on CUDA), stored
@@ -20,8 +23,10 @@ a sweep to B = 128 never ends in an out-of-memory crash.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +38,7 @@ from mtad_energy.config import DecoderSpec
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
-from mtad_energy.measure import EnergyMeter, peak_memory
+from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.models import ModelPair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -44,6 +49,26 @@ class DecodeBatchReport:
     rows: list[dict[str, Any]]  # every row the sweep asked for (stored before or now)
     ran: int  # measured by this call
     skipped: int  # already stored (earlier, or by another worker meanwhile)
+
+
+def expand_variants(specs: Sequence[DecoderSpec]) -> list[DecoderSpec]:
+    """One decoder per value of a comma list given to a scalar parameter (``--set gamma=1,2,3,5``:
+    spd(gamma=1), ..., spd(gamma=5); several such parameters: their grid). A tuple-valued
+    parameter (specinfer's ``branching=4,2,2``) keeps its comma list as one value."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    out: list[DecoderSpec] = []
+    for spec in specs:
+        hints = typing.get_type_hints(DECODERS[spec.name].Params) if spec.name in DECODERS else {}
+        axes = []
+        for key, value in spec.params:
+            scalar = typing.get_origin(hints.get(key)) is not tuple and hints.get(key) is not tuple
+            if isinstance(value, str) and "," in value and scalar:
+                axes.append([(key, v.strip()) for v in value.split(",") if v.strip()])
+            else:
+                axes.append([(key, value)])
+        out += [DecoderSpec.of(spec.name, **dict(combo)) for combo in itertools.product(*axes)]
+    return list(dict.fromkeys(out))
 
 
 def decode_batch_sweep(
@@ -64,10 +89,12 @@ def decode_batch_sweep(
     compile: bool = False,
     on_skip: Callable[[str, int, str], object] | None = None,
 ) -> DecodeBatchReport:
-    """Run every decoder at every batch size; rows the store holds already are not rerun, and a
-    row another worker stores meanwhile (into the same store) counts as skipped, as in `Runner`.
-    ``progress(row, ran)`` is called once per row (``ran``: measured now, not found stored);
-    ``on_skip(label, batch size, reason)`` hears of every size skipped for memory."""
+    """Run every decoder (variants expanded, `expand_variants`) at every batch size; rows the
+    store holds already are not rerun, and a row another worker stores meanwhile (into the same
+    store) counts as skipped, as in `Runner`. ``progress(row, ran)`` is called once per row
+    (``ran``: measured now, not found stored); ``on_skip(label, batch size, reason)`` hears of
+    every size skipped for memory."""
+    decoders = expand_variants(decoders)
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
         raise ValueError(f"batch sizes must be positive integers, got {list(sizes) or 'none'}")
@@ -220,8 +247,9 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
     windows = PhaseWindows(meter, key)
     with peak_memory(pair.describe()["device"]) as peak:
         try:
-            gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
-                                 on_phase=windows, compile=compile)
+            with work_tap(meter, pair.target, pair.draft):
+                gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
+                                     on_phase=windows, compile=compile)
         finally:
             windows.close()
     m = windows.measurements["decode"]
@@ -233,6 +261,7 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
     depth = sum(g.stats.draft_depth for g in gens)
     ppl = [g.stats.perplexity for g in gens if g.stats.perplexity is not None]
     energy = m.energy_j
+    last = max((g.stats for g in gens), key=lambda s: s.iterations)
     return {
         "tokens": tokens, "decode_time_s": decode_s, "tokens_per_s": tokens / decode_s,
         "iterations": max(g.stats.iterations for g in gens), "target_forwards": target_fw,
@@ -246,4 +275,11 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         "energy_reason": m.reason if energy is None else None,
         "energy_flags": json.dumps(sorted(flags)),
         "peak_memory_bytes": peak.bytes, "compile_s": compile_s,
+        "time_draft_s": last.time_draft_s, "time_target_s": last.time_target_s,
+        "time_other_s": last.time_other_s, "draft_flops": last.draft_flops,
+        "draft_bytes": last.draft_bytes, "target_flops": last.target_flops,
+        "target_bytes": last.target_bytes,
+        "draft_proposed": sum(g.stats.draft_proposed for g in gens),
+        "draft_accepted": sum(g.stats.draft_accepted for g in gens),
+        "rows_iterations": sum(g.stats.iterations for g in gens),
     }

@@ -39,6 +39,7 @@ from mtad_energy.measure import (
     profile_ops,
     select_meter,
     snapshot,
+    work_tap,
 )
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
@@ -258,10 +259,11 @@ class Runner:
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
         windows = PhaseWindows(self.meter, batch_key)
         with peak_memory(self.device) as peak:
-            try:
-                gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                     compute_perplexity=False, on_phase=windows,
-                                     compile=c.compile)
+            try:  # work_tap: the simulated roofline device sees the forwards' work; others ignore it
+                with work_tap(self.meter, self.pair.target, self.pair.draft):
+                    gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
+                                         compute_perplexity=False, on_phase=windows,
+                                         compile=c.compile)
             finally:
                 windows.close()
         energy = _energy_columns(windows.measurements)
@@ -273,13 +275,14 @@ class Runner:
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
-            m = measure_mitigated(
-                lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                      compute_perplexity=False, compile=c.compile),
-                self.meter,
-                MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
-                                 min_duration_s=c.measure.mitigation_min_s),
-                sleep=self.sleep)
+            with work_tap(self.meter, self.pair.target, self.pair.draft):
+                m = measure_mitigated(
+                    lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens,
+                                          seed=seed, compute_perplexity=False, compile=c.compile),
+                    self.meter,
+                    MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
+                                     min_duration_s=c.measure.mitigation_min_s),
+                    sleep=self.sleep)
             mitigation = {
                 "mitigated": True, "energy_ci_low_j": m.ci_low_j, "energy_ci_high_j": m.ci_high_j,
                 "idle_power_w": m.idle_power_w, "dynamic_energy_j": m.dynamic_energy_per_rep_j,
@@ -337,6 +340,10 @@ class Runner:
             "time_draft_s": s.time_draft_s, "time_target_s": s.time_target_s,
             "time_other_s": s.time_other_s, "tokens_per_s": s.tokens_per_s,
             "block_efficiency": s.block_efficiency, "acceptance_rate": s.acceptance_rate,
+            # counted work of the decode phase (the batch's forwards when B > 1) and the prefill
+            "draft_flops": s.draft_flops, "draft_bytes": s.draft_bytes,
+            "target_flops": s.target_flops, "target_bytes": s.target_bytes,
+            "prefill_flops": s.prefill_flops, "prefill_bytes": s.prefill_bytes,
             "perplexity": ppl, "stop_reason": s.stop_reason, **energy, **mitigation,
             "energy_per_token_j": (energy["energy_j"] / tokens
                                    if energy["energy_j"] is not None and tokens else None),
@@ -346,7 +353,9 @@ class Runner:
                   "draft_depth": st.draft_depth,
                   "accepted": st.accepted, "draft_forwards": st.draft_forwards,
                   "target_forwards": st.target_forwards, "time_draft_s": st.time_draft_s,
-                  "time_target_s": st.time_target_s, "time_other_s": st.time_other_s}
+                  "time_target_s": st.time_target_s, "time_other_s": st.time_other_s,
+                  "draft_flops": st.draft_flops, "draft_bytes": st.draft_bytes,
+                  "target_flops": st.target_flops, "target_bytes": st.target_bytes}
                  for i, st in enumerate(gen.steps)]
         # steps first: the run row is the commit mark (a run without its row is redone, and its
         # steps file is then overwritten, never duplicated)

@@ -245,6 +245,9 @@ class ModelRunner:
         self.model = model
         self.cache = kv.new_cache(model)
         self.forwards = 0
+        # (rows, new tokens, KV columns attended) of every forward, padding included: the loop
+        # turns them into FLOPs and bytes (`mtad_energy.work`) after the decode phase
+        self.forward_shapes: list[tuple[int, int, int]] = []
         self._timer = timer
         self._phase = phase
 
@@ -254,6 +257,9 @@ class ModelRunner:
         ``counts`` (rows of different lengths, `batch.RowsRunner`): row b's input is left-padded
         and only its last counts[b] tokens are real; here every row is whole."""
         self.forwards += 1
+        rows, k = input_ids.shape
+        # the cache's length before this forward (O(1); len(self) walks every layer)
+        self.forward_shapes.append((rows, k, self.cache.get_seq_length() + k))
         with self._timer(self._phase):
             out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                              **kwargs)

@@ -266,15 +266,18 @@ class PerRowRunner(ModelRunner):
         counts = counts or [k] * len(self.rows)
         outs = [r(input_ids[b * self.width:(b + 1) * self.width, k - c:])
                 for b, (r, c) in enumerate(zip(self.rows, counts, strict=True))]
+        self.forward_shapes += [r.forward_shapes[-1] for r in self.rows]
         return torch.cat([torch.nn.functional.pad(o, (0, 0, k - o.shape[1], 0)) for o in outs])
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                      depths: torch.Tensor) -> torch.Tensor:
         self.forwards += 1
         per = anc_rows.dim() == 3
-        return torch.cat([r.forward_tree(input_ids[b:b + 1], anc_rows[b] if per else anc_rows,
-                                         depths[b] if per else depths)
-                          for b, r in enumerate(self.rows)])
+        out = torch.cat([r.forward_tree(input_ids[b:b + 1], anc_rows[b] if per else anc_rows,
+                                        depths[b] if per else depths)
+                         for b, r in enumerate(self.rows)])
+        self.forward_shapes += [r.forward_shapes[-1] for r in self.rows]
+        return out
 
     def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
         nodes = nodes.reshape(len(self.rows), -1)

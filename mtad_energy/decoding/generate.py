@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import DynamicCache
 
 from mtad_energy.decoding.base import (
     Decoder,
@@ -19,6 +20,7 @@ from mtad_energy.decoding.base import (
     to_device,
 )
 from mtad_energy.models import ModelPair
+from mtad_energy.work import ModelDims, Work, shapes_work
 
 if TYPE_CHECKING:
     from mtad_energy.decoding.static import CompileOptions
@@ -31,7 +33,10 @@ class StepStats:
     token shown to the target (tree nodes, k*gamma for Spectr: verification work, not
     acceptance); ``accepted`` draft tokens on the emitted path that were kept; ``draft_depth``
     how many draft tokens on one path could have been accepted (gamma for a chain, the tree
-    depth for trees, the draft length for Spectr; 0 without a draft)."""
+    depth for trees, the draft length for Spectr; 0 without a draft). ``*_flops`` / ``*_bytes``:
+    the work of this iteration's draft / target forwards, counted from their shapes
+    (`mtad_energy.work`; the batch's forwards, shared by its rows like the forward counts;
+    None where a runner records no shapes or the model type cannot be counted)."""
 
     emitted: int
     proposed: int
@@ -45,6 +50,10 @@ class StepStats:
     time_target_s: float = 0.0
     time_other_s: float = 0.0
     draft_depth: int = 0
+    draft_flops: int | None = 0
+    draft_bytes: int | None = 0
+    target_flops: int | None = None
+    target_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,14 @@ class GenerationStats:
     # seconds the first forwards of new shapes took (compiling; on CUDA also recording their
     # graphs), run untimed and left out of every time above; > 0 means this generation compiled
     compile_s: float = 0.0
+    # counted work (`mtad_energy.work`) of the decode phase's draft / target forwards up to
+    # this row's last iteration, and of the prefill (both models); None where not countable
+    draft_flops: int | None = 0
+    draft_bytes: int | None = 0
+    target_flops: int | None = None
+    target_bytes: int | None = None
+    prefill_flops: int | None = None
+    prefill_bytes: int | None = None
 
 
 @dataclass
@@ -185,6 +202,36 @@ def _of_row(value: int | list[int], b: int) -> int:
     return value[b] if isinstance(value, list) else value
 
 
+def _shape_marks(*runners: ModelRunner | None) -> tuple[int | None, ...]:
+    """How many forwards each runner has recorded (None: it records none)."""
+    return tuple(None if r is None or getattr(r, "forward_shapes", None) is None
+                 else len(r.forward_shapes) for r in runners)
+
+
+def _spans_work(runner: ModelRunner | None, marks: list[int | None]) -> list[Work | None]:
+    """The counted work of ``runner``'s forwards between consecutive ``marks`` (zero without a
+    runner; None where it records no shapes or its model type cannot be counted). Host
+    arithmetic on the recorded shapes, run after the decode phase."""
+    spans = len(marks) - 1
+    if runner is None:
+        return [Work()] * spans
+    shapes = getattr(runner, "forward_shapes", None)
+    try:
+        dims = ModelDims.from_model(runner.model)
+    except (ValueError, AttributeError):  # a model type the rule does not count, or no config
+        return [None] * spans
+    if shapes is None or None in marks:
+        return [None] * spans
+    concat = isinstance(runner.cache, DynamicCache)  # a static cache is written in place
+    return [shapes_work(dims, shapes[a:b], concat) for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def _total(works: Sequence[Work | None]) -> Work | None:
+    if any(w is None for w in works):
+        return None
+    return sum(works, Work())
+
+
 def slots_needed(decoder: Decoder, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
     """Cache slots a static cache is sized for: the longest row, plus headroom, as a token tree
     and a padded verify write past the emitted tokens (so it rarely has to compact)."""
@@ -270,6 +317,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
                         generator, pair.eos_token_id, tokens=[list(p) for p in prompts])
 
     hook = on_phase or _no_hook
+    marks = [_shape_marks(target, draft)]  # forwards recorded before the prefill, then per phase
     timer.sync()
     hook("prefill")
     t0 = time.perf_counter()
@@ -294,6 +342,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
 
     t_decode = clock()  # after the hook, so a meter's bookkeeping is not billed to decode
     fwd0 = (target.forwards, draft.forwards if draft else 0)
+    marks.append(_shape_marks(target, draft))
 
     eos = pair.eos_token_id
     counts_per_row: list[list[dict[str, int]]] = [[] for _ in range(rows)]
@@ -333,6 +382,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
                 forwards_at_end[b] = (target.forwards - fwd0[0],
                                       (draft.forwards - fwd0[1]) if draft else 0)
         phase_times.append(_draft_target(timer))
+        marks.append(_shape_marks(target, draft))
         it += 1
         if not any(state.active):
             bounds.append(clock())
@@ -351,6 +401,9 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode
     splits = [_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1])
               for i in range(it)]
+    target_work = _spans_work(target, [m[0] for m in marks])  # [prefill, iteration 0, ...]
+    draft_work = _spans_work(draft, [m[1] for m in marks])
+    prefill_work = _total([target_work[0], draft_work[0]])
     config = {**decoder.config(), "max_new_tokens": max_new_tokens, "seed": seed}
     if compile:  # the models whose forwards ran compiled (an int8 draft stays eager)
         config["compiled"] = [role for role, r in (("target", target), ("draft", draft))
@@ -365,8 +418,13 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             config["per_row"] = per_row
     out = []
     for b in range(rows):
-        steps = [StepStats(**c, time_draft_s=d, time_target_s=t, time_other_s=o)
-                 for c, (d, t, o) in zip(counts_per_row[b], splits, strict=False)]
+        steps = [StepStats(**c, time_draft_s=d, time_target_s=t, time_other_s=o,
+                           draft_flops=dw and dw.flops, draft_bytes=dw and dw.bytes,
+                           target_flops=tw and tw.flops, target_bytes=tw and tw.bytes)
+                 for c, (d, t, o), dw, tw in zip(counts_per_row[b], splits, draft_work[1:],
+                                                 target_work[1:], strict=False)]
+        row_draft = _total(draft_work[1:last_iter[b] + 2])
+        row_target = _total(target_work[1:last_iter[b] + 2])
         decode_s = bounds[last_iter[b] + 1] - t_decode
         draft_s, target_s, _ = _split(decode_s, phase_times[0], phase_times[last_iter[b] + 1])
         target_fw, draft_fw = forwards_at_end[b]
@@ -386,7 +444,12 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             block_efficiency=len(tokens) / target_fw if target_fw else 0.0,
             acceptance_rate=accepted / depth if depth else None,
             perplexity=ppl, stop_reason=stop[b], draft_depth=depth, compile_s=compile_s,
-            mean_accepted_length=accepted / drafting if drafting else None)
+            mean_accepted_length=accepted / drafting if drafting else None,
+            draft_flops=row_draft and row_draft.flops, draft_bytes=row_draft and row_draft.bytes,
+            target_flops=row_target and row_target.flops,
+            target_bytes=row_target and row_target.bytes,
+            prefill_flops=prefill_work and prefill_work.flops,
+            prefill_bytes=prefill_work and prefill_work.bytes)
         text = pair.tokenizer.decode(tokens, skip_special_tokens=True)
         out.append(Generation(tokens, text, prompt_lens[b], stats, steps,
                               {**config, **({"row": b} if rows > 1 else {})}))

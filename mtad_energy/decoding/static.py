@@ -355,6 +355,9 @@ class StaticRunner(RowLayout, ModelRunner):
         check_static_support(model)
         self.model = model
         self.forwards = 0
+        # (rows, tokens, KV columns attended) of every forward as it runs: padding rows and
+        # widths included, attention over all L slots (`mtad_energy.work` counts them)
+        self.forward_shapes: list[tuple[int, int, int]] = []
         self.compile_s = 0.0  # seconds of first forwards of a shape (compiling), untimed
         self._timer = timer
         self._phase = phase
@@ -441,6 +444,7 @@ class StaticRunner(RowLayout, ModelRunner):
             self._warm(args)
             self.cache.warmed.add(key)
         self.forwards += 1
+        self.forward_shapes.append((total, width, self.cache.slots))
         before = graphs_compiled()
         with self._timer(self._phase):
             logits = self.engine.forward(self.cache, args, compiled)

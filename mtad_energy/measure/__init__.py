@@ -64,7 +64,14 @@ from mtad_energy.measure.sensor import (
     get_preset,
     polled_energy_j,
 )
-from mtad_energy.measure.simulated import SimClock, SimulatedGPU, SimulatedMeter
+from mtad_energy.measure.simulated import (
+    RooflineDevice,
+    SimClock,
+    SimulatedGPU,
+    SimulatedMeter,
+    WorkTap,
+    work_tap,
+)
 from mtad_energy.measure.zeus_meter import (
     PowerTimeline,
     ZeusMeter,
@@ -106,12 +113,14 @@ __all__ = [
     "PowerTrace",
     "ProfileResult",
     "RaplMeter",
+    "RooflineDevice",
     "SensorModel",
     "SensorPreset",
     "SimClock",
     "SimulatedGPU",
     "SimulatedMeter",
     "WindowHandle",
+    "WorkTap",
     "ZeusMeter",
     "default_sync",
     "export_trace",
@@ -129,5 +138,6 @@ __all__ = [
     "snapshot",
     "trapezoid_energy_j",
     "window",
+    "work_tap",
     "zeus_power_timelines",
 ]

@@ -1,14 +1,23 @@
-"""Fit and apply the energy model E = P_static*T + PW_flop*T_flop + PW_mem*T_mem.
+"""Fit and apply the two energy models, each with what the data can and cannot tell apart.
 
-Units: energies in joules, times in seconds, powers in watts. Per row (one configuration, e.g.
-one batch size of the batch-size sweep): E the measured energy, T the wall time, T_flop the time
-spent in compute-bound ops and T_mem the time in memory-bound ops (see `profiler.profile_ops`;
-the rest of T, launch overhead and host work, is billed only through P_static).
+* **paper**: E = P_static*T + PW_flop*T_flop + PW_mem*T_mem, with T the wall time and T_flop /
+  T_mem the time in compute- / memory-bound ops (`profiler.profile_ops`; the rest of T, launch
+  overhead and host work, is billed only through P_static). Powers in watts.
+* **roofline** (Choi, Bedard, Fowler, Vuduc, "A roofline model of energy", IPDPS 2013):
+  E = pi0*T + eps_flop*W + eps_byte*Q, with W the FLOPs and Q the bytes moved (counted,
+  `mtad_energy.work`): constant power in watts, joules per FLOP and per byte. Its coefficients
+  are properties of the device, so one fit attributes any run's joules on it.
 
-The coefficients are fitted by non-negative least squares over the rows (a negative power has no
-physical meaning). The columns are scaled to unit norm before solving, so the reported condition
-number describes how well the data separate the three terms, not the choice of units. Pure
-numpy/scipy: this module imports nothing else from the project.
+Units: energies in joules, times in seconds. Per row (one point of a batch study): E measured,
+and the three columns of the form. Coefficients are fitted by non-negative least squares (a
+negative power or cost has no physical meaning) on columns scaled to unit norm, so the reported
+condition number describes how well the rows separate the terms, not the choice of units.
+
+Whether a coefficient is **identified** is judged per coefficient, from the rows themselves:
+its column must vary apart from the others (a variance-inflation factor below `VIF_MAX`), the fit
+must not pin it at 0, and its bootstrap 95 % interval (rows resampled with replacement) must lie
+within ±`REL_CI_MAX` of the estimate. Each verdict says which measurement would identify a
+coefficient that is not. Pure numpy/scipy: this module imports nothing else from the project.
 """
 
 from __future__ import annotations
@@ -22,32 +31,86 @@ import numpy as np
 
 COND_WARN = 1e3
 """Condition numbers of the column-scaled design matrix above this make the split unreliable."""
-
-COEF_NAMES = ("p_static_w", "pw_flop_w", "pw_mem_w")
-_TERMS = ("P_static (T)", "PW_flop (T_flop)", "PW_mem (T_mem)")
+VIF_MAX = 100.0
+"""A column whose variance-inflation factor exceeds this is (nearly) a combination of the others."""
+REL_CI_MAX = 0.25
+"""An identified coefficient's 95 % interval lies within ±25 % of its estimate."""
+BOOTSTRAP = 1000
 
 ArrayLike = Sequence[float | None] | np.ndarray
 
 
 @dataclass(frozen=True)
+class Term:
+    """One coefficient of a form: its name, symbol, unit, the column it multiplies, and what
+    measurement identifies it."""
+
+    name: str
+    symbol: str
+    unit: str
+    column: str
+    identify_by: str
+
+
+FORMS: dict[str, tuple[Term, ...]] = {
+    "paper": (
+        Term("p_static_w", "P_static", "W", "T",
+             "rows whose wall time varies apart from the time in ops (launch-bound small batches "
+             "beside long prefill chunks, or an idle window)"),
+        Term("pw_flop_w", "PW_flop", "W", "T_flop",
+             "compute-bound rows: batch sizes into the compute-bound regime (256-512 at short "
+             "context on a GPU) or prefill chunks of 128-4096 tokens"),
+        Term("pw_mem_w", "PW_mem", "W", "T_mem",
+             "memory-bound rows whose memory time varies apart from the wall time: a context-"
+             "length axis (128-8192 cached tokens at a fixed batch size)"),
+    ),
+    "roofline": (
+        Term("pi0_w", "pi0", "W", "T",
+             "rows whose time varies at fixed work (launch-bound small batches beside compute-"
+             "bound ones, or an idle window)"),
+        Term("eps_flop_j", "eps_flop", "J/FLOP", "FLOPs",
+             "rows whose FLOPs vary with the bytes nearly fixed: batch sizes 1-512 at short "
+             "context, or prefill chunks of 128-4096 tokens"),
+        Term("eps_byte_j", "eps_byte", "J/byte", "bytes",
+             "rows whose bytes vary with the FLOPs nearly fixed: a context-length axis "
+             "(128-8192 cached tokens at a fixed batch size)"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Coefficient:
+    """A fitted coefficient with its bootstrap 95 % interval and a plain verdict."""
+
+    name: str
+    symbol: str
+    unit: str
+    value: float
+    ci_low: float
+    ci_high: float
+    identified: bool
+    verdict: str
+
+
+@dataclass(frozen=True)
 class EnergyFit:
-    """Fitted powers (watts) and the quality of the fit over `n_rows` rows.
+    """One form's fit over ``n_rows`` rows.
 
     Attributes:
-        p_static_w, pw_flop_w, pw_mem_w: the coefficients (watts, all >= 0).
-        n_rows: rows fitted.
+        form: ``"paper"`` or ``"roofline"`` (`FORMS`).
+        coefficients: one per term of the form, in its order.
         r2: coefficient of determination of the energies (NaN if all energies are equal).
         rmse_j: root-mean-square residual (joules).
         max_abs_rel_error: max over rows of |residual| / |E|.
         residuals_j: measured minus predicted energy per row (joules), in row order.
-        condition_number: 2-norm condition number of the design matrix [T, T_flop, T_mem] with
-            each column scaled to unit norm (inf if a column is all zero).
-        warnings: human-readable doubts about the fit (empty when it is sound).
+        condition_number: 2-norm condition number of the column-scaled design matrix (inf if a
+            column is all zero).
+        warnings: human-readable doubts about the fit (empty when every coefficient is
+            identified and the rows are sound).
     """
 
-    p_static_w: float
-    pw_flop_w: float
-    pw_mem_w: float
+    form: str
+    coefficients: tuple[Coefficient, ...]
     n_rows: int
     r2: float
     rmse_j: float
@@ -57,36 +120,52 @@ class EnergyFit:
     warnings: tuple[str, ...] = ()
 
     @property
-    def coefficients_w(self) -> tuple[float, float, float]:
-        """(P_static, PW_flop, PW_mem) in watts."""
-        return (self.p_static_w, self.pw_flop_w, self.pw_mem_w)
+    def values(self) -> dict[str, float]:
+        """Coefficient name -> value."""
+        return {c.name: c.value for c in self.coefficients}
 
-    def predict_j(
-        self, time_s: float | ArrayLike, t_flop_s: float | ArrayLike, t_mem_s: float | ArrayLike
-    ) -> float | np.ndarray:
-        """Predicted energy (joules): a float for scalar inputs, else an array of the inputs' shape."""
-        t, tf, tm = (np.asarray(x, dtype=float) for x in (time_s, t_flop_s, t_mem_s))
-        out = self.p_static_w * t + self.pw_flop_w * tf + self.pw_mem_w * tm
-        return float(out) if np.ndim(out) == 0 else out
+    def value(self, name: str) -> float:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise KeyError(f"the {self.form} form has no coefficient {name!r}; it has "
+                           f"{', '.join(self.values)}") from None
+
+    @property
+    def identified(self) -> bool:
+        return all(c.identified for c in self.coefficients)
+
+    def terms_j(self, *columns: float | ArrayLike) -> tuple[float | np.ndarray, ...]:
+        """Each term's joules (coefficient x column), for scalar or array columns in the form's
+        order (paper: T, T_flop, T_mem; roofline: T, FLOPs, bytes)."""
+        if len(columns) != len(self.coefficients):
+            raise ValueError(f"the {self.form} form takes {len(self.coefficients)} columns, got "
+                             f"{len(columns)}")
+        out = []
+        for c, col in zip(self.coefficients, columns, strict=True):
+            term = c.value * np.asarray(col, dtype=float)
+            out.append(float(term) if np.ndim(term) == 0 else term)
+        return tuple(out)
+
+    def predict_j(self, *columns: float | ArrayLike) -> float | np.ndarray:
+        """Predicted energy (joules): a float for scalar columns, else an array."""
+        return sum(self.terms_j(*columns))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EnergyFit:
+        """The fit `to_dict` wrote (e.g. read back from JSON)."""
+        fields = {f: data[f] for f in ("form", "n_rows", "r2", "rmse_j", "max_abs_rel_error",
+                                        "condition_number")}
+        return cls(**fields, coefficients=tuple(Coefficient(**c) for c in data["coefficients"]),
+                   residuals_j=tuple(data["residuals_j"]), warnings=tuple(data["warnings"]))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["coefficients"] = [asdict(c) for c in self.coefficients]
         out["residuals_j"] = list(self.residuals_j)
         out["warnings"] = list(self.warnings)
+        out.update(self.values)
         return out
-
-
-@dataclass(frozen=True)
-class EnergyBreakdown:
-    """One configuration's energy split by the fitted model (joules); the terms sum to predicted_j."""
-
-    static_j: float
-    flop_j: float
-    mem_j: float
-    predicted_j: float
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def _column(values: ArrayLike, name: str) -> np.ndarray:
@@ -97,103 +176,132 @@ def _column(values: ArrayLike, name: str) -> np.ndarray:
     return np.asarray([np.nan if v is None else v for v in obj], dtype=float)
 
 
-def fit_energy_model(
-    energy_j: ArrayLike, time_s: ArrayLike, t_flop_s: ArrayLike, t_mem_s: ArrayLike
-) -> EnergyFit:
-    """Fit E = P_static*T + PW_flop*T_flop + PW_mem*T_mem by non-negative least squares.
-
-    Args:
-        energy_j: measured energy per row (joules) [n]; None/NaN marks a row without energy.
-        time_s: wall time per row (seconds) [n].
-        t_flop_s: time in compute-bound ops per row (seconds) [n].
-        t_mem_s: time in memory-bound ops per row (seconds) [n].
-
-    Raises:
-        ValueError: lengths differ, fewer than 3 rows, a row lacks energy, or a time is missing,
-            negative or not finite.
-    """
+def _nnls_scaled(a: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """NNLS on unit-norm columns (an all-zero column stays 0), in the original units."""
     from scipy.optimize import nnls  # scipy is slow to import; only fitting needs it
 
-    e, t, tf, tm = (_column(v, n) for v, n in ((energy_j, "energy_j"), (time_s, "time_s"),
-                                                (t_flop_s, "t_flop_s"), (t_mem_s, "t_mem_s")))
-    lengths = {"energy_j": e.size, "time_s": t.size, "t_flop_s": tf.size, "t_mem_s": tm.size}
+    norms = np.linalg.norm(a, axis=0)
+    scale = np.where(norms > 0, norms, 1.0)
+    return nnls(a / scale, e)[0] / scale
+
+
+def _vif(a_scaled: np.ndarray, i: int) -> float:
+    """Variance-inflation factor of column i: 1 / (1 - R^2) of regressing it on the others
+    (uncentred, as the model has no intercept); inf when the others reproduce it exactly."""
+    others = np.delete(a_scaled, i, axis=1)
+    y = a_scaled[:, i]
+    fitted = others @ np.linalg.lstsq(others, y, rcond=None)[0]
+    ss = float(y @ y)
+    r2 = 1.0 - float((y - fitted) @ (y - fitted)) / ss if ss > 0 else 1.0
+    return math.inf if r2 >= 1.0 - 1e-12 else 1.0 / (1.0 - r2)
+
+
+def _verdict(term: Term, value: float, lo: float, hi: float, norm: float, vif: float,
+             unconstrained: float, others: Sequence[str]) -> tuple[bool, str]:
+    fix = f"measure {term.identify_by}"
+    if norm == 0:
+        return False, f"not identified: {term.column} is 0 in every row; {fix}"
+    if vif > VIF_MAX:
+        return False, (f"not identified: {term.column} is (nearly) a combination of "
+                       f"{' and '.join(others)} across the rows (variance inflation "
+                       f"{vif:.3g} > {VIF_MAX:g}); {fix}")
+    if value == 0.0:
+        return False, (f"not identified: pinned at 0 by the non-negativity constraint "
+                       f"(unconstrained least squares gives {unconstrained:.4g} {term.unit}); {fix}")
+    half = max(value - lo, hi - value) / value
+    if half > REL_CI_MAX:
+        return False, (f"not identified: its 95 % interval [{lo:.4g}, {hi:.4g}] {term.unit} "
+                       f"reaches ±{half:.0%} of the estimate; {fix}")
+    return True, f"identified: 95 % interval within ±{half:.1%}"
+
+
+def fit_form(form: str, energy_j: ArrayLike, *columns: ArrayLike, bootstrap: int = BOOTSTRAP,
+             seed: int = 0) -> EnergyFit:
+    """Fit one form (`FORMS`) by non-negative least squares, with ``bootstrap`` resamples of the
+    rows (seeded) for the 95 % intervals.
+
+    Raises:
+        ValueError: unknown form, lengths differ, fewer rows than coefficients, a row lacks
+            energy, or a column value is missing, negative or not finite.
+    """
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; forms: {', '.join(FORMS)}")
+    terms = FORMS[form]
+    if len(columns) != len(terms):
+        raise ValueError(f"the {form} form takes {len(terms)} columns "
+                         f"({', '.join(t.column for t in terms)}), got {len(columns)}")
+    e = _column(energy_j, "energy_j")
+    cols = [_column(c, t.column) for c, t in zip(columns, terms, strict=True)]
+    lengths = {"energy_j": e.size, **{t.column: c.size for t, c in zip(terms, cols, strict=True)}}
     if len(set(lengths.values())) != 1:
-        raise ValueError("energy_j, time_s, t_flop_s and t_mem_s must have one value per row; got "
+        raise ValueError(f"{', '.join(lengths)} must have one value per row; got "
                          + ", ".join(f"{k}={v}" for k, v in lengths.items()))
-    n = e.size
-    if n < 3:
-        raise ValueError(f"fitting 3 coefficients (P_static, PW_flop, PW_mem) needs at least 3 rows, "
-                         f"got {n}; run the batch sweep with more batch sizes (e.g. 1,2,4,8,16)")
+    n, k = e.size, len(terms)
+    if n < k:
+        raise ValueError(f"fitting {k} coefficients ({', '.join(t.symbol for t in terms)}) needs at "
+                         f"least {k} rows, got {n}; run the batch sweep with more points (e.g. "
+                         "--sizes 1,2,4,8,16)")
     missing = int(np.count_nonzero(~np.isfinite(e)))
     if missing:
         raise ValueError(f"{missing} of {n} rows lack energy (energy_j is missing or NaN); the batch "
                          "sweep must run with a meter that measures energy (GPU: nvml or zeus; CPU: "
-                         "rapl), not 'none'")
-    for name, col in (("time_s", t), ("t_flop_s", tf), ("t_mem_s", tm)):
+                         "rapl, or simulated), not 'none'")
+    for t, col in zip(terms, cols, strict=True):
         if not np.all(np.isfinite(col)) or np.any(col < 0):
-            raise ValueError(f"{name} must be finite and >= 0 in every row; got {col.tolist()}")
+            raise ValueError(f"{t.column} must be finite and >= 0 in every row; got {col.tolist()}")
 
-    a = np.column_stack([t, tf, tm])
+    a = np.column_stack(cols)
     norms = np.linalg.norm(a, axis=0)
-    # an all-zero column cannot be scaled; leave it as is (its coefficient is then unidentifiable)
     scale = np.where(norms > 0, norms, 1.0)
-    a_scaled = a / scale
-    x_scaled, _ = nnls(a_scaled, e)
-    coef = x_scaled / scale
-    cond = float(np.linalg.cond(a_scaled)) if np.all(norms > 0) else math.inf
+    coef = _nnls_scaled(a, e)
+    cond = float(np.linalg.cond(a / scale)) if np.all(norms > 0) else math.inf
+    rng = np.random.default_rng(seed)
+    draws = np.array([_nnls_scaled(a[idx], e[idx])
+                      for idx in rng.integers(0, n, size=(bootstrap, n))]) if bootstrap else \
+        coef[None, :]
+    lo, hi = np.percentile(draws, 2.5, axis=0), np.percentile(draws, 97.5, axis=0)
+    unconstrained = np.linalg.lstsq(a / scale, e, rcond=None)[0] / scale
+
+    coefficients = []
+    for i, t in enumerate(terms):
+        vif = _vif(a / scale, i) if norms[i] > 0 else math.inf
+        others = [o.column for j, o in enumerate(terms) if j != i]
+        ok, verdict = _verdict(t, float(coef[i]), float(lo[i]), float(hi[i]), float(norms[i]), vif,
+                               float(unconstrained[i]), others)
+        coefficients.append(Coefficient(t.name, t.symbol, t.unit, float(coef[i]), float(lo[i]),
+                                        float(hi[i]), ok, verdict))
 
     pred = a @ coef
     resid = e - pred
     ss_res = float(resid @ resid)
     ss_tot = float(np.sum((e - e.mean()) ** 2))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else math.nan
-    rmse = math.sqrt(ss_res / n)
     with np.errstate(divide="ignore", invalid="ignore"):
         # a zero-energy row with a nonzero residual has infinite relative error
         rel = np.where(resid == 0, 0.0, np.abs(resid) / np.abs(e))
-    max_rel = float(np.max(rel))
-
-    notes: list[str] = []
+    notes = [f"{c.symbol} ({c.unit}) {c.verdict}" for c in coefficients if not c.identified]
     if not math.isfinite(cond) or cond > COND_WARN:
-        zero_cols = [name for name, nrm in zip(("T", "T_flop", "T_mem"), norms, strict=True) if nrm == 0]
-        detail = f" ({', '.join(zero_cols)} is 0 in every row)" if zero_cols else ""
-        notes.append(
-            f"columns T, T_flop, T_mem are nearly collinear (condition number {cond:.3g} > "
-            f"{COND_WARN:g}){detail}: the T_flop/T_mem fractions of the wall time barely vary across "
-            "rows, so the split between the terms is not identifiable; add batch sizes (e.g. up to "
-            "16 or more) so the compute-bound fraction changes")
-    unconstrained = np.linalg.lstsq(a_scaled, e, rcond=None)[0] / scale
-    for i, term in enumerate(_TERMS):
-        if coef[i] == 0.0 and norms[i] > 0:
-            notes.append(
-                f"{term} is pinned at 0 W by the non-negativity constraint (unconstrained least "
-                f"squares gives {unconstrained[i]:.4g} W): the data do not support this term")
-    over = int(np.count_nonzero(tf + tm > t * (1 + 1e-6) + 1e-12))
-    if over:
-        notes.append(f"T_flop + T_mem exceed the wall time T in {over} of {n} rows; scale the profiled "
-                     "times to the measured window before fitting")
-
+        notes.append(f"the columns {', '.join(t.column for t in terms)} are nearly collinear "
+                     f"(condition number {cond:.3g} > {COND_WARN:g}): the split between the terms "
+                     "rests on small differences between the rows")
+    if form == "paper":
+        over = int(np.count_nonzero(cols[1] + cols[2] > cols[0] * (1 + 1e-6) + 1e-12))
+        if over:
+            notes.append(f"T_flop + T_mem exceed the wall time T in {over} of {n} rows; scale the "
+                         "profiled times to the measured window before fitting")
     return EnergyFit(
-        p_static_w=float(coef[0]),
-        pw_flop_w=float(coef[1]),
-        pw_mem_w=float(coef[2]),
-        n_rows=n,
-        r2=r2,
-        rmse_j=rmse,
-        max_abs_rel_error=max_rel,
-        residuals_j=tuple(float(r) for r in resid),
-        condition_number=cond,
-        warnings=tuple(notes),
-    )
+        form=form, coefficients=tuple(coefficients), n_rows=n,
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else math.nan, rmse_j=math.sqrt(ss_res / n),
+        max_abs_rel_error=float(np.max(rel)), residuals_j=tuple(float(r) for r in resid),
+        condition_number=cond, warnings=tuple(notes))
 
 
-def breakdown(fit: EnergyFit, time_s: float, t_flop_s: float, t_mem_s: float) -> EnergyBreakdown:
-    """Split one configuration's energy into the model's terms (joules).
+def fit_energy_model(energy_j: ArrayLike, time_s: ArrayLike, t_flop_s: ArrayLike, t_mem_s: ArrayLike,
+                     **options: Any) -> EnergyFit:
+    """The paper's form: E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (see `fit_form`)."""
+    return fit_form("paper", energy_j, time_s, t_flop_s, t_mem_s, **options)
 
-    Args:
-        time_s: wall time T (seconds); t_flop_s / t_mem_s: compute- / memory-bound time (seconds).
-    """
-    static = fit.p_static_w * float(time_s)
-    flop = fit.pw_flop_w * float(t_flop_s)
-    mem = fit.pw_mem_w * float(t_mem_s)
-    return EnergyBreakdown(static_j=static, flop_j=flop, mem_j=mem, predicted_j=static + flop + mem)
+
+def fit_roofline(energy_j: ArrayLike, time_s: ArrayLike, flops: ArrayLike, nbytes: ArrayLike,
+                 **options: Any) -> EnergyFit:
+    """The energy roofline: E = pi0*T + eps_flop*FLOPs + eps_byte*bytes (see `fit_form`)."""
+    return fit_form("roofline", energy_j, time_s, flops, nbytes, **options)

@@ -229,9 +229,10 @@ def _tensor_bytes(values: Any) -> tuple[int, list[str]]:
     return total, shapes
 
 
-def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+def matrix_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one aten op by torch's formulas: matrix products and attention (0 for the rest,
+    pointwise ops included)."""
     import torch
-    from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
@@ -248,10 +249,38 @@ def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
         # flop registry has no entry for it: 2 * (rows of x) * in * out
         x, w = args[0], args[1]
         return 2 * x.numel() * w.shape[0]
-    if torch.Tag.pointwise in func.tags:
+    return 0
+
+
+def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """`matrix_flops`, or one FLOP per output element of a pointwise op (a convention)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    flops = matrix_flops(func, args, kwargs, out)
+    if flops == 0 and torch.Tag.pointwise in func.tags:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         return int(sum(t.numel() for t in outs))
-    return 0
+    return flops
+
+
+def flop_counter() -> Any:
+    """A dispatch mode that adds up `matrix_flops` of every op run inside it (``.flops``); no
+    syncs, no timing: cheap enough to wrap every forward of a simulated run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _FlopCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.flops += matrix_flops(func, args, kwargs, out)
+            return out
+
+    return _FlopCounter()
 
 
 def _sdpa_ops(aten: Any) -> tuple[Any, ...]:

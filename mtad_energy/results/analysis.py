@@ -452,16 +452,25 @@ BATCH_COLUMNS = ("batch_size", "runs", "inputs", "energy_j", "energy_per_run_j",
                  "time_s", "time_per_run_s", "time_per_input_s")
 
 
+def batch_axis(df: pd.DataFrame) -> pd.DataFrame:
+    """The batch-size axis of a batch study's rows: not its context-length or prefill-chunk
+    points (rows stored before those axes existed have no ``axis`` and all count)."""
+    if "axis" not in df.columns:
+        return df
+    return df[df["axis"].isna() | (df["axis"] == "batch")]
+
+
 def batch_curve(batch: pd.DataFrame) -> pd.DataFrame:
     """The paper's batch-size table: one row per (model, batch size), sorted by batch size, with
     the total, per-run and per-input energy and time (means when a size was measured more than
     once, ``n_rows`` says how often) and ``energy_per_run_rel``, energy per run relative to the
-    smallest batch size (the paper's point: it grows much more slowly than the batch)."""
+    smallest batch size (the paper's point: it grows much more slowly than the batch). Only the
+    batch axis of a design (`batch_axis`) counts."""
     columns = ["model", *BATCH_COLUMNS, "energy_per_run_rel", "energy_reason", "n_rows"]
     if batch.empty:
         return pd.DataFrame(columns=columns)
     numeric = [c for c in BATCH_COLUMNS if c != "inputs"]
-    b = _numeric(batch, numeric)
+    b = _numeric(batch_axis(batch), numeric)
     b["model"] = b["model"].astype(object).where(b["model"].notna(), "")
     rows = []
     for (model, size), g in b.groupby(["model", "batch_size"], sort=True):

@@ -480,6 +480,86 @@ def _crossover_section(decode_batch: pd.DataFrame, baseline: str, fig_dir: Path)
     return lines
 
 
+def energy_model_section(store_dir: Path) -> list[str]:
+    """"Where the joules go": both energy models fitted on the store's batch rows (coefficients,
+    95 % intervals, verdicts), the roofline fit's error on the decode windows, and every decoder's
+    decode joules by phase and by term (n/a with the reasons)."""
+    from mtad_energy.results import breakdown
+
+    lines = ["## Where the joules go", "",
+             "Two energy models fitted on this store's batch-sweep rows: the paper's E = P_static·T + "
+             "PW_flop·T_flop + PW_mem·T_mem and the energy roofline E = pi0·T + eps_flop·FLOPs + "
+             "eps_byte·bytes (counted work). A coefficient is *identified* when its column varies apart "
+             "from the others and its bootstrap 95 % interval is within ±25 %; otherwise the verdict "
+             "names the measurement that would identify it.", ""]
+    try:
+        fits, n_rows = breakdown.fit_stores([store_dir])
+    except ValueError as err:
+        return [*lines, f"No energy model: {err}.", ""]
+    for form, fit in fits.items():
+        title = {"paper": "Paper form", "roofline": "Energy roofline"}[form]
+        if isinstance(fit, str):
+            lines += [f"**{title}**: not fitted: {fit}.", ""]
+            continue
+        lines += [f"**{title}** ({n_rows} batch rows; R² {fit.r2:.4f}, condition number "
+                  f"{fit.condition_number:.3g}):", "",
+                  "| term | value | 95 % interval | verdict |", "|:---|---:|---:|:---|"]
+        lines += [f"| {c.symbol} ({c.unit}) | {c.value:.4g} | {c.ci_low:.4g} – {c.ci_high:.4g} | "
+                  f"{c.verdict} |" for c in fit.coefficients]
+        lines.append("")
+    roofline = fits["roofline"]
+    windows = breakdown.decode_windows([store_dir])
+    if not isinstance(roofline, str) and not windows.empty:
+        valid = breakdown.validate(roofline, windows)
+        if len(valid):
+            lines += [f"The roofline fit predicts the decode energy of the {len(valid)} decoding "
+                      f"window(s) it was not fitted on with a median |error| of "
+                      f"{valid['error'].abs().median():.1%} (max {valid['error'].abs().max():.1%}).", ""]
+    summary = breakdown.attribution_summary(breakdown.attribute(windows, roofline))
+    if summary.empty:
+        return [*lines, "No decoding runs to attribute.", ""]
+    cols = {"draft_j_per_token": "draft", "target_j_per_token": "target",
+            "other_j_per_token": "other", "static_j_per_token": "static", "flop_j_per_token": "FLOP",
+            "mem_j_per_token": "memory", "j_per_accepted_draft_token": "J/accepted draft token",
+            "rejected_share": "rejected share", "scale": "scale"}
+    table = summary.set_index(["source", "label", "batch_size"])[list(cols)].rename(columns=cols)
+    lines += ["Decode joules per token by phase (draft / target / other) and by term (static / FLOP / "
+              "memory), each set scaled to add up to the measured decode energy (`scale` = measured "
+              "/ predicted); J per accepted draft token: the draft's joules per draft token kept; "
+              "rejected share: the decode joules spent drafting and verifying rejected draft tokens.",
+              "", analysis.to_markdown(table, higher_is_better={}), ""]
+    reasons = sorted({r for r in summary["reason"] if isinstance(r, str)})
+    if reasons:
+        lines += ["n/a: " + "; ".join(reasons), ""]
+    return lines
+
+
+def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[str]:
+    """The speculation schedule of a decoding sweep, per objective (energy only where measured):
+    the table of ranges and vLLM's mapping (`results.schedule`), or why there is none."""
+    import json
+
+    from mtad_energy.results.schedule import build_schedule, schedule_table
+
+    lines = ["### Speculation schedule", "",
+             f"Per batch-size range, the best configuration and `{decoder}`'s best gamma (0 where "
+             "`ar` wins), with the measured speed-up or energy saving behind it; the mapping is "
+             "vLLM's `num_speculative_tokens_per_batch_size` (inclusive ranges; `mtad-energy "
+             "schedule` writes it).", ""]
+    for objective in ("speed", "energy"):
+        try:
+            plan = build_schedule(decode_batch, objective, decoder)
+        except ValueError as err:
+            lines += [f"**{objective}**: no schedule: {err}.", ""]
+            continue
+        table = schedule_table(plan).set_index("batch sizes")
+        never = (f" `{decoder}` loses to `ar` at every batch size measured: leave speculation off."
+                 if plan.never_pays else "")
+        lines += [f"**{objective}**:{never}", "", analysis.to_markdown(table, higher_is_better={}),
+                  "", "```json", json.dumps(plan.vllm_config()), "```", ""]
+    return lines
+
+
 def _figure_links(names: Sequence[str]) -> list[str]:
     return [f"![{n}](figures/{n}.png)  \n[SVG](figures/{n}.svg)" for n in names]
 
@@ -541,6 +621,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
         lines += ["## Figures", "", *_figure_links(figures), ""]
 
     lines += ["## Energy", "", *_energy_notes(runs, summary, batch, decode_batch), ""]
+    lines += energy_model_section(store_dir)
 
     if not curve.empty:
         cols = [c for c in analysis.BATCH_COLUMNS if c != "batch_size"] + ["energy_per_run_rel"]
@@ -557,6 +638,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
 
     if not decode_batch.empty:
         lines += _crossover_section(decode_batch, baseline, fig_dir)
+        lines += schedule_section(decode_batch)
 
     if not runs.empty:  # accepted lengths come from the profile runs' steps
         lines += ["## Accepted draft lengths", ""]

@@ -9,7 +9,13 @@ import pandas as pd
 import pytest
 import torch
 
-from mtad_energy.bench.batch_sweep import BatchWorkload, batch_sweep, batch_table, prompt_ids
+from mtad_energy.bench.batch_sweep import (
+    BatchWorkload,
+    batch_sweep,
+    batch_table,
+    design_points,
+    prompt_ids,
+)
 from mtad_energy.measure import DevicePeaks, MitigationConfig, NoneMeter, SimulatedGPU, SimulatedMeter
 from mtad_energy.results.schema import BATCH
 from mtad_energy.results.store import ResultStore
@@ -161,5 +167,45 @@ def test_bad_arguments(llama_pair, tmp_path) -> None:
     store = ResultStore(tmp_path / "store")
     with pytest.raises(ValueError, match="batch sizes must be positive integers"):
         batch_sweep(llama_pair, [0, 2], 2, store, NoneMeter(), **FAST)
-    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
+    with pytest.raises(ValueError, match="the design reaches 263 positions .* exceeds the model's 256"):
         batch_sweep(llama_pair, [1], 2, store, NoneMeter(), context_len=255, forwards_per_run=8)
+    with pytest.raises(ValueError, match="exceeds the model's 256; lower --context-len, --contexts or"):
+        batch_sweep(llama_pair, [1], 2, store, NoneMeter(), chunks=[250], **FAST)
+    with pytest.raises(ValueError, match=r"context lengths must be positive integers, got \[0\]"):
+        batch_sweep(llama_pair, [1], 2, store, NoneMeter(), contexts=[0], **FAST)
+
+
+def test_design_points_name_each_point_once():
+    points = design_points([1, 4], [16, 64], [8, 32], 16, 3)
+    assert points == [("batch", 1, 16, 1, 3), ("batch", 4, 16, 1, 3), ("context", 1, 64, 1, 3),
+                      ("chunk", 1, 16, 8, 1), ("chunk", 1, 16, 32, 1)]  # (1, 16, 1) is B=1 already
+
+
+def test_context_and_chunk_axes_store_their_counted_work(llama_pair, tmp_path) -> None:
+    from mtad_energy.work import ModelDims, forward_work
+
+    store = ResultStore(tmp_path / "store")
+    rows = batch_sweep(llama_pair, [1, 2], 2, store, constant_power_meter(), profile=False,
+                       contexts=[40], chunks=[12], **FAST)
+    assert [(r["axis"], r["batch_size"], r["context_len"], r["new_tokens"]) for r in rows] == [
+        ("batch", 1, 16, 1), ("batch", 2, 16, 1), ("context", 1, 40, 1), ("chunk", 1, 16, 12)]
+    dims = ModelDims.from_model(llama_pair.target)
+    decode = [forward_work(dims, 2, 1, 16 + k) for k in (1, 2, 3)]  # 3 forwards per run
+    assert rows[1]["counted_flops_per_run"] == sum(w.flops for w in decode)
+    assert rows[1]["counted_bytes"] == 2 * sum(w.bytes for w in decode)  # 2 runs
+    chunk = forward_work(dims, 1, 12, 16 + 12)  # one forward of 12 tokens per run
+    assert (rows[3]["counted_flops_per_run"], rows[3]["counted_bytes_per_run"]) == (chunk.flops, chunk.bytes)
+    assert rows[3]["tokens"] == 2 * 12 and rows[3]["forwards"] == 2
+    # the paper's table is the batch axis; decode rows keep the keys they had before the axes
+    assert list(batch_table(rows)["Batch Size"]) == [1, 2]
+    again = batch_sweep(llama_pair, [1, 2], 2, store, constant_power_meter(), profile=False, **FAST)
+    assert [r["row_key"] for r in again] == [r["row_key"] for r in rows[:2]]
+    assert len(store.load("batch")) == 4
+
+
+def test_a_chunk_workload_feeds_fixed_chunks_and_crops_back(llama_pair) -> None:
+    work = BatchWorkload(llama_pair.target, 2, context_len=10, forwards_per_run=2, new_tokens=5)
+    assert work.chunk.shape == (2, 5)
+    work.run()
+    assert work.cache_len() == 10
+    assert work.shapes() == [(2, 5, 15), (2, 5, 20)]

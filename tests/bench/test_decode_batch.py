@@ -8,6 +8,7 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mtad_energy.cli import app
@@ -233,3 +234,58 @@ def test_sweep_decodes_pld_without_loading_the_draft_and_says_so(tmp_path, model
         ("ar", 1), ("ar", 2), ("pld", 1), ("pld", 2)}
     assert any("pld drafts without a draft model" in n and "not loaded" in n
                for n in doc["notes"])
+
+
+def test_compiled_sweep_stores_its_rows_apart_and_compiles_nothing_inside_a_window(tmp_path,
+                                                                                   model_dirs):
+    """`sweep batch-size --decoder spd,mtad --sizes 1,2,3 --compile`: rows under
+    '<model>+compile' beside the eager ones of the same store, the eager tokens, no compile
+    inside any window (each size's full-length warm-up compiled its shapes), peak memory."""
+    out = tmp_path / "sweep"
+    args = ["sweep", "batch-size", "--decoder", "spd,mtad", "--target", model_dirs["llama"],
+            "--draft", model_dirs["llama-draft"], "--sizes", "1,2,3", "--device", "cpu",
+            "--meter", "none", "--max-new-tokens", "6", "--n-prompts", "3", "--set",
+            "temperature=0", "--output", str(out), "--json"]
+    eager = runner.invoke(app, args)
+    assert eager.exit_code == 0, eager.output
+    compiled = runner.invoke(app, [*args, "--compile"])
+    assert compiled.exit_code == 0, compiled.output
+    assert json.loads(compiled.stdout)["ran"] == 9
+    rows = load_results(out, "decode_batch")
+    assert len(rows) == 18 and set(rows.model) == {"custom", "custom+compile"}
+    comp, eag = (rows[rows.model == m].set_index(["label", "batch_size"]).sort_index()
+                 for m in ("custom+compile", "custom"))
+    assert (comp.tokens == eag.tokens).all() and (comp.block_efficiency == eag.block_efficiency).all()
+    assert (comp.compile_s == 0).all() and comp["compile"].all() and not eag["compile"].any()
+    assert (rows.peak_memory_bytes > 0).all()
+    assert not rows.energy_flags.str.contains("compiled_in_window").any()
+
+
+def test_a_batch_size_that_would_not_fit_is_not_run_and_says_why(tmp_path, model_dirs,
+                                                                 monkeypatch):
+    """The sweep never ends in an out-of-memory crash: a size whose caches would not fit the
+    free memory is not run (the reason is printed and in --json), nor is one that runs out of
+    memory anyway; the other sizes are measured."""
+    from mtad_energy.bench import decode_batch
+
+    monkeypatch.setattr(decode_batch, "free_memory_bytes", lambda device: 3_000_000)
+    real = decode_batch._measure
+
+    def oom_at_3(decoder, pair, rows, *args, **kwargs):
+        if len(rows) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(decoder, pair, rows, *args, **kwargs)
+
+    monkeypatch.setattr(decode_batch, "_measure", oom_at_3)
+    out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "spd", "--target",
+                              model_dirs["llama"], "--draft", model_dirs["llama-draft"],
+                              "--sizes", "1,3,64", "--device", "cpu", "--meter", "none",
+                              "--max-new-tokens", "4", "--n-prompts", "2",
+                              "--output", str(tmp_path / "s"), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    not_run = {(r["decoder"], r["batch_size"]): r["reason"] for r in doc["not_run"]}
+    assert set(not_run) == {("ar", 3), ("ar", 64), ("spd", 3), ("spd", 64)}
+    assert not_run[("spd", 64)].startswith("needs about") and "GiB free" in not_run[("spd", 64)]
+    assert not_run[("spd", 3)].startswith("out of memory at batch size 3")
+    assert set(load_results(tmp_path / "s", "decode_batch").batch_size) == {1}

@@ -26,15 +26,3 @@ def self_pair(model_dirs):
 
     return load_pair(target=model_dirs["llama"], draft="self:layers=0-1", device="cpu")
 
-
-@pytest.fixture(scope="session")
-def int8_pair(tmp_path_factory):
-    """A tiny Llama whose p is peaked enough that BiLD's rollback test sometimes passes and
-    sometimes fails, with the CPU default's kind of draft: its own int8 copy (``self:int8``,
-    loaded through the real path)."""
-    from mtad_energy.models import load_pair
-    from tests import tiny
-
-    path = tiny.save(tiny.llama(64, 0, layers=3, init=0.2), tiny.word_tokenizer(64),
-                     tmp_path_factory.mktemp("peaked") / "llama")
-    return load_pair(target=path, draft="self:int8", device="cpu")

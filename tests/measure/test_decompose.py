@@ -1,4 +1,5 @@
-"""The energy-model fit on synthetic rows generated from known powers."""
+"""The energy-model fits on synthetic rows generated from known coefficients: recovery, bootstrap
+intervals, and a verdict per coefficient that says what would identify it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from mtad_energy.measure.decompose import EnergyFit, breakdown, fit_energy_model
+from mtad_energy.measure.decompose import EnergyFit, fit_energy_model, fit_form, fit_roofline
 
 P_STATIC_W, PW_FLOP_W, PW_MEM_W = 60.0, 120.0, 200.0
 
@@ -25,11 +26,16 @@ def rows(n: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return energy_j, time_s, t_flop_s, t_mem_s
 
 
+def powers(fit: EnergyFit) -> tuple[float, float, float]:
+    return fit.value("p_static_w"), fit.value("pw_flop_w"), fit.value("pw_mem_w")
+
+
 def test_exact_rows_recover_the_powers() -> None:
     fit = fit_energy_model(*rows())
-    assert fit.p_static_w == pytest.approx(P_STATIC_W, rel=1e-6)
-    assert fit.pw_flop_w == pytest.approx(PW_FLOP_W, rel=1e-6)
-    assert fit.pw_mem_w == pytest.approx(PW_MEM_W, rel=1e-6)
+    assert powers(fit) == pytest.approx((P_STATIC_W, PW_FLOP_W, PW_MEM_W), rel=1e-6)
+    assert fit.form == "paper" and fit.identified
+    assert all(c.ci_low <= c.value <= c.ci_high for c in fit.coefficients)
+    assert [c.verdict.split(":")[0] for c in fit.coefficients] == ["identified"] * 3
     assert fit.n_rows == 8
     assert fit.r2 == pytest.approx(1.0, abs=1e-12)
     assert fit.rmse_j < 1e-9 and fit.max_abs_rel_error < 1e-12
@@ -43,46 +49,92 @@ def test_units_do_not_change_the_condition_number() -> None:
     # the same data in milliseconds: the powers scale, the conditioning must not
     fit_s, fit_ms = fit_energy_model(e, t, tf, tm), fit_energy_model(e, t * 1e3, tf * 1e3, tm * 1e3)
     assert fit_ms.condition_number == pytest.approx(fit_s.condition_number, rel=1e-9)
-    assert fit_ms.pw_mem_w == pytest.approx(PW_MEM_W / 1e3, rel=1e-6)
+    assert fit_ms.value("pw_mem_w") == pytest.approx(PW_MEM_W / 1e3, rel=1e-6)
 
 
 def test_noisy_rows_recover_the_powers_within_a_few_percent() -> None:
     e, t, tf, tm = rows(n=40, seed=1)
     noisy = e * (1.0 + 0.02 * np.random.default_rng(2).standard_normal(e.size))
     fit = fit_energy_model(noisy, t, tf, tm)
-    assert fit.p_static_w == pytest.approx(P_STATIC_W, rel=0.05)
-    assert fit.pw_flop_w == pytest.approx(PW_FLOP_W, rel=0.05)
-    assert fit.pw_mem_w == pytest.approx(PW_MEM_W, rel=0.05)
+    assert powers(fit) == pytest.approx((P_STATIC_W, PW_FLOP_W, PW_MEM_W), rel=0.05)
+    for c, truth in zip(fit.coefficients, (P_STATIC_W, PW_FLOP_W, PW_MEM_W), strict=True):
+        assert c.ci_low < truth < c.ci_high, c  # 2 % noise: the intervals are not points
+        assert c.identified
     assert fit.r2 > 0.99
     assert 0.005 < fit.max_abs_rel_error < 0.1
     assert np.allclose(fit.residuals_j, noisy - fit.predict_j(t, tf, tm))
 
 
-def test_a_negative_unconstrained_coefficient_is_pinned_at_zero_with_a_warning() -> None:
+def test_a_negative_unconstrained_coefficient_is_pinned_at_zero_and_not_identified() -> None:
     _, t, tf, tm = rows()
     energy = -20.0 * t + PW_FLOP_W * tf + PW_MEM_W * tm  # unconstrained LS gives P_static = -20
     unconstrained = np.linalg.lstsq(np.column_stack([t, tf, tm]), energy, rcond=None)[0]
     assert unconstrained[0] == pytest.approx(-20.0)
     fit = fit_energy_model(energy, t, tf, tm)
-    assert fit.p_static_w == 0.0
-    assert fit.pw_flop_w >= 0 and fit.pw_mem_w >= 0
-    assert fit.warnings == (
-        "P_static (T) is pinned at 0 W by the non-negativity constraint (unconstrained least squares "
-        "gives -20 W): the data do not support this term",
-    )
+    static = fit.coefficients[0]
+    assert static.value == 0.0 and not static.identified
+    assert static.verdict.startswith("not identified: pinned at 0 by the non-negativity constraint "
+                                     "(unconstrained least squares gives -20 W); measure rows whose")
+    assert fit.warnings[0] == "P_static (W) " + static.verdict
 
 
-def test_collinear_columns_get_the_identifiability_warning() -> None:
+def test_collinear_columns_are_not_identified_and_the_verdict_names_the_fix() -> None:
     t = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
     tf, tm = 0.3 * t, 0.6 * t  # same fractions in every row
     energy = P_STATIC_W * t + PW_FLOP_W * tf + PW_MEM_W * tm
     fit = fit_energy_model(energy, t, tf, tm)
-    assert fit.condition_number > 1e3
-    collinear = [w for w in fit.warnings if w.startswith("columns T, T_flop, T_mem are nearly collinear")]
-    assert len(collinear) == 1
-    assert "not identifiable" in collinear[0] and "add batch sizes" in collinear[0]
+    assert fit.condition_number > 1e3 and not fit.identified
+    flop = fit.coefficients[1]
+    assert flop.verdict.startswith("not identified: T_flop is (nearly) a combination of T and T_mem")
+    assert "prefill chunks of 128-4096 tokens" in flop.verdict
+    assert any("nearly collinear" in w for w in fit.warnings)
     # the total is still fitted: only the split is unknown
     assert fit.r2 == pytest.approx(1.0)
+
+
+def test_a_column_that_is_zero_in_every_row_says_so() -> None:
+    """The H100 batch study at B <= 16: every op memory-bound, T_flop = 0."""
+    _, t, _, tm = rows()
+    fit = fit_energy_model(P_STATIC_W * t + PW_MEM_W * tm, t, np.zeros_like(t), tm)
+    flop = fit.coefficients[1]
+    assert flop.verdict.startswith("not identified: T_flop is 0 in every row; measure compute-bound rows")
+    assert fit.condition_number == math.inf
+
+
+def test_a_wide_bootstrap_interval_is_not_identified() -> None:
+    rng = np.random.default_rng(5)
+    t = rng.uniform(1.0, 2.0, 12)
+    flops = rng.uniform(1e12, 1.05e12, 12)  # barely varies: its coefficient is loosely held
+    nbytes = rng.uniform(1e10, 5e10, 12)
+    energy = (100.0 * t + 1e-12 * flops + 1e-9 * nbytes) * (1 + 0.03 * rng.standard_normal(12))
+    fit = fit_roofline(energy, t, flops, nbytes)
+    eps_flop = fit.coefficients[1]
+    assert not eps_flop.identified
+    assert "95 % interval" in eps_flop.verdict or "combination" in eps_flop.verdict
+    assert "batch sizes 1-512 at short context" in eps_flop.verdict
+
+
+def test_the_roofline_form_recovers_joules_per_flop_and_per_byte() -> None:
+    rng = np.random.default_rng(3)
+    t = rng.uniform(0.5, 5.0, 10)
+    flops, nbytes = rng.uniform(1e12, 1e15, 10), rng.uniform(1e9, 1e12, 10)
+    fit = fit_roofline(120.0 * t + 1e-12 * flops + 5e-11 * nbytes, t, flops, nbytes)
+    assert fit.form == "roofline" and fit.identified
+    assert fit.values == pytest.approx({"pi0_w": 120.0, "eps_flop_j": 1e-12, "eps_byte_j": 5e-11},
+                                       rel=1e-6)
+    assert [c.unit for c in fit.coefficients] == ["W", "J/FLOP", "J/byte"]
+    terms = fit.terms_j(2.0, 1e12, 1e10)
+    assert terms == pytest.approx((240.0, 1.0, 0.5)) and fit.predict_j(2.0, 1e12, 1e10) == \
+        pytest.approx(241.5)
+
+
+def test_the_bootstrap_is_seeded() -> None:
+    e, t, tf, tm = rows(n=20, seed=1)
+    noisy = e * (1.0 + 0.05 * np.random.default_rng(2).standard_normal(e.size))
+    a, b = fit_energy_model(noisy, t, tf, tm, seed=7), fit_energy_model(noisy, t, tf, tm, seed=7)
+    assert a == b
+    with pytest.raises(ValueError, match="unknown form 'joules'"):
+        fit_form("joules", noisy, t, tf, tm)
 
 
 def test_missing_energy_names_the_rows_and_the_fix() -> None:
@@ -90,14 +142,14 @@ def test_missing_energy_names_the_rows_and_the_fix() -> None:
     e = list(e)
     e[1], e[3] = None, math.nan
     msg = ("2 of 5 rows lack energy (energy_j is missing or NaN); the batch sweep must run with a meter "
-           "that measures energy (GPU: nvml or zeus; CPU: rapl), not 'none'")
+           "that measures energy (GPU: nvml or zeus; CPU: rapl, or simulated), not 'none'")
     with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
         fit_energy_model(e, t, tf, tm)
 
 
 def test_fewer_than_three_rows_is_an_error() -> None:
     msg = ("fitting 3 coefficients (P_static, PW_flop, PW_mem) needs at least 3 rows, got 2; run the "
-           "batch sweep with more batch sizes (e.g. 1,2,4,8,16)")
+           "batch sweep with more points (e.g. --sizes 1,2,4,8,16)")
     with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
         fit_energy_model([1.0, 2.0], [1.0, 1.0], [0.1, 0.2], [0.5, 0.6])
 
@@ -105,7 +157,7 @@ def test_fewer_than_three_rows_is_an_error() -> None:
 def test_unequal_lengths_and_bad_times_are_errors() -> None:
     with pytest.raises(ValueError, match="one value per row"):
         fit_energy_model([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], [0.1, 0.2], [0.5, 0.6, 0.7])
-    with pytest.raises(ValueError, match="t_mem_s must be finite and >= 0"):
+    with pytest.raises(ValueError, match="T_mem must be finite and >= 0"):
         fit_energy_model([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], [0.1, 0.2, 0.3], [0.5, -0.6, 0.7])
 
 
@@ -117,24 +169,22 @@ def test_profiled_times_longer_than_the_wall_time_are_flagged() -> None:
     assert any(w.startswith("T_flop + T_mem exceed the wall time T in 1 of 8 rows") for w in fit.warnings)
 
 
-def test_breakdown_sums_to_the_prediction() -> None:
+def test_terms_sum_to_the_prediction() -> None:
     fit = fit_energy_model(*rows())
-    b = breakdown(fit, 3.0, 0.5, 2.0)
-    assert b.static_j == pytest.approx(P_STATIC_W * 3.0)
-    assert b.flop_j == pytest.approx(PW_FLOP_W * 0.5)
-    assert b.mem_j == pytest.approx(PW_MEM_W * 2.0)
-    assert b.static_j + b.flop_j + b.mem_j == pytest.approx(b.predicted_j, rel=1e-15)
-    assert b.predicted_j == pytest.approx(fit.predict_j(3.0, 0.5, 2.0))
-    assert set(b.to_dict()) == {"static_j", "flop_j", "mem_j", "predicted_j"}
+    static, flop, mem = fit.terms_j(3.0, 0.5, 2.0)
+    assert (static, flop, mem) == pytest.approx((P_STATIC_W * 3.0, PW_FLOP_W * 0.5, PW_MEM_W * 2.0))
+    assert static + flop + mem == pytest.approx(fit.predict_j(3.0, 0.5, 2.0), rel=1e-15)
+    with pytest.raises(ValueError, match="the paper form takes 3 columns, got 2"):
+        fit.terms_j(1.0, 2.0)
 
 
 def test_to_dict_is_json_ready_and_the_fit_is_frozen() -> None:
     fit = fit_energy_model(*rows())
     d = json.loads(json.dumps(fit.to_dict()))
     assert d["p_static_w"] == pytest.approx(P_STATIC_W) and isinstance(d["residuals_j"], list)
-    assert d["warnings"] == []
+    assert d["warnings"] == [] and d["coefficients"][0]["symbol"] == "P_static"
     with pytest.raises(AttributeError):
-        fit.p_static_w = 1.0  # type: ignore[misc]
+        fit.form = "roofline"  # type: ignore[misc]
     assert isinstance(fit, EnergyFit)
 
 
@@ -143,4 +193,4 @@ def test_pandas_series_inputs() -> None:
     e, t, tf, tm = rows()
     df = pd.DataFrame({"energy_j": e, "time_s": t, "t_flop_s": tf, "t_mem_s": tm})
     fit = fit_energy_model(df["energy_j"], df["time_s"], df["t_flop_s"], df["t_mem_s"])
-    assert fit.pw_mem_w == pytest.approx(PW_MEM_W, rel=1e-6)
+    assert fit.value("pw_mem_w") == pytest.approx(PW_MEM_W, rel=1e-6)

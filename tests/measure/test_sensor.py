@@ -12,6 +12,7 @@ from mtad_energy.measure import (
     PRESETS,
     PowerProfile,
     PowerTrace,
+    RooflineDevice,
     SensorModel,
     SimClock,
     SimulatedGPU,
@@ -139,8 +140,18 @@ class TestSimulatedMeter:
         assert len(m.samples) == 401
         assert m.device_energy_j == {"sim0": m.energy_j}
 
-    def test_live_mode_follows_windows_on_the_real_clock(self) -> None:
-        meter = SimulatedMeter(sensor=SensorModel(0.1, 0.0), busy_power_w=250.0)
+    def test_live_mode_is_a_roofline_device_on_the_real_clock(self) -> None:
+        assert isinstance(SimulatedMeter().device, RooflineDevice)  # the live default
+        meter = SimulatedMeter(device=RooflineDevice(static_w=10.0, j_per_flop=1e-9, j_per_byte=2e-9))
+        meter.device.record(7, 7)  # work outside the window is not billed to it
+        meter.begin_window("w")
+        meter.device.record(1000, 500)
+        m = meter.end_window("w")
+        assert m.energy_j == pytest.approx(10.0 * m.time_s + 1e-6 + 1e-6)
+        assert m.flag_codes == () and meter.update_period_s is None
+
+    def test_sensor_mode_flags_a_window_shorter_than_the_update_period(self) -> None:
+        meter = SimulatedMeter(SimulatedGPU(clock=SimClock()), sensor=SensorModel(0.1, 0.0))
         meter.begin_window("w")
         m = meter.end_window("w")
         assert m.energy_j is not None and m.energy_j >= 0.0

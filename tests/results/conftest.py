@@ -91,6 +91,10 @@ def _run_rows(rng: random.Random, energy: bool) -> tuple[list[dict], dict[str, l
                     "energy_flags": "[]", "mitigated": energy, "text": "def f(x):\n    return x",
                     "energy_ci_low_j": 0.97 * energy_j if energy else None,
                     "energy_ci_high_j": 1.03 * energy_j if energy else None,
+                    # counted work of the decode phase (what the energy attribution reads)
+                    "draft_flops": 3e8 * proposed, "draft_bytes": 2.7e8 * proposed,
+                    "target_flops": 7e8 * (proposed + len(run_steps)),
+                    "target_bytes": 7.2e8 * len(run_steps),
                 }
                 if dataset == "humaneval":
                     row["passed"] = int(rng.random() < 0.3 + ppl / 20)
@@ -115,6 +119,9 @@ def _batch_rows(energy: bool) -> list[dict]:
             "time_per_run_s": time_s / BATCH_RUNS, "time_per_input_s": time_s / BATCH_RUNS / size,
             "energy_reason": None if energy else NO_ENERGY_REASON, "energy_flags": json.dumps([]),
             "t_flop_s": 0.1 * time_s, "t_mem_s": 0.8 * time_s, "t_other_s": 0.1 * time_s,
+            # OPT-13B's counted work: weights once per forward, 2 FLOPs per weight per row
+            "counted_flops": 2.6e10 * size * BATCH_RUNS, "counted_bytes": (2.6e10 + 4e8 * size) * BATCH_RUNS,
+            "axis": "batch", "new_tokens": 1,
         })
     return rows
 
@@ -156,6 +163,12 @@ def _decode_batch_rows(energy: bool, dataset: str = "mtbench", max_new_tokens: i
             "perplexity": 3.0, "energy_j": jpt * tokens if energy else None,
             "energy_per_token_j": jpt if energy else None,
             "energy_reason": None if energy else NO_ENERGY_REASON, "energy_flags": json.dumps([]),
+            "time_draft_s": 0.0 if decoder == "ar" else 0.3 * tokens / tok_s,
+            "time_target_s": (1.0 if decoder == "ar" else 0.6) * tokens / tok_s * 0.95,
+            "time_other_s": 0.05 * tokens / tok_s, "draft_flops": 0 if decoder == "ar" else 4e11,
+            "draft_bytes": 0 if decoder == "ar" else 3e10, "target_flops": 5e11 * size,
+            "target_bytes": 5e11, "draft_proposed": 0 if decoder == "ar" else 128 * size,
+            "draft_accepted": 0 if decoder == "ar" else 48 * size, "rows_iterations": 32 * size,
         })
     return rows
 

@@ -54,6 +54,13 @@ def _figures_by_tag(nb) -> dict[str, int]:
     return found
 
 
+def _cell_output(nb, tag: str) -> str:
+    """Everything the cell tagged ``tag`` printed or displayed, as text."""
+    cell = next(c for c in nb.cells if tag in c.metadata.get("tags", []))
+    return "".join(out.get("text", "") + out.get("data", {}).get("text/plain", "")
+                   for out in cell.outputs)
+
+
 def _text(nb) -> str:
     return "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                    for out in cell.outputs)
@@ -74,6 +81,8 @@ def test_notebook_runs_with_energy(executed):
     assert all(figures[tag] >= 1 for tag in FIGURE_TAGS), figures
     assert not any(out.output_type == "error" for c in nb.cells for out in c.get("outputs", []))
     assert "No energy" not in _text(nb)
+    phases = _cell_output(nb, "table:attribution")  # joules per phase from the fitted model
+    assert "draft_j_per_token" in phases and "rejected_share" in phases and "n/a" not in phases
 
 
 @pytest.mark.slow
@@ -85,6 +94,7 @@ def test_notebook_explains_missing_energy(executed):
     assert "No energy readings in these runs" in text and "no GPU energy counter" in text
     assert "No energy in the batch sweep" in text
     assert "No energy in the decoding sweep" in text
+    assert ("Per-phase joules n/a: no decode energy measured: " + "meter 'none'") in text
 
 
 @pytest.mark.slow

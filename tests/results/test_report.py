@@ -64,3 +64,18 @@ def test_empty_store_and_default_location(tmp_path):
 def test_report_refuses_to_write_inside_the_store(store_dir):
     with pytest.raises(ValueError, match="inside the results store"):
         write_report(store_dir, store_dir / "report")
+
+
+def test_the_report_says_where_the_joules_go(reports):
+    md = reports["energy"].read_text().split("## Where the joules go")[1].split("\n## ")[0]
+    assert "**Paper form** (5 batch rows;" in md and "**Energy roofline** (5 batch rows;" in md
+    assert "| pi0 (W) |" in md and "| eps_byte (J/byte) |" in md
+    assert "window(s) it was not fitted on with a median |error| of" in md
+    assert "| source | label | batch size | draft | target | other | static | FLOP | memory |" in md
+    assert "| runs | mtad(tau=0.3) | 1 |" in md  # one row per configuration
+    assert "| decode_batch | spd | 4 |" in md
+    assert "n/a: " not in md  # every window has energy and counted work
+    none = reports["no_energy"].read_text().split("## Where the joules go")[1].split("\n## ")[0]
+    assert "No energy model" not in none and "not fitted: 5 of 5 rows lack energy" in none
+    assert f"n/a: no decode energy measured: {NO_ENERGY_REASON}" in none
+    assert "| 0.0 |" not in none  # n/a, never 0
