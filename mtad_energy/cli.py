@@ -15,6 +15,7 @@ from mtad_energy.cli_common import (
     emit,
     esc,
     fail,
+    ignored_draft_notes,
     json_command,
     pair_alias,
     parse_sets,
@@ -140,12 +141,15 @@ def generate(
                   compile=compile)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
+    notes = ignored_draft_notes([dec], pair_alias(model, target), target, draft, device)
     if as_json:
-        emit({**gen.to_dict(), "pair": pair.describe()})
+        emit({**gen.to_dict(), "pair": pair.describe(), "notes": notes})
         return
     console.rule(esc(f"{decoder} on {pair.name} ({pair.target_id} + {pair.draft_id or 'no draft'})"))
     if pair.draft_note and pair.draft_id:
         console.print(pair.draft_line(), markup=False, highlight=False)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {esc(note)}")
     console.print(gen.text, markup=False, highlight=False)
     console.rule()
     console.print(stats_table([(decoder, gen.to_dict()["stats"])]))

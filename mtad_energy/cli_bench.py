@@ -23,6 +23,7 @@ from mtad_energy.cli_common import (
     emit,
     esc,
     fail,
+    ignored_draft_notes,
     json_command,
     pair_alias,
     parse_sets,
@@ -35,7 +36,7 @@ from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
 
 ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
-                "typical")
+                "typical", "pld")
 
 
 class UsageError(ValueError):
@@ -292,7 +293,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     ran, skipped = rep.ran, rep.skipped
     runs = pd.DataFrame(rep.rows)
     summary = decoder_summary(runs)
-    notes = pass_at_1_notes(rep.rows, config.allow_code_execution)
+    notes = config_draft_notes(config) + pass_at_1_notes(rep.rows, config.allow_code_execution)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
               "pair": runner.pair.describe(), "config": config.to_dict(),
@@ -304,6 +305,13 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
         for note in notes:
             console.print(f"[yellow]note:[/] {esc(note)}")
     return summary
+
+
+def config_draft_notes(config: RunConfig) -> list[str]:
+    """`ignored_draft_notes` for a configuration's decoders and pair."""
+    m = config.model
+    return ignored_draft_notes([d.build() for d in config.decoders], m.alias, m.target, m.draft,
+                               m.device)
 
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
@@ -334,7 +342,8 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
     summary = decoder_summary(runs)
     ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
-    notes = pass_at_1_notes(runs.to_dict("records"), config.allow_code_execution)
+    notes = config_draft_notes(config) + pass_at_1_notes(runs.to_dict("records"),
+                                                         config.allow_code_execution)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
               "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
@@ -718,7 +727,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         m.close()
     compact_after(out)
     table = batch_crossover(rep.rows)
-    notes = crossover_notes(table)
+    notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
+                                draft, device) + crossover_notes(table)
     out_dir = out.resolve()  # `--output .` has no name of its own
     png = out_dir.parent / f"{out_dir.name}-crossover.png"  # beside the store: it holds only tables
     plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "

@@ -205,3 +205,26 @@ class JsonErrorGroup(TyperGroup):
             emit({"error": "aborted", "exit_code": 1})
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def ignored_draft_notes(decoders: Sequence[Any], alias: str | None, target: str | None,
+                        draft: str | None, device: str = "auto") -> list[str]:
+    """Notes naming the decoders that draft without a draft model (``needs_draft`` False with a
+    draft of their own, such as ``pld``'s prompt lookup) when the pair has a draft (``--draft``
+    or the alias's): they ignore it, and it is not loaded when no other decoder uses it."""
+    from mtad_energy.models import resolve_device, resolve_pair_spec
+
+    own = [d.name for d in decoders if getattr(d, "drafts_without_model", False)]
+    if not own:
+        return []
+    try:
+        name = resolve_pair_spec(alias, resolve_device(device), target=target, draft=draft).draft
+    except ValueError:
+        return []
+    if not name:
+        return []
+    loaded = any(d.needs_draft for d in decoders)
+    return [f"{', '.join(own)} draft{'s' if len(own) == 1 else ''} without a draft model: the "
+            f"pair's draft ({name}) is ignored"
+            + (" by it" if loaded and len(own) == 1 else " by them" if loaded else
+               " and not loaded")]

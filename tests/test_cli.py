@@ -57,3 +57,19 @@ def test_env_json_has_a_snapshot_id_and_the_auto_meter_with_its_reason():
     res = json.loads(out.output)
     assert len(res["snapshot_id"]) >= 8 and res["libraries"]["torch"]
     assert res["meter"]["name"] and res["meter"]["reason"]
+
+
+def test_generate_pld_says_the_pairs_draft_is_ignored(model_dirs):
+    out = runner.invoke(app, ["generate", "--decoder", "pld", "--target", model_dirs["llama"],
+                              "--draft", model_dirs["llama-draft"], "--prompt", "w1 w2 w1 w2",
+                              "--max-new-tokens", "6", "--device", "cpu", "--json"])
+    assert out.exit_code == 0, out.output
+    res = json.loads(out.output)
+    assert res["pair"]["draft"] is None  # never loaded
+    assert res["notes"] == [f"pld drafts without a draft model: the pair's draft "
+                            f"({model_dirs['llama-draft']}) is ignored and not loaded"]
+    text = runner.invoke(app, ["generate", "--decoder", "pld", "--target", model_dirs["llama"],
+                               "--prompt", "w1 w2 w1 w2", "--max-new-tokens", "6",
+                               "--device", "cpu"])
+    assert text.exit_code == 0, text.output
+    assert "ignored" not in text.output  # a pair without a draft: nothing to say

@@ -59,6 +59,18 @@ def test_compare_writes_the_main_table_markdown(model_dirs, prompts_file, tmp_pa
     assert "spd" in md and "mtad" in md and "**" in md
 
 
+def test_compare_includes_pld_and_says_it_ignores_the_draft(model_dirs, prompts_file, tmp_path):
+    out = tmp_path / "cmp"
+    res = runner.invoke(app, ["compare", "--decoders", "ar,spd,pld", *pair_args(model_dirs),
+                              "--dataset", prompts_file, "--n-prompts", "1", "--output", str(out),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert {r["decoder"] for r in doc["summary"]} == {"ar", "spd", "pld"}
+    assert f"the pair's draft ({model_dirs['llama-draft']}) is ignored by it" in doc["notes"][0]
+    assert "pld" in (tmp_path / "cmp.md").read_text()
+
+
 def test_sweep_param_runs_the_grid_and_the_baseline(model_dirs, prompts_file, tmp_path):
     out = tmp_path / "sw"
     res = runner.invoke(app, ["sweep", "param", "--decoder", "spd", "--param", "gamma=2..4",

@@ -35,6 +35,28 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     return n, sample(next_dist, generator)
 
 
+def lookup_accept(p: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of a *deterministic* draft (q one-hot at each draft token: n-gram /
+    prompt lookup), B rows with drafts of their own lengths; lossless w.r.t. p, as
+    `speculative_accept`, without building q.
+
+    p: ``[B, gamma+1, V]``; draft: ``[B, gamma]``, row b's draft is ``draft[b, :lens[b]]``
+    (``lens [B]``; the rest is padding, never accepted). Accept x_i with prob min(1, p_i(x_i) / 1);
+    at the first rejection sample from norm(max(0, p_i - onehot(x_i))) (p without x_i); when all
+    lens[b] are accepted, from p after them. Returns ``(n_accepted [B], next_token [B])``.
+    """
+    gamma = draft.shape[-1]
+    p_x = p[:, :gamma].gather(-1, draft[..., None])[..., 0]  # [B, gamma]
+    u = torch.rand(draft.shape, generator=generator, device=p.device)
+    real = torch.arange(gamma, device=p.device) < lens[:, None]
+    n = ((u <= p_x) & (p_x > 0) & real).long().cumprod(-1).sum(-1)  # [B]
+    p_n = p.gather(1, n[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V]
+    x_n = torch.cat([draft, draft[:, :1]], 1).gather(1, n[:, None])[:, 0]  # [B]
+    q_n = torch.nn.functional.one_hot(x_n, p.shape[-1]).to(p.dtype) * (n < lens)[:, None]
+    return n, sample(residual(p_n, q_n), generator)
+
+
 def joint_accept_length(log_p: torch.Tensor, log_q: torch.Tensor, log_tau: float) -> torch.Tensor:
     """MTAD's accepted length eta for one draft.
 

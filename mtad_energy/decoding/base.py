@@ -340,6 +340,9 @@ class DecodeState:
     generator: torch.Generator
     eos_token_id: int | None = None
     active: list[bool] = field(default_factory=list)
+    # host mirror of ``ids``: row b's tokens so far (the loop keeps it from its one read-back),
+    # for decoders that draft on the host (n-gram lookup) without reading the device
+    tokens: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.active = self.active or [True] * len(self.lengths)
@@ -400,12 +403,14 @@ class DecodeState:
         idx = self.lengths_on_device()[:, None] - k + torch.arange(k, device=self.ids.device)
         return self.ids.gather(1, idx.clamp_min(0)), counts
 
-    def append(self, b: int, tokens: torch.Tensor) -> None:
-        """Append ``tokens [m]`` to row b."""
+    def append(self, b: int, tokens: torch.Tensor, host: list[int]) -> None:
+        """Append ``tokens [m]`` (on the device; ``host``: the same m tokens read back) to row b."""
         n, m = self.lengths[b], tokens.shape[0]
         self.ids[b, n:n + m] = tokens
         self.lengths[b] = n + m
         self._lengths_dev = None
+        if self.tokens:
+            self.tokens[b].extend(host)
 
 
 def cap_per_row(n: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -428,6 +433,8 @@ class Decoder:
     help: ClassVar[str]
     Params: ClassVar[type[DecoderParams]] = DecoderParams
     needs_draft: ClassVar[bool] = False
+    # drafts without the pair's draft model (prompt lookup): a loaded draft is ignored
+    drafts_without_model: ClassVar[bool] = False
     # whether `step` handles a DecodeState of B > 1 rows (batched generation)
     batched: ClassVar[bool] = False
 

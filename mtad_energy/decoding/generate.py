@@ -319,7 +319,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     target, draft = _runners(decoder, pair, timer, rows,
                              slots_needed(decoder, prompt_lens, max_new_tokens), compile)
     state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
-                        generator, pair.eos_token_id)
+                        generator, pair.eos_token_id, tokens=[list(p) for p in prompts])
 
     hook = on_phase or _no_hook
     marks = [_shape_marks(target, draft)]  # forwards recorded before the prefill, then per phase
@@ -372,7 +372,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             if eos is not None and eos in token_list:
                 token_list = token_list[:token_list.index(eos) + 1]
                 stop[b] = "eos"
-            state.append(b, block[b, :len(token_list)])
+            state.append(b, block[b, :len(token_list)], token_list)
             new_tokens[b].extend(token_list)
             # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted,
             # and a row never keeps more than its own depth (a batch may draft further)

@@ -15,6 +15,7 @@ from mtad_energy.decoding.mcss import Mcss
 from mtad_energy.decoding.mmtad import Mmtad
 from mtad_energy.decoding.mtad import Mtad
 from mtad_energy.decoding.mtjd import Mtjd
+from mtad_energy.decoding.pld import PromptLookup
 from mtad_energy.decoding.spd import SpeculativeDecoding
 from mtad_energy.decoding.specinfer import SpecInfer
 from mtad_energy.decoding.spectr import Spectr
@@ -32,6 +33,7 @@ DECODERS: dict[str, type[Decoder]] = {
     "spectr": Spectr,
     "bild": Bild,
     "typical": Typical,
+    "pld": PromptLookup,
 }
 
 

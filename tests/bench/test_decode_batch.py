@@ -222,6 +222,20 @@ def test_output_dot_puts_the_plot_beside_the_store(tmp_path, model_dirs, monkeyp
     assert (tmp_path / "here-crossover.png").is_file()
 
 
+def test_sweep_decodes_pld_without_loading_the_draft_and_says_so(tmp_path, model_dirs):
+    args = ["sweep", "batch-size", "--decoder", "pld", "--target", model_dirs["llama"],
+            "--draft", model_dirs["llama-draft"], "--sizes", "1,2", "--device", "cpu",
+            "--meter", "none", "--max-new-tokens", "6", "--n-prompts", "2",
+            "--output", str(tmp_path / "sweep"), "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert {(r["decoder"], r["batch_size"]) for r in doc["rows"]} == {
+        ("ar", 1), ("ar", 2), ("pld", 1), ("pld", 2)}
+    assert any("pld drafts without a draft model" in n and "not loaded" in n
+               for n in doc["notes"])
+
+
 def test_compiled_sweep_stores_its_rows_apart_and_compiles_nothing_inside_a_window(tmp_path,
                                                                                    model_dirs):
     """`sweep batch-size --decoder spd,mtad --sizes 1,2,3 --compile`: rows under
