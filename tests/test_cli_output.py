@@ -136,14 +136,19 @@ def test_every_command_takes_json(model_dirs, tmp_path):
     assert doc["report"] == str(tmp_path / "p-report" / "report.md") and doc["figures"]
     res = runner.invoke(app, ["report", str(tmp_path / "nothing"), "--json"])
     assert res.exit_code == 2 and "does not exist" in only_json(res)["error"]
-    # every command of the app, and of `sweep`, has --json
+    # every command of the app, and of its groups (`sweep`, `store`), has --json
     from typer.main import get_command
 
-    group = get_command(app)
-    commands = [*group.commands.values(), *group.commands["sweep"].commands.values()]
+    def leaves(command) -> list:
+        if hasattr(command, "commands"):  # a group (typer's own click, or click's)
+            return [leaf for sub in command.commands.values() for leaf in leaves(sub)]
+        return [command]
+
+    commands = leaves(get_command(app))
+    assert {"sweep", "store"} <= {c.name for c in get_command(app).commands.values()}
+    assert {"batch-size", "param", "compact", "calibrate"} <= {c.name for c in commands}
     for command in commands:
-        if command.name != "sweep":
-            assert "--json" in [o for p in command.params for o in p.opts], command.name
+        assert "--json" in [o for p in command.params for o in p.opts], command.name
 
 
 def test_generate_with_a_target_of_ones_own_is_not_the_default_pair(model_dirs):
