@@ -282,12 +282,15 @@ def stage_batch(kit: Kit) -> None:
 # --------------------------------------------------------------------------- decoders
 
 def cpu_block_efficiency() -> dict[str, float]:
-    """Block efficiency per decoder measured on the real CPU pair (mean over the datasets)."""
-    path = ROOT / "experiments" / "results" / "cpu" / "compare_smollm2.csv"
-    if not path.is_file():
-        return {}
-    df = pd.read_csv(path)
-    return df.groupby("label")["block_efficiency"].mean().to_dict()
+    """Block efficiency per decoder measured on the real CPU pair (mean over the datasets): the
+    paper's decoders from compare_smollm2.csv, pld from its own run on the same pair
+    (pld_smollm2.csv). EAGLE and Medusa have none: no head exists for SmolLM2."""
+    out: dict[str, float] = {}
+    for name in ("pld_smollm2.csv", "compare_smollm2.csv"):  # the second wins where both have it
+        path = ROOT / "experiments" / "results" / "cpu" / name
+        if path.is_file():
+            out.update(pd.read_csv(path).groupby("label")["block_efficiency"].mean().to_dict())
+    return out
 
 
 def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.DataFrame:
