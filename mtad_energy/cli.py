@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from mtad_energy.cli_bench import register
+from mtad_energy.cli_calibrate import calibrate
 from mtad_energy.cli_common import (
     JsonErrorGroup,
     console,
@@ -161,6 +162,7 @@ def generate(
 
 
 register(app)
+app.command()(calibrate)
 
 if __name__ == "__main__":
     app()

@@ -30,6 +30,7 @@ from mtad_energy.cli_common import (
     quiet_libraries,
     wrapping_table,
 )
+from mtad_energy.cli_store import compact_after, store_app
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
@@ -298,6 +299,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
         _interrupted(out)
     except (ValueError, RuntimeError) as error:
         fail(error)
+    compact_after(out)
     ran, skipped = rep.ran, rep.skipped
     runs = pd.DataFrame(rep.rows)
     summary = decoder_summary(runs)
@@ -345,6 +347,7 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
         _interrupted(out)
     except (ValueError, RuntimeError, OSError, SweepError) as error:
         fail(error)
+    compact_after(out)
     runs = load_results(out)
     runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
     summary = decoder_summary(runs)
@@ -639,6 +642,7 @@ def sweep_batch_size(
              label="[yellow]")
     except (ValueError, RuntimeError) as error:  # e.g. --context-len beyond the model, disk full
         fail(error)
+    compact_after(out)
     table = batch_table(rows)
     if as_json:
         emit({"output": str(out), "meter": m.name, "rows": json.loads(table.to_json(orient="records"))})
@@ -737,6 +741,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         fail(error)
     finally:
         m.close()
+    compact_after(out)
     table = batch_crossover(rep.rows)
     notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
                                 draft, device) + crossover_notes(table)
@@ -1005,4 +1010,5 @@ def register(app: typer.Typer) -> None:
     sweep_app.command("param")(sweep_param)
     sweep_app.command("batch-size")(sweep_batch_size)
     app.add_typer(sweep_app, name="sweep")
+    app.add_typer(store_app, name="store")
 

@@ -19,6 +19,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def calibration_records(tmp_path_factory, monkeypatch):
+    """Calibration records (`mtad-energy calibrate`) of each test in a fresh directory, never the
+    user's cache: a record makes later runs flag short windows."""
+    path = tmp_path_factory.mktemp("calibration")
+    monkeypatch.setenv("MTAD_ENERGY_CALIBRATION", str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")

@@ -39,6 +39,9 @@ def test_profile_runs_stores_and_resumes(model_dirs, prompts_file, tmp_path):
     assert "J/tok n/a" in first.output
     runs = load_results(out)
     assert len(runs) == 4 and runs.loc[runs.decoder == "mtad", "param_tau"].eq(0.3).all()
+    # the command ended by compacting its store: the rows are in packs, no part file is left
+    assert "compacted 8 part file(s)" in first.output
+    assert not list((out / "runs").glob("*.parquet")) and len(list((out / "runs" / "packs").iterdir())) == 1
     again = runner.invoke(app, args + ["--json"])
     assert again.exit_code == 0, again.output
     res = json.loads(again.output[again.output.index("{"):])

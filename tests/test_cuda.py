@@ -147,3 +147,21 @@ def test_compiled_path_with_cuda_graphs_matches_eager_greedy_output(model_dirs, 
         check_stats(compiled, 16, pair.target.config.vocab_size)
     assert compiled.config["compiled"] == (
         ["target", "draft"] if decoder.draft_model(pair) is not None else ["target"])
+
+
+def test_calibrate_on_the_gpu_stores_a_record_later_runs_reference(calibration_records):
+    """`mtad-energy calibrate --quick` on the real GPU: every meter side by side, a verdict, and a
+    record under the GPU's UUID that the next snapshot references."""
+    from mtad_energy.bench.calibrate import CalibrateConfig, run_calibration
+    from mtad_energy.measure import snapshot
+    from mtad_energy.measure.calibrate import ROLES, load_record
+
+    report = run_calibration(CalibrateConfig(quick=True, model="llama3.2-1b"))
+    cal, rec = report.meters, report.record
+    assert cal is not None and rec is not None and rec.trusted_meter in ROLES
+    assert {r["meter"] for r in cal.rows if r["protocol"] == "plain"} >= {"nvml-counter", "nvml-power"}
+    assert 0.001 < cal.counter_update_period_s < 1.0 and cal.idle_power_w > 10
+    assert rec.min_window_s is None or rec.min_window_s > 0
+    assert report.floor[0]["error"] is None and report.floor[0]["x_floor"] > 1.0
+    assert load_record(rec.device_id) == rec
+    assert [c["record_id"] for c in snapshot().calibrations][:1] == [rec.record_id]

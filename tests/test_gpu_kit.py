@@ -24,9 +24,9 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "all", "--smoke",
                            "--out", str(out)], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in ("env.json", "meters.csv", "batch.csv", "batch_paper_l40.csv", "decompose.json",
-                 "decoders.csv", "validation.csv", "tree_verify.csv", "batched.csv", "floor.csv",
-                 "batch_energy.png",
+    for name in ("env.json", "meters.csv", "meters_sweep.csv", "calibration.json", "batch.csv",
+                 "batch_paper_l40.csv", "decompose.json", "decoders.csv", "validation.csv",
+                 "tree_verify.csv", "batched.csv", "floor.csv", "batch_energy.png",
                  "decoders.png", "batched.png",
                  "floor.png", "run.log"):
         assert (out / name).is_file(), name
@@ -37,6 +37,10 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert set(meters.meter) == {"nvml-counter", "nvml-power", "zeus", "power.draw-1s"}
     assert len(meters) == 4 * (1 + 2 * 2)
     assert (meters[meters.meter == "nvml-counter"].vs_counter == 0).all()
+    # the stage is `mtad-energy calibrate`'s measurement: its verdict is logged and stored
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert calibration["trusted"] in set(meters.meter) and calibration["verdict"]
+    assert f"meters: verdict: trust {calibration['trusted']}: " in log
     batch = pd.read_csv(out / "batch.csv")
     assert sorted(set(batch.model)) == ["tiny-llama", "tiny-opt"]
     paper = batch[batch.axis == "batch"]

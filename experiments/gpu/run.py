@@ -8,9 +8,11 @@ Stages (each writes CSV/JSON under --out, default experiments/results/gpu/<gpu-n
 to run.log there):
 
     env       environment snapshot and the meter `--meter auto` picks
-    meters    a steady and a bursty decode-like workload measured side by side by nvml-counter,
-              nvml-power (instant, 5 ms), zeus and naive 1 s power.draw polling, each plain and
-              under the Yang et al. protocol; memory_average power beside the device's; idle power
+    meters    `mtad-energy calibrate`'s meter part: a steady and a bursty decode-like workload
+              measured side by side by nvml-counter, nvml-power (instant, 5 ms), zeus and naive
+              1 s power.draw polling, each plain and under the Yang et al. protocol;
+              memory_average power beside the device's; idle power; the counter's update period;
+              a window-length sweep; the verdict (calibration.json, meters_sweep.csv)
     batch     the paper's batch-size study at OPT-13B shapes (batch 1..16) and the identifying
               design at Llama-3-8B shapes (random weights): batch 1..512 at 128 cached tokens,
               1024..8192 cached tokens at batch 1, prefill chunks of 128..4096 tokens; then both
@@ -28,7 +30,7 @@ to run.log there):
               not fit are skipped with the reason; resumes (--budget-s, --decoders, --sizes,
               --modes split it over several commands)
     floor     target forward time at batch 1 (eager and static-cache + torch.compile) against
-              weight bytes / measured copy bandwidth
+              weight bytes / measured copy bandwidth (`mtad-energy calibrate`'s measure_floor)
     plots     PNG figures of the above
 
 Random weights are valid for time and energy (the arithmetic does not depend on the values), not
@@ -42,13 +44,11 @@ import argparse
 import json
 import math
 import re
-import statistics
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -89,8 +89,7 @@ class Plan:
     compile_backend: str
     compiled_decoders: tuple[str, ...]  # run eager and `compile=` in `decoders`
     batched_decoders: tuple[str, ...]  # run at every batch size in `batched`
-    workload_s: float  # side-by-side window length in `meters`
-    matrix_n: int
+    matrix_n: int  # the side-by-side workloads of `meters` multiply [n, n] by [n, 1]
     batched_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     batched_modes: tuple[str, ...] = ("eager", "compiled")
     budget_s: float = math.inf  # `batched` starts nothing new after this (it resumes)
@@ -108,7 +107,7 @@ class Plan:
             return cls(True, torch.device("cpu"), torch.float32,
                        (("tiny-opt", (1, 2, 4), (), ()), ("tiny-llama", (1, 2, 4), (48,), (16,))),
                        (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
-                       "eager", ("ar", "spd"), ("ar", "spd", "typical"), 0.3, 256,
+                       "eager", ("ar", "spd"), ("ar", "spd", "typical"), 256,
                        batched_sizes=(1, 2, 4), eagle=1, eagle_draft_vocab=None)
         if need_gpu and not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
@@ -120,7 +119,7 @@ class Plan:
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
                    ("llama3.1-8b", "llama3.2-1b"), "inductor",
                    ("ar", "spd", "mtad", "specinfer", "mmtad", "pld", "medusa", "eagle"),
-                   ("ar", "spd", "typical", "mtad", "mmtad", "specinfer", "spectr"), 3.0, 16384)
+                   ("ar", "spd", "typical", "mtad", "mmtad", "specinfer", "spectr"), 16384)
 
     def mitigation(self):
         from mtad_energy.measure import MitigationConfig
@@ -177,193 +176,31 @@ def stage_env(kit: Kit) -> None:
 
 # --------------------------------------------------------------------------- meters
 
-def _meters(plan: Plan) -> dict[str, Callable[[], Any]]:
-    """The meters compared side by side (simulated sensors with the same roles in --smoke)."""
-    if plan.smoke:
-        from mtad_energy.measure import SimulatedMeter
-
-        return {"nvml-counter": lambda: SimulatedMeter(field="instant", poll_interval_s=0.005),
-                "nvml-power": lambda: SimulatedMeter(field="instant", poll_interval_s=0.005),
-                "zeus": lambda: SimulatedMeter(field="instant", poll_interval_s=0.005),
-                "power.draw-1s": lambda: SimulatedMeter(field="draw", poll_interval_s=1.0)}
-    from mtad_energy.measure import NvmlCounterMeter, NvmlPowerMeter, ZeusMeter
-
-    return {"nvml-counter": NvmlCounterMeter,
-            "nvml-power": lambda: NvmlPowerMeter(poll_interval_s=0.005, keep_samples=False),
-            "zeus": lambda: ZeusMeter(gpu_indices=[0]),
-            "power.draw-1s": lambda: NvmlPowerMeter(poll_interval_s=1.0, field="power.draw",
-                                                    keep_samples=False)}
-
-
-class Workload:
-    """A decode-like memory-bound repetition: `k` matrix-vector products over a weight matrix
-    far larger than L2 (each reads the whole matrix, like a batch-1 decode forward). `bursty`
-    adds a host-side idle gap after every repetition, as a Python decode loop does."""
-
-    def __init__(self, plan: Plan, bursty: bool, rep_ms: float = 10.0):
-        n = plan.matrix_n
-        self.w = torch.randn(n, n, device=plan.device, dtype=plan.dtype)
-        self.x = torch.randn(n, 1, device=plan.device, dtype=plan.dtype)
-        self.plan, self.bursty = plan, bursty
-        self.sync = (torch.cuda.synchronize if plan.device.type == "cuda" else (lambda: None))
-        # calibrate k so one repetition takes about rep_ms (after a warm-up: the first product
-        # pays for library initialisation)
-        self.k = 4
-        self._time_one()
-        t = min(self._time_one() for _ in range(3))
-        self.k = max(1, round(self.k * rep_ms / 1e3 / max(t, 1e-6)))
-        self.rep_s = self._time_one()
-
-    def _time_one(self) -> float:
-        self.sync()
-        t0 = time.perf_counter()
-        self.run_busy()
-        self.sync()
-        return time.perf_counter() - t0
-
-    def run_busy(self) -> None:
-        for _ in range(self.k):
-            self.x = (self.w @ self.x) * (1.0 / math.sqrt(self.w.shape[0]))
-
-    def __call__(self) -> None:
-        self.run_busy()
-        if self.bursty:
-            self.sync()
-            time.sleep(1.5 * self.rep_s)  # idle gap: the GPU waits for the host
-
-
-class MemoryPower:
-    """Polls NVML's average power of the whole board and of the memory (H100:
-    NVML_FI_DEV_POWER_AVERAGE with NVML_POWER_SCOPE_MEMORY) every 10 ms while open."""
-
-    def __init__(self):
-        import pynvml as nv
-
-        nv.nvmlInit()
-        self.nv, self.h = nv, nv.nvmlDeviceGetHandleByIndex(0)
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._read()  # raises where the field is unsupported
-
-    def _read(self) -> tuple[float, float]:
-        nv = self.nv
-        avg = nv.NVML_FI_DEV_POWER_AVERAGE
-        vals = nv.nvmlDeviceGetFieldValues(self.h, [(avg, nv.NVML_POWER_SCOPE_GPU),
-                                                    (avg, nv.NVML_POWER_SCOPE_MEMORY)])
-        for v in vals:
-            if v.nvmlReturn != nv.NVML_SUCCESS:
-                raise nv.NVMLError(v.nvmlReturn)
-        return vals[0].value.uiVal / 1e3, vals[1].value.uiVal / 1e3
-
-    def __enter__(self):
-        def poll():
-            while not self._stop.wait(0.01):
-                self.samples.append(self._read())
-        self._thread = threading.Thread(target=poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.nv.nvmlShutdown()
-
-    def means_w(self) -> tuple[float | None, float | None]:
-        if not self.samples:
-            return None, None
-        return (statistics.fmean(s[0] for s in self.samples), statistics.fmean(s[1] for s in self.samples))
-
-
 def stage_meters(kit: Kit) -> None:
-    from mtad_energy.measure import measure_mitigated
+    """`mtad-energy calibrate`'s meter measurement (`calibrate_meters`): the four meters side by
+    side on idle, steady and bursty work, plain and under the protocol; the counter's update
+    period; the trusted meter and the shortest window worth measuring (a simulated GPU on
+    simulated time in --smoke)."""
+    from mtad_energy.bench.calibrate import gpu_calibration_probe
+    from mtad_energy.measure.calibrate import CalibrationPlan, calibrate_meters
+    from mtad_energy.measure.probes import simulated_probe
 
     plan = kit.plan
-    factories = _meters(plan)
-    meters: dict[str, Any] = {}
-    rows: list[dict[str, Any]] = []
-    for name, make in factories.items():
-        try:
-            meters[name] = make()
-        except Exception as err:  # noqa: BLE001 - one missing meter must not end the stage
-            kit.log(f"meters: {name} unavailable: {type(err).__name__}: {err}")
-            rows.append({"workload": "-", "meter": name, "protocol": "-", "error": str(err)})
-    try:
-        # idle baseline, every meter at once
-        time.sleep(0.5 if not plan.smoke else 0.0)
-        idle_s = 2.0 if not plan.smoke else 0.05
-        with ExitStack() as stack:
-            handles = _all_windows(stack, meters, "idle", kit.sync)
-            time.sleep(idle_s)
-        for name, h in handles.items():
-            m = h.result()
-            rows.append({"workload": "idle", "meter": name, "protocol": "plain", "reps": 0,
-                         "time_s": m.time_s, "energy_j": m.energy_j, "power_w": m.power_w,
-                         "flags": ",".join(m.flag_codes), "reason": m.reason})
-        for bursty in (False, True):
-            work = Workload(plan, bursty)
-            label = "bursty" if bursty else "steady"
-            kit.log(f"meters: {label} workload, {work.k} mat-vecs of {plan.matrix_n}^2 per repetition "
-                    f"({work.rep_s * 1e3:.1f} ms busy" + (", then 1.5x idle)" if bursty else ")"))
-            for _ in range(3):
-                work()  # warm-up
-            kit.sync()
-            mem = None
-            if not plan.smoke:
-                try:
-                    mem = MemoryPower()
-                except Exception as err:  # noqa: BLE001 - reported, not fatal
-                    kit.log(f"meters: memory_average power unavailable: {err}")
-            reps = 0
-            with ExitStack() as stack:
-                handles = _all_windows(stack, meters, label, kit.sync)
-                stack.enter_context(mem or nullcontext())
-                t0 = time.perf_counter()
-                while reps < 8 or time.perf_counter() - t0 < plan.workload_s:
-                    work()
-                    reps += 1
-            mem_w = mem.means_w() if mem else (None, None)
-            for name, h in handles.items():
-                m = h.result()
-                rows.append({"workload": label, "meter": name, "protocol": "plain", "reps": reps,
-                             "time_s": m.time_s, "energy_j": m.energy_j, "power_w": m.power_w,
-                             "energy_per_rep_j": None if m.energy_j is None else m.energy_j / reps,
-                             "board_average_power_w": mem_w[0], "memory_average_power_w": mem_w[1],
-                             "flags": ",".join(m.flag_codes), "reason": m.reason})
-            for name, meter in meters.items():
-                t0 = time.perf_counter()
-                mit = measure_mitigated(work, meter, plan.mitigation(), sync=kit.sync)
-                rows.append({"workload": label, "meter": name, "protocol": "mitigated",
-                             "reps": mit.repetitions_kept, "time_s": mit.time_per_rep_s * mit.repetitions_kept
-                             if mit.time_per_rep_s else None,
-                             "energy_j": None, "power_w": None, "energy_per_rep_j": mit.energy_per_rep_j,
-                             "ci_low_j": mit.ci_low_j, "ci_high_j": mit.ci_high_j,
-                             "idle_power_w": mit.idle_power_w,
-                             "dynamic_energy_per_rep_j": mit.dynamic_energy_per_rep_j,
-                             "flags": ",".join(f.code for f in mit.flags), "reason": mit.reason,
-                             "protocol_wall_s": time.perf_counter() - t0})
-            del work
-    finally:
-        for meter in meters.values():
-            meter.close()
-    df = pd.DataFrame(rows)
-    # the spread: each meter against the energy counter, same workload and protocol
-    # (idle rows compare power, workload rows energy per repetition)
-    df["value"] = df["energy_per_rep_j"].where(df["workload"] != "idle", df["power_w"])
-    ref = (df[df.meter == "nvml-counter"][["workload", "protocol", "value"]]
-           .rename(columns={"value": "counter_value"}))
-    df = df.merge(ref, on=["workload", "protocol"], how="left")
-    df["vs_counter"] = df["value"] / df["counter_value"] - 1.0
-    kit.table("meters", df, "meters: energy per repetition (idle: W) side by side; vs_counter = "
-              "relative difference to the NVML energy counter",
-              "simulated sensors in --smoke" if plan.smoke else "")
-
-
-def _all_windows(stack: ExitStack, meters: dict[str, Any], key: str,
-                 sync: Callable[[], None]) -> dict[str, Any]:
-    """One window on every meter, entered on ``stack`` (closed in reverse order, always)."""
-    from mtad_energy.measure import window
-
-    return {name: stack.enter_context(window(meter, key, sync)) for name, meter in meters.items()}
+    probe = (nullcontext(simulated_probe()) if plan.smoke
+             else gpu_calibration_probe(plan.matrix_n, plan.dtype))
+    with probe as (device, works):
+        for w in works:
+            kit.log(f"meters: {w.name} workload: {w.description} ({w.rep_s * 1e3:.1f} ms per repetition)")
+        cal = calibrate_meters(device, works, CalibrationPlan.quick() if plan.smoke else CalibrationPlan(),
+                               lambda text: kit.log(f"meters: {text}"))
+    note = "simulated GPU in --smoke" if plan.smoke else ""
+    kit.table("meters", pd.DataFrame(cal.rows), "meters: energy per repetition (idle: W) side by side; "
+              "vs_counter = relative difference to the NVML energy counter", note)
+    kit.table("meters_sweep", pd.DataFrame(cal.sweep), "meters: plain windows of the bursty workload "
+              "by length, read by the trusted meter; error against the protocol's consensus", note)
+    kit.json("calibration", cal.to_dict())
+    for line in cal.verdict:
+        kit.log(f"meters: verdict: {line}")
 
 
 # --------------------------------------------------------------------------- batch
@@ -766,7 +603,10 @@ def _tree_vs_chain(kit: Kit) -> None:
 # --------------------------------------------------------------------------- floor
 
 def stage_floor(kit: Kit) -> None:
-    from mtad_energy.bench.floor import copy_bandwidth, decode_forward_time, weight_bytes
+    """`mtad-energy calibrate`'s floor (`measure_floor`) for each of the plan's models, eager and
+    compiled."""
+    from mtad_energy.bench.calibrate import measure_floor
+    from mtad_energy.bench.floor import copy_bandwidth
     from mtad_energy.bench.shapes import random_model
 
     plan = kit.plan
@@ -775,23 +615,10 @@ def stage_floor(kit: Kit) -> None:
     rows = []
     for shape in plan.floor_models:
         model = random_model(shape, plan.device, plan.dtype, max_positions=1024)
-        wb = weight_bytes(model)
-        floor_ms = wb / bw * 1e3
-        for mode in ("eager", "compiled"):
-            try:
-                t = decode_forward_time(model, mode, context_len=128 if not plan.smoke else 16,
-                                        forwards=32 if not plan.smoke else 4,
-                                        repeats=5 if not plan.smoke else 2, backend=plan.compile_backend)
-                rows.append({"model": shape, "mode": mode, "batch_size": 1, "weight_gb": wb / 1e9,
-                             "copy_tb_per_s": bw / 1e12, "floor_ms": floor_ms,
-                             "forward_ms": t.forward_ms, "forward_ms_min": t.forward_ms_min,
-                             "x_floor": t.forward_ms / floor_ms, "tokens_per_s": 1e3 / t.forward_ms,
-                             "warmup_s": t.compile_s, "detail": t.detail, "error": None})
-            except Exception as err:  # noqa: BLE001 - one failing variant must not end the stage
-                kit.log(f"floor: {shape} {mode} failed: {type(err).__name__}: {str(err)[:300]}")
-                rows.append({"model": shape, "mode": mode, "batch_size": 1, "weight_gb": wb / 1e9,
-                             "floor_ms": floor_ms, "error": f"{type(err).__name__}: {str(err)[:300]}"})
-            kit.log(f"floor: {shape} {mode}: {rows[-1].get('forward_ms')} ms vs floor {floor_ms:.3f} ms")
+        rows += measure_floor(model, shape, bw, ("eager", "compiled"),
+                              context_len=128 if not plan.smoke else 16,
+                              forwards=32 if not plan.smoke else 4, repeats=5 if not plan.smoke else 2,
+                              backend=plan.compile_backend, log=kit.log)
         del model
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -42,6 +42,7 @@ from mtad_energy.measure import (
     snapshot,
     work_tap,
 )
+from mtad_energy.measure.calibrate import calibrated
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -177,7 +178,8 @@ class Runner:
         self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
                                       dtype=m.dtype, with_draft=needs_draft,
                                       heads=head_kinds(built))
-        snap = snapshot()
+        # a calibrated device: its record in the snapshot, windows below its minimum flagged
+        self.meter, snap = calibrated(self.meter, snapshot())
         self.env_id = snap.snapshot_id
         store.write_env(self.env_id, snap.to_dict())
         desc = self.pair.describe()

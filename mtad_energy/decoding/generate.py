@@ -263,6 +263,12 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     if draft_model is not None:
         roles.append(("draft", draft_model, decoder.draft_hidden()))
     opts = compile if compile and not isinstance(compile, bool) else None
+    chain = decoder.lookahead + 1
+    # widths a drafting decoder meets only on some runs: a draft's step and its catch-up after a
+    # full accept (1, 2), the target's last short verify or step (1, 2) and verify; a head's
+    # forwards take its features (their widths compile at the full-length warm-up)
+    warm = {"draft": (1, 2) if decoder.head is None else (),
+            "target": tuple(sorted({1, 2, chain}))}
     runners: list[ModelRunner] = []
     for role, model, hidden in roles:
         if getattr(model, "cacheless", False):
@@ -270,8 +276,8 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
         elif compile:
             from mtad_energy.decoding.static import ForwardShape, make_runner  # compiler stack
 
-            shape = ForwardShape(repr(decoder), decoder.cache_rows(role), decoder.lookahead + 1,
-                                 hidden)
+            shape = ForwardShape(repr(decoder), decoder.cache_rows(role), chain,
+                                 warm[role] if decoder.lookahead else (), hidden)
             runners.append(make_runner(model, timer, role, rows, slots, opts, shape))
         else:
             from mtad_energy.decoding.batch import rows_runner

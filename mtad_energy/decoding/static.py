@@ -76,6 +76,10 @@ class ForwardShape:
     key: str = ""  # the decoder (name and parameters): tree widths are remembered per key
     rows_per_seq: int = 1  # cache rows a sequence expands to at most (beams, Spectr's drafts)
     max_chain: int = 1  # widest chain forward (a verify of gamma + 1 tokens)
+    # chain widths whose use depends on sampled values (a catch-up of 2 after a full accept, a
+    # verify of 2 or a target step of 1 in the last iterations): compiled when the runner is
+    # made, before the generation's windows open, so no warm-up has to be lucky to meet them
+    warm_widths: tuple[int, ...] = ()
     hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
 
 
@@ -398,6 +402,8 @@ class StaticRunner(RowLayout, ModelRunner):
         self._init_layout(seqs, pad=bucket - seqs)
         self.cache = self.engine.cache_for(bucket * self.shape.rows_per_seq, slots)
         self.n = 0  # columns in use (host side: set by forwards, cuts and compaction)
+        self.prewarm_s = self._prewarm()  # before any window opens: not the generation's
+        self.compile_s -= self.prewarm_s
 
     # -- RowLayout storage ---------------------------------------------------------------------
     @property
@@ -442,6 +448,7 @@ class StaticRunner(RowLayout, ModelRunner):
         self.compact()
         if self.n + width > self.cache.slots:
             self.cache = self.engine.grow(self.cache, self.n + width)
+            self._prewarm()
 
     def _run(self, input_ids: torch.Tensor, new: torch.Tensor | None,
              anc: torch.Tensor | None = None, depths: torch.Tensor | None = None,
@@ -472,11 +479,8 @@ class StaticRunner(RowLayout, ModelRunner):
         if features is not None:  # a head's input, padded as the tokens
             kwargs["features"] = F.pad(features, (0, 0, *grow)).clone(memory_format=dense)
         self.cache.start.fill_(self.n)
-        # what else decides the graph: one tree per sequence or one for all, a head's features,
-        # the hidden states returned
-        key = (total, width, m) + (("per-row",) if anc is not None and anc.shape[0] > 1 else ()) \
-            + (() if features is None else (("features", features.shape[-1]),)) \
-            + ((("hidden", self.hidden_layers),) if self.hidden_layers else ())
+        key = self._graph_key(total, width, m, anc is not None and anc.shape[0] > 1,
+                              None if features is None else features.shape[-1])
         if compiled and key not in self.cache.warmed:
             self._warm(args, kwargs)
             self.cache.warmed.add(key)
@@ -494,6 +498,32 @@ class StaticRunner(RowLayout, ModelRunner):
             self.hidden = hidden[:rows, :k]
             return logits[:rows, :k]
         return out[:rows, :k]
+
+    def _graph_key(self, rows: int, width: int, m: int | None, per_row: bool = False,
+                   features: int | None = None) -> tuple:
+        """What decides a forward's graph: rows, width, tree prefix (None: a chain), one tree
+        per sequence or one for all, a head's feature width, the hidden states returned."""
+        return ((rows, width, m) + (("per-row",) if per_row else ())
+                + (() if features is None else (("features", features),))
+                + ((("hidden", self.hidden_layers),) if self.hidden_layers else ()))
+
+    def _prewarm(self) -> float:
+        """Compile `ForwardShape.warm_widths` at the bucket's rows on this cache now: dummy
+        tokens marked not real, written at the first free slot (nothing becomes valid, the
+        next forward overwrites them); a width that does not fit waits for the cache to grow,
+        which warms again. Returns the seconds it took (in ``compile_s``)."""
+        rows = len(self.cols) + self.pad
+        todo = [w for w in self.shape.warm_widths
+                if self._graph_key(rows, w, None) not in self.cache.warmed
+                and self.n + w <= self.cache.slots]
+        kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
+        before = self.compile_s
+        for width in todo:
+            ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+            self.cache.start.fill_(self.n)
+            self._warm((ids, torch.zeros_like(ids, dtype=torch.bool)), kwargs)
+            self.cache.warmed.add(self._graph_key(rows, width, None))
+        return self.compile_s - before
 
     def _warm(self, args: tuple, kwargs: dict) -> None:
         """Run a new shape untimed (compiling it): the calls are idempotent (the same KV and

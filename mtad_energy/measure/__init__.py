@@ -13,6 +13,7 @@ only when a backend needs them.
 """
 
 from mtad_energy.measure.base import (
+    FLAG_BELOW_MIN_WINDOW,
     FLAG_COUNTER_RESET,
     FLAG_COUNTER_WRAP,
     FLAG_DEVICE_ORDER,
@@ -79,6 +80,7 @@ from mtad_energy.measure.zeus_meter import (
 )
 
 __all__ = [
+    "FLAG_BELOW_MIN_WINDOW",
     "FLAG_COUNTER_RESET",
     "FLAG_COUNTER_WRAP",
     "FLAG_DEVICE_ORDER",

@@ -28,6 +28,7 @@ FLAG_POWER_FALLBACK = "power-fallback"
 FLAG_DEVICE_ORDER = "device-order"
 FLAG_FEW_SAMPLES = "few-samples"
 FLAG_ZERO_ENERGY = "zero-energy"
+FLAG_BELOW_MIN_WINDOW = "below-calibrated-min"
 
 
 class MeasureError(RuntimeError):

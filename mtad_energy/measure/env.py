@@ -71,6 +71,7 @@ class EnvSnapshot:
     git_revision: str | None
     git_dirty: bool | None
     nvml_error: str | None
+    calibrations: tuple[Mapping[str, Any], ...] = ()  # `mtad-energy calibrate` records in force
 
     def stable_fields(self) -> dict[str, Any]:
         volatile = {"sm_clock_mhz", "memory_clock_mhz", "temperature_c"}
@@ -85,6 +86,9 @@ class EnvSnapshot:
             "libraries": dict(self.libraries),
             "git_revision": self.git_revision,
             "git_dirty": self.git_dirty,
+            # only when calibrated: the ids of uncalibrated setups stay what they were
+            **({"calibrations": [c["record_id"] for c in self.calibrations]}
+               if self.calibrations else {}),
         }
 
     @property
@@ -96,6 +100,7 @@ class EnvSnapshot:
         out = asdict(self)
         out["gpus"] = [asdict(g) for g in self.gpus]
         out["libraries"] = dict(self.libraries)
+        out["calibrations"] = [dict(c) for c in self.calibrations]
         out["snapshot_id"] = self.snapshot_id
         return out
 
@@ -211,7 +216,10 @@ def _read_gpus(env: Mapping[str, str]) -> tuple[tuple[GpuInfo, ...], str | None,
 
 
 def snapshot(env: Mapping[str, str] | None = None, repo: Path | None = None) -> EnvSnapshot:
-    """Describe this machine and software; GPU fields are empty (with `nvml_error`) without NVML."""
+    """Describe this machine and software; GPU fields are empty (with `nvml_error`) without NVML.
+    The calibrations (`mtad-energy calibrate`) stored for its GPUs are referenced."""
+    from mtad_energy.measure.calibrate import calibration_refs
+
     env = os.environ if env is None else env
     gpus, driver, nvml_error = _read_gpus(env)
     rev, dirty = git_revision(repo)
@@ -229,6 +237,7 @@ def snapshot(env: Mapping[str, str] | None = None, repo: Path | None = None) -> 
         git_revision=rev,
         git_dirty=dirty,
         nvml_error=nvml_error,
+        calibrations=calibration_refs([g.uuid for g in gpus]),
     )
 
 

@@ -97,7 +97,27 @@ class SimulatedGPU:
         return self.trace().energy_j(start_s, end_s)
 
 
-class SimulatedMeter(MeterBase):
+class _SimulatedDevice(MeterBase):
+    """What both simulated meters share: one device, ``sim0``, on the GPU's clock, with the
+    update period of ``self.sensor``."""
+
+    name = "simulated"
+    gpu: SimulatedGPU
+    sensor: SensorModel
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return ("sim0",)
+
+    @property
+    def update_period_s(self) -> float | None:
+        return self.sensor.update_period_s
+
+    def now(self) -> float:
+        return self.gpu.clock()
+
+
+class SimulatedMeter(_SimulatedDevice):
     """A meter that polls a `SensorModel` watching a `SimulatedGPU`, like `nvml-power` does, or
     reads a `RooflineDevice`'s true energy.
 
@@ -115,8 +135,6 @@ class SimulatedMeter(MeterBase):
         sensor: an explicit sensor model (overrides preset/field).
     """
 
-    name = "simulated"
-
     def __init__(
         self,
         gpu: SimulatedGPU | None = None,
@@ -129,14 +147,11 @@ class SimulatedMeter(MeterBase):
     ):
         self.gpu = gpu
         self.device = device if device is not None or gpu is not None else RooflineDevice()
+        self.preset = preset if sensor is None else None  # what a calibration is filed under
         self.sensor = sensor if sensor is not None else get_preset(preset).field(field)
         self.poll_interval_s = poll_interval_s
         self.keep_samples = keep_samples
         self._book = WindowBook()
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return ("sim0",)
 
     @property
     def update_period_s(self) -> float | None:
@@ -196,6 +211,44 @@ class SimulatedMeter(MeterBase):
     def true_energy_j(self, start_s: float, end_s: float) -> float:
         """The true energy of the simulated device over [start_s, end_s] (joules)."""
         return self.gpu.true_energy_j(start_s, end_s)
+
+
+class SimulatedCounterMeter(_SimulatedDevice):
+    """The energy counter of a simulated GPU, like NVML's total-energy counter: the true energy,
+    published every `update_period_s` (a read returns the total at the last update, in whole
+    millijoules). Full coverage, but a window shorter than a few updates reads the wrong number of
+    them: what a calibration's window sweep finds.
+
+    Args:
+        gpu: the simulated device (on a `SimClock` or the real clock).
+        update_period_s: the counter's update period (seconds).
+        phase_s: updates at phase_s + k * update_period_s.
+    """
+
+    def __init__(self, gpu: SimulatedGPU, update_period_s: float = 0.1, phase_s: float = 0.0):
+        self.gpu = gpu
+        self.preset = None
+        # only its update grid counts: the counter integrates the true power, all of it
+        self.sensor = SensorModel(update_period_s=update_period_s, window_s=update_period_s,
+                                  phase_s=phase_s)
+        self._book = WindowBook()
+
+    def read_j(self) -> float:
+        """The counter now (joules since the simulation started, whole millijoules)."""
+        at = self.sensor.last_update_s(self.now())
+        return float(np.floor(self.gpu.trace().cumulative_j(at) * 1000.0)) / 1000.0
+
+    def begin_window(self, key: str) -> None:
+        self._book.open(key, (self.now(), self.read_j()))
+
+    def end_window(self, key: str) -> Measurement:
+        (start_s, start_j), end_j, end_s = self._book.close(key), self.read_j(), self.now()
+        energy = end_j - start_j
+        return Measurement(
+            name=key, meter=self.name, time_s=end_s - start_s, start_timestamp_s=start_s,
+            end_timestamp_s=end_s, energy_j=energy, device_energy_j={"sim0": energy},
+            flags=tuple(short_window_flag(self.name, end_s - start_s, self.update_period_s)),
+        )
 
 
 @contextmanager

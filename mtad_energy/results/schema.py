@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a table may also hold compacted files (<table>/packs/); 1 had part files only
+READABLE_SCHEMA_VERSIONS = (1, 2)  # a schema-1 store is read as is and upgraded by its first compaction
 
 
 @dataclass(frozen=True)

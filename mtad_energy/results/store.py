@@ -1,10 +1,13 @@
-"""An append-only results store: one Parquet part file per finished row (or run), named by its key.
+"""An append-only results store: one Parquet part file per finished row (or run), named by its key,
+compacted into larger files once finished.
 
 Layout of a store directory::
 
-    DIR/mtad-energy-store.json      marker: format and schema version
-    DIR/envs/<env_id>.json           environment snapshots the rows point at
-    DIR/<table>/<key>.parquet        one part file per key (runs, steps, batch, ops)
+    DIR/mtad-energy-store.json          marker: format and schema version
+    DIR/envs/<env_id>.json               environment snapshots the rows point at
+    DIR/<table>/<key>.parquet            one part file per key (runs, steps, batch, ops, decode_batch)
+    DIR/<table>/packs/<time>-<id>.parquet  compacted files: the rows of many finished part files
+    DIR/.write-lock, DIR/.compact-lock   empty files whose advisory locks order writers and compaction
 
 Why a file per key: a row is on disk the moment it is finished, so Ctrl-C, a crash or an
 out-of-memory kill loses at most the row in flight; the key is the file name, so a re-run that
@@ -15,30 +18,66 @@ one store at once. Temporary files left by a killed writer are removed when the 
 once they are older than any write could take (`STALE_TMP_S`), never while a writer may own them.
 Anything else in DIR (a file we did not write, a part file that does not parse) is an error that
 names the file: skipping it would silently drop results.
+
+Why packs: opening a file costs milliseconds whatever reads it, so 10^5 part files take minutes to
+load. `ResultStore.compact` folds finished part files into packs of up to `PACK_ROWS` rows (the
+CLI does it at the end of every command; `mtad-energy store compact DIR` on demand), and `load`
+reads all files of a table in parallel. Compaction keeps every guarantee above:
+
+- it writes a pack atomically first, then removes the files it holds; a reader or a crash between
+  the two steps sees a row twice, and the key decides: each key's rows are taken from one file
+  only (packs in the order they were written, then part files), and the next compaction removes
+  the leftovers;
+- a key stays taken after its part file is removed: a writer checks the packs and links its part
+  file under a shared lock, and compaction removes files only under the exclusive one, so of two
+  workers storing one key exactly one succeeds, whenever compaction runs;
+- ``steps`` of a run are compacted once its ``runs`` row is in a pack (until then the run may be
+  redone, its steps part file overwritten); one compaction runs at a time (the others skip).
+
+Locks are `fcntl.flock` locks, released by the kernel when their process dies, so a crash never
+leaves one behind. Where the file system has no working locks, reads still count each key once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from mtad_energy.results.schema import SCHEMA_VERSION, TABLES, TableSpec
+from mtad_energy.results.schema import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, TABLES, TableSpec
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no locks, reads still count each key once
+    fcntl = None  # type: ignore[assignment]
 
 MARKER = "mtad-energy-store.json"
 FORMAT = "mtad-energy-results"
+PACKS = "packs"
+WRITE_LOCK = ".write-lock"
+COMPACT_LOCK = ".compact-lock"
 _KEY_FILE = re.compile(r"^[0-9a-f]{16}\.parquet$")
+_PACK_FILE = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}\.parquet$")
 _ENV_FILE = re.compile(r"^[0-9a-f]{16}\.json$")
 _TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0  # a part file takes milliseconds to write; an hour-old temporary is orphaned
+PACK_ROWS = 100_000  # rows per pack at most; one under half of it is merged again by a compaction
+READ_THREADS = min(32, 8 * (os.cpu_count() or 1))  # opening files waits on the file system
+_READ_ATTEMPTS = 5
 
 
 class StoreError(RuntimeError):
@@ -61,11 +100,51 @@ class RowExistsError(StoreError):
     """The row is already stored (by an earlier run or, just now, by another worker)."""
 
 
-def _write_atomic(path: Path, write, exclusive: bool = False) -> None:
+class _PackVanished(Exception):
+    """A pack listed a moment ago was merged into a newer one: list the files again."""
+
+
+@dataclass(frozen=True)
+class TableCompaction:
+    """What compacting one table did."""
+
+    table: str
+    parts: int  # part files folded into packs (and removed)
+    packs_merged: int  # small packs rewritten into the new ones (and removed)
+    packs_written: int
+    rows: int  # rows in the packs written
+    duplicates: int  # files (or a pack's keys) dropped because another file holds their key
+    parts_left: int  # part files not compacted: steps of runs whose runs row is not in a pack
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What `ResultStore.compact` did; ``busy`` when another compaction held the store."""
+
+    root: str
+    tables: tuple[TableCompaction, ...]
+    busy: bool
+    time_s: float
+
+    @property
+    def parts(self) -> int:
+        return sum(t.parts for t in self.tables)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": self.root, "busy": self.busy, "time_s": self.time_s,
+                "tables": [t.to_dict() for t in self.tables]}
+
+
+def _write_atomic(path: Path, write, exclusive: bool = False,
+                  guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """Write through a temporary file renamed into place. ``exclusive``: fail with
     `FileExistsError` if ``path`` exists, also when another process creates it at the same moment
     (a hard link is created atomically or not at all; where the file system has no hard links,
-    an existence check just before the rename leaves a window of microseconds)."""
+    an existence check just before the rename leaves a window of microseconds). ``guard`` is
+    entered around the rename only (it may raise `FileExistsError` too)."""
     tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
     try:
         try:
@@ -77,18 +156,61 @@ def _write_atomic(path: Path, write, exclusive: bool = False) -> None:
                     "finished before it is stored intact (a row is written whole or not at all); free "
                     "some space, then re-run the same command to resume where it stopped") from None
             raise
-        if exclusive:
-            try:
-                os.link(tmp, path)
-                return
-            except FileExistsError:
-                raise
-            except OSError:  # no hard links here (some network or FUSE file systems)
-                if path.exists():
-                    raise FileExistsError(path) from None
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old state or the whole file
+        with guard():
+            if exclusive:
+                try:
+                    os.link(tmp, path)
+                    return
+                except FileExistsError:
+                    raise
+                except OSError:  # no hard links here (some network or FUSE file systems)
+                    if path.exists():
+                        raise FileExistsError(path) from None
+            os.replace(tmp, path)  # atomic on POSIX: readers see the old state or the whole file
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _flock(path: Path, exclusive: bool, blocking: bool = True) -> Iterator[bool]:
+    """An advisory lock on ``path`` (created if missing); yields False if ``blocking`` is off and
+    another process holds it. Without working locks (no fcntl, or a file system that refuses
+    them) it yields True: the readers' key rule still keeps every row single."""
+    if fcntl is None:
+        yield True
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
+        held = True
+        try:
+            fcntl.flock(fd, flags)
+        except BlockingIOError:
+            held = False
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        yield held  # the lock goes with the descriptor, closed below
+    finally:
+        os.close(fd)
+
+
+def _read_parquet(path: Path, pack: bool) -> pa.Table:
+    # a part file is small: one read, then parsed from memory (the fastest of pyarrow's ways for
+    # one-row files); a pack is read column by column on pyarrow's own threads. The pandas
+    # metadata of a one-row file describes its own columns only: dropped, so that tables with
+    # different columns concatenate into the union of their columns
+    tab = pq.read_table(path) if pack else pq.ParquetFile(pa.BufferReader(path.read_bytes())).read()
+    return tab.replace_schema_metadata(None)
+
+
+def _to_pandas(tables: Sequence[pa.Table]) -> pd.DataFrame:
+    """One DataFrame from tables whose columns differ (the union, missing values null)."""
+    try:
+        return pa.concat_tables(tables, promote_options="permissive").to_pandas()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        # a column with different types in different files: pandas keeps it as objects
+        return pd.concat([t.to_pandas() for t in tables], ignore_index=True, sort=False)
 
 
 class ResultStore:
@@ -96,6 +218,7 @@ class ResultStore:
 
     def __init__(self, root: str | Path, create: bool = True):
         self.root = Path(root)
+        self._pack_index: dict[str, dict[str, frozenset[str]]] = {}  # table -> pack name -> keys
         marker = self.root / MARKER
         if not self.root.exists():
             if not create:
@@ -110,15 +233,18 @@ class ResultStore:
                 f"{self.root} is not empty and is not an mtad-energy results store (no {MARKER}); "
                 "pick a new or empty --output directory")
         elif create:
-            _write_atomic(marker, lambda p: p.write_text(json.dumps(
-                {"format": FORMAT, "schema_version": SCHEMA_VERSION}, indent=2) + "\n"))
+            self._write_marker()
         else:
             raise StoreError(f"{self.root} is empty: no results yet")
         self._sweep_temporaries()
         self._check_layout()
 
     # -- checks -------------------------------------------------------------------------------
-    def _check_marker(self, marker: Path) -> None:
+    def _write_marker(self) -> None:
+        _write_atomic(self.root / MARKER, lambda p: p.write_text(json.dumps(
+            {"format": FORMAT, "schema_version": SCHEMA_VERSION}, indent=2) + "\n"))
+
+    def _check_marker(self, marker: Path) -> int:
         try:
             meta = json.loads(marker.read_text())
         except (OSError, ValueError) as err:
@@ -126,16 +252,24 @@ class ResultStore:
                                    "--output directory") from None
         if meta.get("format") != FORMAT:
             raise ForeignFileError(f"{marker} does not describe an mtad-energy results store")
-        if meta.get("schema_version") != SCHEMA_VERSION:
+        version = meta.get("schema_version")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            readable = ", ".join(map(str, READABLE_SCHEMA_VERSIONS))
             raise StoreError(
-                f"{self.root} was written with store schema {meta.get('schema_version')}, this "
-                f"mtad-energy reads schema {SCHEMA_VERSION}; use a matching version or a new --output")
+                f"{self.root} was written with store schema {version}, this mtad-energy reads "
+                f"schema {readable}; use a matching version or a new --output")
+        return version
+
+    def _table_dirs(self) -> list[Path]:
+        return [self.root / t for t in TABLES if (self.root / t).is_dir()]
 
     def _sweep_temporaries(self) -> None:
         # a writer killed between write and rename leaves these; they never held a finished row.
         # Young ones may belong to a live writer in another process.
         now = time.time()
-        for sub in [self.root, *(p for p in self.root.iterdir() if p.is_dir())]:
+        dirs = [self.root, *(p for p in self.root.iterdir() if p.is_dir())]
+        dirs += [d / PACKS for d in self._table_dirs() if (d / PACKS).is_dir()]
+        for sub in dirs:
             for p in sub.glob(f"{_TMP_PREFIX}*"):
                 try:
                     if now - p.stat().st_mtime > STALE_TMP_S:
@@ -148,45 +282,98 @@ class ResultStore:
         d = self.root / table
         return sorted(p for p in d.glob("*.parquet") if _KEY_FILE.match(p.name)) if d.is_dir() else []
 
+    def _packs(self, table: str) -> list[Path]:
+        """Packs of a table, oldest first (the name starts with the time it was written)."""
+        d = self.root / table / PACKS
+        return sorted(p for p in d.glob("*.parquet") if _PACK_FILE.match(p.name)) if d.is_dir() else []
+
     def _check_layout(self) -> None:
         allowed_dirs = set(TABLES) | {"envs"}
         for p in self.root.iterdir():
-            if p.name == MARKER:
-                continue
-            if p.name.startswith(_TMP_PREFIX):
+            if p.name in (MARKER, WRITE_LOCK, COMPACT_LOCK) or p.name.startswith(_TMP_PREFIX):
                 continue
             if p.is_dir() and p.name in allowed_dirs:
-                pattern = _ENV_FILE if p.name == "envs" else _KEY_FILE
-                for f in p.iterdir():
-                    if not pattern.match(f.name) and not f.name.startswith(_TMP_PREFIX):
-                        raise ForeignFileError(
-                            f"{f} was not written by mtad-energy (expected "
-                            f"{'<env_id>.json' if p.name == 'envs' else '<16 hex digits>.parquet'}); "
-                            "move it out of the results directory")
+                self._check_files(p, _ENV_FILE if p.name == "envs" else _KEY_FILE,
+                                  "<env_id>.json" if p.name == "envs" else "<16 hex digits>.parquet")
                 continue
             raise ForeignFileError(f"{p} was not written by mtad-energy; move it out of the results "
                                    f"directory {self.root} (a store holds only {MARKER}, "
                                    f"{', '.join(sorted(allowed_dirs))})")
 
+    def _check_files(self, d: Path, pattern: re.Pattern, expected: str) -> None:
+        for f in d.iterdir():
+            if f.name.startswith(_TMP_PREFIX) or pattern.match(f.name):
+                continue
+            if f.name == PACKS and pattern is _KEY_FILE and f.is_dir():
+                self._check_files(f, _PACK_FILE, "<16 hex digits>-<8 hex digits>.parquet")
+                continue
+            raise ForeignFileError(f"{f} was not written by mtad-energy (expected {expected}); "
+                                   "move it out of the results directory")
+
+    # -- packs --------------------------------------------------------------------------------
+    def _pack_keys(self, table: str) -> set[str]:
+        """Every key the packs of ``table`` hold now (the key column of a new pack is read once)."""
+        for _ in range(_READ_ATTEMPTS):
+            packs = self._packs(table)
+            index = self._pack_index.setdefault(table, {})
+            for name in set(index) - {p.name for p in packs}:
+                del index[name]
+            try:
+                for p in packs:
+                    if p.name not in index:
+                        index[p.name] = self._read_pack_keys(table, p)
+            except _PackVanished:
+                continue
+            return set().union(*index.values())
+        raise StoreError(f"the packs of {self.root / table} kept changing while being listed; "
+                         "try again")
+
+    def _read_pack_keys(self, table: str, path: Path) -> frozenset[str]:
+        key = TABLES[table].key
+        try:
+            column = pq.read_table(path, columns=[key])[key]
+        except FileNotFoundError:
+            raise _PackVanished from None
+        except Exception as err:
+            if not path.exists():
+                raise _PackVanished from None
+            raise self._damaged(table, path, err, pack=True) from None
+        return frozenset(pc.unique(column).to_pylist())
+
     # -- writing ------------------------------------------------------------------------------
     def _table_dir(self, table: str) -> Path:
-        if table not in TABLES:
-            raise ValueError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
+        self._check_table(table)
         d = self.root / table
         d.mkdir(exist_ok=True)
         return d
 
+    @staticmethod
+    def _check_table(table: str) -> None:
+        if table not in TABLES:
+            raise ValueError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
+
     def has(self, table: str, key: str) -> bool:
-        return (self.root / table / f"{key}.parquet").exists()
+        # the part file first: compaction writes its pack before it removes the part file
+        return (self.root / table / f"{key}.parquet").exists() or key in self._pack_keys(table)
 
     def keys(self, table: str) -> set[str]:
-        return {p.stem for p in self._parts(table)}
+        return {p.stem for p in self._parts(table)} | self._pack_keys(table)
+
+    @contextlib.contextmanager
+    def _claim(self, table: str, key: str) -> Iterator[None]:
+        """Held while a part file is linked into place: no compaction removes a file meanwhile,
+        so a key that is in no pack now and whose name is free is nowhere else."""
+        with _flock(self.root / WRITE_LOCK, exclusive=False):
+            if key in self._pack_keys(table):
+                raise FileExistsError(key)
+            yield
 
     def write(self, table: str, key: str, rows: Iterable[Mapping[str, Any]],
               overwrite: bool = False) -> Path:
         """Store ``rows`` (all sharing ``key``) as one part file. A key that is already stored is
         refused with `RowExistsError` unless ``overwrite`` (used only for ``steps``, whose run row
-        is the commit mark); the refusal is atomic, so of two workers storing one key, one wins."""
+        is the commit mark); the refusal is atomic, so of two workers storing one key, one wins,
+        also while a compaction moves part files into packs."""
         d = self._table_dir(table)
         spec: TableSpec = TABLES[table]
         rows = [dict(r) for r in rows]
@@ -199,13 +386,15 @@ class ResultStore:
             if r[spec.key] != key:
                 raise ValueError(f"{table} row has {spec.key}={r[spec.key]!r}, expected {key!r}")
         path = d / f"{key}.parquet"
-        exists = RowExistsError(f"{table} row {key} is already stored in {path}; rows are never "
-                                "written twice")
-        if path.exists() and not overwrite:
+        exists = RowExistsError(f"{table} row {key} is already stored in {self.root / table}; rows "
+                                "are never written twice")
+        if not overwrite and self.has(table, key):
             raise exists
         frame = pd.DataFrame(rows)
+        guard = contextlib.nullcontext if overwrite else (lambda: self._claim(table, key))
         try:
-            _write_atomic(path, lambda p: frame.to_parquet(p, index=False), exclusive=not overwrite)
+            _write_atomic(path, lambda p: frame.to_parquet(p, index=False), exclusive=not overwrite,
+                          guard=guard)
         except FileExistsError:  # another worker stored it between the check and the write
             raise exists from None
         return path
@@ -218,37 +407,114 @@ class ResultStore:
             _write_atomic(path, lambda p: p.write_text(json.dumps(snapshot, indent=2, default=str)))
 
     # -- reading ------------------------------------------------------------------------------
+    def _damaged(self, table: str, path: Path, err: Exception, pack: bool = False) -> CorruptFileError:
+        if pack:
+            fix = ("it holds compacted rows of many runs: restore it from a backup, or delete it and "
+                   "re-run the commands that wrote them to recompute them")
+        elif table == "steps" and (self.root / "runs" / path.name).exists():
+            # a run is redone only when its run row is missing: a damaged steps part goes with it
+            fix = (f"delete it and its run row {self.root / 'runs' / path.name}, then re-run the same "
+                   "command to recompute that run")
+        elif table == "steps":
+            fix = ("delete it: its run row is compacted, so that run keeps its runs row without "
+                   "per-iteration steps (recompute it into a new --output if you need them)")
+        else:
+            fix = "delete it and re-run the same command to recompute that row"
+        return CorruptFileError(f"{path} is not a readable Parquet file ({type(err).__name__}: "
+                                f"{err}); {fix}")
+
+    def _read_file(self, table: str, path: Path, pack: bool) -> pa.Table | None:
+        """One file's rows, checked; None for a part file that vanished (compaction moved it into a
+        pack, which was written before, so it is listed); a vanished pack raises _PackVanished."""
+        key = TABLES[table].key
+        try:
+            tab = _read_parquet(path, pack)
+        except FileNotFoundError:
+            if pack:
+                raise _PackVanished from None
+            return None
+        except Exception as err:  # pyarrow raises several types for a damaged file
+            if not path.exists():
+                if pack:
+                    raise _PackVanished from None
+                return None
+            raise self._damaged(table, path, err, pack) from None
+        if tab.num_rows and key not in tab.column_names:
+            raise ForeignFileError(f"{path} was not written by mtad-energy (it has no {key} column); "
+                                   "move it out of the results directory")
+        if tab.num_rows and not pack and not pc.all(pc.equal(tab[key], path.stem)).as_py():
+            raise ForeignFileError(f"{path} was not written by mtad-energy (its rows do not carry "
+                                   f"{key} = {path.stem}, the file's name); move it out of the results "
+                                   "directory")
+        return tab
+
+    def _read_files(self, table: str, packs: Sequence[Path], parts: Sequence[Path]
+                    ) -> list[tuple[Path, pa.Table | None]]:
+        """Read packs and part files in parallel; in the same order."""
+        jobs = [(p, True) for p in packs] + [(p, False) for p in parts]
+        if len(jobs) < 4:
+            return [(p, self._read_file(table, p, pack)) for p, pack in jobs]
+        with ThreadPoolExecutor(min(READ_THREADS, len(jobs))) as pool:
+            tables = list(pool.map(lambda job: self._read_file(table, *job), jobs))
+        return [(p, t) for (p, _), t in zip(jobs, tables, strict=True)]
+
+    def _single(self, table: str, files: Sequence[tuple[Path, pa.Table | None]],
+                taken: set[str]) -> tuple[list[tuple[Path, pa.Table]], int]:
+        """The files' rows with each key's rows from the first file that holds it (``taken``:
+        keys held elsewhere already); returns (path, rows) kept and how many files or keys were
+        dropped as copies."""
+        key = TABLES[table].key
+        kept, dropped = [], 0
+        for path, tab in files:
+            if tab is None or tab.num_rows == 0:
+                continue
+            if _KEY_FILE.match(path.name):  # a part file holds one key
+                if path.stem in taken:
+                    dropped += 1
+                    continue
+                taken.add(path.stem)
+            else:
+                held = set(pc.unique(tab[key]).to_pylist())
+                copies = held & taken
+                if copies:
+                    dropped += len(copies)
+                    tab = tab.filter(pc.invert(pc.is_in(tab[key], pa.array(sorted(copies)))))
+                taken |= held
+            if tab.num_rows:
+                kept.append((path, tab))
+        return kept, dropped
+
+    def _snapshot(self, table: str) -> tuple[list[tuple[Path, pa.Table | None]], set[str] | None]:
+        """All files of ``table`` read at one moment (and for ``steps`` the finished runs' keys)."""
+        for _ in range(_READ_ATTEMPTS):
+            parts = self._parts(table)  # before the packs: a part file compacted meanwhile is in one
+            packs = self._packs(table)
+            done = self.keys("runs") if table == "steps" else None
+            if done is not None:
+                parts = [p for p in parts if p.stem in done]
+            try:
+                return self._read_files(table, packs, parts), done
+            except _PackVanished:  # merged into a newer pack by a compaction: list again
+                continue
+        raise StoreError(f"{self.root / table} kept changing while being read (compactions running "
+                         "back to back); try again")
+
     def load(self, table: str = "runs") -> pd.DataFrame:
         """All rows of ``table`` as a DataFrame (empty, with the required columns, if none).
         ``steps`` rows whose run row is missing (the run was interrupted after its steps were
         written) are left out: that run is not finished and will be redone."""
-        if table not in TABLES:
-            raise ValueError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
-        paths = self._parts(table)
-        if table == "steps":
-            done = self.keys("runs")
-            paths = [p for p in paths if p.stem in done]
-        frames = []
-        key = TABLES[table].key
-        for p in paths:
-            try:
-                frame = pd.read_parquet(p)
-            except Exception as err:  # pyarrow raises several types for a damaged file
-                # a run is redone only when its run row is missing: a damaged steps part goes with it
-                fix = (f"delete it and its run row {self.root / 'runs' / p.name}, then re-run the same "
-                       "command to recompute that run" if table == "steps" else
-                       "delete it and re-run the same command to recompute that row")
-                raise CorruptFileError(f"{p} is not a readable Parquet file ({type(err).__name__}: "
-                                       f"{err}); {fix}") from None
-            if not frame.empty and (key not in frame.columns or (frame[key] != p.stem).any()):
-                raise ForeignFileError(f"{p} was not written by mtad-energy (its rows do not carry "
-                                       f"{key} = {p.stem}, the file's name); move it out of the results "
-                                       "directory")
-            frames.append(frame)
-        frames = [f for f in frames if not f.empty]
-        if not frames:
+        self._check_table(table)
+        files, done = self._snapshot(table)
+        kept, _ = self._single(table, files, set())
+        tables = [t for _, t in kept]
+        if done is not None:  # packs hold finished runs only, unless a runs row was deleted
+            key, finished = TABLES[table].key, pa.array(sorted(done), pa.string())
+            tables = [t.filter(pc.is_in(t[key], finished)) if _PACK_FILE.match(p.name) else t
+                      for p, t in kept]
+            tables = [t for t in tables if t.num_rows]
+        if not tables:
             return pd.DataFrame(columns=list(TABLES[table].required))
-        return pd.concat(frames, ignore_index=True, sort=False)
+        return _to_pandas(tables)
 
     def envs(self) -> dict[str, dict[str, Any]]:
         d = self.root / "envs"
@@ -260,12 +526,87 @@ class ResultStore:
                 raise CorruptFileError(f"{p} is not valid JSON ({err}); delete it") from None
         return out
 
+    # -- compaction ---------------------------------------------------------------------------
+    def compact(self, tables: Sequence[str] | None = None, pack_rows: int = PACK_ROWS) -> Compaction:
+        """Fold the finished part files (and packs under half of ``pack_rows``) of each table into
+        packs of up to ``pack_rows`` rows. Safe while workers write into the store and against a
+        crash at any point; if another compaction holds the store, returns with ``busy``."""
+        started = time.perf_counter()
+        names = list(TABLES) if tables is None else list(tables)
+        for t in names:
+            self._check_table(t)
+        done: list[TableCompaction] = []
+        with _flock(self.root / COMPACT_LOCK, exclusive=True, blocking=False) as mine:
+            if not mine:
+                return Compaction(str(self.root), (), True, time.perf_counter() - started)
+            for table in sorted(names, key=lambda t: t == "steps"):  # runs first: steps need them
+                done.append(self._compact_table(table, pack_rows))
+        return Compaction(str(self.root), tuple(done), False, time.perf_counter() - started)
 
-def load_results(root: str | Path, table: str = "runs") -> pd.DataFrame:
-    """Rows of one table of the results store in ``root`` (``runs``, ``steps``, ``batch``, ``ops``).
+    def _compact_table(self, table: str, pack_rows: int) -> TableCompaction:
+        parts = self._parts(table)
+        finished = parts
+        if table == "steps":  # steps go into packs after their run row (which is then never redone)
+            runs = self._pack_keys("runs")
+            finished = [p for p in parts if p.stem in runs]
+        packs = self._packs(table)  # no other compaction runs: these stay until we remove them
+        # a pack under half full is merged again (packs are filled to between half and full, the
+        # last one of a compaction excepted, so this never rewrites the same packs over and over)
+        small = [p for p in packs if self._pack_rows(table, p) < pack_rows / 2]
+        if not finished and len(small) < 2:
+            return TableCompaction(table, 0, 0, 0, 0, 0, len(parts))
+        self._pack_keys(table)  # the key index of every pack, up to date
+        taken = set().union(*(self._pack_index[table][p.name] for p in packs if p not in small))
+        files = self._read_files(table, small, finished)
+        kept, dropped = self._single(table, files, taken)
+        written = self._write_packs(table, [t for _, t in kept], pack_rows)
+        with _flock(self.root / WRITE_LOCK, exclusive=True):  # no writer is linking a part now
+            for p in [*small, *finished]:
+                p.unlink(missing_ok=True)
+        return TableCompaction(table, len(finished), len(small), len(written),
+                               sum(t.num_rows for _, t in kept), dropped, len(parts) - len(finished))
 
-    Raises `StoreError` when ``root`` is not a store or holds a foreign or damaged file.
-    """
+    def _pack_rows(self, table: str, path: Path) -> int:
+        try:
+            return pq.read_metadata(path).num_rows
+        except Exception as err:
+            raise self._damaged(table, path, err, pack=True) from None
+
+    def _write_packs(self, table: str, tables: Sequence[pa.Table], pack_rows: int) -> list[Path]:
+        """Write ``tables`` (each one file's rows, so a key's rows stay together) as packs of up to
+        ``pack_rows`` rows; returns their paths."""
+        groups: list[list[pa.Table]] = []
+        rows = pack_rows
+        for t in tables:
+            if rows + t.num_rows > pack_rows:
+                groups.append([])
+                rows = 0
+            groups[-1].append(t)
+            rows += t.num_rows
+        try:  # every group before the first is written: a refusal leaves the table as it was
+            merged_groups = [pa.concat_tables(g, promote_options="permissive") for g in groups]
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
+            raise StoreError(f"cannot compact {self.root / table}: its files disagree on a column's "
+                             f"type ({err}); they are left as they are and still load") from None
+        if groups and self._check_marker(self.root / MARKER) < SCHEMA_VERSION:
+            self._write_marker()  # a schema-1 reader would not see the packs: it must refuse
+        d = self.root / table / PACKS
+        d.mkdir(exist_ok=True)
+        written = []
+        for merged in merged_groups:
+            path = d / f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}.parquet"
+            _write_atomic(path, lambda p, m=merged: pq.write_table(m, p))
+            written.append(path)
+        return written
+
+
+def compact_store(root: str | Path, tables: Sequence[str] | None = None,
+                  pack_rows: int = PACK_ROWS) -> Compaction:
+    """Compact the store in ``root`` (see `ResultStore.compact`)."""
+    return _open(root).compact(tables, pack_rows)
+
+
+def _open(root: str | Path) -> ResultStore:
     path = Path(root)
     if path.exists() and not path.is_dir():
         raise StoreError(f"{path} is a file, not a results directory; pass the directory given as "
@@ -273,4 +614,13 @@ def load_results(root: str | Path, table: str = "runs") -> pd.DataFrame:
     if not path.is_dir():
         raise StoreError(f"results directory {path} does not exist; run `mtad-energy profile "
                          f"--output {path}` first")
-    return ResultStore(path, create=False).load(table)
+    return ResultStore(path, create=False)
+
+
+def load_results(root: str | Path, table: str = "runs") -> pd.DataFrame:
+    """Rows of one table of the results store in ``root`` (``runs``, ``steps``, ``batch``, ``ops``,
+    ``decode_batch``), its part files and packs read in parallel.
+
+    Raises `StoreError` when ``root`` is not a store or holds a foreign or damaged file.
+    """
+    return _open(root).load(table)

@@ -121,6 +121,30 @@ def test_an_interrupted_run_keeps_finished_rows_and_resumes(tmp_path, llama_pair
     assert steps.groupby("run_key").size().sum() == runs["iterations"].sum()
 
 
+def test_a_compacted_store_resumes_without_recomputing_a_stored_row(tmp_path, llama_pair):
+    scored: list[str] = []
+
+    def scorer(prompt, gen):
+        scored.append(prompt.id)
+        if len(scored) == 4:
+            raise KeyboardInterrupt
+        return {}
+
+    with pytest.raises(KeyboardInterrupt):
+        run_profile(config(), ResultStore(tmp_path), pair=llama_pair, meter=NoneMeter(),
+                    prompts=PROMPTS, scorer=scorer)
+    ResultStore(tmp_path).compact()
+    assert not list((tmp_path / "runs").glob("*.parquet"))  # every stored run row is in a pack
+    scored.clear()
+    rep = run_profile(config(), ResultStore(tmp_path), pair=llama_pair, meter=NoneMeter(),
+                      prompts=PROMPTS, scorer=scorer)
+    assert (rep.ran, rep.skipped, len(scored)) == (3, 3, 3)  # the 3 stored rows did not run again
+    runs = load_results(tmp_path)
+    assert len(runs) == 6 and runs["run_key"].is_unique
+    steps = load_results(tmp_path, "steps")
+    assert steps.groupby("run_key").size().sum() == runs["iterations"].sum()
+
+
 def test_mitigation_repeats_the_generation_and_stores_the_interval(tmp_path, llama_pair):
     cfg = config(decoders=(DecoderSpec("ar"),), n_prompts=1,
                  measure=MeasureConfig("fake-watt", "on", mitigation_repetitions=4, mitigation_min_s=0.0))
@@ -285,8 +309,8 @@ def test_a_compiled_run_that_compiles_inside_its_window_is_flagged(tmp_path, mod
     from mtad_energy.models import load_pair
 
     pair = load_pair(target=model_dirs["opt"], draft=model_dirs["opt-draft"], device="cpu")
-    cfg = config(decoders=(DecoderSpec.of("spd", gamma="2"),), n_prompts=1, compile=True,
-                 warmup=False)
+    cfg = config(decoders=(DecoderSpec.of("specinfer", branching="2,2"),), n_prompts=1,
+                 compile=True, warmup=False)
     run_profile(cfg, ResultStore(tmp_path), pair=pair, meter=WattMeter(), prompts=PROMPTS[:1])
     row = load_results(tmp_path).iloc[0]
     assert row.compile_s > 0 and "compiled_in_window" in json.loads(row.energy_flags)

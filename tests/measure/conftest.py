@@ -26,6 +26,7 @@ class FakeGpu:
     mig: int | None = None  # None: not MIG-capable; 0/1 current mode
     power_limit_mw: int = 700_000
     pids: tuple[int, ...] = ()
+    average_mw: dict[int, int] | None = None  # average power by scope (H100); None: unsupported
 
 
 def nvml_error(code: int) -> pynvml.NVMLError:
@@ -89,12 +90,17 @@ class FakeNvml:
         for fid, scope in fieldIds:
             v = pynvml.c_nvmlFieldValue_t()
             v.fieldId, v.scopeId = fid, scope
-            assert fid == pynvml.NVML_FI_DEV_POWER_INSTANT and scope == pynvml.NVML_POWER_SCOPE_GPU
-            if gpu.instant_mw is None:
+            if fid == pynvml.NVML_FI_DEV_POWER_AVERAGE:
+                value = None if gpu.average_mw is None else gpu.average_mw.get(scope)
+            else:
+                assert fid == pynvml.NVML_FI_DEV_POWER_INSTANT
+                assert scope == pynvml.NVML_POWER_SCOPE_GPU
+                value = gpu.instant_mw
+            if value is None:
                 v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
             else:
                 v.nvmlReturn = pynvml.NVML_SUCCESS
-                v.value.uiVal = gpu.instant_mw
+                v.value.uiVal = value
             out.append(v)
         return out
 
