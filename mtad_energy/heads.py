@@ -355,16 +355,34 @@ def load_head(kind: str, source: str, target) -> nn.Module:
     return load_eagle(directory, target) if kind == "eagle" else load_medusa(directory, target)
 
 
+def _is_head(part: str) -> bool:
+    kind, sep, _ = part.partition(":")
+    return bool(sep) and kind in HEAD_KINDS
+
+
+def _draft_parts(spec: str) -> list[str]:
+    """``spec`` split at its commas, except those inside a self-draft's list (``self:layers=0,2``:
+    a piece that is not a head and follows one that is not a head continues it)."""
+    parts: list[str] = []
+    for piece in (p.strip() for p in spec.split(",")):
+        if parts and not _is_head(piece) and not _is_head(parts[-1]):
+            parts[-1] += "," + piece
+        elif piece:
+            parts.append(piece)
+    return parts
+
+
 def split_draft_spec(spec: str | None) -> tuple[str | None, dict[str, str]]:
     """``'self:int8,eagle:DIR,medusa:DIR'`` -> (the draft model, {head kind: source}). Each part
-    is a draft model (hub id, directory, ``self:...``) or ``KIND:SOURCE`` for a head; at most
-    one draft model and one head of each kind."""
+    is a draft model (hub id, directory, ``self:...``, whose own lists keep their commas:
+    ``self:layers=0,2``) or ``KIND:SOURCE`` for a head; at most one draft model and one head of
+    each kind."""
     if not spec:
         return None, {}
     model, heads = None, {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        kind, sep, source = part.partition(":")
-        if sep and kind in HEAD_KINDS:
+    for part in _draft_parts(spec):
+        kind, _, source = part.partition(":")
+        if _is_head(part):
             if not source:
                 raise ValueError(f"draft {part!r}: give the {kind} head's directory or hub id, "
                                  f"e.g. {kind}:path/to/{kind}-head")

@@ -117,7 +117,12 @@ def test_split_draft_spec():
                                                                              "medusa": "/b"})
     assert split_draft_spec("eagle:org/name") == (None, {"eagle": "org/name"})
     assert split_draft_spec(None) == (None, {})
-    for bad, why in [("m1,m2", "two draft models"), ("eagle:/a,eagle:/b", "two eagle heads"),
+    # a self-draft's own lists keep their commas, before or after a head
+    assert split_draft_spec("self:layers=0,2,eagle:/a") == ("self:layers=0,2", {"eagle": "/a"})
+    assert split_draft_spec("medusa:/b,self:skip=3,7") == ("self:skip=3,7", {"medusa": "/b"})
+    assert split_draft_spec("self:layers=0-11,20") == ("self:layers=0-11,20", {})
+    for bad, why in [("eagle:/a,m1,medusa:/b,m2", "two draft models"),
+                     ("eagle:/a,eagle:/b", "two eagle heads"),
                      ("medusa:", "give the medusa head's directory")]:
         with pytest.raises(ValueError, match=why):
             split_draft_spec(bad)
