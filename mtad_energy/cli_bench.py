@@ -935,6 +935,9 @@ def schedule(
     decoder: Annotated[str, typer.Option(help="the chain decoder whose gamma the mapping sets")] = "spd",
     max_batch_size: Annotated[int | None, typer.Option(
         min=1, help="end of the last range (default: the largest batch size measured)")] = None,
+    model: Annotated[str | None, typer.Option(
+        help="the model label of the setting to schedule (e.g. smollm2+compile) when the store "
+             "holds several")] = None,
     out: Annotated[Path | None, typer.Option(
         help="where to write the vLLM mapping (default: <results>-schedule-<objective>.json)")] = None,
     as_json: Json = False,
@@ -949,7 +952,7 @@ def schedule(
 
     try:
         rows = load_results(results, "decode_batch")
-        plan = build_schedule(rows, objective, decoder, max_batch_size)
+        plan = build_schedule(rows, objective, decoder, max_batch_size, model)
         path = out or results.parent / f"{results.name}-schedule-{objective}.json"
         path.write_text(json.dumps(plan.vllm_config(), indent=2) + "\n")
     except (ValueError, OSError) as error:
@@ -958,7 +961,8 @@ def schedule(
         emit({**plan.to_dict(), "output": str(path)})
         return
     table = schedule_table(plan)
-    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar wins)",
+    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar wins)"
+                    + (f"\n{plan.setting}" if plan.setting else ""),
               title_justify="left", show_edge=False, caption_justify="left")
     for col in table.columns:
         t.add_column(esc(col), justify="left" if col in ("batch sizes", "best") else "right",

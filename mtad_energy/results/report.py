@@ -546,17 +546,21 @@ def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[s
              "`ar` wins), with the measured speed-up or energy saving behind it; the mapping is "
              "vLLM's `num_speculative_tokens_per_batch_size` (inclusive ranges; `mtad-energy "
              "schedule` writes it).", ""]
-    for objective in ("speed", "energy"):
-        try:
-            plan = build_schedule(decode_batch, objective, decoder)
-        except ValueError as err:
-            lines += [f"**{objective}**: no schedule: {err}.", ""]
-            continue
-        table = schedule_table(plan).set_index("batch sizes")
-        never = (f" `{decoder}` loses to `ar` at every batch size measured: leave speculation off."
-                 if plan.never_pays else "")
-        lines += [f"**{objective}**:{never}", "", analysis.to_markdown(table, higher_is_better={}),
-                  "", "```json", json.dumps(plan.vllm_config()), "```", ""]
+    parts = analysis.crossover_settings(decode_batch) or [("", decode_batch)]
+    for title, rows in parts:  # one schedule per setting: never pooled
+        where = f" ({title})" if len(parts) > 1 else ""
+        for objective in ("speed", "energy"):
+            try:
+                plan = build_schedule(rows, objective, decoder)
+            except ValueError as err:
+                lines += [f"**{objective}**{where}: no schedule: {err}.", ""]
+                continue
+            table = schedule_table(plan).set_index("batch sizes")
+            never = (f" `{decoder}` loses to `ar` at every batch size measured: leave speculation "
+                     "off." if plan.never_pays else "")
+            lines += [f"**{objective}**{where}:{never}", "",
+                      analysis.to_markdown(table, higher_is_better={}),
+                      "", "```json", json.dumps(plan.vllm_config()), "```", ""]
     return lines
 
 

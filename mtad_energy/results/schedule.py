@@ -64,6 +64,7 @@ class Schedule:
     objective: str
     decoder: str
     ranges: tuple[ScheduleRange, ...]
+    setting: str = ""  # the sweep's setting (model · dataset · tokens · device), one per schedule
 
     @property
     def mapping(self) -> dict[str, int]:
@@ -88,7 +89,7 @@ class Schedule:
                 "num_speculative_tokens_per_batch_size": self.mapping}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"objective": self.objective, "decoder": self.decoder,
+        return {"objective": self.objective, "decoder": self.decoder, "setting": self.setting,
                 "ranges": [asdict(r) for r in self.ranges], "speculative_config": self.vllm_config()}
 
 
@@ -114,14 +115,40 @@ def _medians(rows: pd.DataFrame) -> pd.DataFrame:
     return med
 
 
-def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: str = "speed",
-                   decoder: str = "spd", max_batch_size: int | None = None) -> Schedule:
-    """The schedule of a decoding batch-size sweep (module docstring).
+def one_setting(rows: pd.DataFrame, model: str | None = None) -> tuple[str, pd.DataFrame]:
+    """The rows of one sweep setting (`analysis.CROSSOVER_SETTING`: model label, target, dataset,
+    tokens, device, dtype) and its title: rows of other settings (eager and ``+compile`` runs,
+    other datasets or lengths) are other experiments, never pooled into one schedule. ``model``
+    picks the model label.
 
     Raises:
-        ValueError: unknown objective, no ``ar`` rows, no rows of ``decoder`` (or none with a
-            gamma), no energy for the energy objective (with the recorded reasons), or a
-            ``max_batch_size`` below the largest measured size.
+        ValueError: ``model`` matches no row, or the rows hold several settings (naming them).
+    """
+    from mtad_energy.results.analysis import crossover_settings
+
+    if model is not None:
+        have = sorted(set(rows["model"].astype(str))) if "model" in rows else []
+        if model not in have:
+            raise ValueError(f"no rows of model {model!r} in the sweep (models: {', '.join(have)})")
+        rows = rows[rows["model"] == model]
+    parts = crossover_settings(rows)
+    if len(parts) > 1:
+        raise ValueError(f"the sweep holds {len(parts)} settings, which one schedule must not pool: "
+                         + "; ".join(title for title, _ in parts) + ". Pick one model label with "
+                         "--model, or sweep each setting into its own --output")
+    return parts[0] if parts else ("", rows)
+
+
+def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: str = "speed",
+                   decoder: str = "spd", max_batch_size: int | None = None,
+                   model: str | None = None) -> Schedule:
+    """The schedule of a decoding batch-size sweep (module docstring), of one setting
+    (`one_setting`; ``model`` picks the model label).
+
+    Raises:
+        ValueError: unknown objective, several settings, no ``ar`` rows, no rows of ``decoder``
+            (or none with a gamma), no energy for the energy objective (with the recorded
+            reasons), or a ``max_batch_size`` below the largest measured size.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be {' or '.join(OBJECTIVES)}, got {objective!r}")
@@ -129,6 +156,7 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
     if df.empty:
         raise ValueError("no decoding batch-size rows: run `mtad-energy sweep batch-size --decoder "
                          "ar,spd --set gamma=1,2,3,5 --output DIR` and pass that DIR")
+    setting, df = one_setting(df, model)
     med = _medians(df)
     base = med[med["decoder"] == BASELINE].groupby("batch_size").first()
     if base.empty:
@@ -171,7 +199,7 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
             best_gain=gain(best[metric], b),
             chain_gamma=int(pick["gamma"]) if pick is not None else None, chain_gain=chain_gain,
             gamma=int(pick["gamma"]) if wins else 0))
-    return Schedule(objective, decoder, tuple(ranges))
+    return Schedule(objective, decoder, tuple(ranges), setting)
 
 
 def schedule_table(schedule: Schedule) -> pd.DataFrame:

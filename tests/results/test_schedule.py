@@ -103,6 +103,27 @@ def test_what_the_schedule_cannot_answer_is_an_error_naming_the_fix():
         build_schedule(sweep_rows(), "speed", max_batch_size=16)
 
 
+def test_settings_are_never_pooled_into_one_schedule():
+    """Eager and compiled sweeps (or other datasets) in one store are two experiments: pooled, the
+    medians would mix them; the schedule refuses, naming both, and schedules the one picked."""
+    eager = [r | {"model": "pair", "dataset": "mtbench", "max_new_tokens": 32} for r in sweep_rows()]
+    # the compiled setting: spd at gamma 1 wins at every size
+    compiled = [r | {"model": "pair+compile", "tokens_per_s": r["tokens_per_s"] * (
+        3.0 if r["label"] == "spd(gamma=1)" else 1.0)} for r in eager]
+    with pytest.raises(ValueError, match=r"the sweep holds 2 settings, which one schedule must not "
+                                         r"pool: pair · mtbench · 32 tokens; pair\+compile · "
+                                         r"mtbench · 32 tokens\. Pick one model label with --model"):
+        build_schedule(eager + compiled, "speed")
+    assert build_schedule(eager + compiled, "speed", model="pair").mapping == build_schedule(
+        eager, "speed").mapping == {"1-1": 5, "2-7": 3, "8-15": 1, "16-32": 0}
+    plan = build_schedule(eager + compiled, "speed", model="pair+compile")
+    assert plan.mapping == {"1-32": 1}
+    assert plan.setting == "pair+compile · mtbench · 32 tokens"
+    with pytest.raises(ValueError, match=r"no rows of model 'x' in the sweep \(models: pair, "
+                                         r"pair\+compile\)"):
+        build_schedule(eager + compiled, "speed", model="x")
+
+
 def test_cli_schedule_writes_vllms_mapping(tmp_path):
     store = ResultStore(tmp_path / "sweep")
     for i, row in enumerate(sweep_rows()):
