@@ -68,13 +68,12 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert list(zip(decoders.decoder, decoders["mode"], strict=True)) == [
         *((d, "eager") for d in DECODERS), ("ar", "compiled"), ("spd", "compiled")]
     assert (decoders.cost_per_iter_ms > 0).all()
-    # projected where the CPU pair measured a block efficiency: every paper decoder (pld once
-    # its CPU run is in experiments/results/cpu), never the random heads (none exists for it)
+    # projected with the CPU pair's block efficiency (pld's from its own CPU run), never for
+    # the random heads: no head exists for the CPU pair
     heads = decoders.decoder.isin(["eagle", "medusa"])
-    has = decoders.cpu_pair_block_eff.notna()
-    assert decoders[has].projected_tokens_per_s.notna().all()
-    assert decoders[~has].projected_tokens_per_s.isna().all()
-    assert set(decoders.decoder[~has]) <= {"pld", "eagle", "medusa"} and not has[heads].any()
+    assert decoders[~heads].projected_tokens_per_s.notna().all()
+    assert decoders[heads].projected_tokens_per_s.isna().all()
+    assert decoders.cpu_pair_block_eff[decoders.decoder == "pld"].gt(1.0).all()
     assert (decoders[heads].draft_forwards_per_iter >= 1).all()  # the heads ran, as drafts
     compiled = decoders[decoders["mode"] == "compiled"]
     assert compiled.compiled_speedup_per_iter.notna().all()

@@ -288,14 +288,20 @@ def stage_batch(kit: Kit) -> None:
 # --------------------------------------------------------------------------- decoders
 
 def cpu_block_efficiency() -> dict[str, float]:
-    """Block efficiency per decoder measured on the real CPU pair (mean over the datasets): the
-    paper's decoders from compare_smollm2.csv, pld from its own run on the same pair
-    (pld_smollm2.csv). EAGLE and Medusa have none: no head exists for SmolLM2."""
+    """Block efficiency per decoder measured on the real CPU pair (mean over its runs): the
+    paper's decoders from compare_smollm2.csv, pld from its own run on the same pair (the
+    pld_compare store, HumanEval and MT-Bench). EAGLE and Medusa have none: no head exists for
+    SmolLM2."""
+    from mtad_energy.results import load_results
+
     out: dict[str, float] = {}
-    for name in ("pld_smollm2.csv", "compare_smollm2.csv"):  # the second wins where both have it
-        path = ROOT / "experiments" / "results" / "cpu" / name
-        if path.is_file():
-            out.update(pd.read_csv(path).groupby("label")["block_efficiency"].mean().to_dict())
+    cpu = ROOT / "experiments" / "results" / "cpu"
+    if (cpu / "pld_compare").is_dir():
+        runs = load_results(cpu / "pld_compare")
+        out.update(runs[runs.label == "pld"].groupby("label")["block_efficiency"].mean().to_dict())
+    if (cpu / "compare_smollm2.csv").is_file():
+        df = pd.read_csv(cpu / "compare_smollm2.csv")
+        out.update(df.groupby("label")["block_efficiency"].mean().to_dict())
     return out
 
 
