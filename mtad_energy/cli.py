@@ -33,7 +33,8 @@ def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-reada
     """List every decoder with its parameters, defaults and one line of help."""
     from mtad_energy.decoding.registry import DECODERS, param_specs
 
-    specs = {name: {"help": cls.help, "needs_draft": cls.needs_draft, "params": param_specs(cls)}
+    specs = {name: {"help": cls.help, "needs_draft": cls.needs_draft, "needs_head": cls.head,
+                    "params": param_specs(cls)}
              for name, cls in DECODERS.items()}
     if as_json:
         emit(specs)
@@ -43,7 +44,9 @@ def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-reada
         table = wrapping_table(cols, [[esc(p[c if c != "parameter" else "name"]) for c in cols]
                                       for p in spec["params"]], left=cols,
                                title=f"[bold]{esc(name)}[/] - {esc(spec['help'])}"
-                               + (" [dim](needs a draft)[/]" if spec["needs_draft"] else ""))
+                               + (" [dim](needs a draft)[/]" if spec["needs_draft"] else "")
+                               + (f" [dim](needs a {spec['needs_head']} head: --draft "
+                                  f"{spec['needs_head']}:DIR)[/]" if spec["needs_head"] else ""))
         console.print(table)
         console.print()
 
@@ -55,7 +58,8 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="machine-readabl
     from mtad_energy.models import ALIASES
 
     pairs = {name: {"target": spec.target, "draft": spec.draft, "gpu_draft": spec.gpu_draft,
-                    "note": spec.note} for name, spec in ALIASES.items()}
+                    "eagle": spec.eagle, "medusa": spec.medusa, "note": spec.note}
+             for name, spec in ALIASES.items()}
     if as_json:
         emit(pairs)
         return
@@ -64,6 +68,8 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="machine-readabl
         draft = spec["draft"] or "-"
         if spec["gpu_draft"] and spec["gpu_draft"] != spec["draft"]:
             draft += f" (CUDA: {spec['gpu_draft']})"
+        draft += "".join(f"; {kind} head {spec[kind]}" for kind in ("eagle", "medusa")
+                         if spec[kind])
         rows.append([esc(v) for v in (name, spec["target"], draft, spec["note"])])
     cols = ("alias", "target", "draft", "note")
     console.print(wrapping_table(cols, rows, left=cols))
@@ -129,14 +135,14 @@ def generate(
 ):
     """Decode one prompt and print the text and its statistics."""
     from mtad_energy.decoding.generate import generate as run
-    from mtad_energy.decoding.registry import get_decoder
+    from mtad_energy.decoding.registry import get_decoder, head_kinds
     from mtad_energy.models import load_pair
 
     quiet_libraries()
     try:
         dec = get_decoder(decoder, **parse_sets(set_))
         pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
-                         dtype=dtype, with_draft=dec.needs_draft)
+                         dtype=dtype, with_draft=dec.needs_draft, heads=head_kinds([dec]))
         gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat,
                   compile=compile)
     except (ValueError, RuntimeError, OSError) as error:

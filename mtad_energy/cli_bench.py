@@ -39,6 +39,16 @@ ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss
                 "typical", "pld")
 
 
+def pair_head_kinds(model: str, target: str | None, draft: str | None, device: str) -> list[str]:
+    """The head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
+    KIND:DIR`` or the alias's): `compare`'s default runs them beside the others. Loads nothing."""
+    from mtad_energy.models import resolve_device, resolve_pair_spec
+
+    spec = resolve_pair_spec(pair_alias(model, target), resolve_device(device), target=target,
+                             draft=draft)
+    return [kind for kind in ("medusa", "eagle") if spec.head(kind)]
+
+
 class UsageError(ValueError):
     """Bad command-line input; the message says what to change."""
 
@@ -434,7 +444,8 @@ def profile(
 @json_command
 def compare(
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
-    decoders: Annotated[str, typer.Option(help="comma list (default: all)")] = ",".join(ALL_DECODERS),
+    decoders: Annotated[str, typer.Option(help="comma list (default: all; eagle and medusa where "
+                                               "the pair has their heads)")] = ",".join(ALL_DECODERS),
     dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
@@ -452,7 +463,10 @@ def compare(
     from mtad_energy.results.analysis import main_table, to_markdown
 
     try:
-        specs = decoder_specs(split_list(decoders), parse_sets(set_))
+        names = split_list(decoders)
+        if decoders == ",".join(ALL_DECODERS):  # the default: every decoder the pair can run
+            names += pair_head_kinds(model, target, draft, device)
+        specs = decoder_specs(names, parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
                          require_energy, compile, batch_size)
@@ -659,6 +673,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
+    from mtad_energy.decoding.registry import head_kinds
     from mtad_energy.measure import get_meter, select_meter, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
@@ -685,7 +700,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         needs_draft = any(s.build().needs_draft for s in specs)
         with console.status("loading the models"):
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
-                             dtype=dtype, with_draft=needs_draft)
+                             dtype=dtype, with_draft=needs_draft,
+                             heads=head_kinds(s.build() for s in specs))
         prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
         store = ResultStore(out)
         snap = snapshot()

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,12 @@ class PairSpec:
     note: str = ""
     gpu_draft: str | None = None
     draft_note: str = ""
+    # draft heads trained for the target (hub ids or directories), loaded when a decoder asks
+    eagle: str | None = None
+    medusa: str | None = None
+
+    def head(self, kind: str) -> str | None:
+        return getattr(self, kind, None)
 
 
 # The default pair's draft on a GPU. `self:int8` (torch dynamic quantisation) runs on CPU only.
@@ -57,7 +63,12 @@ ALIASES: dict[str, PairSpec] = {
                         gpu_draft=SMOLLM2_GPU_DRAFT),
     "llama3-8b": PairSpec("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B"),
     "llama3-8b-instruct": PairSpec("meta-llama/Llama-3.1-8B-Instruct",
-                                   "meta-llama/Llama-3.2-1B-Instruct"),
+                                   "meta-llama/Llama-3.2-1B-Instruct",
+                                   eagle="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
+    # Spec-Bench's pair: its 68 M draft, EAGLE-1's and Medusa-1's published heads
+    "vicuna-7b": PairSpec("lmsys/vicuna-7b-v1.3", "double7/vicuna-68m",
+                          eagle="yuhuili/EAGLE-Vicuna-7B-v1.3",
+                          medusa="FasterDecoding/medusa-vicuna-7b-v1.3"),
     "llama2-13b": PairSpec("meta-llama/Llama-2-13b-hf", "JackFram/llama-68m"),
     "llama2-70b-chat": PairSpec("meta-llama/Llama-2-70b-chat-hf", "meta-llama/Llama-2-7b-chat-hf"),
     "opt-13b": PairSpec("facebook/opt-13b", "facebook/opt-125m"),
@@ -85,6 +96,9 @@ class ModelPair:
     draft_id: str | None = None
     load_time_s: float = 0.0
     draft_note: str = ""  # why the draft differs from the alias's default (e.g. on CUDA)
+    # draft heads on the target's hidden states, by kind ("eagle", "medusa"), and their sources
+    heads: dict[str, Any] = field(default_factory=dict)
+    head_ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -101,8 +115,16 @@ class ModelPair:
 
     def describe(self) -> dict[str, Any]:
         return {"pair": self.name, "target": self.target_id, "draft": self.draft_id,
-                "draft_note": self.draft_note,
+                "draft_note": self.draft_note, "heads": dict(self.head_ids),
                 "device": str(self.device), "dtype": str(self.target.dtype).removeprefix("torch.")}
+
+    def draft_id_for(self, decoder) -> str | None:
+        """What drafts for ``decoder`` (a `Decoder` or its class), as stored with its rows: its
+        head (``'eagle:SOURCE'``) for a head decoder, else the pair's draft model."""
+        kind = getattr(decoder, "head", None)
+        if kind is not None and kind in self.head_ids:
+            return f"{kind}:{self.head_ids[kind]}"
+        return self.draft_id
 
     def draft_line(self) -> str:
         """One line naming the draft and, when it is not the alias's default, why."""
@@ -445,41 +467,56 @@ def _output_size(model) -> int:
 
 def resolve_pair_spec(alias: str | None = None, device: str | torch.device = "cpu", *,
                       target: str | None = None, draft: str | None = None) -> PairSpec:
-    """The (target, draft) that ``load_pair`` loads for ``alias`` on ``device``; loads nothing.
+    """The (target, draft, heads) that ``load_pair`` loads for ``alias`` on ``device``; loads
+    nothing.
 
-    Explicit ``target``/``draft`` override the alias. On a CUDA device an alias's ``gpu_draft``
-    replaces its CPU-only draft (``draft_note`` says so) unless the target is overridden; an
-    explicit draft is never replaced.
+    Explicit ``target``/``draft`` override the alias. ``draft`` may name heads beside (or
+    instead of) a draft model, ``'MODEL,eagle:DIR,medusa:DIR'`` (`heads.split_draft_spec`): each
+    part replaces only what it names. On a CUDA device an alias's ``gpu_draft`` replaces its
+    CPU-only draft (``draft_note`` says so) unless the target is overridden; an explicit draft
+    is never replaced.
     """
+    from mtad_energy.heads import split_draft_spec
+
+    model, heads = split_draft_spec(draft)
     if alias is None and target is None:
         alias = "smollm2"
     if alias is None:
-        return PairSpec(target or "", draft)
+        return PairSpec(target or "", model, **heads)
     if alias not in ALIASES:
         raise ValueError(f"unknown model {alias!r}; known aliases: {', '.join(ALIASES)} "
                          "(or pass target=/draft= with a hub id or local path)")
     base = ALIASES[alias]
-    if draft is not None:
-        return PairSpec(target or base.target, draft)
-    own_target = target is None or target == base.target  # gpu_draft is chosen for the alias's target
+    own_target = target is None or target == base.target  # its heads and gpu_draft fit its target
+    kept = {k: base.head(k) for k in ("eagle", "medusa")} if own_target else {}
+    heads = {**kept, **heads}
+    if model is not None:
+        return PairSpec(target or base.target, model, **heads)
     if (torch.device(str(device)).type == "cuda" and own_target and base.gpu_draft
             and base.gpu_draft != base.draft):
         return PairSpec(target or base.target, base.gpu_draft,
-                        draft_note=f"{base.draft} runs on CPU only")
-    return PairSpec(target or base.target, base.draft)
+                        draft_note=f"{base.draft} runs on CPU only", **heads)
+    return PairSpec(target or base.target, base.draft, **heads)
 
 
 def load_pair(alias: str | None = None, *, target: str | None = None, draft: str | None = None,
               device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
-              with_draft: bool = True) -> ModelPair:
+              with_draft: bool = True, heads: tuple[str, ...] = ()) -> ModelPair:
     """Load a target/draft pair by alias (``smollm2``, ``llama3-8b``, ...) and/or explicit ids.
 
     ``target``/``draft`` are hub ids, local directories, or (draft only) a self-draft spec
     (``self:int8``, ``self:layers=0-11``, ``self:skip=every4``); they override the alias.
-    ``with_draft=False`` skips loading the draft (target-only decoders). The alias's draft may
-    depend on the device (``resolve_pair_spec``): ``smollm2`` drafts with ``self:int8`` on CPU and
-    ``self:layers=0-24`` on CUDA.
+    ``with_draft=False`` skips loading the draft model (target-only decoders). The alias's draft
+    may depend on the device (``resolve_pair_spec``): ``smollm2`` drafts with ``self:int8`` on
+    CPU and ``self:layers=0-24`` on CUDA.
+
+    Draft heads on the target's hidden states (``eagle``, ``medusa``; `heads.py`): those
+    ``draft`` names (``'eagle:DIR'``, ``'self:int8,medusa:DIR'``) are loaded; the alias's only
+    for the kinds in ``heads`` (the decoders that run them). A hub id is used only when it is in
+    the local Hugging Face cache.
     """
+    from mtad_energy.heads import load_head, split_draft_spec
+
     if alias is None and target is None:
         alias = "smollm2"
     dev = resolve_device(device)
@@ -495,8 +532,13 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
             check_tokenizers(tokenizer, load_tokenizer(spec.draft), spec.target, spec.draft)
             draft_model = load_model(spec.draft, dev, dtype)
         _check_vocab_sizes(target_model, draft_model)
+    named = split_draft_spec(draft)[1]
+    head_ids = {kind: spec.head(kind) for kind in ("eagle", "medusa")
+                if spec.head(kind) and (kind in named or kind in heads)}
+    loaded = {kind: load_head(kind, source, target_model) for kind, source in head_ids.items()}
     return ModelPair(target_model, draft_model, tokenizer, name=alias or "custom",
                      target_id=spec.target,
                      draft_id=spec.draft if draft_model is not None else None,
                      load_time_s=time.perf_counter() - t0,
-                     draft_note=spec.draft_note if draft_model is not None else "")
+                     draft_note=spec.draft_note if draft_model is not None else "",
+                     heads=loaded, head_ids=head_ids)

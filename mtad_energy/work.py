@@ -102,6 +102,9 @@ class ModelDims:
     def from_model(cls, model: Any) -> ModelDims:
         """Dims of a loaded model: its config, its floating dtype, and 1-byte linear weights when
         its linear layers are dynamically int8-quantised (`models.int8_draft`)."""
+        why = getattr(model, "not_counted", None)  # a module the rule does not describe
+        if why:
+            raise ValueError(why)
         elem = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
         modules = model.modules() if hasattr(model, "modules") else ()  # a wrapper may lack them
         quantized = any(callable(getattr(m, "weight", None)) for m in modules)

@@ -32,16 +32,29 @@ def calibration_records(tmp_path_factory, monkeypatch):
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
     tok = tiny.word_tokenizer(VOCAB)
+    llama, opt = tiny.llama(VOCAB, 0, layers=3), tiny.opt(VOCAB, 0, layers=2)
     dirs = {
-        "llama": tiny.save(tiny.llama(VOCAB, 0, layers=3), tok, root / "llama"),
+        "llama": tiny.save(llama, tok, root / "llama"),
         "llama-draft": tiny.save(tiny.llama(VOCAB, 1, layers=1), tok, root / "llama-draft"),
-        "opt": tiny.save(tiny.opt(VOCAB, 0, layers=2), tok, root / "opt"),
+        "opt": tiny.save(opt, tok, root / "opt"),
         "opt-draft": tiny.save(tiny.opt(VOCAB, 1, layers=1), tok, root / "opt-draft"),
         # same vocabulary size, different tokens: must be refused as a draft
         "other-vocab": tiny.save(tiny.llama(VOCAB, 2, layers=1),
                                  tiny.word_tokenizer(VOCAB, prefix="x"), root / "other-vocab"),
+        # draft heads in their public layouts (EAGLE heads are for Llama-family targets)
+        "llama-eagle": tiny.save_eagle(llama, root / "llama-eagle", version=3, draft_vocab=48),
+        "llama-eagle1": tiny.save_eagle(llama, root / "llama-eagle1", version=1),
+        "llama-medusa": tiny.save_medusa(llama, root / "llama-medusa"),
+        "opt-medusa": tiny.save_medusa(opt, root / "opt-medusa", safetensors=False),
     }
     return dirs
+
+
+def with_heads(dirs: dict[str, str], draft: str, arch: str) -> str:
+    """A draft spec naming the draft model and the heads built for ``arch``'s target."""
+    heads = [f"{kind}:{dirs[f'{arch}-{kind}']}" for kind in ("eagle", "medusa")
+             if f"{arch}-{kind}" in dirs]
+    return ",".join([draft, *heads])
 
 
 # The fixture pairs are pinned to the CPU (fp32): tests build their inputs on the CPU and assert
@@ -51,14 +64,16 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 def llama_pair(model_dirs):
     from mtad_energy.models import load_pair
 
-    return load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
+    return load_pair(target=model_dirs["llama"],
+                     draft=with_heads(model_dirs, model_dirs["llama-draft"], "llama"), device="cpu")
 
 
 @pytest.fixture(scope="session")
 def opt_pair(model_dirs):
     from mtad_energy.models import load_pair
 
-    return load_pair(target=model_dirs["opt"], draft=model_dirs["opt-draft"], device="cpu")
+    return load_pair(target=model_dirs["opt"],
+                     draft=with_heads(model_dirs, model_dirs["opt-draft"], "opt"), device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -70,9 +85,12 @@ def lossless_pair():
 def int8_pair(tmp_path_factory):
     """A tiny Llama whose p is peaked enough that BiLD's rollback test sometimes passes and
     sometimes fails, with the CPU default's kind of draft: its own int8 copy (``self:int8``,
-    loaded through the real path)."""
+    loaded through the real path), and EAGLE-3 and Medusa heads built for it."""
     from mtad_energy.models import load_pair
 
-    path = tiny.save(tiny.llama(64, 0, layers=3, init=0.2), tiny.word_tokenizer(64),
-                     tmp_path_factory.mktemp("peaked") / "llama")
-    return load_pair(target=path, draft="self:int8", device="cpu")
+    root = tmp_path_factory.mktemp("peaked")
+    target = tiny.llama(64, 0, layers=3, init=0.2)
+    path = tiny.save(target, tiny.word_tokenizer(64), root / "llama")
+    heads = (f"eagle:{tiny.save_eagle(target, root / 'eagle', version=3, draft_vocab=48)},"
+             f"medusa:{tiny.save_medusa(target, root / 'medusa')}")
+    return load_pair(target=path, draft=f"self:int8,{heads}", device="cpu")

@@ -17,6 +17,8 @@ def test_decoders_json_lists_every_decoder_with_params():
     assert set(specs) == set(DECODERS)
     tau = next(p for p in specs["mtad"]["params"] if p["name"] == "tau")
     assert tau["default"] == 0.5 and tau["type"] == "float"
+    assert {n: s["needs_head"] for n, s in specs.items() if s["needs_head"]} == {
+        "eagle": "eagle", "medusa": "medusa"}
 
 
 def test_generate_json_on_a_local_pair(model_dirs):
@@ -73,3 +75,24 @@ def test_generate_pld_says_the_pairs_draft_is_ignored(model_dirs):
                                "--device", "cpu"])
     assert text.exit_code == 0, text.output
     assert "ignored" not in text.output  # a pair without a draft: nothing to say
+
+
+def test_generate_with_a_head_loads_it_from_the_draft_spec_and_drafts_with_it(model_dirs):
+    """`--draft eagle:DIR` / `medusa:DIR`: the head in its public layout is loaded through the
+    real path, its forwards are draft forwards; without one, the error names the fix."""
+    for kind in ("eagle", "medusa"):
+        out = runner.invoke(app, ["generate", "--decoder", kind, "--target", model_dirs["llama"],
+                                  "--draft", f"{kind}:{model_dirs[f'llama-{kind}']}",
+                                  "--prompt", "w1 w2 w3", "--max-new-tokens", "6",
+                                  "--device", "cpu", "--json"])
+        assert out.exit_code == 0, out.output
+        res = json.loads(out.output)
+        assert res["pair"]["heads"] == {kind: model_dirs[f"llama-{kind}"]}
+        assert res["pair"]["draft"] is None and res["notes"] == []
+        assert res["stats"]["draft_forwards"] >= 1 and res["stats"]["time_draft_s"] > 0
+    bad = runner.invoke(app, ["generate", "--decoder", "medusa", "--target", model_dirs["llama"],
+                              "--prompt", "w1 w2", "--max-new-tokens", "4", "--device", "cpu",
+                              "--json"])
+    assert bad.exit_code != 0
+    err = json.loads(bad.output)
+    assert "drafts with a medusa head" in err["error"] and "--draft medusa:DIR" in err["error"]

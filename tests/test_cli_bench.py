@@ -71,6 +71,28 @@ def test_compare_includes_pld_and_says_it_ignores_the_draft(model_dirs, prompts_
     assert "pld" in (tmp_path / "cmp.md").read_text()
 
 
+@pytest.mark.slow
+def test_compare_runs_every_decoder_and_the_heads_the_pair_has(model_dirs, prompts_file, tmp_path):
+    """The default decoder list: all of ALL_DECODERS, plus medusa and eagle when the draft spec
+    (or the alias) names their heads; each head decoder's rows name its head as their draft."""
+    from mtad_energy.cli_bench import ALL_DECODERS
+
+    out = tmp_path / "cmp"
+    draft = (f"{model_dirs['llama-draft']},medusa:{model_dirs['llama-medusa']},"
+             f"eagle:{model_dirs['llama-eagle']}")
+    args = [*pair_args(model_dirs), "--draft", draft, "--max-new-tokens", "3"]
+    res = runner.invoke(app, ["compare", *args, "--dataset", prompts_file, "--n-prompts", "1",
+                              "--output", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert {r["decoder"] for r in doc["summary"]} == {*ALL_DECODERS, "medusa", "eagle"}
+    runs = load_results(out)
+    assert set(runs.loc[runs.decoder == "eagle", "draft_id"]) == {
+        f"eagle:{model_dirs['llama-eagle']}"}
+    assert set(runs.loc[runs.decoder == "spd", "draft_id"]) == {model_dirs["llama-draft"]}
+    assert "medusa" in (tmp_path / "cmp.md").read_text()
+
+
 def test_sweep_param_runs_the_grid_and_the_baseline(model_dirs, prompts_file, tmp_path):
     out = tmp_path / "sw"
     res = runner.invoke(app, ["sweep", "param", "--decoder", "spd", "--param", "gamma=2..4",

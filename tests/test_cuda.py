@@ -15,6 +15,7 @@ from mtad_energy.decoding import cache as kv
 from mtad_energy.decoding.base import ModelRunner, PhaseTimer
 from mtad_energy.decoding.tree import keep_path
 from mtad_energy.models import load_pair
+from tests.conftest import with_heads
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +27,8 @@ MAX_NEW = 6
 @pytest.fixture(scope="module", params=["bf16", "fp32"])
 def cuda_pair(request, model_dirs):
     pair = load_pair(target=model_dirs["llama"],
-                     draft=model_dirs["llama-draft"], device=DEVICE, dtype=request.param)
+                     draft=with_heads(model_dirs, model_dirs["llama-draft"], "llama"),
+                     device=DEVICE, dtype=request.param)
     assert pair.device.type == torch.device(DEVICE).type and pair.draft is not None
     assert pair.target.dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[request.param]
     return pair
@@ -55,7 +57,7 @@ def check_stats(g, max_new_tokens: int, vocab: int) -> None:
 def test_every_decoder_runs_on_cuda_with_consistent_stats(cuda_pair, name):
     g = me.generate(name, cuda_pair, PROMPT, max_new_tokens=MAX_NEW, seed=3)
     check_stats(g, MAX_NEW, cuda_pair.target.config.vocab_size)
-    if me.DECODERS[name].needs_draft:
+    if me.DECODERS[name].needs_draft or me.DECODERS[name].head:
         assert g.stats.draft_forwards >= 1 or g.stats.tokens_emitted == 1
 
 
@@ -128,12 +130,14 @@ def test_int8_self_draft_is_refused_on_cuda_with_a_clear_message(model_dirs):
         load_pair(target=model_dirs["opt"], draft="self:int8", device=DEVICE)
 
 
-@pytest.mark.parametrize("name", ["ar", "spd", "mtad", "specinfer", "spectr", "beam"])
+@pytest.mark.parametrize("name", ["ar", "spd", "mtad", "specinfer", "spectr", "beam", "pld",
+                                  "medusa", "eagle"])
 def test_compiled_path_with_cuda_graphs_matches_eager_greedy_output(model_dirs, name):
     """`compile=True` on CUDA: static cache, inductor with CUDA graphs (reduce-overhead). Greedy
     (fp32) output is the eager output; a second generation replays the captured graphs."""
-    pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device=DEVICE,
-                     dtype="fp32")
+    pair = load_pair(target=model_dirs["llama"],
+                     draft=with_heads(model_dirs, model_dirs["llama-draft"], "llama"),
+                     device=DEVICE, dtype="fp32")
     decoder = me.get_decoder(name, temperature=0)
     eager = me.generate(decoder, pair, PROMPT, max_new_tokens=16, compute_perplexity=False)
     for _ in range(2):
@@ -141,8 +145,8 @@ def test_compiled_path_with_cuda_graphs_matches_eager_greedy_output(model_dirs, 
                                compile=True)
         assert compiled.token_ids == eager.token_ids
         check_stats(compiled, 16, pair.target.config.vocab_size)
-    assert compiled.config["compiled"] == (["target", "draft"] if decoder.needs_draft
-                                           else ["target"])
+    assert compiled.config["compiled"] == (
+        ["target", "draft"] if decoder.draft_model(pair) is not None else ["target"])
 
 
 def test_calibrate_on_the_gpu_stores_a_record_later_runs_reference(calibration_records):

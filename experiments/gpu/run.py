@@ -93,6 +93,12 @@ class Plan:
     batched_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     batched_modes: tuple[str, ...] = ("eager", "compiled")
     budget_s: float = math.inf  # `batched` starts nothing new after this (it resumes)
+    # random draft heads at the target's shapes in `decoders`: EAGLE version (EAGLE-3 taps
+    # layers 2, L/2, L-3: the 2-layer smoke model takes EAGLE-1), its draft vocabulary (EAGLE-3's
+    # Llama-3.1-8B head has 32000 tokens), Medusa-1 heads
+    eagle: int = 3
+    eagle_draft_vocab: int | None = 32000
+    medusa_heads: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -102,7 +108,7 @@ class Plan:
                        (("tiny-opt", (1, 2, 4), (), ()), ("tiny-llama", (1, 2, 4), (48,), (16,))),
                        (1, 2, 4), 2, "tiny-llama", "tiny-llama-draft", 8, 1, ("tiny-llama",),
                        "eager", ("ar", "spd"), ("ar", "spd", "typical"), 256,
-                       batched_sizes=(1, 2, 4))
+                       batched_sizes=(1, 2, 4), eagle=1, eagle_draft_vocab=None)
         if need_gpu and not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU, or rehearse with --smoke "
                              "(only `plots` runs without one, from the CSVs already written)")
@@ -112,7 +118,7 @@ class Plan:
                      (128, 512, 1024, 2048, 4096))),
                    (1, 2, 4, 8, 16), 12, "llama3.1-8b", "llama3.2-1b", 48, 2,
                    ("llama3.1-8b", "llama3.2-1b"), "inductor",
-                   ("ar", "spd", "mtad", "specinfer", "mmtad"),
+                   ("ar", "spd", "mtad", "specinfer", "mmtad", "pld", "medusa", "eagle"),
                    ("ar", "spd", "typical", "mtad", "mmtad", "specinfer", "spectr"), 16384)
 
     def mitigation(self):
@@ -282,14 +288,20 @@ def stage_batch(kit: Kit) -> None:
 # --------------------------------------------------------------------------- decoders
 
 def cpu_block_efficiency() -> dict[str, float]:
-    """Block efficiency per decoder measured on the real CPU pair (mean over the datasets): the
-    paper's decoders from compare_smollm2.csv, pld from its own run on the same pair
-    (pld_smollm2.csv). EAGLE and Medusa have none: no head exists for SmolLM2."""
+    """Block efficiency per decoder measured on the real CPU pair (mean over its runs): the
+    paper's decoders from compare_smollm2.csv, pld from its own run on the same pair (the
+    pld_compare store, HumanEval and MT-Bench). EAGLE and Medusa have none: no head exists for
+    SmolLM2."""
+    from mtad_energy.results import load_results
+
     out: dict[str, float] = {}
-    for name in ("pld_smollm2.csv", "compare_smollm2.csv"):  # the second wins where both have it
-        path = ROOT / "experiments" / "results" / "cpu" / name
-        if path.is_file():
-            out.update(pd.read_csv(path).groupby("label")["block_efficiency"].mean().to_dict())
+    cpu = ROOT / "experiments" / "results" / "cpu"
+    if (cpu / "pld_compare").is_dir():
+        runs = load_results(cpu / "pld_compare")
+        out.update(runs[runs.label == "pld"].groupby("label")["block_efficiency"].mean().to_dict())
+    if (cpu / "compare_smollm2.csv").is_file():
+        df = pd.read_csv(cpu / "compare_smollm2.csv")
+        out.update(df.groupby("label")["block_efficiency"].mean().to_dict())
     return out
 
 
@@ -322,13 +334,14 @@ def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.Dat
 def _measured(meter, key: str, run: Callable[..., Any], pair: Any) -> tuple[Any, Any]:
     """``run(on_phase=...)`` inside the runner's phase windows on ``meter``: (its result, the
     decode window's Measurement); the windows close even if it raises. The simulated device of
-    --smoke sees the pair's work (`work_tap`); a real meter does not need to."""
+    --smoke sees the pair's work, its draft heads' too (`work_tap`); a real meter does not need
+    to."""
     from mtad_energy.bench.runner import PhaseWindows
     from mtad_energy.measure import work_tap
 
     windows = PhaseWindows(meter, key)
     try:
-        with work_tap(meter, pair.target, pair.draft):
+        with work_tap(meter, pair.target, pair.draft, *pair.heads.values()):
             out = run(on_phase=windows)
     finally:
         windows.close()
@@ -345,8 +358,11 @@ def stage_decoders(kit: Kit) -> None:
     plan = kit.plan
     compile_opts = CompileOptions(backend=plan.compile_backend)
     t0 = time.perf_counter()
-    pair = random_pair(plan.target, plan.draft, device=plan.device, dtype=plan.dtype, max_positions=1024)
-    kit.log(f"decoders: {plan.target} + {plan.draft} built in {time.perf_counter() - t0:.1f} s "
+    pair = random_pair(plan.target, plan.draft, device=plan.device, dtype=plan.dtype,
+                       max_positions=1024, eagle=plan.eagle,
+                       eagle_draft_vocab=plan.eagle_draft_vocab, medusa_heads=plan.medusa_heads)
+    kit.log(f"decoders: {plan.target} + {plan.draft} and random EAGLE-{plan.eagle} and "
+            f"{plan.medusa_heads} Medusa heads built in {time.perf_counter() - t0:.1f} s "
             f"({RANDOM_NOTE})")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, pair.target.config.vocab_size, (128 if not plan.smoke else 16,),
@@ -403,7 +419,9 @@ def stage_decoders(kit: Kit) -> None:
     df.to_csv(kit.out / "decoders_raw.csv", index=False)
     kit.table("decoders", agg, "decoders: cost per iteration, eager and compiled (median of "
               "repeats after a full-length warm-up); projected tokens/s = CPU-pair block efficiency "
-              "x target forwards per iteration / cost per iteration", RANDOM_NOTE)
+              "x target forwards per iteration / cost per iteration; eagle and medusa: no "
+              "projection (no head exists for the CPU pair), their cost per iteration stands",
+              RANDOM_NOTE)
     del pair
     _validate_roofline(kit, df)
     _tree_vs_chain(kit)
@@ -430,7 +448,11 @@ def _validate_roofline(kit: Kit, raw: pd.DataFrame) -> None:
                                                 "draft_flops", "draft_bytes", "target_flops",
                                                 "target_bytes", "draft_proposed", "draft_accepted",
                                                 "iterations")}})
-    valid = validate(EnergyFit.from_dict(fit), windows)
+    uncounted = sorted(set(windows.decoder[windows.draft_flops.isna()]))
+    if uncounted:  # a draft head's work is not counted (`mtad_energy.work`): nothing to predict
+        kit.log(f"validation: {', '.join(uncounted)} left out (their draft heads' work is not "
+                "counted)")
+    valid = validate(EnergyFit.from_dict(fit), windows[windows.draft_flops.notna()])
     cols = ["decoder", "decode_time_s", "decode_energy_j", "predicted_j", "error"]
     kit.table("validation", valid[cols], "validation: the batch stage's roofline fit predicts each "
               "decode window (eager, Llama-3.1-8B / 3.2-1B shapes); error = predicted / measured - 1",

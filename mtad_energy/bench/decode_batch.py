@@ -114,7 +114,8 @@ def decode_batch_sweep(
             warm = False
             for rep in range(repeats):
                 identity = {
-                    "model": label, "target_id": pair.target_id, "draft_id": pair.draft_id,
+                    "model": label, "target_id": pair.target_id,
+                    "draft_id": pair.draft_id_for(decoder),
                     "decoder": spec.name, "params_json": params_json(params), "batch_size": b,
                     "dataset": dataset, "prompts": stable_key({"ids": rows}),
                     "max_new_tokens": max_new_tokens, "seed": seed + rep, "repeat": rep,
@@ -206,11 +207,13 @@ def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int
     from mtad_energy.decoding.static import row_bucket, slot_bucket
 
     total = 0
-    roles = [("target", pair.target)] + ([("draft", pair.draft)] if decoder.needs_draft else [])
+    draft = decoder.draft_model(pair)  # a draft model, a head with a cache (EAGLE), or none
+    roles = [("target", pair.target)] + ([("draft", draft)] if draft is not None
+                                         and not getattr(draft, "cacheless", False) else [])
     for role, model in roles:
         r = (row_bucket(rows) if compile else rows) * decoder.cache_rows(role)
         cache = kv_bytes_per_token(model) * r * (slot_bucket(slots) if compile else 2 * slots)
-        width = max(decoder.lookahead + 1, 32)  # trees are wider than their depth
+        width = max(decoder.verify_width, 32)  # trees are wider than their depth
         total += cache + 4 * r * width * model.config.vocab_size * 4
     return total
 
@@ -247,7 +250,7 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
     windows = PhaseWindows(meter, key)
     with peak_memory(pair.describe()["device"]) as peak:
         try:
-            with work_tap(meter, pair.target, pair.draft):
+            with work_tap(meter, pair.target, decoder.draft_model(pair)):
                 gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
                                      on_phase=windows, compile=compile)
         finally:

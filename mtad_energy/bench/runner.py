@@ -29,6 +29,7 @@ from mtad_energy.decoding.generate import (
     perplexity,
     slots_needed,
 )
+from mtad_energy.decoding.registry import head_kinds
 from mtad_energy.measure import (
     EnergyMeter,
     Measurement,
@@ -161,7 +162,8 @@ class Runner:
                  meter: EnergyMeter | None = None, meter_reason: str = "",
                  scorer: Scorer | None = None, sleep: Callable[[float], object] = time.sleep):
         self.config, self.store, self.scorer, self.sleep = config, store, scorer, sleep
-        needs_draft = any(d.build().needs_draft for d in config.decoders)  # validates params early
+        built = [d.build() for d in config.decoders]  # validates params early
+        needs_draft = any(d.needs_draft for d in built)
         if meter is None:
             if config.measure.meter == "auto":
                 choice = select_meter()
@@ -174,7 +176,8 @@ class Runner:
         self.mitigate = config.measure.mitigation_for(meter)
         m = config.model
         self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
-                                      dtype=m.dtype, with_draft=needs_draft)
+                                      dtype=m.dtype, with_draft=needs_draft,
+                                      heads=head_kinds(built))
         # a calibrated device: its record in the snapshot, windows below its minimum flagged
         self.meter, snap = calibrated(self.meter, snapshot())
         self.env_id = snap.snapshot_id
@@ -196,7 +199,8 @@ class Runner:
     def run_key(self, unit: WorkUnit) -> str:
         c = self.config
         return stable_key({
-            "model": c.model.label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
+            "model": c.model.label, "target_id": self.pair.target_id,
+            "draft_id": self.pair.draft_id_for(self._decoders[unit.decoder]),
             "decoder": unit.decoder.name, "params": params_json(self._params(unit.decoder)),
             "dataset": unit.prompt.dataset, "prompt_id": unit.prompt.id, "prompt": unit.prompt.text,
             "max_new_tokens": c.max_new_tokens, "seed": c.seed + unit.repeat, "repeat": unit.repeat,
@@ -262,7 +266,7 @@ class Runner:
         windows = PhaseWindows(self.meter, batch_key)
         with peak_memory(self.device) as peak:
             try:  # work_tap: the simulated roofline device sees the forwards' work; others ignore it
-                with work_tap(self.meter, self.pair.target, self.pair.draft):
+                with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair)):
                     gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
                                          compute_perplexity=False, on_phase=windows,
                                          compile=c.compile)
@@ -277,7 +281,7 @@ class Runner:
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
-            with work_tap(self.meter, self.pair.target, self.pair.draft):
+            with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair)):
                 m = measure_mitigated(
                     lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens,
                                           seed=seed, compute_perplexity=False, compile=c.compile),
@@ -325,7 +329,8 @@ class Runner:
         params = self._params(unit.decoder)
         row: dict[str, Any] = {
             "run_key": key, "sweep": c.sweep, "created_unix_s": time.time(), "env_id": self.env_id,
-            "model": self.model_label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
+            "model": self.model_label, "target_id": self.pair.target_id,
+            "draft_id": self.pair.draft_id_for(self._decoders[unit.decoder]),
             "decoder": unit.decoder.name, "label": unit.decoder.label, "compile": c.compile,
             "batch_size": batch_size, "energy_share": share,
             "params_json": params_json(params),
@@ -372,7 +377,8 @@ class Runner:
         c = self.config
         params = params_json(self._params(spec))
         key = stable_key({"model": c.model.label, "target_id": self.pair.target_id,
-                          "draft_id": self.pair.draft_id, "decoder": spec.name, "params": params,
+                          "draft_id": self.pair.draft_id_for(self._decoders[spec]),
+                          "decoder": spec.name, "params": params,
                           "device": self.device, "dtype": self.dtype, "prompt_id": prompt.id,
                           "max_new_tokens": c.max_new_tokens, "seed": c.seed})
         if self.store.has("ops", key):
@@ -384,7 +390,8 @@ class Runner:
             self._decoders[spec], self.pair, ids, c.max_new_tokens, seed=c.seed,
             compute_perplexity=False)), device=device)
         row = {"ops_key": key, "created_unix_s": time.time(), "env_id": self.env_id,
-               "model": c.model.label, "target_id": self.pair.target_id, "draft_id": self.pair.draft_id,
+               "model": c.model.label, "target_id": self.pair.target_id,
+               "draft_id": self.pair.draft_id_for(self._decoders[spec]),
                "decoder": spec.name, "label": spec.label, "params_json": params, "device": self.device,
                "dtype": self.dtype, "prompt_id": prompt.id, "tokens": out[0].stats.tokens_emitted,
                "flops": prof.total_flops, "bytes": prof.total_bytes, "wall_time_s": prof.wall_time_s,

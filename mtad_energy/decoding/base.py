@@ -79,13 +79,14 @@ class StepResult:
     # 0-d device tensor: the draft cache is valid only up to this many positions (the loop crops
     # it there, after the read-back), for drafts whose kept row diverges from the emitted path
     draft_cache_len: torch.Tensor | None = None
-    # draft tokens on one path that could have been accepted (the drafted depth); list: per row
-    depth: int | list[int] = 0
+    # draft tokens on one path that could have been accepted (the drafted depth); list: per row;
+    # a [B] device tensor where only the device knows it (read back with the tokens)
+    depth: int | list[int] | torch.Tensor = 0
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
               proposed: int | list[int], draft_cache_len: torch.Tensor | None = None,
-              depth: int | list[int] | None = None) -> StepResult:
+              depth: int | list[int] | torch.Tensor | None = None) -> StepResult:
         """``draft[:n]`` followed by ``nxt``, with ``n`` left on the device: the buffer is
         ``draft`` with ``nxt`` written at index n, of which n + 1 count. One sequence: draft
         ``[gamma]``, n and nxt 0-d; B rows: draft ``[B, gamma]``, n and nxt ``[B]``. ``depth``
@@ -235,13 +236,39 @@ def tree_inputs(anc_rows: torch.Tensor, depths: torch.Tensor, cached: int
     return allowed, (prefix - 1 + depths)[None]
 
 
+def model_kwargs(hidden: tuple[int, ...], features: torch.Tensor | None) -> dict[str, Any]:
+    """What a forward passes to the model besides ids, mask, positions and cache: the hidden
+    states to keep (transformers' ``output_hidden_states`` with indices) and a head's input
+    features."""
+    out: dict[str, Any] = {}
+    if hidden:
+        out["output_hidden_states"] = list(hidden)
+    if features is not None:
+        out["features"] = features
+    return out
+
+
+def pick_hidden(out, hidden: tuple[int, ...]) -> torch.Tensor | None:
+    """The requested hidden states of a forward's output, concatenated on the last axis
+    (``[B, k, len(hidden) * H]``), or None when none were requested."""
+    if not hidden:
+        return None
+    return torch.cat([out.hidden_states[i] for i in hidden], -1)
+
+
 class ModelRunner:
-    """One model with its KV cache; counts and times forwards."""
+    """One model with its KV cache; counts and times forwards.
+
+    ``hidden``: indices into transformers' ``hidden_states`` (0 the embeddings, i the input of
+    layer i, -1 the last layer's output after the final norm) to keep from every forward: after
+    each forward `hidden` holds them, concatenated, ``[B, k, len(hidden) * H]`` (None when none
+    are requested). A draft head's forwards take ``features [B, k, F]`` (the target's hidden
+    states, or its own), passed to the model as ``features=``."""
 
     compiled = False  # forwards through torch.compile (`static.StaticRunner`)
     compile_s = 0.0  # seconds spent compiling, outside the timed forwards (`static.StaticRunner`)
 
-    def __init__(self, model, timer: PhaseTimer, phase: str):
+    def __init__(self, model, timer: PhaseTimer, phase: str, hidden: tuple[int, ...] = ()):
         self.model = model
         self.cache = kv.new_cache(model)
         self.forwards = 0
@@ -250,9 +277,11 @@ class ModelRunner:
         self.forward_shapes: list[tuple[int, int, int]] = []
         self._timer = timer
         self._phase = phase
+        self.hidden_layers = tuple(hidden)
+        self.hidden: torch.Tensor | None = None  # the last forward's requested hidden states
 
     def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
-                 **kwargs) -> torch.Tensor:
+                 features: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """input_ids ``[B, k]`` -> float32 logits ``[B, k, V]``; appends k positions to the cache.
         ``counts`` (rows of different lengths, `batch.RowsRunner`): row b's input is left-padded
         and only its last counts[b] tokens are real; here every row is whole."""
@@ -262,15 +291,17 @@ class ModelRunner:
         self.forward_shapes.append((rows, k, self.cache.get_seq_length() + k))
         with self._timer(self._phase):
             out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                             **kwargs)
+                             **kwargs, **model_kwargs(self.hidden_layers, features))
+            self.hidden = pick_hidden(out, self.hidden_layers)
         return out.logits.float()
 
-    def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
+                features: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt's forward (a `StaticRunner` runs it uncompiled: its length varies)."""
-        return self(input_ids, counts)
+        return self(input_ids, counts, features)
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                     depths: torch.Tensor) -> torch.Tensor:
+                     depths: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """K token-tree nodes in one forward (`tree.tree_forward`): ``input_ids [B, K]``,
         ``anc_rows [K, M + K]`` (bool: node i sees tree node j; the M earlier nodes are the last
         M cached positions), ``depths [K]`` (1 for a node on the prefix) -> logits ``[B, K, V]``.
@@ -278,7 +309,8 @@ class ModelRunner:
         """
         allowed, pos = tree_inputs(anc_rows, depths, len(self))
         dtype = getattr(self.model, "dtype", torch.float32)  # first floating parameter's dtype
-        return self(input_ids, attention_mask=additive_mask(allowed, dtype), position_ids=pos)
+        return self(input_ids, attention_mask=additive_mask(allowed, dtype), position_ids=pos,
+                    features=features)
 
     def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
         """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node
@@ -343,6 +375,9 @@ class DecodeState:
     # host mirror of ``ids``: row b's tokens so far (the loop keeps it from its one read-back),
     # for decoders that draft on the host (n-gram lookup) without reading the device
     tokens: list[list[int]] = field(default_factory=list)
+    # what a decoder keeps from one iteration to the next of this generation (a head's input
+    # features); decoders are reused across generations, so it lives here, not on them
+    carry: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.active = self.active or [True] * len(self.lengths)
@@ -433,8 +468,11 @@ class Decoder:
     help: ClassVar[str]
     Params: ClassVar[type[DecoderParams]] = DecoderParams
     needs_draft: ClassVar[bool] = False
-    # drafts without the pair's draft model (prompt lookup): a loaded draft is ignored
+    # drafts without the pair's draft model (prompt lookup, heads): a loaded draft is ignored
     drafts_without_model: ClassVar[bool] = False
+    # the kind of draft head it runs on the target's hidden states ("eagle", "medusa"): the
+    # pair's ``heads[head]``, run as its draft model (its forwards count as draft forwards)
+    head: ClassVar[str | None] = None
     # whether `step` handles a DecodeState of B > 1 rows (batched generation)
     batched: ClassVar[bool] = False
 
@@ -445,6 +483,11 @@ class Decoder:
     def lookahead(self) -> int:
         """Positions beyond the emitted ones the target may see in one iteration."""
         return 0
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens of the widest forward an iteration runs (a chain's verify; trees override)."""
+        return self.lookahead + 1
 
     def cache_rows(self, role: str) -> int:
         """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):
@@ -463,6 +506,25 @@ class Decoder:
         rule must not accept past a row's own length, and statistics count it per row."""
         return [max(0, min(self.lookahead, s.row_remaining(b) - 1)) if s.active[b] else 0
                 for b in range(s.batch)]
+
+    def draft_model(self, pair) -> Any:
+        """What the draft runner runs: the pair's draft model (``needs_draft``), its head of kind
+        ``head``, or None (no draft runner)."""
+        if self.head is not None:
+            return pair.heads.get(self.head)
+        return pair.draft if self.needs_draft else None
+
+    def target_hidden(self, pair) -> tuple[int, ...]:
+        """Hidden states every target forward must return (`ModelRunner` indices)."""
+        return ()
+
+    def draft_hidden(self) -> tuple[int, ...]:
+        """Hidden states every draft forward must return (a head's output feature)."""
+        return ()
+
+    def prefill(self, s: DecodeState) -> None:
+        """Called once after the loop's prefill of the target (and a draft model), inside the
+        prefill phase: a head decoder primes its head from the target's hidden states."""
 
     def step(self, s: DecodeState) -> StepResult:
         raise NotImplementedError

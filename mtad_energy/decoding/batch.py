@@ -148,8 +148,9 @@ class RowsRunner(RowLayout, ModelRunner):
     """`ModelRunner` for B rows of different lengths in a growing ``DynamicCache`` (see the
     module docstring); compacts once `DEAD_COLUMNS` columns past the longest row are dead."""
 
-    def __init__(self, model, timer: PhaseTimer, phase: str, rows: int):
-        super().__init__(model, timer, phase)
+    def __init__(self, model, timer: PhaseTimer, phase: str, rows: int,
+                 hidden: tuple[int, ...] = ()):
+        super().__init__(model, timer, phase, hidden)
         self.valid: torch.Tensor | None = None  # [B * width, T]
         self._init_layout(rows)
 
@@ -171,7 +172,7 @@ class RowsRunner(RowLayout, ModelRunner):
         return len(self) > max(self.row_lengths, default=0) + DEAD_COLUMNS
 
     def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
-                 **kwargs) -> torch.Tensor:
+                 features: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """input_ids ``[B, k]``; row b's last counts[b] tokens are real (all k if None)."""
         b, k = input_ids.shape
         dev = input_ids.device
@@ -190,13 +191,13 @@ class RowsRunner(RowLayout, ModelRunner):
         allowed[:, :, t:] |= torch.eye(k, dtype=torch.bool, device=dev)  # padding sees itself
         dtype = getattr(self.model, "dtype", torch.float32)
         logits = super().__call__(input_ids, attention_mask=additive_mask(allowed, dtype),
-                                  position_ids=pos)
+                                  position_ids=pos, features=features)
         self.valid = valid
         self._append_cols(t, k, counts)
         return logits
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                     depths: torch.Tensor) -> torch.Tensor:
+                     depths: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """`ModelRunner.forward_tree` for B sequences (input_ids ``[B, K]``): the prefix is each
         row's valid columns before the tree."""
         assert self.width == 1, "a token tree while beams are expanded"
@@ -212,7 +213,8 @@ class RowsRunner(RowLayout, ModelRunner):
         allowed = torch.cat([head.expand(b, k, t0), tree], 2)
         dtype = getattr(self.model, "dtype", torch.float32)
         logits = ModelRunner.__call__(self, input_ids, attention_mask=additive_mask(allowed, dtype),
-                                      position_ids=prefix[:, None] - 1 + depths.expand(b, k))
+                                      position_ids=prefix[:, None] - 1 + depths.expand(b, k),
+                                      features=features)
         new = torch.ones(b, k, dtype=torch.bool, device=dev)
         self.valid = new if self.valid is None else torch.cat([self.valid, new], 1)
         self._append_cols(t, k, None)
@@ -254,28 +256,40 @@ class PerRowRunner(ModelRunner):
     what it is at batch 1, at B times the forwards. Same interface as `RowsRunner`: inputs
     ``[B * W, k]`` with row b's last counts[b] tokens real, logits left-padded to k."""
 
-    def __init__(self, model, timer: PhaseTimer, phase: str, rows: int):
-        super().__init__(model, timer, phase)
-        self.rows = [ModelRunner(model, timer, phase) for _ in range(rows)]
+    def __init__(self, model, timer: PhaseTimer, phase: str, rows: int,
+                 hidden: tuple[int, ...] = ()):
+        super().__init__(model, timer, phase, hidden)
+        self.rows = [ModelRunner(model, timer, phase, hidden) for _ in range(rows)]
         self.width = 1
 
+    def _gather_hidden(self, k: int) -> None:
+        """The rows' hidden states, left-padded to k as the logits are."""
+        if self.hidden_layers:
+            self.hidden = torch.cat([torch.nn.functional.pad(r.hidden, (0, 0, k - r.hidden.shape[1], 0))
+                                     for r in self.rows])
+
     def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
-                 **kwargs) -> torch.Tensor:
+                 features: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         self.forwards += 1
         k = input_ids.shape[1]
         counts = counts or [k] * len(self.rows)
-        outs = [r(input_ids[b * self.width:(b + 1) * self.width, k - c:])
+        w = self.width
+        outs = [r(input_ids[b * w:(b + 1) * w, k - c:], None,
+                  None if features is None else features[b * w:(b + 1) * w, k - c:])
                 for b, (r, c) in enumerate(zip(self.rows, counts, strict=True))]
         self.forward_shapes += [r.forward_shapes[-1] for r in self.rows]
+        self._gather_hidden(k)
         return torch.cat([torch.nn.functional.pad(o, (0, 0, k - o.shape[1], 0)) for o in outs])
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                     depths: torch.Tensor) -> torch.Tensor:
+                     depths: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         self.forwards += 1
         per = anc_rows.dim() == 3
         out = torch.cat([r.forward_tree(input_ids[b:b + 1], anc_rows[b] if per else anc_rows,
-                                        depths[b] if per else depths)
+                                        depths[b] if per else depths,
+                                        None if features is None else features[b:b + 1])
                          for b, r in enumerate(self.rows)])
+        self._gather_hidden(input_ids.shape[1])
         self.forward_shapes += [r.forward_shapes[-1] for r in self.rows]
         return out
 
@@ -310,10 +324,13 @@ class PerRowRunner(ModelRunner):
         self.width = n
 
 
-def rows_runner(model, timer: PhaseTimer, phase: str, rows: int) -> ModelRunner:
+def rows_runner(model, timer: PhaseTimer, phase: str, rows: int,
+                hidden: tuple[int, ...] = ()) -> ModelRunner:
     """The eager runner of ``rows`` sequences: one shared cache (`RowsRunner`), or one forward
-    per sequence (`PerRowRunner`) for a model whose rows would depend on each other."""
-    if rows > 1 and row_dependence(model) is None:
-        return RowsRunner(model, timer, phase, rows)
-    return PerRowRunner(model, timer, phase, rows) if rows > 1 else ModelRunner(model, timer,
-                                                                                 phase)
+    per sequence (`PerRowRunner`) for a model whose rows would depend on each other; ``hidden``:
+    the hidden states to keep from every forward (`ModelRunner`)."""
+    if rows == 1:
+        return ModelRunner(model, timer, phase, hidden)
+    if row_dependence(model) is None:
+        return RowsRunner(model, timer, phase, rows, hidden)
+    return PerRowRunner(model, timer, phase, rows, hidden)

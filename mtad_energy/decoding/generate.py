@@ -174,11 +174,13 @@ def _split(wall_s: float, before: tuple[float, float], after: tuple[float, float
     return draft_s, target_s, max(0.0, wall_s - draft_s - target_s)
 
 
-def _read_back(result: StepResult, rows: int) -> list[tuple[list[int], int, float]]:
-    """Per row: (emitted tokens, accepted count, valid draft-cache length) on the host, in one
-    device-to-host copy of the tokens and whatever counts the decoder left on the device."""
+def _read_back(result: StepResult, rows: int) -> list[tuple[list[int], int, float, int]]:
+    """Per row: (emitted tokens, accepted count, valid draft-cache length, draft depth) on the
+    host, in one device-to-host copy of the tokens and whatever counts the decoder left on the
+    device (a depth known only on the device: EAGLE's dynamic tree)."""
     tokens = result.tokens.reshape(rows, -1)  # [B, m]
-    fields = (result.accepted, result.length, result.draft_cache_len)
+    depth = result.depth if isinstance(result.depth, torch.Tensor) else None
+    fields = (result.accepted, result.length, result.draft_cache_len, depth)
     on_device = [x.reshape(rows, 1).to(tokens.dtype) for x in fields
                  if isinstance(x, torch.Tensor)]
     values = (torch.cat([*on_device, tokens], 1) if on_device else tokens).tolist()
@@ -191,10 +193,11 @@ def _read_back(result: StepResult, rows: int) -> list[tuple[list[int], int, floa
                 row = row[1:]
             else:
                 host.append(x)
-        accepted, length, draft_valid = host
+        accepted, length, draft_valid, row_depth = host
         if length is not None:
             row = row[:length]
-        out.append((row, int(accepted), math.inf if draft_valid is None else draft_valid))
+        out.append((row, int(accepted), math.inf if draft_valid is None else draft_valid,
+                    row_depth))
     return out
 
 
@@ -250,25 +253,36 @@ def _no_hook(phase: str) -> None:
 def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, slots: int,
              compile: bool | CompileOptions) -> tuple[ModelRunner, ModelRunner | None]:
     """The target and draft runners: eager with a dynamic cache, `batch.RowsRunner` for B > 1
-    rows, or (``compile``) `static.StaticRunner` - different runners under the same loop."""
-    roles = [("target", pair.target)] + ([("draft", pair.draft)] if decoder.needs_draft else [])
-    if compile:
-        from mtad_energy.decoding.static import ForwardShape, make_runner  # the compiler stack
+    rows, or (``compile``) `static.StaticRunner` - different runners under the same loop. The
+    draft runner runs `Decoder.draft_model`: a draft model, a head with a KV cache (EAGLE: the
+    same runners), or a cache-free head (Medusa: `heads.HeadRunner`)."""
+    from mtad_energy.decoding.heads import HeadRunner
 
-        opts = compile if not isinstance(compile, bool) else None
-        key = repr(decoder)
-        chain = decoder.lookahead + 1
-        # widths a drafting decoder meets only on some runs: a draft's step and its catch-up
-        # after a full accept (1, 2), the target's last short verify or step (1, 2) and verify
-        warm = {"draft": (1, 2), "target": tuple(sorted({1, 2, chain}))}
-        runners = [make_runner(model, timer, role, rows, slots, opts,
-                               ForwardShape(key, decoder.cache_rows(role), chain,
-                                            warm[role] if decoder.lookahead else ()))
-                   for role, model in roles]
-    else:
-        from mtad_energy.decoding.batch import rows_runner
+    draft_model = decoder.draft_model(pair)
+    roles = [("target", pair.target, decoder.target_hidden(pair))]
+    if draft_model is not None:
+        roles.append(("draft", draft_model, decoder.draft_hidden()))
+    opts = compile if compile and not isinstance(compile, bool) else None
+    chain = decoder.lookahead + 1
+    # widths a drafting decoder meets only on some runs: a draft's step and its catch-up after a
+    # full accept (1, 2), the target's last short verify or step (1, 2) and verify; a head's
+    # forwards take its features (their widths compile at the full-length warm-up)
+    warm = {"draft": (1, 2) if decoder.head is None else (),
+            "target": tuple(sorted({1, 2, chain}))}
+    runners: list[ModelRunner] = []
+    for role, model, hidden in roles:
+        if getattr(model, "cacheless", False):
+            runners.append(HeadRunner(model, timer, role, rows, compile, opts))
+        elif compile:
+            from mtad_energy.decoding.static import ForwardShape, make_runner  # compiler stack
 
-        runners = [rows_runner(model, timer, role, rows) for role, model in roles]
+            shape = ForwardShape(repr(decoder), decoder.cache_rows(role), chain,
+                                 warm[role] if decoder.lookahead else (), hidden)
+            runners.append(make_runner(model, timer, role, rows, slots, opts, shape))
+        else:
+            from mtad_energy.decoding.batch import rows_runner
+
+            runners.append(rows_runner(model, timer, role, rows, hidden))
     return runners[0], (runners[1] if len(runners) > 1 else None)
 
 
@@ -301,6 +315,13 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     if decoder.needs_draft and pair.draft is None:
         raise ValueError(f"decoder {decoder.name!r} needs a draft model, but the pair has none; "
                          "load one with draft=... (e.g. 'self:int8') or pick ar/beam/mtjd")
+    if decoder.head is not None and decoder.draft_model(pair) is None:
+        kind = decoder.head
+        raise ValueError(
+            f"decoder {decoder.name!r} drafts with a {kind} head on the target's hidden states, "
+            f"but the pair has none; load one with draft='{kind}:DIR' (CLI --draft {kind}:DIR; "
+            f"beside a draft model: --draft MODEL,{kind}:DIR): a directory in the {kind} "
+            "checkpoint layout, or a hub id already in the local Hugging Face cache")
     if rows > 1 and not decoder.batched:
         from mtad_energy.decoding.registry import batched_names
 
@@ -334,9 +355,10 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
         else:  # right-aligned: row b's prompt ends at column width - 1
             idx = to_device(counts, device)[:, None] - width + torch.arange(width, device=device)
             prefix = ids.gather(1, idx.clamp_min(0))
-        for runner in (target, draft):
+        for runner in (target, draft if decoder.needs_draft else None):
             if runner is not None:
                 runner.prefill(prefix, **({"counts": counts} if rows > 1 else {}))
+    decoder.prefill(state)  # a head primes itself from the target's hidden states
     timer.sync()
     t_prefill = time.perf_counter()
     hook("decode")
@@ -346,7 +368,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
         return time.perf_counter() - sum(r.compile_s for r in runners)
 
     t_decode = clock()  # after the hook, so a meter's bookkeeping is not billed to decode
-    fwd0 = (target.forwards, draft.forwards if draft else 0)
+    fwd0 = (target.forwards, draft.forwards if draft is not None else 0)
     marks.append(_shape_marks(target, draft))
 
     eos = pair.eos_token_id
@@ -359,13 +381,13 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     forwards_at_end = [(0, 0)] * rows
     it = 0
     while state.remaining > 0:
-        before = (target.forwards, draft.forwards if draft else 0)
+        before = (target.forwards, draft.forwards if draft is not None else 0)
         result = decoder.step(state)
         read = _read_back(result, rows)  # the one host sync per iteration
         timer.flush()  # this iteration's events are complete now: reading them does not stall
-        fw = (target.forwards - before[0], (draft.forwards if draft else 0) - before[1])
+        fw = (target.forwards - before[0], (draft.forwards if draft is not None else 0) - before[1])
         block = result.tokens.reshape(rows, -1)  # [B, m]
-        for b, (token_list, accepted, _) in enumerate(read):
+        for b, (token_list, accepted, _, row_depth) in enumerate(read):
             if not state.active[b]:
                 continue
             token_list = token_list[:state.row_remaining(b)]
@@ -376,7 +398,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             new_tokens[b].extend(token_list)
             # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted,
             # and a row never keeps more than its own depth (a batch may draft further)
-            depth = _of_row(result.depth, b)
+            depth = _of_row(result.depth, b) if row_depth is None else int(row_depth)
             counts_per_row[b].append({
                 "emitted": len(token_list), "proposed": _of_row(result.proposed, b),
                 "accepted": min(accepted, len(token_list), depth), "draft_forwards": fw[1],
@@ -385,7 +407,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
                 state.active[b] = False
                 last_iter[b] = it
                 forwards_at_end[b] = (target.forwards - fwd0[0],
-                                      (draft.forwards - fwd0[1]) if draft else 0)
+                                      (draft.forwards - fwd0[1]) if draft is not None else 0)
         phase_times.append(_draft_target(timer))
         marks.append(_shape_marks(target, draft))
         it += 1

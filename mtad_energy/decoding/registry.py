@@ -11,7 +11,9 @@ from mtad_energy.decoding.ar import Multinomial
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.beam import Beam
 from mtad_energy.decoding.bild import Bild
+from mtad_energy.decoding.eagle import Eagle
 from mtad_energy.decoding.mcss import Mcss
+from mtad_energy.decoding.medusa import Medusa
 from mtad_energy.decoding.mmtad import Mmtad
 from mtad_energy.decoding.mtad import Mtad
 from mtad_energy.decoding.mtjd import Mtjd
@@ -34,6 +36,8 @@ DECODERS: dict[str, type[Decoder]] = {
     "bild": Bild,
     "typical": Typical,
     "pld": PromptLookup,
+    "medusa": Medusa,
+    "eagle": Eagle,
 }
 
 
@@ -93,3 +97,9 @@ def check_batched(decoders: Iterable[Decoder | type[Decoder]]) -> None:
     if slow:
         raise ValueError(f"decoder(s) {', '.join(slow)} do not decode batches yet; decoders that "
                          f"do: {batched_names()}; use batch size 1 for them")
+
+
+def head_kinds(decoders: Iterable[Decoder | type[Decoder]]) -> tuple[str, ...]:
+    """The kinds of draft head (``"eagle"``, ``"medusa"``) the decoders run: what `load_pair`
+    must load of an alias's heads (``heads=``)."""
+    return tuple(dict.fromkeys(d.head for d in decoders if d.head is not None))

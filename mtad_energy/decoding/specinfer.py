@@ -40,18 +40,35 @@ class SpecInferParams(DecoderParams):
     branching: tuple[int, ...] = param((4, 2, 2), "children per node at each tree level (4,2,2)")
 
     def validate(self) -> None:
-        try:
-            branching = tuple(int(b) for b in self.branching)
-        except (TypeError, ValueError):
-            raise ValueError(f"branching must be a list of ints such as 4,2,2, got "
-                             f"{self.branching!r}") from None
-        object.__setattr__(self, "branching", branching)  # frozen: normalise lists to a tuple
-        require(len(branching) >= 1, "branching must name at least one level, e.g. 4,2,2")
-        require(all(b >= 1 for b in branching),
-                f"every branching factor must be >= 1, got {branching}")
-        nodes = tree_nodes(branching)
-        require(nodes <= MAX_TREE_NODES, f"branching {branching} gives {nodes} tree nodes; at "
-                f"most {MAX_TREE_NODES} fit one verification forward")
+        set_branching(self)
+
+
+def set_branching(params: DecoderParams, name: str = "branching") -> None:
+    """Check a static tree's ``branching`` parameter (children per node at each level) and
+    normalise it to a tuple on the frozen ``params``: ints >= 1, at least one level, at most
+    `MAX_TREE_NODES` nodes."""
+    value = getattr(params, name)
+    try:
+        branching = tuple(int(b) for b in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of ints such as 4,2,2, got {value!r}") from None
+    object.__setattr__(params, name, branching)  # frozen: normalise lists to a tuple
+    require(len(branching) >= 1, f"{name} must name at least one level, e.g. 4,2,2")
+    require(all(b >= 1 for b in branching),
+            f"every branching factor must be >= 1, got {branching}")
+    nodes = tree_nodes(branching)
+    require(nodes <= MAX_TREE_NODES, f"{name} {branching} gives {nodes} tree nodes; at "
+            f"most {MAX_TREE_NODES} fit one verification forward")
+
+
+@lru_cache(maxsize=32)
+def rooted_tree(branching: tuple[int, ...], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(parents [1 + N], anc [1 + N, 1 + N])`` of the static tree with the last emitted token
+    at the root (index 0): the tree a target verifies."""
+    parents = torch.cat([torch.full((1,), -1, device=device),
+                         level_parents(branching, device) + 1])
+    return parents, ancestors(parents)
 
 
 def tree_nodes(branching: tuple[int, ...]) -> int:

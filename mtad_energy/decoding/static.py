@@ -45,7 +45,14 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer, additive_mask, to_device
+from mtad_energy.decoding.base import (
+    ModelRunner,
+    PhaseTimer,
+    additive_mask,
+    model_kwargs,
+    pick_hidden,
+    to_device,
+)
 from mtad_energy.decoding.batch import RowLayout, rows_runner
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
 
@@ -73,6 +80,7 @@ class ForwardShape:
     # verify of 2 or a target step of 1 in the last iterations): compiled when the runner is
     # made, before the generation's windows open, so no warm-up has to be lucky to meet them
     warm_widths: tuple[int, ...] = ()
+    hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -155,11 +163,14 @@ class SlotCache(Cache):
 
 
 def _forward(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
-             anc: torch.Tensor | None = None, depths: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             anc: torch.Tensor | None = None, depths: torch.Tensor | None = None, *,
+             features: torch.Tensor | None = None, hidden: tuple[int, ...] = ()
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``input_ids [r, k]`` -> float32 logits ``[r, k, V]``, written at slots start.. of the
     cache's first r rows; ``new [r, k]`` (bool) says which tokens are real (a row's left
     padding, padded widths and padding rows are not: they see only themselves and stay invalid).
+    With ``hidden`` (hidden-state indices, `ModelRunner`): ``(logits, hidden states [r, k,
+    len(hidden) * H])``, one more graph output; ``features [r, k, F]``: a draft head's input.
 
     A chain (``anc`` None): row r's token i sits at position (r's valid columns before start) +
     (its real tokens up to i) - 1 and sees r's valid columns up to slot start + i. A token tree:
@@ -187,7 +198,9 @@ def _forward(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor
         pos = ((count - m - 1)[:, None] + depths).clamp_min(0)
     mask = additive_mask(allowed, cache.layers[0].keys.dtype)  # [r, 1, k, L]
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
-                past_key_values=cache, use_cache=True)
+                past_key_values=cache, use_cache=True, **model_kwargs(hidden, features))
+    if hidden:
+        return out.logits.float(), pick_hidden(out, hidden)
     return out.logits.float()
 
 
@@ -271,13 +284,16 @@ class StaticEngine:
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches.values())
 
-    def forward(self, cache: SlotCache, args: tuple, compiled: bool = True) -> torch.Tensor:
+    def forward(self, cache: SlotCache, args: tuple, compiled: bool = True,
+                kwargs: dict | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`_forward` (compiled or not) of ``args`` and the keyword ``kwargs`` (features,
+        hidden): logits, or (logits, hidden states)."""
         fn = self.compiled if compiled else _forward
-        logits = fn(self.model, cache, *args)
+        out = fn(self.model, cache, *args, **(kwargs or {}))
         # a CUDA graph's outputs are overwritten by its next replay
         if compiled and self.mode == "reduce-overhead":
-            return logits.clone()
-        return logits
+            return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        return out
 
 
 def eager_reason(model) -> str | None:
@@ -339,7 +355,17 @@ def make_runner(model, timer: PhaseTimer, phase: str, rows: int, slots: int,
     if why is None:
         return StaticRunner(model, timer, phase, slots, options, rows, shape)
     warnings.warn(f"compile ({phase}): {why}", stacklevel=3)
-    return rows_runner(model, timer, phase, rows)
+    return rows_runner(model, timer, phase, rows, (shape or ForwardShape()).hidden)
+
+
+def install_capture_hooks(model) -> None:
+    """Install transformers' hidden-state capturing hooks now (it does so on the first forward
+    asking for hidden states, under a lock a compiled forward cannot trace)."""
+    from transformers import PreTrainedModel
+    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+    if isinstance(model, PreTrainedModel):  # on the module whose forward captures (as it does)
+        maybe_install_capturing_hooks(model.get_decoder())
 
 
 def _sync(device: torch.device) -> None:
@@ -366,6 +392,10 @@ class StaticRunner(RowLayout, ModelRunner):
         self._timer = timer
         self._phase = phase
         self.shape = shape or ForwardShape()
+        self.hidden_layers = self.shape.hidden
+        self.hidden: torch.Tensor | None = None
+        if self.hidden_layers:  # transformers installs them lazily, under a lock dynamo refuses
+            install_capture_hooks(model)
         self.device = next(model.parameters()).device
         self.engine = engine_for(model, phase, self.device, options)
         bucket = row_bucket(seqs)
@@ -422,7 +452,7 @@ class StaticRunner(RowLayout, ModelRunner):
 
     def _run(self, input_ids: torch.Tensor, new: torch.Tensor | None,
              anc: torch.Tensor | None = None, depths: torch.Tensor | None = None,
-             compiled: bool = True) -> torch.Tensor:
+             compiled: bool = True, features: torch.Tensor | None = None) -> torch.Tensor:
         rows, k = input_ids.shape
         total = self._rows
         m = None if anc is None else anc.shape[-1] - k
@@ -445,21 +475,37 @@ class StaticRunner(RowLayout, ModelRunner):
                 anc = torch.cat([anc, anc[:1].expand(total - rows, -1, -1)])
                 depths = torch.cat([depths, depths[:1].expand(total - rows, -1)])
             args += (anc, depths)
+        kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
+        if features is not None:  # a head's input, padded as the tokens
+            kwargs["features"] = F.pad(features, (0, 0, *grow)).clone(memory_format=dense)
         self.cache.start.fill_(self.n)
-        key = (total, width, m)
+        key = self._graph_key(total, width, m, anc is not None and anc.shape[0] > 1,
+                              None if features is None else features.shape[-1])
         if compiled and key not in self.cache.warmed:
-            self._warm(args)
+            self._warm(args, kwargs)
             self.cache.warmed.add(key)
         self.forwards += 1
         self.forward_shapes.append((total, width, self.cache.slots))
         before = graphs_compiled()
         with self._timer(self._phase):
-            logits = self.engine.forward(self.cache, args, compiled)
+            out = self.engine.forward(self.cache, args, compiled, kwargs)
         if graphs_compiled() != before:
             warnings.warn(f"compile ({self._phase}): a forward of shape {key} compiled inside "
                           "its timed window", stacklevel=3)
         self.n += k
-        return logits[:rows, :k]
+        if self.hidden_layers:
+            logits, hidden = out
+            self.hidden = hidden[:rows, :k]
+            return logits[:rows, :k]
+        return out[:rows, :k]
+
+    def _graph_key(self, rows: int, width: int, m: int | None, per_row: bool = False,
+                   features: int | None = None) -> tuple:
+        """What decides a forward's graph: rows, width, tree prefix (None: a chain), one tree
+        per sequence or one for all, a head's feature width, the hidden states returned."""
+        return ((rows, width, m) + (("per-row",) if per_row else ())
+                + (() if features is None else (("features", features),))
+                + ((("hidden", self.hidden_layers),) if self.hidden_layers else ()))
 
     def _prewarm(self) -> float:
         """Compile `ForwardShape.warm_widths` at the bucket's rows on this cache now: dummy
@@ -468,22 +514,24 @@ class StaticRunner(RowLayout, ModelRunner):
         which warms again. Returns the seconds it took (in ``compile_s``)."""
         rows = len(self.cols) + self.pad
         todo = [w for w in self.shape.warm_widths
-                if (rows, w, None) not in self.cache.warmed and self.n + w <= self.cache.slots]
+                if self._graph_key(rows, w, None) not in self.cache.warmed
+                and self.n + w <= self.cache.slots]
+        kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
         before = self.compile_s
         for width in todo:
             ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
             self.cache.start.fill_(self.n)
-            self._warm((ids, torch.zeros_like(ids, dtype=torch.bool)))
-            self.cache.warmed.add((rows, width, None))
+            self._warm((ids, torch.zeros_like(ids, dtype=torch.bool)), kwargs)
+            self.cache.warmed.add(self._graph_key(rows, width, None))
         return self.compile_s - before
 
-    def _warm(self, args: tuple) -> None:
+    def _warm(self, args: tuple, kwargs: dict) -> None:
         """Run a new shape untimed (compiling it): the calls are idempotent (the same KV and
         validity written at the same slots), their seconds go to ``compile_s``."""
         _sync(self.device)
         t0 = time.perf_counter()
         for _ in range(self.engine.warm_calls):
-            self.engine.forward(self.cache, args)
+            self.engine.forward(self.cache, args, True, kwargs)
         _sync(self.device)
         self.compile_s += time.perf_counter() - t0
 
@@ -494,25 +542,27 @@ class StaticRunner(RowLayout, ModelRunner):
         return torch.arange(k, device=self.device)[None, :] >= k - to_device(
             counts, self.device)[:, None]
 
-    def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
+                 features: torch.Tensor | None = None) -> torch.Tensor:
         t, k = self.n, input_ids.shape[1]
-        logits = self._run(input_ids, self._new(k, counts))
+        logits = self._run(input_ids, self._new(k, counts), features=features)
         self._append_cols(t, k, counts)
         return logits
 
-    def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
+                features: torch.Tensor | None = None) -> torch.Tensor:
         t, k = self.n, input_ids.shape[1]
-        logits = self._run(input_ids, self._new(k, counts), compiled=False)
+        logits = self._run(input_ids, self._new(k, counts), compiled=False, features=features)
         self._append_cols(t, k, counts)
         return logits
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                     depths: torch.Tensor) -> torch.Tensor:
+                     depths: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         assert self.width == 1, "a token tree while beams are expanded"
         t, k = self.n, input_ids.shape[1]
         anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, M + K]
         depths = depths if depths.dim() == 2 else depths[None]
-        logits = self._run(input_ids, None, anc, depths)
+        logits = self._run(input_ids, None, anc, depths, features=features)
         self._append_cols(t, k, None)
         return logits
 

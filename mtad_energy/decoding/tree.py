@@ -47,16 +47,16 @@ def check_tree_support(model) -> None:
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """``anc [N, N]`` bool: ``anc[i, j]`` iff j is i or an ancestor of i.
+    """``anc [..., N, N]`` bool: ``anc[..., i, j]`` iff j is i or an ancestor of i; ``parents
+    [..., N]`` (one tree, or one per sequence: EAGLE-2's dynamic trees).
 
     Transitive closure by repeated squaring of (I + parent edges): ceil(log2 N) tiny matmuls, no
     host sync (a walk up the tree would need one per level to know when to stop).
     """
-    n = parents.shape[0]
-    idx = torch.arange(n, device=parents.device)
-    a = torch.eye(n, device=parents.device)
-    par = parents.clamp_min(0)  # a prefix-attached node maps onto itself or node 0: harmless
-    a[idx, par] = torch.maximum(a[idx, par], (parents >= 0).float())
+    n = parents.shape[-1]
+    a = torch.eye(n, device=parents.device).expand(*parents.shape[:-1], n, n).clone()
+    par = parents.clamp_min(0)[..., None]  # a prefix-attached node maps onto 0: harmless
+    a.scatter_(-1, par, torch.maximum(a.gather(-1, par), (parents >= 0).float()[..., None]))
     for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
         a = (a @ a).clamp_max(1.0)
     return a > 0

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from mtad_energy.decoding.sampling import residual
+from mtad_energy.decoding.sampling import residual, sample
 
 
 def level_offsets(branching: tuple[int, ...]) -> list[int]:
@@ -90,3 +90,99 @@ def tree_speculative_accept(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tens
             q_cur = _at(q, 1 + chosen)
     dist = torch.where(alive[:, None], p_cur, dist)  # accepted a leaf: its bonus token from p
     return depth, torch.stack(path, 1), dist
+
+
+# --- trees of deterministic candidates (EAGLE, Medusa) --------------------------------------------
+
+def node_depths(anc: torch.Tensor) -> torch.Tensor:
+    """Depth of every node of a tree with its root at index 0: ``anc [..., 1 + N, 1 + N]``
+    (ancestors-or-self) -> ``[..., 1 + N]`` (the root 0)."""
+    return anc.sum(-1) - 1
+
+
+def _deepest(on_path: torch.Tensor, depth: torch.Tensor, key: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """Per row the deepest node with ``on_path`` (``[B, 1 + N]``; the root always is), ties by
+    the larger ``key`` then the lower index -> ``[B]``."""
+    score = depth.to(torch.float64) * 1e9 + (0.0 if key is None else key.to(torch.float64))
+    return score.masked_fill(~on_path, float("-inf")).argmax(-1)
+
+
+def _path(anc: torch.Tensor, depth: torch.Tensor, node: torch.Tensor, levels: int
+          ) -> torch.Tensor:
+    """``[B, levels]``: the ancestor of ``node [B]`` at each level 1..levels, padded with
+    ``node`` past its depth (keeping a padded path keeps the same columns,
+    `ModelRunner.keep_tree`). anc ``[B, 1 + N, 1 + N]``, depth ``[B, 1 + N]``."""
+    line = anc.gather(1, node[:, None, None].expand(-1, 1, anc.shape[-1]))[:, 0]  # [B, 1 + N]
+    level = torch.arange(1, levels + 1, device=depth.device)  # [L]
+    at = line[:, None, :] & (depth[:, None, :] == level[None, :, None])  # [B, L, 1 + N]
+    return torch.where(at.any(-1), at.long().argmax(-1), node[:, None])
+
+
+def _children_mask(tokens: torch.Tensor, parents: torch.Tensor, allowed: torch.Tensor,
+                   node: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, V]``: 1.0 at the tokens of ``node``'s allowed children."""
+    child = (parents == node[:, None]) & allowed  # [B, 1 + N]
+    mask = torch.zeros(tokens.shape[0], vocab, device=tokens.device)
+    return mask.scatter_add_(1, tokens, child.float()).clamp_max_(1.0)
+
+
+def tree_candidates_accept(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                           anc: torch.Tensor, caps: torch.Tensor, levels: int,
+                           generator: torch.Generator | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless verification of B token trees whose children are *chosen*, not sampled (the top
+    tokens of a head: EAGLE, Medusa), so a child's q is one-hot at its own token, as EAGLE's
+    ``evaluate_posterior`` treats them: at a node accept child x with prob p(x) / 1, on rejection
+    p <- norm(max(0, p - onehot(x))), next child; when all fail, sample the residual. Children of
+    a node are distinct tokens, so this is: draw y ~ p at every node; descend into the child
+    whose token is y; at the node where none is, emit a sample of p without its children
+    (`sampling.residual` of p and the children's indicator). Lossless w.r.t. p, greedy-exact.
+
+    p: ``[B, 1 + N, V]`` warped target at the root (index 0, the last emitted token) and every
+    node; tokens ``[B, 1 + N]`` (the root's is ignored); parents ``[(B,) 1 + N]`` (root -1);
+    anc ``[(B,) 1 + N, 1 + N]`` ancestors-or-self; caps ``[B]``: nodes deeper than caps[b] are
+    not row b's draft (a row near its end); levels: the tree's depth L (host-known). Returns
+    ``(depth [B], path [B, L], next [B], node [B])``: accepted depth, the accepted node per
+    level 1..L (padded past the depth with the last), the next token, and the deepest accepted
+    node (0: the root).
+    """
+    rows = tokens.shape[0]
+    parents = parents.expand(rows, -1)
+    anc = anc.expand(rows, -1, -1)
+    depth = node_depths(anc)  # [B, 1 + N]
+    allowed = depth <= caps[:, None]
+    y = sample(p, generator)  # [B, 1 + N]: one draw per node
+    match = tokens == y.gather(1, parents.clamp_min(0))
+    ok = (match | (parents < 0)) & allowed
+    on_path = ~(anc & ~ok[:, None, :]).any(-1)  # every ancestor-or-self ok
+    node = _deepest(on_path, depth)
+    p_node = p.gather(1, node[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]
+    kids = _children_mask(tokens, parents, allowed, node, p.shape[-1])
+    nxt = sample(residual(p_node, kids), generator)
+    return depth.gather(1, node[:, None])[:, 0], _path(anc, depth, node, levels), nxt, node
+
+
+def tree_typical_accept(p_test: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                        anc: torch.Tensor, caps: torch.Tensor, levels: int, eps: float,
+                        delta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Medusa's typical acceptance over B token trees (lossy, as published): a node passes if
+    p(x) > min(eps, delta * exp(-H(p))) under its parent's ``p_test`` (temperature-scaled,
+    untruncated); the accepted node is the deepest whose ancestors all pass (Medusa's longest
+    accepted candidate), ties by the higher joint log p along the path. Shapes as
+    `tree_candidates_accept`. Returns ``(depth [B], path [B, L], node [B])``; the next token is
+    sampled from ~p at ``node`` by the caller."""
+    rows = tokens.shape[0]
+    parents = parents.expand(rows, -1)
+    anc = anc.expand(rows, -1, -1).float()
+    depth = node_depths(anc.bool())
+    at_parent = p_test.gather(1, parents.clamp_min(0)[..., None].expand(-1, -1, p_test.shape[-1]))
+    entropy = -torch.special.xlogy(at_parent, at_parent).sum(-1)  # [B, 1 + N]
+    p_x = at_parent.gather(-1, tokens[..., None])[..., 0]
+    passed = (p_x > torch.clamp(delta * torch.exp(-entropy), max=eps)) | (parents < 0)
+    ok = passed & (depth <= caps[:, None])
+    on_path = (anc @ (~ok).float()[..., None])[..., 0] == 0
+    log_p = torch.where(parents < 0, 0.0, p_x.clamp_min(1e-30).log())
+    joint = (anc @ log_p[..., None])[..., 0]  # [B, 1 + N]: along each node's path
+    node = _deepest(on_path, depth, joint)
+    return depth.gather(1, node[:, None])[:, 0], _path(anc.bool(), depth, node, levels), node

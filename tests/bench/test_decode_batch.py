@@ -289,3 +289,21 @@ def test_a_batch_size_that_would_not_fit_is_not_run_and_says_why(tmp_path, model
     assert not_run[("spd", 64)].startswith("needs about") and "GiB free" in not_run[("spd", 64)]
     assert not_run[("spd", 3)].startswith("out of memory at batch size 3")
     assert set(load_results(tmp_path / "s", "decode_batch").batch_size) == {1}
+
+
+@pytest.mark.slow
+def test_sweep_decodes_pld_and_eagle_in_batches(tmp_path, model_dirs):
+    """`sweep batch-size --decoder pld,eagle`: the head from `--draft eagle:DIR`, rows at each
+    size with their draft (none for pld, the head for eagle) and draft tokens proposed."""
+    args = ["sweep", "batch-size", "--decoder", "pld,eagle", "--target", model_dirs["llama"],
+            "--draft", f"eagle:{model_dirs['llama-eagle']}", "--sizes", "1,2", "--device", "cpu",
+            "--meter", "none", "--max-new-tokens", "6", "--n-prompts", "2",
+            "--output", str(tmp_path / "sweep"), "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rows = load_results(tmp_path / "sweep", "decode_batch")
+    assert set(zip(rows.decoder, rows.batch_size, strict=True)) == {
+        (d, b) for d in ("ar", "pld", "eagle") for b in (1, 2)}
+    eagle = rows[rows.decoder == "eagle"]
+    assert set(eagle.draft_id) == {f"eagle:{model_dirs['llama-eagle']}"}
+    assert (eagle.draft_proposed > 0).all() and (eagle.draft_forwards > 0).all()

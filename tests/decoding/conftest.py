@@ -23,6 +23,8 @@ def self_pair(model_dirs):
     """The tiny Llama with its first two layers as the draft: greedy drafts are partly accepted
     (a random tiny draft never agrees with the target), so rollback paths run."""
     from mtad_energy.models import load_pair
+    from tests.conftest import with_heads
 
-    return load_pair(target=model_dirs["llama"], draft="self:layers=0-1", device="cpu")
+    return load_pair(target=model_dirs["llama"],
+                     draft=with_heads(model_dirs, "self:layers=0-1", "llama"), device="cpu")
 

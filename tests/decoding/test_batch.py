@@ -17,6 +17,7 @@ from mtad_energy.decoding.batch import RowsRunner
 from mtad_energy.decoding.generate import generate_ids, generate_rows
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from tests.decoding.lossless import batched_row_pvalues, two_sample_pvalue
+from tests.tiny import skip_without_head
 
 BATCHED = sorted(n for n, c in DECODERS.items() if c.batched)
 PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # different lengths
@@ -26,6 +27,7 @@ PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # different l
 @pytest.mark.parametrize("name", BATCHED)
 def test_greedy_rows_are_exactly_their_batch_1_outputs(arch, name, request):
     pair = request.getfixturevalue(f"{arch}_pair")
+    skip_without_head(name, pair)
     decoder = get_decoder(name, temperature=0)
     rows = generate_rows(decoder, pair, PROMPTS, 20)
     for prompt, row in zip(PROMPTS, rows, strict=True):

@@ -19,6 +19,7 @@ from mtad_energy.decoding.generate import generate_ids, generate_rows
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from mtad_energy.decoding.static import CompileOptions, ForwardShape, StaticRunner, graphs_compiled
 from tests.decoding.lossless import batched_row_pvalues
+from tests.tiny import compile_test_decoder, skip_without_head
 
 TRACE = CompileOptions(backend="aot_eager")
 PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # B = 3: bucket 4, one padding
@@ -28,14 +29,15 @@ PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]  # B = 3: buck
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_compiled_batched_greedy_rows_are_their_eager_batch_1_outputs(arch, name, request):
     pair = request.getfixturevalue(f"{arch}_pair")
-    decoder = get_decoder(name, temperature=0)
+    skip_without_head(name, pair)
+    decoder = compile_test_decoder(name, temperature=0)
     rows = generate_rows(decoder, pair, PROMPTS, 20, compute_perplexity=False, compile=TRACE)
     for prompt, row in zip(PROMPTS, rows, strict=True):
         alone = generate_ids(decoder, pair, prompt, 20, compute_perplexity=False)
         assert row.token_ids == alone.token_ids
         assert [s.accepted for s in row.steps] == [s.accepted for s in alone.steps]
-    assert rows[0].config["compiled"] == (["target", "draft"] if decoder.needs_draft
-                                          else ["target"])
+    assert rows[0].config["compiled"] == (["target", "draft"] if decoder.draft_model(pair)
+                                          is not None else ["target"])
 
 
 @pytest.mark.parametrize("name", ["spd", "mtad", "specinfer", "mmtad", "spectr", "bild"])
@@ -154,10 +156,10 @@ def test_each_decoder_pads_only_to_its_own_widths(llama_pair):
     seen: list[tuple[int, int]] = []
     real = static.StaticEngine.forward
 
-    def spy(self, cache, args, compiled=True):
+    def spy(self, cache, args, compiled=True, kwargs=None):
         if compiled:
             seen.append(tuple(args[0].shape))
-        return real(self, cache, args, compiled)
+        return real(self, cache, args, compiled, kwargs)
 
     with mock.patch.object(static.StaticEngine, "forward", spy):
         generate_ids(get_decoder("spd", temperature=0), llama_pair, PROMPTS[0], 12,

@@ -1,0 +1,109 @@
+"""What the head decoders (`medusa`, `eagle`) share: the runner of a cache-free head, the
+target's features carried from one iteration to the next, and the target's tree verify.
+
+A head reads the target's hidden state at the last position the target cache holds (the cache
+invariant of base.py: every token but the last one). After the prefill that is the prompt's
+second-to-last token (zero for a one-token prompt, which has none); after a verify it is the
+deepest accepted node of the tree, whose hidden state the verify forward returned.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from mtad_energy.decoding.base import DecodeState, ModelRunner, PhaseTimer
+
+# head -> (compiled forward, shapes run so far): kept across generations, like the engines
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class HeadRunner(ModelRunner):
+    """A cache-free draft head (Medusa's) run as the draft model: ``runner(features [B, F]) ->
+    float32 logits`` counted and timed as ``phase``'s forwards. With ``compile`` it runs through
+    ``torch.compile`` (one graph per input shape, CUDA graphs on CUDA); a shape's first calls run
+    untimed and go to ``compile_s``, as in `static.StaticRunner`. Holds no cache: rollback and
+    row lengths are no-ops."""
+
+    def __init__(self, head, timer: PhaseTimer, phase: str, rows: int, compile: bool = False,
+                 options=None):
+        self.model = head
+        self.forwards = 0
+        self._timer = timer
+        self._phase = phase
+        self._rows = rows
+        self.hidden_layers = ()
+        self.hidden = None
+        self.compiled = bool(compile)
+        self.compile_s = 0.0
+        if self.compiled:
+            from mtad_energy.decoding.static import CompileOptions
+
+            opts = options or CompileOptions()
+            device = next(head.parameters()).device
+            mode = opts.mode or ("reduce-overhead" if device.type == "cuda"
+                                 and opts.backend == "inductor" else None)
+            key = (opts.backend, mode)
+            entry = _COMPILED.setdefault(head, {})
+            if key not in entry:
+                entry[key] = (torch.compile(head, backend=opts.backend, mode=mode,
+                                            dynamic=False, fullgraph=True), set())
+            self._fn, self._warmed = entry[key]
+            self._graphs = mode == "reduce-overhead"
+            self._device = device
+
+    def __call__(self, features: torch.Tensor, counts: list[int] | None = None,
+                 **kwargs) -> torch.Tensor:
+        self.forwards += 1
+        if not self.compiled:
+            with self._timer(self._phase):
+                return self.model(features).float()
+        features = features.contiguous()
+        shape = (tuple(features.shape), features.dtype)
+        if shape not in self._warmed:  # compile (and record) untimed
+            sync = torch.cuda.synchronize if self._device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(3 if self._graphs else 1):
+                self._fn(features)
+            sync()
+            self.compile_s += time.perf_counter() - t0
+            self._warmed.add(shape)
+        with self._timer(self._phase):
+            out = self._fn(features)
+            return (out.clone() if self._graphs else out).float()
+
+    def __len__(self) -> int:
+        return 0
+
+    @property
+    def row_lengths(self) -> list[int]:
+        return [0] * self._rows
+
+    def crop_rows(self, lengths: list[int]) -> None:
+        pass
+
+    def crop(self, length: int) -> None:
+        pass
+
+
+def prefill_features(s: DecodeState, width: int) -> torch.Tensor:
+    """``[B, 1, width]``: the target's features at the last position its cache holds after the
+    prefill (the prompt's second-to-last token), zero for a row whose prompt has one token."""
+    hidden = s.target.hidden  # [B, W, F] right-aligned from the prefill, or None (no prefill)
+    if hidden is None:
+        return torch.zeros(s.batch, 1, width, dtype=_dtype(s), device=s.ids.device)
+    has = torch.tensor([n > 1 for n in s.prompt_lens], device=hidden.device)
+    return hidden[:, -1:] * has[:, None, None].to(hidden.dtype)
+
+
+def _dtype(s: DecodeState) -> torch.dtype:
+    return next(p.dtype for p in s.target.model.parameters() if p.is_floating_point())
+
+
+def hidden_at(s: DecodeState, node: torch.Tensor) -> torch.Tensor:
+    """``[B, F]``: the last target forward's features at tree node ``node [B]``."""
+    hidden = s.target.hidden  # [B, K, F]
+    return hidden.gather(1, node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
