@@ -237,12 +237,12 @@ def tree_inputs(anc_rows: torch.Tensor, depths: torch.Tensor, cached: int
 
 
 def model_kwargs(hidden: tuple[int, ...], features: torch.Tensor | None) -> dict[str, Any]:
-    """What a forward passes to the model besides ids, mask, positions and cache: the hidden
-    states to keep (transformers' ``output_hidden_states`` with indices) and a head's input
-    features."""
+    """What a forward passes to the model besides ids, mask, positions and cache: whether to
+    return the hidden states (`pick_hidden` keeps the requested ones; a boolean, since
+    transformers before 5.2x takes no list of layer indices) and a head's input features."""
     out: dict[str, Any] = {}
     if hidden:
-        out["output_hidden_states"] = list(hidden)
+        out["output_hidden_states"] = True
     if features is not None:
         out["features"] = features
     return out
