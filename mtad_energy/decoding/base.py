@@ -22,6 +22,7 @@ import torch
 
 from mtad_energy.decoding import cache as kv
 from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.work import Forward
 
 
 def param(default: Any, help: str) -> Any:
@@ -274,7 +275,7 @@ class ModelRunner:
         self.forwards = 0
         # (rows, new tokens, KV columns attended) of every forward, padding included: the loop
         # turns them into FLOPs and bytes (`mtad_energy.work`) after the decode phase
-        self.forward_shapes: list[tuple[int, int, int]] = []
+        self.forward_shapes: list[Forward] = []
         self._timer = timer
         self._phase = phase
         self.hidden_layers = tuple(hidden)
@@ -288,7 +289,8 @@ class ModelRunner:
         self.forwards += 1
         rows, k = input_ids.shape
         # the cache's length before this forward (O(1); len(self) walks every layer)
-        self.forward_shapes.append((rows, k, self.cache.get_seq_length() + k))
+        self.forward_shapes.append(Forward(rows, k, self.cache.get_seq_length() + k,
+                                           0 if features is None else features.shape[-1]))
         with self._timer(self._phase):
             out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                              **kwargs, **model_kwargs(self.hidden_layers, features))

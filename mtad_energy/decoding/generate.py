@@ -20,7 +20,7 @@ from mtad_energy.decoding.base import (
     to_device,
 )
 from mtad_energy.models import ModelPair
-from mtad_energy.work import ModelDims, Work, shapes_work
+from mtad_energy.work import Work, dims_of, shapes_work
 
 if TYPE_CHECKING:
     from mtad_energy.decoding.static import CompileOptions
@@ -220,12 +220,13 @@ def _spans_work(runner: ModelRunner | None, marks: list[int | None]) -> list[Wor
         return [Work()] * spans
     shapes = getattr(runner, "forward_shapes", None)
     try:
-        dims = ModelDims.from_model(runner.model)
+        dims = dims_of(runner.model)
     except (ValueError, AttributeError):  # a model type the rule does not count, or no config
         return [None] * spans
     if shapes is None or None in marks:
         return [None] * spans
-    concat = isinstance(runner.cache, DynamicCache)  # a static cache is written in place
+    # a static cache is written in place (a cache-free head has no KV to count)
+    concat = isinstance(getattr(runner, "cache", None), DynamicCache)
     return [shapes_work(dims, shapes[a:b], concat) for a, b in zip(marks, marks[1:], strict=False)]
 
 

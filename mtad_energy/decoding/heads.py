@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from mtad_energy.decoding.base import DecodeState, ModelRunner, PhaseTimer
+from mtad_energy.work import Forward
 
 # head -> (compiled forward, shapes run so far): kept across generations, like the engines
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -25,12 +26,14 @@ class HeadRunner(ModelRunner):
     float32 logits`` counted and timed as ``phase``'s forwards. With ``compile`` it runs through
     ``torch.compile`` (one graph per input shape, CUDA graphs on CUDA); a shape's first calls run
     untimed and go to ``compile_s``, as in `static.StaticRunner`. Holds no cache: rollback and
-    row lengths are no-ops."""
+    row lengths are no-ops. Records each call as a `Forward` of one token per row (the head
+    attends over nothing) for the FLOP/byte rule."""
 
     def __init__(self, head, timer: PhaseTimer, phase: str, rows: int, compile: bool = False,
                  options=None):
         self.model = head
         self.forwards = 0
+        self.forward_shapes: list[Forward] = []
         self._timer = timer
         self._phase = phase
         self._rows = rows
@@ -57,6 +60,7 @@ class HeadRunner(ModelRunner):
     def __call__(self, features: torch.Tensor, counts: list[int] | None = None,
                  **kwargs) -> torch.Tensor:
         self.forwards += 1
+        self.forward_shapes.append(Forward(features.shape[0], 1, 1, features.shape[-1]))
         if not self.compiled:
             with self._timer(self._phase):
                 return self.model(features).float()

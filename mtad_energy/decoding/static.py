@@ -55,6 +55,7 @@ from mtad_energy.decoding.base import (
 )
 from mtad_energy.decoding.batch import RowLayout, rows_runner
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
+from mtad_energy.work import Forward
 
 MIN_SLOTS = 256
 
@@ -346,6 +347,11 @@ def check_static_support(model) -> None:
             f"with attn_implementation {' or '.join(sorted(TREE_ATTN))}. Run without --compile.")
 
 
+# models already warned about staying eager (Python's own once-per-location filter is reset by
+# every `warnings.catch_warnings` block, which torch and transformers enter often)
+_WARNED_EAGER: weakref.WeakSet = weakref.WeakSet()
+
+
 def make_runner(model, timer: PhaseTimer, phase: str, rows: int, slots: int,
                 options: CompileOptions | None = None,
                 shape: ForwardShape | None = None) -> ModelRunner:
@@ -354,7 +360,9 @@ def make_runner(model, timer: PhaseTimer, phase: str, rows: int, slots: int,
     why = eager_reason(model)
     if why is None:
         return StaticRunner(model, timer, phase, slots, options, rows, shape)
-    warnings.warn(f"compile ({phase}): {why}", stacklevel=3)
+    if model not in _WARNED_EAGER:  # once per model, not per generation (a sweep makes many)
+        _WARNED_EAGER.add(model)
+        warnings.warn(f"compile ({phase}): {why}", stacklevel=3)
     return rows_runner(model, timer, phase, rows, (shape or ForwardShape()).hidden)
 
 
@@ -387,7 +395,7 @@ class StaticRunner(RowLayout, ModelRunner):
         self.forwards = 0
         # (rows, tokens, KV columns attended) of every forward as it runs: padding rows and
         # widths included, attention over all L slots (`mtad_energy.work` counts them)
-        self.forward_shapes: list[tuple[int, int, int]] = []
+        self.forward_shapes: list[Forward] = []
         self.compile_s = 0.0  # seconds of first forwards of a shape (compiling), untimed
         self._timer = timer
         self._phase = phase
@@ -485,7 +493,8 @@ class StaticRunner(RowLayout, ModelRunner):
             self._warm(args, kwargs)
             self.cache.warmed.add(key)
         self.forwards += 1
-        self.forward_shapes.append((total, width, self.cache.slots))
+        self.forward_shapes.append(Forward(total, width, self.cache.slots,
+                                           0 if features is None else features.shape[-1]))
         before = graphs_compiled()
         with self._timer(self._phase):
             out = self.engine.forward(self.cache, args, compiled, kwargs)

@@ -256,11 +256,14 @@ def _no_tap() -> Iterator[None]:
     yield
 
 
-def work_tap(meter: Any, *models: Any) -> Any:
+def work_tap(meter: Any, *models: Any, compiled: bool = False) -> Any:
     """Context manager: let ``meter`` see the work of ``models``' forwards where it needs to (the
-    simulated roofline device); a no-op for every meter that reads a real sensor."""
+    simulated roofline device); a no-op for every meter that reads a real sensor, and for
+    ``compiled`` runs: a compiled graph hides its forwards from the tap, and the tap's hooks,
+    traced into the graph, would make dynamo recompile at every forward (so the simulated
+    device charges a compiled run its static power alone)."""
     tap = getattr(meter, "tap", None)
-    return tap(*models) if tap is not None else _no_tap()
+    return tap(*models) if tap is not None and not compiled else _no_tap()
 
 
 @dataclass(frozen=True)
@@ -304,10 +307,12 @@ class WorkTap:
     """Counts the work of a model's forwards from the tensors they touch, independently of any
     counting formula: FLOPs from torch's formulas for every matrix product and attention op
     dispatched (`profiler.matrix_flops`; dynamically quantised linear layers by their shapes);
-    bytes as the parameters read (each once per forward; an embedding table as the rows it
-    gathers), the KV cache tensors before and after the forward (all of them read by attention;
-    a cache that grew into a new tensor was copied: old ones read, new ones written; one
-    updated in place wrote only the new columns), and the logits written.
+    bytes as the parameters read (each once per forward, by the modules that ran: a draft head's
+    layer that a forward skips reads nothing; an embedding table as the rows it gathers), the KV
+    cache tensors before and after the forward (all of them read by attention; a cache that
+    grew into a new tensor was copied: old ones read, new ones written; one updated in place
+    wrote only the new columns), and the logits written (a forward returning a bare tensor:
+    that tensor).
 
     ``attached(*models)`` wraps each model's ``forward`` (and hooks its embedding and quantised
     linear modules) until it exits; ``on_work(flops, bytes)`` is called after every forward.
@@ -317,6 +322,7 @@ class WorkTap:
         self.on_work = on_work
         self._gathered = 0  # embedding bytes and quantised-linear FLOPs of the current forward
         self._extra_flops = 0
+        self._ran: set[int] = set()  # modules owning parameters that ran in the current forward
 
     @contextmanager
     def attached(self, *models: Any) -> Iterator[WorkTap]:
@@ -335,8 +341,10 @@ class WorkTap:
                         hooks.append(module.register_forward_hook(self._on_gather))
                     elif callable(getattr(module, "weight", None)):  # dynamic int8 Linear
                         hooks.append(module.register_forward_hook(self._on_quantized_linear))
+                    if any(True for _ in module.parameters(recurse=False)):
+                        hooks.append(module.register_forward_hook(self._on_ran))
                 wrapped.append((model, model.__dict__.get("forward")))
-                model.forward = self._wrap(model.forward, _full_read_bytes(model))
+                model.forward = self._wrap(model.forward, _ParamReads(model))
             yield self
         finally:
             for model, own in wrapped:  # the forward it had: its class's, or a wrapper's
@@ -350,10 +358,13 @@ class WorkTap:
     def _on_gather(self, module: Any, args: Any, out: Any) -> None:
         self._gathered += out.numel() * out.element_size()
 
+    def _on_ran(self, module: Any, args: Any, out: Any) -> None:
+        self._ran.add(id(module))
+
     def _on_quantized_linear(self, module: Any, args: Any, out: Any) -> None:
         self._extra_flops += 2 * args[0].numel() * module.out_features
 
-    def _wrap(self, forward: Callable[..., Any], weight_bytes: int) -> Callable[..., Any]:
+    def _wrap(self, forward: Callable[..., Any], reads: _ParamReads) -> Callable[..., Any]:
         from mtad_energy.measure.profiler import flop_counter
 
         def tapped(*args: Any, **kwargs: Any) -> Any:
@@ -365,12 +376,14 @@ class WorkTap:
             cache = kwargs.get("past_key_values")
             before = _kv_tensors(cache)
             self._gathered = self._extra_flops = 0
+            self._ran = set()
             counter = flop_counter()
             with counter:
                 out = forward(*args, **kwargs)
             rows, new = ids.shape
-            nbytes = weight_bytes + self._gathered + _kv_traffic(before, _kv_tensors(cache), rows, new)
-            logits = getattr(out, "logits", None)
+            nbytes = (reads.bytes(self._ran) + self._gathered
+                      + _kv_traffic(before, _kv_tensors(cache), rows, new))
+            logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
             nbytes += logits.numel() * logits.element_size() if logits is not None else 0
             self.on_work(counter.flops + self._extra_flops, nbytes)
             return out
@@ -400,6 +413,28 @@ def _full_read_bytes(model: Any) -> int:
         counted.add(id(p))
         total += p.numel() * p.element_size()
     return total
+
+
+class _ParamReads:
+    """The parameter bytes one forward of a model reads: `_full_read_bytes`, less the parameters
+    whose every owning module did not run (EAGLE-3's fusion layer on a forward fed the head's own
+    features)."""
+
+    def __init__(self, model: Any):
+        import torch
+
+        self.full = _full_read_bytes(model)
+        self._owners: dict[int, tuple[Any, set[int]]] = {}  # parameter -> (it, its owners)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                continue  # read as the rows it gathers
+            for p in module.parameters(recurse=False):
+                self._owners.setdefault(id(p), (p, set()))[1].add(id(module))
+
+    def bytes(self, ran: set[int]) -> int:
+        skipped = sum(p.numel() * p.element_size() for p, owners in self._owners.values()
+                      if not owners & ran)
+        return self.full - skipped
 
 
 def _kv_tensors(cache: Any) -> list[tuple[int, int, Any] | None]:

@@ -8,6 +8,8 @@ inductor, the backend ``--compile`` runs.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -134,6 +136,10 @@ def test_an_int8_draft_stays_eager_with_a_warning_and_the_target_compiles(model_
                                 compile=TRACE)
     assert compiled.config["compiled"] == ["target"]
     assert compiled.token_ids == eager.token_ids
+    with warnings.catch_warnings(record=True) as again:  # said once per model, not per run
+        warnings.simplefilter("always")
+        generate_ids(decoder, pair, PROMPT, 4, compute_perplexity=False, compile=TRACE)
+    assert not [w for w in again if "runs eager" in str(w.message)]
 
 
 def test_shorter_forwards_run_at_the_decoders_verify_width(llama_pair):
