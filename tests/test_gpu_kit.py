@@ -114,6 +114,10 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert len(ResultStore(out / "store").load("batch")) == 3 + 5
     # and `batched` keeps its rows, reruns none, and stops starting new ones when out of budget
     raw = pd.read_csv(out / "batched_raw.csv")
+    warmed = raw.dropna(subset=["graphs_compiled"])  # each cell's warm-up: the graphs it compiled
+    assert len(warmed) == len(batched)
+    assert (warmed[warmed["mode"] == "eager"].graphs_compiled == 0).all()
+    assert (warmed[(warmed["mode"] == "compiled") & (warmed.decoder == "ar")].graphs_compiled >= 1).all()
     again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batched",
                             "--smoke", "--out", str(out), "--sizes", "1,2,4,8", "--budget-s", "0"],
                            capture_output=True, text=True, timeout=300)

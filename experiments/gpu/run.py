@@ -520,7 +520,7 @@ def stage_batched(kit: Kit) -> None:
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_rows
     from mtad_energy.decoding.registry import get_decoder
-    from mtad_energy.decoding.static import CompileOptions, release_engines
+    from mtad_energy.decoding.static import CompileOptions, graphs_compiled, release_engines
     from mtad_energy.measure import get_meter, peak_memory
 
     plan = kit.plan
@@ -555,7 +555,7 @@ def stage_batched(kit: Kit) -> None:
                     dec = get_decoder(name)
                     batch = [prompts[i % len(prompts)] for i in range(b)]
                     why = does_not_fit(pair, dec, batch, plan.decode_tokens, bool(compile))
-                    t_warm = time.perf_counter()
+                    t_warm, graphs = time.perf_counter(), graphs_compiled()
                     try:
                         if why is None:
                             generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
@@ -572,9 +572,12 @@ def stage_batched(kit: Kit) -> None:
                         kit.log(f"batched: {name} {mode} B={b} skipped: {why}")
                         continue
                     rows[-1]["warmup_s"] = time.perf_counter() - t_warm
+                    # graphs the warm-up compiled (what its time went to; none in the repeats)
+                    rows[-1]["graphs_compiled"] = graphs_compiled() - graphs
                     kit.log(f"batched: {name} {mode} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} "
                             f"ms/iteration, forwards {rows[-1]['forwards_ms_per_iter']:.2f} ms, "
-                            f"peak {rows[-1]['peak_memory_gb']:.1f} GB")
+                            f"peak {rows[-1]['peak_memory_gb']:.1f} GB, warm-up "
+                            f"{rows[-1]['warmup_s']:.1f} s ({rows[-1]['graphs_compiled']} graphs)")
                     # kept after every cell: a command stopped at its limit loses one at most
                     pd.concat([done, pd.DataFrame(rows)], ignore_index=True).to_csv(
                         raw_path, index=False)

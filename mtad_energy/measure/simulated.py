@@ -23,10 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from mtad_energy.measure.base import Clock, Measurement, MeterBase, PowerSample, WindowBook, short_window_flag
+from mtad_energy.measure.base import (
+    Clock,
+    Flag,
+    Measurement,
+    MeterBase,
+    PowerSample,
+    WindowBook,
+    short_window_flag,
+)
 from mtad_energy.measure.integrate import trapezoid_energy_j
 from mtad_energy.measure.nvml import DEFAULT_POLL_INTERVAL_S
 from mtad_energy.measure.sensor import PowerProfile, PowerTrace, SensorModel, get_preset
+
+FLAG_WORK_UNSEEN = "work-unseen"  # a roofline window whose compiled forwards no tap saw
 
 
 class SimClock:
@@ -152,6 +162,7 @@ class SimulatedMeter(_SimulatedDevice):
         self.poll_interval_s = poll_interval_s
         self.keep_samples = keep_samples
         self._book = WindowBook()
+        self._blind = 0  # open `blind()` spans: compiled forwards the tap cannot see
 
     @property
     def update_period_s(self) -> float | None:
@@ -165,9 +176,21 @@ class SimulatedMeter(_SimulatedDevice):
         no-op in sensor mode, whose power does not depend on the work)."""
         return self.device.tap(*models) if self.device is not None else _no_tap()
 
+    @contextmanager
+    def blind(self) -> Iterator[None]:
+        """Context manager: forwards run where no tap sees them (compiled graphs); roofline
+        windows opened inside it are flagged `FLAG_WORK_UNSEEN` (their energy is static power x
+        time, plus whatever eager work was still tapped)."""
+        self._blind += 1
+        try:
+            yield
+        finally:
+            self._blind -= 1
+
     def begin_window(self, key: str) -> None:
         if self.gpu is None:
-            self._book.open(key, (self.now(), self.device.flops, self.device.bytes))
+            self._book.open(key, (self.now(), self.device.flops, self.device.bytes,
+                                  self._blind > 0))
             return
         self._book.open(key, self.now())
 
@@ -200,13 +223,16 @@ class SimulatedMeter(_SimulatedDevice):
         )
 
     def _roofline_window(self, key: str) -> Measurement:
-        start_s, flops0, bytes0 = self._book.close(key)
+        start_s, flops0, bytes0, blind = self._book.close(key)
         end_s = self.now()
         energy = self.device.energy_j(end_s - start_s, self.device.flops - flops0,
                                       self.device.bytes - bytes0)
+        flags = (Flag(FLAG_WORK_UNSEEN, "the simulated device did not see this window's "
+                      "compiled forwards: its energy is static power x time alone; run eager "
+                      "for modelled work"),) if blind else ()
         return Measurement(name=key, meter=self.name, time_s=end_s - start_s,
                            start_timestamp_s=start_s, end_timestamp_s=end_s, energy_j=energy,
-                           device_energy_j={"sim0": energy})
+                           device_energy_j={"sim0": energy}, flags=flags)
 
     def true_energy_j(self, start_s: float, end_s: float) -> float:
         """The true energy of the simulated device over [start_s, end_s] (joules)."""
@@ -258,12 +284,15 @@ def _no_tap() -> Iterator[None]:
 
 def work_tap(meter: Any, *models: Any, compiled: bool = False) -> Any:
     """Context manager: let ``meter`` see the work of ``models``' forwards where it needs to (the
-    simulated roofline device); a no-op for every meter that reads a real sensor, and for
-    ``compiled`` runs: a compiled graph hides its forwards from the tap, and the tap's hooks,
-    traced into the graph, would make dynamo recompile at every forward (so the simulated
-    device charges a compiled run its static power alone)."""
+    simulated roofline device); a no-op for every meter that reads a real sensor. ``compiled``
+    runs are not tapped: a compiled graph hides its forwards from the tap, and the tap's hooks,
+    traced into the graph, would make dynamo recompile at every forward. The roofline device
+    then charges static power alone and flags its windows `FLAG_WORK_UNSEEN`."""
+    if compiled:
+        blind = getattr(meter, "blind", None)
+        return blind() if blind is not None else _no_tap()
     tap = getattr(meter, "tap", None)
-    return tap(*models) if tap is not None and not compiled else _no_tap()
+    return tap(*models) if tap is not None else _no_tap()
 
 
 @dataclass(frozen=True)

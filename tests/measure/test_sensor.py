@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from mtad_energy.measure import (
     FLAG_SHORT_WINDOW,
@@ -149,6 +150,27 @@ class TestSimulatedMeter:
         m = meter.end_window("w")
         assert m.energy_j == pytest.approx(10.0 * m.time_s + 1e-6 + 1e-6)
         assert m.flag_codes == () and meter.update_period_s is None
+
+    def test_compiled_runs_are_not_tapped_and_their_windows_say_so(self) -> None:
+        """A compiled run's forwards are invisible to the tap: the model is left unwrapped (its
+        hooks would recompile the graph) and the window is billed static power, flagged."""
+        from mtad_energy.measure.simulated import FLAG_WORK_UNSEEN, work_tap
+
+        model = torch.nn.Linear(4, 4)
+        meter = SimulatedMeter(device=RooflineDevice(static_w=10.0, j_per_flop=1e-9, j_per_byte=2e-9))
+        for compiled in (False, True):
+            with work_tap(meter, model, compiled=compiled):
+                assert ("forward" in model.__dict__) is not compiled  # wrapped only when eager
+                meter.begin_window("w")
+                model(torch.ones(1, 4))
+                m = meter.end_window("w")
+            seen = m.energy_j - 10.0 * m.time_s
+            if compiled:
+                assert seen == pytest.approx(0.0, abs=1e-12) and m.flag_codes == (FLAG_WORK_UNSEEN,)
+            else:
+                assert seen > 0 and m.flag_codes == ()
+        meter.begin_window("after")  # the flag belongs to windows opened inside the span
+        assert meter.end_window("after").flag_codes == ()
 
     def test_sensor_mode_flags_a_window_shorter_than_the_update_period(self) -> None:
         meter = SimulatedMeter(SimulatedGPU(clock=SimClock()), sensor=SensorModel(0.1, 0.0))
