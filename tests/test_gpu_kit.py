@@ -182,6 +182,44 @@ def test_random_pair_refuses_drafts_with_another_vocabulary():
         random_pair("tiny-llama", "opt-125m")
 
 
+def test_the_floor_counts_the_bytes_a_decode_forward_reads():
+    """An untied embedding table is gathered, not read: the floor leaves it out (as the
+    counting rule does); a table tied to the LM head is read whole there."""
+    from transformers import AutoModelForCausalLM
+
+    from mtad_energy.bench.calibrate import measure_floor
+    from mtad_energy.bench.floor import decode_read_bytes
+
+    untied = random_model("tiny-llama")
+    table = untied.get_input_embeddings().weight
+    assert untied.get_output_embeddings().weight.data_ptr() != table.data_ptr()
+    assert decode_read_bytes(untied) == weight_bytes(untied) - table.numel() * table.element_size()
+    cfg = config_for("tiny-llama")
+    cfg.tie_word_embeddings = True
+    tied = AutoModelForCausalLM.from_config(cfg)
+    assert decode_read_bytes(tied) == weight_bytes(tied)
+    (row,) = measure_floor(untied, "tiny-llama", 1e10, ("eager",), context_len=4, forwards=2,
+                           repeats=1)
+    assert row["floor_ms"] == pytest.approx(decode_read_bytes(untied) / 1e10 * 1e3)
+    assert row["read_gb"] < row["weight_gb"] and "limit" not in row  # kernels: CUDA only
+
+
+def test_a_kernel_profile_says_where_the_time_above_the_floor_goes():
+    from mtad_energy.bench.floor import KernelProfile
+
+    kernels = [("sm90_xmma_gemm_bf16", 300.0), ("triton_red_fused_rms_norm_0", 50.0),
+               ("nvjet_hsh_64x8_gemv", 200.0), ("void at::native::elementwise_kernel", 50.0)] * 2
+    prof = KernelProfile.of(kernels, forwards=2)
+    assert (prof.kernels_per_forward, prof.busy_ms, prof.matmul_ms) == pytest.approx((4, 0.6, 0.5))
+    # 0.4 GB of matrices at 1 TB/s: 0.4 ms of the matmuls' 0.5 is their floor
+    limits = prof.limits(forward_ms=1.0, matrix_bytes=400_000_000, bandwidth_bytes_per_s=1e12)
+    assert limits["idle_ms"] == pytest.approx(0.4) and limits["other_ms"] == pytest.approx(0.1)
+    assert limits["matmul_excess_ms"] == pytest.approx(0.1)
+    assert limits["matmul_bandwidth_frac"] == pytest.approx(0.8) and limits["limit"] == "idle"
+    busy = prof.limits(forward_ms=0.62, matrix_bytes=100_000_000, bandwidth_bytes_per_s=1e12)
+    assert busy["limit"] == "matmul_excess"
+
+
 def test_compiled_forward_agrees_with_eager_and_weight_bytes():
     model = random_model("tiny-llama")
     assert weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters())

@@ -698,7 +698,9 @@ def stage_floor(kit: Kit) -> None:
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
     kit.table("floor", pd.DataFrame(rows), "floor: decode forward (batch 1, 128 cached tokens) vs "
-              "weight bytes / copy bandwidth", RANDOM_NOTE)
+              "the bytes it reads (weights, one embedding row) / copy bandwidth; where the time above "
+              "the floor goes (idle between kernels, matmuls past their floor, other kernels)",
+              RANDOM_NOTE)
 
 
 # --------------------------------------------------------------------------- real
@@ -846,7 +848,7 @@ def stage_plots(kit: Kit) -> None:
             sns.barplot(df, x="model", y="forward_ms", hue="mode", ax=ax)
             for i, (_, fl) in enumerate(df.groupby("model", sort=False)["floor_ms"].first().items()):
                 ax.hlines(fl, i - 0.4, i + 0.4, colors="k", linestyles="--",
-                          label="weight bytes / copy bandwidth" if i == 0 else None)
+                          label="bytes read / copy bandwidth" if i == 0 else None)
             ax.set(ylabel="ms per decode forward (batch 1)", xlabel="", title="Forward time vs floor")
             ax.legend(fontsize=8)
             save(fig, "floor.png")

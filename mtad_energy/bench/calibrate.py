@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from mtad_energy.bench.floor import copy_bandwidth, decode_forward_time, weight_bytes
+from mtad_energy.bench.floor import (
+    copy_bandwidth,
+    decode_forward_time,
+    decode_read_bytes,
+    matrix_bytes,
+    weight_bytes,
+)
 from mtad_energy.measure import MeterUnavailableError
 from mtad_energy.measure.calibrate import (
     CalibrationPlan,
@@ -140,23 +146,34 @@ def measure_floor(model, name: str, bandwidth_bytes_per_s: float, modes: Sequenc
                   context_len: int = 128, forwards: int = 32, repeats: int = 5,
                   backend: str = "inductor", log: Callable[[str], object] = lambda s: None
                   ) -> list[dict[str, Any]]:
-    """Batch-1 decode forward time of ``model`` (each of ``modes``) against its floor, weight
-    bytes / copy bandwidth; one row per mode (a failing mode is a row with its error)."""
-    wb = weight_bytes(model)
-    floor_ms = wb / bandwidth_bytes_per_s * 1e3
+    """Batch-1 decode forward time of ``model`` (each of ``modes``) against its floor, the bytes
+    a decode forward reads (`decode_read_bytes`: the weights but an untied embedding table, of
+    which it gathers one row) / copy bandwidth; one row per mode (a failing mode is a row with
+    its error). On CUDA each row also says where the time above the floor goes (one profiled
+    block: `KernelProfile.limits`)."""
+    wb, read = weight_bytes(model), decode_read_bytes(model)
+    floor_ms = read / bandwidth_bytes_per_s * 1e3
     rows = []
     for mode in modes:
         base = {"model": name, "mode": mode, "batch_size": 1, "weight_gb": wb / 1e9,
-                "copy_tb_per_s": bandwidth_bytes_per_s / 1e12, "floor_ms": floor_ms}
+                "read_gb": read / 1e9, "copy_tb_per_s": bandwidth_bytes_per_s / 1e12,
+                "floor_ms": floor_ms}
         try:
             t = decode_forward_time(model, mode, context_len=context_len, forwards=forwards,
-                                    repeats=repeats, backend=backend)
+                                    repeats=repeats, backend=backend, profile_kernels=True)
+            limits = (t.kernels.limits(t.forward_ms, matrix_bytes(model), bandwidth_bytes_per_s)
+                      if t.kernels is not None else {})
             rows.append({**base, "forward_ms": t.forward_ms, "forward_ms_min": t.forward_ms_min,
                          "x_floor": t.forward_ms / floor_ms, "tokens_per_s": 1e3 / t.forward_ms,
-                         "warmup_s": t.compile_s, "detail": t.detail, "error": None})
+                         "warmup_s": t.compile_s, "detail": t.detail, "error": None, **limits})
         except Exception as err:  # noqa: BLE001 - one failing mode must not end the others
             rows.append({**base, "error": f"{type(err).__name__}: {str(err)[:300]}"})
-        log(f"floor: {name} {mode}: {rows[-1].get('forward_ms')} ms vs floor {floor_ms:.3f} ms")
+        r = rows[-1]
+        why = (f"; above it: {r['idle_ms']:.2f} ms idle between {r['kernels_per_forward']:.0f} "
+               f"kernels, matmuls {r['matmul_excess_ms']:.2f} ms past their floor, "
+               f"{r['other_ms']:.2f} ms other kernels (limit: {r['limit']})"
+               if "limit" in r else "")
+        log(f"floor: {name} {mode}: {r.get('forward_ms')} ms vs floor {floor_ms:.3f} ms{why}")
     return rows
 
 
@@ -226,7 +243,7 @@ def run_calibration(cfg: CalibrateConfig, log: Callable[[str], object] = lambda 
         "nothing to calibrate: " + cannot[0][1] + "; `mtad-energy calibrate --meter simulated` "
         "rehearses the calibration on a simulated GPU"]
     verdict += [f"{r['model']} {r['mode']} forward at batch 1: {r['forward_ms']:.3g} ms, "
-                f"{r['x_floor']:.2g}x its floor of {r['floor_ms']:.3g} ms (weights / copy "
+                f"{r['x_floor']:.2g}x its floor of {r['floor_ms']:.3g} ms (bytes read / copy "
                 f"bandwidth {bandwidth / 1e12:.3g} TB/s on {device.type})" if r["error"] is None else
                 f"{r['model']} {r['mode']} forward failed: {r['error']}" for r in floor]
     return CalibrationReport(str(device), meters, bandwidth, tuple(floor), tuple(cannot), record, path,

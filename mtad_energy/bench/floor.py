@@ -1,7 +1,8 @@
 """The memory-bandwidth floor of a decode forward, and how close eager and compiled forwards get.
 
-At batch 1 a decode forward reads every weight once, so it cannot run faster than
-``weight bytes / copy bandwidth`` (DESIGN.md 7). `decode_forward_time` times consecutive
+At batch 1 a decode forward reads every weight once (of an untied embedding table only the row
+it gathers: kilobytes, left out), so it cannot run faster than ``bytes read / copy bandwidth`` (DESIGN.md 7;
+`decode_read_bytes`, the counting rule's weight bytes). `decode_forward_time` times consecutive
 one-token forwards of a model over a cached context, each fed the argmax of the previous one on
 the device (no host sync inside the timed loop), in two ways:
 
@@ -13,6 +14,7 @@ the device (no host sync inside the timed loop), in two ways:
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +33,83 @@ def weight_bytes(model) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def decode_read_bytes(model) -> int:
+    """Bytes of the parameters a one-token decode forward reads: every distinct parameter but an
+    embedding table no other module uses (a forward gathers one row of it; a table tied to the
+    LM head is read whole there). The counting rule's weight bytes (`mtad_energy.work`), so the
+    floor and the energy model agree on what a forward moves."""
+    embedding_only = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Embedding):
+            embedding_only -= {id(p) for p in m.parameters(recurse=False)}
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen and id(p) not in embedding_only:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+MATMUL_KERNEL = re.compile(r"gemm|gemv|matmul|cutlass|nvjet|xmma|splitk|(^|_)mm(_|$)", re.I)
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """What one decode forward's device time went to, from the CUDA kernels torch's profiler
+    saw over a block of forwards: kernels per forward, their summed time (busy) and that of the
+    matrix products (GEMM / GEMV kernels, by name)."""
+
+    kernels_per_forward: float
+    busy_ms: float
+    matmul_ms: float
+
+    @classmethod
+    def of(cls, kernels: list[tuple[str, float]], forwards: int) -> KernelProfile:
+        """From ``(kernel name, duration in microseconds)`` over ``forwards`` forwards."""
+        busy = sum(us for _, us in kernels)
+        matmul = sum(us for name, us in kernels if MATMUL_KERNEL.search(name))
+        return cls(len(kernels) / forwards, busy / forwards / 1e3, matmul / forwards / 1e3)
+
+    def limits(self, forward_ms: float, matrix_bytes: int, bandwidth_bytes_per_s: float) -> dict:
+        """Where the forward's time above its floor goes: ``idle_ms`` between kernels (launch
+        and dependency gaps), ``matmul_excess_ms`` (the matrix products' time past their
+        weights / copy bandwidth), ``other_ms`` (every other kernel: norms, attention, rotary,
+        argmax), and the matrix products' achieved bandwidth as a fraction of the copy's; the
+        largest term named as ``limit``."""
+        matmul_floor_ms = matrix_bytes / bandwidth_bytes_per_s * 1e3
+        terms = {"idle_ms": forward_ms - self.busy_ms,
+                 "matmul_excess_ms": self.matmul_ms - matmul_floor_ms,
+                 "other_ms": self.busy_ms - self.matmul_ms}
+        return {**terms, "kernels_per_forward": self.kernels_per_forward,
+                "matmul_bandwidth_frac": matmul_floor_ms / self.matmul_ms if self.matmul_ms else None,
+                "limit": max(terms, key=terms.get).removesuffix("_ms")}
+
+
+def matrix_bytes(model) -> int:
+    """Bytes of the 2-D weights of the model's Linear layers (the LM head included)."""
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() not in seen:
+            seen.add(m.weight.data_ptr())
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def _cuda_kernels(block: Callable[[], Any]) -> list[tuple[str, float]]:
+    """``(name, microseconds)`` of the CUDA kernels ``block()`` ran (torch.profiler, CUDA
+    activity; kernels replayed from a CUDA graph included where CUPTI reports them)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        block()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == DeviceType.CUDA]
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -76,6 +155,7 @@ class ForwardTiming:
     forwards: int
     compile_s: float | None  # warm-up incl. compilation / graph capture (compiled only)
     detail: str = ""
+    kernels: KernelProfile | None = None  # CUDA only (`profile_kernels`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,11 +164,14 @@ class ForwardTiming:
 @torch.no_grad()
 def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forwards: int = 32,
                         repeats: int = 5, batch_size: int = 1, backend: str = "inductor",
-                        compile_mode: str | None = None, seed: int = 0) -> ForwardTiming:
+                        compile_mode: str | None = None, seed: int = 0,
+                        profile_kernels: bool = False) -> ForwardTiming:
     """Median time of one decode forward (``batch_size`` rows, one new token each) over a cache
     of ``context_len`` tokens, from ``repeats`` timed blocks of ``forwards`` consecutive forwards.
 
     ``compile_mode`` defaults to ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``None`` on CPU.
+    ``profile_kernels`` (CUDA): one more block under torch's profiler, after the timed ones, into
+    `ForwardTiming.kernels`.
     """
     from transformers import StaticCache
 
@@ -100,7 +183,7 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(seed)
     prompt = torch.randint(0, vocab, (batch_size, context_len), generator=gen).to(device)
-    blocks = 2 + repeats  # warm-up + timed
+    blocks = 2 + repeats + profile_kernels  # warm-up + timed (+ profiled)
     total = context_len + forwards * blocks
     time_of = _timer(device)
 
@@ -145,6 +228,16 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
         torch.cuda.synchronize(device)
     warm_s = time.perf_counter() - t0
     times = [time_of(block) / forwards for _ in range(repeats)]
+    detail = f"backend={backend}, mode={compile_mode}" if mode == "compiled" else ""
+    kernels = None
+    if profile_kernels and device.type == "cuda":  # after the timing: it never costs the timing
+        try:
+            seen = _cuda_kernels(block)
+            why = None if seen else "the profiler saw no CUDA kernels (graph replays hidden)"
+            kernels = KernelProfile.of(seen, forwards) if seen else None
+        except Exception as err:  # noqa: BLE001 - a profiler that fails says so, times stand
+            why = f"kernel profile failed: {type(err).__name__}: {err}"
+        if why:
+            detail += f"{'; ' if detail else ''}{why}"
     return ForwardTiming(mode, statistics.median(times) * 1e3, min(times) * 1e3, forwards * repeats,
-                         warm_s if mode == "compiled" else None,
-                         f"backend={backend}, mode={compile_mode}" if mode == "compiled" else "")
+                         warm_s if mode == "compiled" else None, detail, kernels)
