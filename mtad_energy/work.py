@@ -40,7 +40,6 @@ from typing import Any, NamedTuple, Protocol
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
 
 
-
 class Forward(NamedTuple):
     """What a runner records per forward: ``rows`` rows of ``new`` tokens over ``kv_columns``
     attended KV columns; ``features``: the width of the feature input a draft head was given

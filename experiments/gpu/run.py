@@ -103,6 +103,11 @@ class Plan:
     budget_s: float = math.inf  # `decoders`, `batched` start nothing new after this (they resume)
     only_decoders: frozenset[str] | None = None  # `decoders`: --decoders (None: every decoder)
     only_modes: frozenset[str] | None = None  # `decoders`: --modes (None: eager and compiled)
+    backend_suffix: str = ""  # "-<backend>" on compiled rows run with --backend (never pooled)
+
+    def label(self, mode: str) -> str:
+        """A row's mode: "eager", "compiled", or "compiled-<backend>" under --backend."""
+        return mode + self.backend_suffix if mode == "compiled" else mode
     # random draft heads at the target's shapes in `decoders`: EAGLE version (EAGLE-3 taps
     # layers 2, L/2, L-3: the 2-layer smoke model takes EAGLE-1), its draft vocabulary (EAGLE-3's
     # Llama-3.1-8B head has 32000 tokens), Medusa-1 heads
@@ -407,7 +412,7 @@ def stage_decoders(kit: Kit) -> None:
     rows = []
     runs = [(name, "eager") for name in DECODERS]
     runs += [(name, "compiled") for name in plan.compiled_decoders]
-    runs = [(n, m) for n, m in runs if (n, m) not in have
+    runs = [(n, m) for n, m in runs if (n, plan.label(m)) not in have
             and (plan.only_decoders is None or n in plan.only_decoders)
             and (plan.only_modes is None or m in plan.only_modes)]
     try:
@@ -426,13 +431,13 @@ def stage_decoders(kit: Kit) -> None:
                          compile=compile)
             warm_s = time.perf_counter() - t_warm
             for rep in range(plan.decode_repeats):
-                g, m = _measured(meter, f"{name}-{mode}-{rep}", partial(
+                g, m = _measured(meter, f"{name}-{plan.label(mode)}-{rep}", partial(
                     generate_ids, dec, pair, prompt, plan.decode_tokens, seed=rep,
                     compute_perplexity=False, compile=compile), pair, bool(compile))
                 s = g.stats
                 it = max(s.iterations, 1)
                 rows.append({
-                    "decoder": name, "mode": mode, "warmup_s": warm_s, "repeat": rep,
+                    "decoder": name, "mode": plan.label(mode), "warmup_s": warm_s, "repeat": rep,
                     "iterations": s.iterations,
                     "tokens": s.tokens_emitted, "decode_time_s": s.decode_time_s,
                     "cost_per_iter_ms": s.decode_time_s / it * 1e3,
@@ -452,7 +457,7 @@ def stage_decoders(kit: Kit) -> None:
                     "energy_flags": ",".join(m.flag_codes),
                     "random_weights_block_eff": s.block_efficiency,
                 })
-            kit.log(f"decoders: {name} {mode}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration "
+            kit.log(f"decoders: {name} {plan.label(mode)}: {rows[-1]['cost_per_iter_ms']:.2f} ms/iteration "
                     f"(warm-up {warm_s:.1f} s)")
             # kept after every decoder: a command stopped at its time limit loses one at most
             pd.concat([done, pd.DataFrame(rows)], ignore_index=True).to_csv(raw_path, index=False)
@@ -546,7 +551,7 @@ def stage_batched(kit: Kit) -> None:
             for b in plan.batched_sizes:
                 release_engines()  # the static caches of the last size
                 for name in plan.batched_decoders:
-                    if (name, mode, b) in have:
+                    if (name, plan.label(mode), b) in have:
                         continue
                     if time.perf_counter() - t_start > plan.budget_s:
                         kit.log(f"batched: --budget-s {plan.budget_s:.0f} s spent; run the stage "
@@ -561,20 +566,20 @@ def stage_batched(kit: Kit) -> None:
                             generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
                                           compute_perplexity=False, compile=compile)
                             for rep in range(plan.decode_repeats):
-                                rows.append(_batched_row(kit, meter, dec, pair, batch, mode,
+                                rows.append(_batched_row(kit, meter, dec, pair, batch, plan.label(mode),
                                                          rep, compile, peak_memory, device))
                     except torch.OutOfMemoryError as err:
                         why = f"out of memory: {str(err).splitlines()[0][:160]}"
                         torch.cuda.empty_cache()
                     if why is not None:
-                        skipped.append({"decoder": name, "mode": mode, "batch_size": b,
+                        skipped.append({"decoder": name, "mode": plan.label(mode), "batch_size": b,
                                         "reason": why})
-                        kit.log(f"batched: {name} {mode} B={b} skipped: {why}")
+                        kit.log(f"batched: {name} {plan.label(mode)} B={b} skipped: {why}")
                         continue
                     rows[-1]["warmup_s"] = time.perf_counter() - t_warm
                     # graphs the warm-up compiled (what its time went to; none in the repeats)
                     rows[-1]["graphs_compiled"] = graphs_compiled() - graphs
-                    kit.log(f"batched: {name} {mode} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} "
+                    kit.log(f"batched: {name} {plan.label(mode)} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} "
                             f"ms/iteration, forwards {rows[-1]['forwards_ms_per_iter']:.2f} ms, "
                             f"peak {rows[-1]['peak_memory_gb']:.1f} GB, warm-up "
                             f"{rows[-1]['warmup_s']:.1f} s ({rows[-1]['graphs_compiled']} graphs)")
@@ -876,6 +881,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decoders", help="decoders, batched: these decoders only (comma list)")
     ap.add_argument("--sizes", help="batched: these batch sizes only (comma list)")
     ap.add_argument("--modes", help="decoders, batched: eager, compiled or both (comma list)")
+    ap.add_argument("--backend", help="torch.compile backend of the compiled modes (default "
+                    "inductor on a GPU, reduce-overhead: CUDA graphs; dynamo's cudagraphs backend "
+                    "skips inductor's compile time, untried here)")
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="decoders, batched: start no new decoder / (decoder, mode, size) after "
                          "this many seconds; a second run goes on where this one stopped")
@@ -886,6 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = list(STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
     plan = Plan.make(args.smoke, need_gpu=stages != ["plots"])
     plan.budget_s = args.budget_s
+    if args.backend:
+        plan.compile_backend, plan.backend_suffix = args.backend, f"-{args.backend}"
     if args.decoders:
         plan.batched_decoders = tuple(args.decoders.split(","))
         plan.only_decoders = frozenset(plan.batched_decoders)

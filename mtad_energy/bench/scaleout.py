@@ -355,6 +355,19 @@ class _Terminated(SystemExit):
     pass
 
 
+CANCEL_GRACE_S = 10.0  # how long cancelled local jobs get to end before their controller is killed
+
+
+def _all_done(jobs: Sequence[submitit.Job], timeout_s: float) -> bool:
+    """Whether every job is done within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(not j.done() for j in jobs):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @contextlib.contextmanager
 def _local_jobs_end_with_us(jobs: Sequence[submitit.Job]) -> Iterator[None]:
     """Cancel the unfinished local jobs when waiting ends by an exception (Ctrl-C, or SIGTERM,
@@ -372,9 +385,15 @@ def _local_jobs_end_with_us(jobs: Sequence[submitit.Job]) -> Iterator[None]:
         running = [j for j in local if not j.done()]
         for job in running:
             job.cancel()  # SIGINT to its controller, which stops the task (then SIGKILLs it)
-        deadline = time.monotonic() + 10.0
-        while any(not j.done() for j in running) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if not _all_done(running, CANCEL_GRACE_S):
+            # a controller that ignores SIGINT: one started from a non-interactive shell's
+            # background (`nohup ... &`) inherits SIGINT ignored. Kill it; its task notices its
+            # parent is gone and stops itself.
+            for job in running:
+                if not job.done():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(job.job_id), signal.SIGKILL)
+            _all_done(running, CANCEL_GRACE_S)
         raise
     finally:
         if installed:

@@ -277,6 +277,35 @@ def test_sigterm_while_waiting_stops_the_local_jobs(sweep, tmp_path, sleepers, r
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is restored
 
 
+def test_a_job_that_ignores_the_cancel_is_killed(sweep, tmp_path, monkeypatch, roomy):
+    """A controller started from a non-interactive shell's background (`nohup ... &`) inherits
+    SIGINT ignored, so submitit's cancel (a SIGINT) does not stop it: after the grace it is
+    killed."""
+    import signal
+    import threading
+
+    procs: list[subprocess.Popen] = []
+
+    def start_controller(**kwargs):
+        procs.append(subprocess.Popen(["sleep", "60"], preexec_fn=lambda: signal.signal(
+            signal.SIGINT, signal.SIG_IGN)))
+        return procs[-1]
+
+    monkeypatch.setattr(submitit.local.local, "start_controller", start_controller)
+    monkeypatch.setattr(scaleout, "CANCEL_GRACE_S", 0.5)
+    try:
+        jobs = submit_sweep(sweep, tmp_path / "store", workers=2, gpus_per_worker=0)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(SystemExit):
+            wait(jobs)
+        assert len(procs) == 2 and all(_ends(p, 2.0) for p in procs)
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_a_job_notices_when_its_parent_has_ended():
     import threading
 
