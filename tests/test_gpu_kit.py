@@ -127,12 +127,12 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     # another backend's rows are rows of their own, never pooled with (or skipped as) inductor's
     again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batched",
                             "--smoke", "--out", str(out), "--decoders", "ar", "--sizes", "1",
-                            "--modes", "compiled", "--backend", "aot_eager"],
+                            "--modes", "compiled", "--backend", "aot_eager", "--dynamic-shapes"],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     now = pd.read_csv(out / "batched_raw.csv")
     assert now.iloc[:len(raw)].equals(raw)
-    assert set(now.iloc[len(raw):]["mode"]) == {"compiled-aot_eager"}
+    assert set(now.iloc[len(raw):]["mode"]) == {"compiled-aot_eager-dynamic"}
     # `decoders` too: nothing measured again, the kept rows summarised as before
     raw = pd.read_csv(out / "decoders_raw.csv")
     again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "decoders",

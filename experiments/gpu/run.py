@@ -105,6 +105,14 @@ class Plan:
     only_modes: frozenset[str] | None = None  # `decoders`: --modes (None: eager and compiled)
     backend_suffix: str = ""  # "-<backend>" on compiled rows run with --backend (never pooled)
 
+    compile_dynamic: bool = False  # --dynamic-shapes: CompileOptions(dynamic=None)
+
+    def compile_options(self):
+        from mtad_energy.decoding.static import CompileOptions
+
+        return CompileOptions(backend=self.compile_backend,
+                              dynamic=None if self.compile_dynamic else False)
+
     def label(self, mode: str) -> str:
         """A row's mode: "eager", "compiled", or "compiled-<backend>" under --backend."""
         return mode + self.backend_suffix if mode == "compiled" else mode
@@ -389,11 +397,10 @@ def stage_decoders(kit: Kit) -> None:
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_ids
     from mtad_energy.decoding.registry import DECODERS, get_decoder
-    from mtad_energy.decoding.static import CompileOptions
     from mtad_energy.measure import get_meter
 
     plan = kit.plan
-    compile_opts = CompileOptions(backend=plan.compile_backend)
+    compile_opts = plan.compile_options()
     t0 = time.perf_counter()
     pair = random_pair(plan.target, plan.draft, device=plan.device, dtype=plan.dtype,
                        max_positions=1024, eagle=plan.eagle,
@@ -525,7 +532,7 @@ def stage_batched(kit: Kit) -> None:
     from mtad_energy.bench.shapes import random_pair
     from mtad_energy.decoding.generate import generate_rows
     from mtad_energy.decoding.registry import get_decoder
-    from mtad_energy.decoding.static import CompileOptions, graphs_compiled, release_engines
+    from mtad_energy.decoding.static import graphs_compiled, release_engines
     from mtad_energy.measure import get_meter, peak_memory
 
     plan = kit.plan
@@ -547,7 +554,7 @@ def stage_batched(kit: Kit) -> None:
     rows, skipped = [], []
     try:
         for mode in plan.batched_modes:
-            compile = CompileOptions(backend=plan.compile_backend) if mode == "compiled" else False
+            compile = plan.compile_options() if mode == "compiled" else False
             for b in plan.batched_sizes:
                 release_engines()  # the static caches of the last size
                 for name in plan.batched_decoders:
@@ -884,6 +891,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", help="torch.compile backend of the compiled modes (default "
                     "inductor on a GPU, reduce-overhead: CUDA graphs; dynamo's cudagraphs backend "
                     "skips inductor's compile time, untried here)")
+    ap.add_argument("--dynamic-shapes", action="store_true",
+                    help="compiled modes with dynamo's automatic dynamic shapes: one symbolic graph "
+                         "reused across batch sizes and widths (far fewer compiles; rows labelled "
+                         "compiled-dynamic)")
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="decoders, batched: start no new decoder / (decoder, mode, size) after "
                          "this many seconds; a second run goes on where this one stopped")
@@ -896,6 +907,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.budget_s = args.budget_s
     if args.backend:
         plan.compile_backend, plan.backend_suffix = args.backend, f"-{args.backend}"
+    if args.dynamic_shapes:
+        plan.compile_dynamic, plan.backend_suffix = True, plan.backend_suffix + "-dynamic"
     if args.decoders:
         plan.batched_decoders = tuple(args.decoders.split(","))
         plan.only_decoders = frozenset(plan.batched_decoders)

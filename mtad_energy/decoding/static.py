@@ -19,7 +19,8 @@ the rows, a per-row validity mask, compaction). Differences from the eager runne
   of its columns are real into ``valid``; transformers returns a 4-D mask as-is, so the model
   code never asks the cache for its length and the graph has no data-dependent shapes;
 * ``torch.compile(dynamic=False)`` specialises on the input shape: one graph per (rows, k, L)
-  the loop uses. A chain forward of k > 2 tokens runs at the decoder's widest chain width
+  the loop uses (``CompileOptions(dynamic=None)``: one symbolic graph reused across them). A
+  chain forward of k > 2 tokens runs at the decoder's widest chain width
   (``ForwardShape.max_chain``: its verify of gamma + 1) and a tree at the widest tree of the
   same decoder and shape seen so far, the extra tokens invalid; so a generation's shorter
   last verifies never need a new graph, and each decoder pads only to its own widths;
@@ -212,6 +213,12 @@ class CompileOptions:
 
     backend: str = "inductor"
     mode: str | None = None
+    # False: one graph per (row bucket, width, slots) (specialised kernels, a compile per shape);
+    # None: dynamo's automatic dynamic shapes: a dimension seen at a second size compiles once
+    # more as a symbol, and later row buckets, widths and cache sizes reuse that graph (on CUDA
+    # reduce-overhead still records one CUDA graph per shape, which takes milliseconds): far
+    # fewer compiles, kernels with symbolic sizes (their speed is what a GPU run must measure)
+    dynamic: bool | None = False
     # graphs the compiled forward may hold (dynamo counts them per code object, and every
     # engine compiles the same function: shapes x buffer sizes x models); dynamo's default is 8
     recompile_limit: int = 256
@@ -244,7 +251,7 @@ class StaticEngine:
         # fullgraph: a graph break would split every layer into its own graphs (and recompile
         # them per layer index), slower than eager; better an error naming the cause
         self.compiled = torch.compile(_forward, backend=options.backend, mode=mode,
-                                      dynamic=False, fullgraph=True)
+                                      dynamic=options.dynamic, fullgraph=True)
         # (rows, slots) -> cache: decoders that expand to other row counts (beams, drafts) keep
         # their own buffers, so alternating between them neither reallocates nor, on CUDA,
         # re-records graphs; `release` frees them

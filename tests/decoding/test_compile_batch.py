@@ -148,6 +148,32 @@ def test_a_sweep_of_batch_sizes_compiles_a_bounded_number_of_graphs(llama_pair):
     assert graphs_compiled() - before == compiled
 
 
+def test_dynamic_shapes_reuse_one_graph_across_batch_sizes_and_change_no_token(model_dirs,
+                                                                             fresh_dynamo):
+    """``CompileOptions(dynamic=None)``: row buckets 1, 2, 4 and 8 compile a few graphs once
+    (a size seen twice turns symbolic), fewer than one set per bucket; every row is its eager
+    batch-1 self."""
+    from mtad_energy.models import load_pair
+
+    decoder = get_decoder("spd", temperature=0)
+    prompts = [PROMPTS[i % 3] for i in range(8)]
+    counts = {}
+    for dynamic in (False, None):
+        torch._dynamo.reset()
+        pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
+        options = CompileOptions(backend="aot_eager", dynamic=dynamic)
+        before = graphs_compiled()
+        for size in (1, 2, 4, 8):
+            rows = generate_rows(decoder, pair, prompts[:size], 10, compute_perplexity=False,
+                                 compile=options)
+            if dynamic is None:
+                for prompt, row in zip(prompts[:size], rows, strict=True):
+                    alone = generate_ids(decoder, pair, prompt, 10, compute_perplexity=False)
+                    assert row.token_ids == alone.token_ids, size
+        counts[dynamic] = graphs_compiled() - before
+    assert counts[None] < counts[False], counts
+
+
 def test_each_decoder_pads_only_to_its_own_widths(llama_pair):
     """specinfer's 16-node tree verify runs first in the process; spd's verify afterwards still
     runs at gamma + 1 = 5, not padded to the tree's width."""
