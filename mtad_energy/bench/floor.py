@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from mtad_energy.work import dims_of
+
 
 def weight_bytes(model) -> int:
     """Bytes of the model's parameters (tied tensors counted once)."""
@@ -36,21 +38,14 @@ def weight_bytes(model) -> int:
 
 
 def decode_read_bytes(model) -> int:
-    """Bytes of the parameters a one-token decode forward reads: every distinct parameter but an
-    embedding table no other module uses (a forward gathers one row of it; a table tied to the
-    LM head is read whole there). The counting rule's weight bytes (`mtad_energy.work`), so the
-    floor and the energy model agree on what a forward moves."""
-    embedding_only = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for m in model.modules():
-        if not isinstance(m, torch.nn.Embedding):
-            embedding_only -= {id(p) for p in m.parameters(recurse=False)}
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen and id(p) not in embedding_only:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of the parameters a one-token decode forward reads: the counting rule's weight bytes
+    (`mtad_energy.work`: every weight but an untied embedding table, of which a forward gathers
+    one row; a table tied to the LM head is read whole there), so the floor and the energy model
+    agree on what a forward moves. A model type the rule does not count: all its weights."""
+    try:
+        return dims_of(model).read_once_bytes()
+    except ValueError:
+        return weight_bytes(model)
 
 
 MATMUL_KERNEL = re.compile(r"gemm|gemv|matmul|cutlass|nvjet|xmma|splitk|(^|_)mm(_|$)", re.I)
