@@ -118,6 +118,30 @@ def test_a_self_draft_is_accepted_whole(self_draft_pair, name, params, depth, pr
     assert_total(gen, ref, depth)
 
 
+# q = p exactly: speculative sampling accepts with min(1, p/q) = 1, SpecTr's rho is 1, and MTAD's
+# joint ratio along y* (MMTAD's along each node's own path) is 1 > tau
+SAMPLED = [c for c in CHAINS if c[0] in ("spd", "specinfer", "mcss", "spectr", "mtad", "mmtad")]
+
+
+@pytest.mark.parametrize(("name", "params", "depth"), SAMPLED, ids=[c[0] for c in SAMPLED])
+def test_a_self_draft_is_accepted_whole_when_sampled(self_draft_pair, name, params, depth):
+    """At temperature 1 (top-k 10, top-p 0.9 on both) a draft equal to the target is accepted
+    whole by every rule that compares p with q, whatever tokens it samples: a tree's sampled
+    branches are attended by the target as their own paths (MMTAD's beam tree included)."""
+    n = BLOCKS * (depth + 1)
+    whole_runs = 0
+    for seed in range(4):
+        gen = me.generate(name, self_draft_pair, [5, 9, 11, 3], max_new_tokens=n, seed=seed,
+                          compute_perplexity=False, **params)
+        steps = [(s.accepted, s.draft_depth, s.emitted) for s in gen.steps]
+        *whole, (last_accepted, last_depth, last_emitted) = steps
+        assert whole == [(depth, depth, depth + 1)] * len(whole), (seed, steps)
+        # a sampled EOS may end the last block early: all of it that was draft was accepted
+        assert (last_accepted, last_depth) == (min(depth, last_emitted), depth), (seed, steps)
+        assert len(steps) == BLOCKS or gen.stats.stop_reason == "eos", (seed, steps)
+        whole_runs += gen.stats.stop_reason == "max_new_tokens"
+    assert whole_runs >= 2  # most runs drafted every block
+
 @pytest.mark.parametrize(("name", "params", "depth", "version"), HEADS,
                          ids=[f"{n}{v if n == 'eagle' else ''}-{'-'.join(map(str, p.values()))}"
                               for n, p, _, v in HEADS])
