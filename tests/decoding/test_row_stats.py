@@ -22,7 +22,7 @@ from mtad_energy.models import load_pair
 from tests import tiny
 
 PROMPTS = [[1, 0, 2], [3], [4, 1, 0, 2, 2, 3, 1]]
-SEEDS = range(6)
+SEEDS = 4  # seeded runs per decoder (pld, the cheapest, runs twice as many)
 MAX_NEW = 14
 
 CASES = [
@@ -77,7 +77,7 @@ def test_each_rows_iterations_emit_their_accepted_tokens_plus_one(small_drafting
                                                                    params):
     decoder = get_decoder(name, temperature=1.0, **params)
     ragged = kept = 0
-    for seed in SEEDS:
+    for seed in range(2 * SEEDS if name == "pld" else SEEDS):
         rows = generate_rows(decoder, small_drafting_pair, PROMPTS, MAX_NEW, seed=seed,
                              compute_perplexity=False)
         check_rows(rows)
