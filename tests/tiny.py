@@ -178,3 +178,108 @@ def compile_test_decoder(name: str, **params):
     from mtad_energy.decoding.registry import get_decoder
 
     return get_decoder(name, **{**COMPILE_PARAMS.get(name, {}), **params})
+
+
+# -- oracle drafts: a target whose greedy continuation is known, and heads that predict it --
+
+def successor_llama(vocab: int = 16, hidden: int = 32, layers: int = 3, seed: int = 0,
+                    scale: float = 10.0) -> tuple[LlamaForCausalLM, list[int]]:
+    """A tiny Llama whose greedy next token is ``succ[t]`` of the current token t, with ``succ``
+    one cycle through the whole vocabulary (a random order): its greedy continuation of any
+    prompt is that cycle, so a draft that proposes it is an oracle. Its layers keep their random
+    weights (init 0.02: attention, MLP and tree masks run as usual) under one-hot embeddings
+    (``e_t``, needs vocab <= hidden) and an LM head whose row succ[t] is ``scale * e_t``: every
+    hidden state is close to e_t (after the final norm sqrt(H) e_t), far from any tie."""
+    assert vocab <= hidden, "one-hot embeddings need vocab <= hidden"
+    model = llama(vocab, seed, layers=layers, hidden=hidden)
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).tolist()
+    succ = [0] * vocab
+    for a, b in zip(order, order[1:] + order[:1], strict=True):
+        succ[a] = b
+    emb = torch.zeros(vocab, hidden)
+    emb[:, :vocab] = torch.eye(vocab)
+    head = torch.zeros(vocab, hidden)
+    head[succ, torch.arange(vocab)] = scale
+    model.get_input_embeddings().weight.copy_(emb)
+    model.get_output_embeddings().weight.copy_(head)
+    return model, succ
+
+
+def _power(succ: list[int], k: int) -> list[int]:
+    """succ applied k times, as a list: t -> succ^k(t)."""
+    out = list(range(len(succ)))
+    for _ in range(k):
+        out = [succ[t] for t in out]
+    return out
+
+
+def _shift(hidden: int, succ: list[int]) -> torch.Tensor:
+    """[H, H]: e_t -> e_succ[t] on the first len(succ) dimensions, 0 elsewhere."""
+    m = torch.zeros(hidden, hidden)
+    m[succ, torch.arange(len(succ))] = 1.0
+    return m
+
+
+def save_oracle_medusa(target, succ: list[int], path: Path, heads: int = 3) -> str:
+    """A Medusa-1 checkpoint (`save_medusa`'s layout) for `successor_llama` whose heads predict
+    what the target will emit: ResBlocks zero (the identity) and head k's output layer the
+    target's LM head with its rows moved by succ^(k+1), so that head k on the carried hidden
+    state of token t (sqrt(H) e_t) proposes succ^(k+2)[t], the token k + 2 positions on."""
+    from safetensors.torch import load_file, save_file
+
+    save_medusa(target, path, heads=heads, layers=1)
+    file = path / "medusa_lm_head.safetensors"
+    state = load_file(str(file))
+    lm_head = target.get_output_embeddings().weight.detach().float()
+    for k in range(heads):
+        state[f"{k}.0.linear.weight"].zero_()
+        state[f"{k}.0.linear.bias"].zero_()
+        # row succ^(k+1)[j] of head k = row j of the LM head (which favours succ[t])
+        out = torch.zeros_like(lm_head)
+        out[_power(succ, k + 1)] = lm_head
+        state[f"{k}.1.weight"] = out
+    save_file(state, str(file))
+    return str(path)
+
+
+def save_oracle_eagle(target, succ: list[int], path: Path, version: int) -> str:
+    """An EAGLE checkpoint (`save_eagle`'s layout) for `successor_llama` that predicts what the
+    target will emit, through the features (the pair's token is not read): attention output and
+    (EAGLE-1) MLP zero, so the layer passes its fused input on.
+
+    EAGLE-1: fc moves the target feature of token t (sqrt(H) e_t) to sqrt(H) e_succ[t], the
+    feature of the next position; the target's LM head on it gives the token after that.
+    EAGLE-3: fc keeps the first tapped feature (~e_t); the MLP moves e_u to e_succ[u] (gate and
+    up pick u's coordinate, down writes e_succ[u] - e_u); the head's own lm_head over a draft
+    vocabulary in shuffled order (d2t a permutation) is the target's rows in that order. A
+    drafted node's own output feature (H wide, past fc) moves on by one more token likewise."""
+    save_eagle(target, path, version=version, init=0.05)
+    file = path / "pytorch_model.bin"
+    state = torch.load(file, weights_only=True)
+    hidden = target.config.hidden_size
+    vocab = len(succ)
+    shift = _shift(hidden, succ)
+    layer = "layers.0." if version == 1 else "midlayer."
+    state[f"{layer}self_attn.o_proj.weight"].zero_()
+    if version == 1:
+        state["fc.weight"] = torch.cat([torch.zeros(hidden, hidden), shift], 1)
+        state["fc.bias"].zero_()
+        state[f"{layer}mlp.down_proj.weight"].zero_()
+    else:
+        inter = target.config.intermediate_size
+        state["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)], 1)
+        pick = torch.zeros(inter, hidden)
+        pick[torch.arange(vocab), torch.arange(vocab)] = 1.0
+        gain = 10.0  # silu(gain * sqrt(H)) ~ gain * sqrt(H): the picked coordinate's product
+        state[f"{layer}mlp.gate_proj.weight"] = gain * pick
+        state[f"{layer}mlp.up_proj.weight"] = pick.clone()
+        # the residual carries e_u (scale 1); the MLP adds e_succ[u] - e_u
+        down = torch.zeros(hidden, inter)
+        down[:, :hidden] = (shift - torch.eye(hidden)) / (gain * hidden)
+        state[f"{layer}mlp.down_proj.weight"] = down
+        keep = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))
+        state["lm_head.weight"] = target.get_output_embeddings().weight.detach().float()[keep]
+        state["d2t"] = keep - torch.arange(vocab)
+        state["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    torch.save(state, file)
+    return str(path)
