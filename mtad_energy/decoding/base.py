@@ -22,6 +22,7 @@ import torch
 
 from mtad_energy.decoding import cache as kv
 from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.work import Forward
 
 
@@ -292,7 +293,7 @@ class ModelRunner:
         self.forward_shapes.append(Forward(rows, k, self.cache.get_seq_length() + k,
                                            0 if features is None else features.shape[-1]))
         with self._timer(self._phase):
-            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+            out = self.model(input_ids=input_ids, **cache_kwargs(self.cache), use_cache=True,
                              **kwargs, **model_kwargs(self.hidden_layers, features))
             self.hidden = pick_hidden(out, self.hidden_layers)
         return out.logits.float()
