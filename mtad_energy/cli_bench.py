@@ -178,6 +178,8 @@ def with_attribution(summary, runs, store_dir: Path):
 def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     """The decoders' summary: ``columns`` "speed" (speed, quality and J/token) or "energy"
     (decode joules by phase from the energy model, `with_attribution`)."""
+    from mtad_energy.results.analysis import compile_note  # pandas: not at `--help` time
+
     reasons: set[str] = set()
     simulated = False
     if columns == "energy":
@@ -228,6 +230,8 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
         captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
     if reasons:
         captions.append(("n/a: " if columns == "energy" else "J/tok n/a: ") + "; ".join(sorted(reasons)))
+    if compiling := compile_note(summary):
+        captions.append(compiling)
     if captions:
         table.caption = esc("\n".join(captions))
     return table

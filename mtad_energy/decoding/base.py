@@ -269,6 +269,7 @@ class ModelRunner:
 
     compiled = False  # forwards through torch.compile (`static.StaticRunner`)
     compile_s = 0.0  # seconds spent compiling, outside the timed forwards (`static.StaticRunner`)
+    prewarm_s = 0.0  # of them, before the prefill (made with the runner): kept out of compile_s
 
     def __init__(self, model, timer: PhaseTimer, phase: str, hidden: tuple[int, ...] = ()):
         self.model = model
