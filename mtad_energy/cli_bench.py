@@ -791,7 +791,7 @@ def decompose(
 
     Fits E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (the paper's form) and
     E = pi0*T + eps_flop*FLOPs + eps_byte*bytes (the energy roofline) on the batch-sweep rows,
-    with bootstrap 95 % intervals and a verdict per coefficient; predicts the decode energy of
+    with 95 % intervals and a verdict per coefficient; predicts the decode energy of
     every decoding run (runs and decode_batch rows, never in the fit) from its counted work and
     prints the error per run and its median; then splits each decoder's measured decode joules
     into draft / target / other and static / FLOP / memory, adding up to the measurement."""

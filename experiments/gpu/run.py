@@ -17,7 +17,7 @@ to run.log there):
     batch     the paper's batch-size study at OPT-13B shapes (batch 1..16) and the identifying
               design at Llama-3-8B shapes (random weights): batch 1..512 at 128 cached tokens,
               1024..8192 cached tokens at batch 1, prefill chunks of 128..4096 tokens; then both
-              energy models (paper form and energy roofline) with bootstrap intervals and
+              energy models (paper form and energy roofline) with 95 % intervals and
               verdicts, per shape and together (resumes through the results store)
     decoders  cost per iteration and J/iteration of every decoder at Llama-3.1-8B / Llama-3.2-1B
               shapes (random weights), projected tokens/s and J/token at the block efficiencies
