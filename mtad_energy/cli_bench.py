@@ -178,6 +178,8 @@ def with_attribution(summary, runs, store_dir: Path):
 def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     """The decoders' summary: ``columns`` "speed" (speed, quality and J/token) or "energy"
     (decode joules by phase from the energy model, `with_attribution`)."""
+    from mtad_energy.results.analysis import compile_note  # pandas: not at `--help` time
+
     reasons: set[str] = set()
     simulated = False
     if columns == "energy":
@@ -228,6 +230,8 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
         captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
     if reasons:
         captions.append(("n/a: " if columns == "energy" else "J/tok n/a: ") + "; ".join(sorted(reasons)))
+    if compiling := compile_note(summary):
+        captions.append(compiling)
     if captions:
         table.caption = esc("\n".join(captions))
     return table
@@ -787,7 +791,7 @@ def decompose(
 
     Fits E = P_static*T + PW_flop*T_flop + PW_mem*T_mem (the paper's form) and
     E = pi0*T + eps_flop*FLOPs + eps_byte*bytes (the energy roofline) on the batch-sweep rows,
-    with bootstrap 95 % intervals and a verdict per coefficient; predicts the decode energy of
+    with 95 % intervals and a verdict per coefficient; predicts the decode energy of
     every decoding run (runs and decode_batch rows, never in the fit) from its counted work and
     prints the error per run and its median; then splits each decoder's measured decode joules
     into draft / target / other and static / FLOP / memory, adding up to the measurement."""

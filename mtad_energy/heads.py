@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtad_energy.hf_cache import cache_from, cache_kwargs
 from mtad_energy.work import HeadDims
 
 EAGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -128,14 +129,14 @@ class EagleLayer(nn.Module):
         self.version = version
 
     def forward(self, emb: torch.Tensor, feature: torch.Tensor, position_embeddings,
-                attention_mask, past_key_values) -> torch.Tensor:
+                attention_mask, cache) -> torch.Tensor:
         residual = feature
         if self.version == 3:
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
         else:  # EAGLE-1: the fused input goes in as it is (layer 0 has no input norm)
             x = feature
         attn, _ = self.self_attn(x, position_embeddings=position_embeddings,
-                                 attention_mask=attention_mask, past_key_values=past_key_values)
+                                 attention_mask=attention_mask, **cache_kwargs(cache))
         x = residual + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -143,8 +144,8 @@ class EagleLayer(nn.Module):
 class EagleHead(nn.Module):
     """An EAGLE-1 or EAGLE-3 draft head (see the module docstring) over a target model.
 
-    ``forward(input_ids [B, k], features [B, k, F], attention_mask, position_ids,
-    past_key_values)``: position j's pair is (feature of position j, token j + 1); F is the
+    ``forward(input_ids [B, k], features [B, k, F], attention_mask, position_ids, cache)``:
+    position j's pair is (feature of position j, token j + 1); F is the
     target's feature width (H, or 3H for EAGLE-3) or the head's own H (drafted positions)."""
 
     def __init__(self, config, version: int, target, fc_bias: bool = True):
@@ -210,9 +211,11 @@ class EagleHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values=None,
+                position_ids: torch.Tensor | None = None, cache=None,
                 use_cache: bool = True, output_hidden_states: Any = None,
                 **kwargs) -> EagleOutput:
+        # the runner names the cache as the installed transformers does (`hf_cache`)
+        cache = cache_from({"cache": cache, **kwargs})
         emb = self.embed_tokens(input_ids).to(self.dtype)
         feature = features.to(self.dtype)
         if self.version == 1:
@@ -221,7 +224,7 @@ class EagleHead(nn.Module):
             feature = self.fc(feature)
         if position_ids is None:  # a plain chain after the cache (as a causal LM does)
             k = input_ids.shape[1]
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past = cache.get_seq_length() if cache is not None else 0
             position_ids = past + torch.arange(k, device=input_ids.device)[None]
             if attention_mask is None and k > 1:
                 cols = torch.arange(past + k, device=input_ids.device)
@@ -230,7 +233,7 @@ class EagleHead(nn.Module):
                                              device=allowed.device).masked_fill(
                     ~allowed, torch.finfo(self.dtype).min)[None, None]
         pos = self.rotary_emb(feature, position_ids=position_ids)
-        out = self.layer(emb, feature, pos, attention_mask, past_key_values)
+        out = self.layer(emb, feature, pos, attention_mask, cache)
         logits = self.lm_head(out if self.version == 1 else self.norm(out))
         return EagleOutput(logits, (out,))
 

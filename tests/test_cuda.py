@@ -14,6 +14,7 @@ import mtad_energy as me
 from mtad_energy.decoding import cache as kv
 from mtad_energy.decoding.base import ModelRunner, PhaseTimer
 from mtad_energy.decoding.tree import keep_path
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.models import load_pair
 from tests.conftest import with_heads
 
@@ -67,11 +68,11 @@ def test_cache_crop_then_refeed_gives_the_logits_of_a_fresh_forward_on_cuda(mode
     with torch.no_grad():
         fresh = model(input_ids=ids).logits
         cache = kv.new_cache(model)
-        model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, :3] + 1, past_key_values=cache, use_cache=True)  # rejected
+        model(input_ids=ids[:, :5], **cache_kwargs(cache), use_cache=True)
+        model(input_ids=ids[:, :3] + 1, **cache_kwargs(cache), use_cache=True)  # rejected
         kv.crop(cache, 5)
         assert kv.cache_len(cache) == 5
-        again = model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
+        again = model(input_ids=ids[:, 5:], **cache_kwargs(cache), use_cache=True).logits
     assert torch.allclose(again, fresh[:, 5:], atol=1e-4)
 
 
@@ -82,12 +83,12 @@ def test_cache_select_rows_and_keep_positions_on_cuda(model_dirs, index_device):
     dev = torch.device(DEVICE)
     with torch.no_grad():
         cache = kv.new_cache(model)
-        model(input_ids=torch.tensor([[1, 2, 3]], device=dev), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3]], device=dev), **cache_kwargs(cache), use_cache=True)
         kv.repeat_rows(cache, 3)
-        model(input_ids=torch.tensor([[4], [5], [6]], device=dev), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[4], [5], [6]], device=dev), **cache_kwargs(cache), use_cache=True)
         kv.select_rows(cache, torch.tensor([1], device=index_device))
         solo = kv.new_cache(model)
-        model(input_ids=torch.tensor([[1, 2, 3, 5]], device=dev), past_key_values=solo, use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3, 5]], device=dev), **cache_kwargs(solo), use_cache=True)
     for a, b in zip(cache.layers, solo.layers, strict=True):
         assert a.keys.device.type == dev.type
         assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)

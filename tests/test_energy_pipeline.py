@@ -126,8 +126,8 @@ def test_a_broken_counting_rule_does_not_recover_the_coefficients(store_dir, lla
         works = [broken(dims, *s) for s in shapes]
         recount.append((sum(w.flops for w in works) * r["runs"], sum(w.bytes for w in works) * r["runs"]))
     wrong = batch.assign(counted_flops=[f for f, _ in recount], counted_bytes=[b for _, b in recount])
-    right = fit_form("roofline", *fit_columns(batch, "roofline"), bootstrap=0)
-    fit = fit_form("roofline", *fit_columns(wrong, "roofline"), bootstrap=0)
+    right = fit_form("roofline", *fit_columns(batch, "roofline"))
+    fit = fit_form("roofline", *fit_columns(wrong, "roofline"))
     assert right.values == pytest.approx(TRUTH, rel=0.05)
     errors = {k: abs(fit.values[k] / v - 1.0) for k, v in TRUTH.items()}
     assert max(errors.values()) > 0.05, errors
@@ -183,7 +183,7 @@ def test_the_price_of_drafting_on_a_hand_built_window():
 
     t, flops, nbytes = np.array([1.0, 2.0, 1.5, 3.0]), np.array([1e9, 5e9, 2e9, 1e9]), \
         np.array([1e9, 1e9, 4e9, 2e9])
-    fit = fit_roofline(10.0 * t + 1e-9 * flops + 2e-9 * nbytes, t, flops, nbytes, bootstrap=0)
+    fit = fit_roofline(10.0 * t + 1e-9 * flops + 2e-9 * nbytes, t, flops, nbytes)
     draft = 10.0 * 0.2 + 1e-9 * 1e8 + 2e-9 * 2e8  # 2.5 J
     target = 10.0 * 0.5 + 1e-9 * 1e9 + 2e-9 * 1e9  # 8 J
     other = 10.0 * 0.1  # 1 J

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mtad_energy.cli import app
+from tests.limits import hang_limit_s
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "experiments" / "paper.py"
@@ -62,7 +63,7 @@ def test_refit_batch_recounts_the_h100_rows_and_says_what_is_not_identified(tmp_
     kit.mkdir()
     shutil.copy(ROOT / "experiments/results/gpu/nvidia-h100-80gb-hbm3/batch.csv", kit)
     proc = subprocess.run([sys.executable, str(ROOT / "experiments/refit_batch.py"), str(kit)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_limit_s(120))
     assert proc.returncode == 0, proc.stderr[-2000:]
     fits = json.loads((kit / "refit.json").read_text())
     roofline = {c["name"]: c for c in fits["all"]["roofline"]["coefficients"]}

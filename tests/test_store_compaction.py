@@ -30,6 +30,7 @@ from mtad_energy.results.store import (
     _flock,
     compact_store,
 )
+from tests.limits import hang_limit_s
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,7 @@ def child(code: str, *args) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
-    out, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=hang_limit_s(300))
     return proc.returncode, out + err
 
 
@@ -258,7 +259,7 @@ def test_compaction_removes_files_only_while_no_writer_is_linking_one(tmp_path):
         worker.join(timeout=1.0)
         assert worker.is_alive() and len(files(tmp_path, "runs")[0]) == 3
         assert len(files(tmp_path, "runs")[1]) == 1  # the pack is written, the parts wait
-    worker.join(timeout=60)
+    worker.join(timeout=hang_limit_s(60))
     assert not worker.is_alive() and files(tmp_path, "runs")[0] == []
 
 

@@ -18,6 +18,7 @@ from transformers import (
 from mtad_energy.decoding.cache import new_cache
 from mtad_energy.decoding.generate import generate_rows
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.measure import DevicePeaks, profile_ops
 from mtad_energy.measure.simulated import WorkTap
 from mtad_energy.work import HeadDims, ModelDims, Work, dims_of, forward_work, shapes_work
@@ -78,7 +79,7 @@ def test_flops_equal_the_profilers_matrix_and_attention_flops(name):
                       "position_ids": torch.full((rows, new), cached) + (torch.arange(new) > 0)}
         with torch.inference_mode():
             prof = profile_ops(lambda ids=ids, kw=kwargs: model(
-                input_ids=ids, past_key_values=cache, use_cache=True, **kw), peaks=PEAKS)
+                input_ids=ids, **cache_kwargs(cache), use_cache=True, **kw), peaks=PEAKS)
         counted = sum(op.flops for op in prof.ops if op.name in MATRIX_OPS)
         assert forward_work(dims, rows, new, cached + new).flops == counted, (name, i)
         cached += new
@@ -94,7 +95,7 @@ def test_bytes_equal_what_the_tensors_of_each_forward_hold(name):
     expected, cached = [], 0
     with torch.inference_mode(), tap.attached(model):
         for rows, new in FORWARDS:
-            model(input_ids=torch.randint(0, VOCAB, (rows, new)), past_key_values=cache, use_cache=True)
+            model(input_ids=torch.randint(0, VOCAB, (rows, new)), **cache_kwargs(cache), use_cache=True)
             w = forward_work(dims, rows, new, cached + new)
             expected.append((w.flops, w.bytes))
             cached += new
@@ -108,11 +109,11 @@ def test_a_static_cache_is_written_in_place_and_attended_whole():
     slots = 32
     cache = StaticCache(config=model.config, max_cache_len=slots)
     with torch.inference_mode():  # the first update allocates the slots (not a forward's work)
-        model(input_ids=torch.randint(0, VOCAB, (1, 6)), past_key_values=cache, use_cache=True,
+        model(input_ids=torch.randint(0, VOCAB, (1, 6)), **cache_kwargs(cache), use_cache=True,
               cache_position=torch.arange(6))
         with WorkTap(lambda f, b: seen.append((f, b))).attached(model):
             for start, n in ((6, 4), (10, 1)):
-                model(input_ids=torch.randint(0, VOCAB, (1, n)), past_key_values=cache,
+                model(input_ids=torch.randint(0, VOCAB, (1, n)), **cache_kwargs(cache),
                       use_cache=True, cache_position=torch.arange(start, start + n))
     static = [forward_work(dims, 1, n, slots, concat_cache=False) for n in (4, 1)]
     assert [b for _, b in seen] == [w.bytes for w in static]

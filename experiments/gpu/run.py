@@ -17,7 +17,7 @@ to run.log there):
     batch     the paper's batch-size study at OPT-13B shapes (batch 1..16) and the identifying
               design at Llama-3-8B shapes (random weights): batch 1..512 at 128 cached tokens,
               1024..8192 cached tokens at batch 1, prefill chunks of 128..4096 tokens; then both
-              energy models (paper form and energy roofline) with bootstrap intervals and
+              energy models (paper form and energy roofline) with 95 % intervals and
               verdicts, per shape and together (resumes through the results store)
     decoders  cost per iteration and J/iteration of every decoder at Llama-3.1-8B / Llama-3.2-1B
               shapes (random weights), projected tokens/s and J/token at the block efficiencies
@@ -360,11 +360,16 @@ def cpu_block_efficiency() -> dict[str, float]:
 def summarise_decoders(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.DataFrame:
     """Per decoder: the median over repeats of its per-iteration figures, and what it would reach
     on a real pair: a target forward there emits the pair's block efficiency (tokens per target
-    forward), and costs (cost per iteration / target forwards per iteration) at these shapes."""
+    forward), and costs (cost per iteration / target forwards per iteration) at these shapes;
+    ``compile_s`` its seconds compiling (the warm-up's, once, plus any in the repeats)."""
     if "mode" not in raw:  # rows written before the compiled path
         raw = raw.assign(mode="eager")
-    agg = (raw.groupby(["decoder", "mode"], sort=False).median(numeric_only=True).reset_index()
-           .drop(columns="repeat"))
+    cells = raw.groupby(["decoder", "mode"], sort=False)
+    agg = cells.median(numeric_only=True).reset_index().drop(columns="repeat")
+    if "warmup_compile_s" in raw:  # every repeat row repeats its warm-up's figure
+        agg["compile_s"] = (cells["warmup_compile_s"].first().to_numpy()
+                            + cells["compile_s"].sum().to_numpy())
+        agg["warmup_graphs_compiled"] = cells["warmup_graphs_compiled"].first().to_numpy()
     agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
     tokens_per_iter = agg.cpu_pair_block_eff * agg.target_forwards_per_iter
     agg["projected_tokens_per_s"] = tokens_per_iter / (agg.cost_per_iter_ms / 1e3)
@@ -442,8 +447,8 @@ def stage_decoders(kit: Kit) -> None:
             # allocator's growth (on an H100, 2-3x slower per iteration than the next one);
             # compiled, it compiles and captures every shape the loop uses
             t_warm = time.perf_counter()
-            generate_ids(dec, pair, prompt, plan.decode_tokens, seed=99, compute_perplexity=False,
-                         compile=compile)
+            warm = generate_ids(dec, pair, prompt, plan.decode_tokens, seed=99,
+                                compute_perplexity=False, compile=compile).stats
             warm_s = time.perf_counter() - t_warm
             for rep in range(plan.decode_repeats):
                 g, m = _measured(meter, f"{name}-{plan.label(mode)}-{rep}", partial(
@@ -453,7 +458,10 @@ def stage_decoders(kit: Kit) -> None:
                 it = max(s.iterations, 1)
                 rows.append({
                     "decoder": name, "mode": plan.label(mode), "warmup_s": warm_s, "repeat": rep,
-                    "iterations": s.iterations,
+                    # the warm-up's compile cost (seconds, graphs), beside every repeat of it
+                    "warmup_compile_s": warm.compile_s,
+                    "warmup_graphs_compiled": warm.graphs_compiled,
+                    "compile_s": s.compile_s, "iterations": s.iterations,
                     "tokens": s.tokens_emitted, "decode_time_s": s.decode_time_s,
                     "cost_per_iter_ms": s.decode_time_s / it * 1e3,
                     "target_forwards_per_iter": s.target_forwards / it,
@@ -578,8 +586,9 @@ def stage_batched(kit: Kit) -> None:
                     t_warm, graphs = time.perf_counter(), graphs_compiled()
                     try:
                         if why is None:
-                            generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
-                                          compute_perplexity=False, compile=compile)
+                            warm = generate_rows(dec, pair, batch, plan.decode_tokens, seed=99,
+                                                 compute_perplexity=False, compile=compile)
+                            warm_s = time.perf_counter() - t_warm
                             for rep in range(plan.decode_repeats):
                                 rows.append(_batched_row(kit, meter, dec, pair, batch, plan.label(mode),
                                                          rep, compile, peak_memory, device))
@@ -591,13 +600,15 @@ def stage_batched(kit: Kit) -> None:
                                         "reason": why})
                         kit.log(f"batched: {name} {plan.label(mode)} B={b} skipped: {why}")
                         continue
-                    rows[-1]["warmup_s"] = time.perf_counter() - t_warm
-                    # graphs the warm-up compiled (what its time went to; none in the repeats)
+                    rows[-1]["warmup_s"] = warm_s
+                    rows[-1]["warmup_compile_s"] = warm[0].stats.compile_s  # of warmup_s
+                    # graphs the cell compiled (its warm-up's; none in the repeats)
                     rows[-1]["graphs_compiled"] = graphs_compiled() - graphs
                     kit.log(f"batched: {name} {plan.label(mode)} B={b}: {rows[-1]['cost_per_iter_ms']:.2f} "
                             f"ms/iteration, forwards {rows[-1]['forwards_ms_per_iter']:.2f} ms, "
                             f"peak {rows[-1]['peak_memory_gb']:.1f} GB, warm-up "
-                            f"{rows[-1]['warmup_s']:.1f} s ({rows[-1]['graphs_compiled']} graphs)")
+                            f"{rows[-1]['warmup_s']:.1f} s, {warm[0].stats.compile_s:.1f} s of it "
+                            f"compiling ({rows[-1]['graphs_compiled']} graphs)")
                     # kept after every cell: a command stopped at its limit loses one at most
                     pd.concat([done, pd.DataFrame(rows)], ignore_index=True).to_csv(
                         raw_path, index=False)
@@ -662,9 +673,15 @@ def _batched_row(kit: Kit, meter, dec, pair, batch, mode: str, rep: int, compile
 
 def summarise_batched(raw: pd.DataFrame, block_eff: dict[str, float]) -> pd.DataFrame:
     """Medians over repeats per (decoder, mode, B), projected tokens/s and J/token, and the
-    speed-up / energy saving over ar in the same mode at the same B."""
-    agg = (raw.groupby(["decoder", "mode", "batch_size"], sort=False)
-           .median(numeric_only=True).reset_index().drop(columns="repeat"))
+    speed-up / energy saving over ar in the same mode at the same B; ``compile_s`` the cell's
+    seconds compiling (its warm-up's and any in its repeats: summed, not a median)."""
+    cells = raw.groupby(["decoder", "mode", "batch_size"], sort=False)
+    agg = cells.median(numeric_only=True).reset_index().drop(columns="repeat")
+    if "compile_s" in raw:
+        spent = cells["compile_s"].sum(min_count=1).to_numpy()
+        if "warmup_compile_s" in raw:  # stores written before it was kept lack it
+            spent = spent + cells["warmup_compile_s"].sum().to_numpy()
+        agg["compile_s"] = spent
     agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
     tokens_per_iter = agg.batch_size * agg.cpu_pair_block_eff * agg.target_forwards_per_iter
     agg["projected_tokens_per_s"] = tokens_per_iter / (agg.cost_per_iter_ms / 1e3)

@@ -46,6 +46,7 @@ import pandas as pd
 import torch
 
 from mtad_energy.decoding.cache import cache_len, crop, new_cache
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.measure import (
     DevicePeaks,
     EnergyMeter,
@@ -137,7 +138,7 @@ class BatchWorkload:
                       if new_tokens > 1 else None)
         self.cache = new_cache(model)
         with torch.no_grad():
-            logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits
+            logits = model(input_ids=ids, **cache_kwargs(self.cache), use_cache=True).logits
             self.first_ids = logits[:, -1:].argmax(-1)
         self.last_ids = self.first_ids
 
@@ -150,7 +151,7 @@ class BatchWorkload:
         with torch.no_grad():
             for _ in range(self.forwards_per_run):
                 feed = ids if self.chunk is None else self.chunk
-                logits = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True).logits
+                logits = self.model(input_ids=feed, **cache_kwargs(self.cache), use_cache=True).logits
                 ids = logits[:, -1:].argmax(-1)
             crop(self.cache, self.context_len)
         self.last_ids = ids

@@ -14,8 +14,10 @@ The forward-only study (`batch_sweep.py`) is separate and unchanged.
 
 ``compile``: the compiled path (static caches padded to row buckets, CUDA graphs on CUDA), stored
 under model ``<model>+compile`` so its rows never pool with eager ones; each (decoder, B) first
-runs a full-length unmeasured generation that compiles every shape, and a row that still compiled
-inside its window is flagged ``compiled_in_window`` (its ``compile_s`` says how long). Every row
+runs a full-length unmeasured generation that compiles every shape: the (decoder, B)'s first
+measured row carries its seconds (``compile_s``) and graphs (``graphs_compiled``), later repeats 0;
+a row that still compiled inside its window is flagged ``compiled_in_window``
+(``compile_in_window_s`` says how long, also counted in ``compile_s``). Every row
 stores the batch's peak memory (``peak_memory_bytes``). A batch size whose caches would not fit
 in the free memory is skipped with the reason (``on_skip``), as is one that runs out of memory:
 a sweep to B = 128 never ends in an out-of-memory crash.
@@ -33,10 +35,10 @@ from typing import Any
 
 import torch
 
-from mtad_energy.bench.runner import FLAG_COMPILED_IN_WINDOW, PhaseWindows
+from mtad_energy.bench.runner import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
 from mtad_energy.config import DecoderSpec
 from mtad_energy.decoding.base import Decoder
-from mtad_energy.decoding.generate import generate_rows, slots_needed
+from mtad_energy.decoding.generate import Generation, generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.models import ModelPair
@@ -111,7 +113,7 @@ def decode_batch_sweep(
         params = {k: v for k, v in decoder.config().items() if k != "decoder"}
         for b in dict.fromkeys(int(s) for s in sizes):
             rows = [list(prompts[i % len(prompts)]) for i in range(b)]
-            warm = False
+            warm: list[Generation] | None = None  # the warm-up's generations, once run
             for rep in range(repeats):
                 identity = {
                     "model": label, "target_id": pair.target_id,
@@ -125,21 +127,21 @@ def decode_batch_sweep(
                 key = stable_key(identity)
                 row, measured = _stored_row(store, stored, key), False
                 if row is None:
-                    if not warm:
+                    first = warm is None
+                    if first:
                         why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
                         try:
                             if why is None:  # first calls (compiled: every shape), unmeasured
-                                _warm_up(decoder, pair, rows, max_new_tokens, seed, compile)
+                                warm = _warm_up(decoder, pair, rows, max_new_tokens, seed, compile)
                         except torch.OutOfMemoryError as error:
                             why = _out_of_memory(b, error)
                         if why is not None:
                             if on_skip is not None:
                                 on_skip(spec.label, b, why)
                             break
-                        warm = True
-                    try:
+                    try:  # the warm-up's compile cost goes to the row measured right after it
                         row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
-                                       key, compile)
+                                       key, compile, warm if first else [])
                     except torch.OutOfMemoryError as error:
                         if on_skip is not None:
                             on_skip(spec.label, b, _out_of_memory(b, error))
@@ -170,7 +172,7 @@ def _stored_row(store: ResultStore, stored, key: str) -> dict[str, Any] | None:
 
 
 def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int,
-             seed: int, compile: bool) -> None:
+             seed: int, compile: bool) -> list[Generation]:
     """Eager: first-call allocations (a few tokens). Compiled: a full-length generation, after
     freeing the static caches of other batch sizes, so every shape this batch size uses is
     compiled (and on CUDA recorded) here, not inside the measured window."""
@@ -178,8 +180,9 @@ def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_t
         from mtad_energy.decoding.static import release_engines
 
         release_engines()
-    generate_rows(decoder, pair, rows, max_new_tokens if compile else min(8, max_new_tokens),
-                  seed=seed, compute_perplexity=False, compile=compile)
+    return generate_rows(decoder, pair, rows,
+                         max_new_tokens if compile else min(8, max_new_tokens),
+                         seed=seed, compute_perplexity=False, compile=compile)
 
 
 def _out_of_memory(b: int, error: BaseException) -> str:
@@ -246,7 +249,8 @@ def does_not_fit(pair: ModelPair, decoder: Decoder, rows: list[list[int]], max_n
 
 
 def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int, seed: int,
-             meter: EnergyMeter, key: str, compile: bool = False) -> dict[str, Any]:
+             meter: EnergyMeter, key: str, compile: bool = False,
+             warm: Sequence[Generation] = ()) -> dict[str, Any]:
     windows = PhaseWindows(meter, key)
     with peak_memory(pair.describe()["device"]) as peak:
         try:
@@ -256,8 +260,9 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         finally:
             windows.close()
     m = windows.measurements["decode"]
-    compile_s = max(g.stats.compile_s for g in gens)
-    flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if compile_s > 0 else set())
+    compiling = compile_columns(warm, gens)
+    flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if compiling["compile_in_window_s"] > 0
+                                 else set())
     tokens = sum(g.stats.tokens_emitted for g in gens)
     decode_s = max(g.stats.decode_time_s for g in gens)
     target_fw = max(g.stats.target_forwards for g in gens)
@@ -277,7 +282,7 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         "energy_j": energy, "energy_per_token_j": energy / tokens if energy is not None else None,
         "energy_reason": m.reason if energy is None else None,
         "energy_flags": json.dumps(sorted(flags)),
-        "peak_memory_bytes": peak.bytes, "compile_s": compile_s,
+        "peak_memory_bytes": peak.bytes, **compiling,
         "time_draft_s": last.time_draft_s, "time_target_s": last.time_target_s,
         "time_other_s": last.time_other_s, "draft_flops": last.draft_flops,
         "draft_bytes": last.draft_bytes, "target_flops": last.target_flops,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.work import dims_of
 
 
@@ -191,7 +192,7 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
             compile_mode = "reduce-overhead"
         step = torch.compile(model.forward, backend=backend, mode=compile_mode, fullgraph=True,
                              dynamic=False)
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+    logits = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True,
                    cache_position=torch.arange(context_len, device=device)).logits
     first = logits[:, -1:].argmax(-1)
     # compiled: the static cache only ever moves forward here. Rewinding cache_position to an
@@ -208,9 +209,9 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
         ids = first
         for _ in range(forwards):
             if mode == "eager":  # what the decoders run: the cache knows its own length
-                out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+                out = step(input_ids=ids, **cache_kwargs(cache), use_cache=True)
             else:  # a static cache is told where to write
-                out = step(input_ids=ids, past_key_values=cache, use_cache=True,
+                out = step(input_ids=ids, **cache_kwargs(cache), use_cache=True,
                            cache_position=next(positions))
             ids = out.logits[:, -1:].argmax(-1)
         if mode == "eager":

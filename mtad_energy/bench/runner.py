@@ -48,8 +48,20 @@ from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore, RowExistsError
 
 # a compiled run that still compiled a shape inside its measurement windows: its time excludes
-# the compilation (`compile_s`), its joules do not
+# the compilation (`compile_in_window_s`), its joules do not
 FLAG_COMPILED_IN_WINDOW = "compiled_in_window"
+
+
+def compile_columns(warm: Sequence[Generation], gens: Sequence[Generation]) -> dict[str, Any]:
+    """What compiling cost a stored row (one generation of B rows: every row gets its batch's
+    figures, as it gets its batch's decode time): ``compile_s`` the seconds compiling before and
+    inside its windows (the warm-up that ran for it, when its shapes were new, plus its own
+    generation's), ``graphs_compiled`` the graphs compiled then, ``compile_in_window_s`` the part
+    inside its windows (the row is flagged `FLAG_COMPILED_IN_WINDOW`). Eager: 0, 0, 0."""
+    stats = [g.stats for g in (*warm[:1], *gens[:1])]  # rows of one call share these figures
+    return {"compile_s": sum(s.compile_s for s in stats),
+            "graphs_compiled": sum(s.graphs_compiled for s in stats),
+            "compile_in_window_s": max(g.stats.compile_in_window_s for g in gens)}
 
 Progress = Callable[[dict[str, Any] | None, "WorkUnit"], None]
 """Called once per work unit with its new row, or None when it was already stored (skipped)."""
@@ -214,19 +226,21 @@ class Runner:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.pair, prompt.text, self.config.chat)
 
-    def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]]) -> None:
+    def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]]) -> list[Generation]:
         """One unmeasured generation of ``prompts`` (token ids) together: first-call allocations
         and kernel selection; short when eager, full length when compiled, once per decoder, row
         bucket and slot bucket (`warm_key`): every shape the compiled loop uses is compiled here,
-        not inside a measured window (one that still compiles there is flagged)."""
+        not inside a measured window (one that still compiles there is flagged). Returns its
+        generations (their ``compile_s`` is the compile cost), none when already warm."""
         key = self.warm_key(spec, prompts)
         if key in self._warm:
-            return
+            return []
         c = self.config
-        generate_rows(self._decoders[spec], self.pair, list(prompts),
-                      c.max_new_tokens if c.compile else min(8, c.max_new_tokens), seed=c.seed,
-                      compute_perplexity=False, compile=c.compile)
+        gens = generate_rows(self._decoders[spec], self.pair, list(prompts),
+                             c.max_new_tokens if c.compile else min(8, c.max_new_tokens),
+                             seed=c.seed, compute_perplexity=False, compile=c.compile)
         self._warm.add(key)
+        return gens
 
     def warm_key(self, spec: DecoderSpec, prompts: Sequence[list[int]]) -> tuple:
         """What decides the shapes a batch runs at: eager, the decoder and the batch size;
@@ -259,8 +273,7 @@ class Runner:
         keys = [self.run_key(u) for u in units]
         prompts = [self._prompt_ids(u.prompt) for u in [*units, *fill]]
         seed = c.seed + repeat
-        if c.warmup:
-            self.warm_up(spec, prompts)
+        warm = self.warm_up(spec, prompts) if c.warmup else []
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
         windows = PhaseWindows(self.meter, batch_key)
@@ -274,11 +287,11 @@ class Runner:
             finally:
                 windows.close()
         energy = _energy_columns(windows.measurements)
-        compile_s = max(g.stats.compile_s for g in gens)
-        if compile_s > 0:  # a shape the warm-up did not cover compiled inside the windows
+        compiling = compile_columns(warm, gens)
+        if compiling["compile_in_window_s"] > 0:  # a shape the warm-up did not cover
             energy["energy_flags"] = json.dumps(
                 sorted({*json.loads(energy["energy_flags"]), FLAG_COMPILED_IN_WINDOW}))
-        measured = {"peak_memory_bytes": peak.bytes, "compile_s": compile_s}
+        measured = {"peak_memory_bytes": peak.bytes, **compiling}
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:

@@ -22,6 +22,7 @@ import torch
 
 from mtad_energy.decoding import cache as kv
 from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.work import Forward
 
 
@@ -268,6 +269,7 @@ class ModelRunner:
 
     compiled = False  # forwards through torch.compile (`static.StaticRunner`)
     compile_s = 0.0  # seconds spent compiling, outside the timed forwards (`static.StaticRunner`)
+    prewarm_s = 0.0  # of them, before the prefill (made with the runner): kept out of compile_s
 
     def __init__(self, model, timer: PhaseTimer, phase: str, hidden: tuple[int, ...] = ()):
         self.model = model
@@ -292,7 +294,7 @@ class ModelRunner:
         self.forward_shapes.append(Forward(rows, k, self.cache.get_seq_length() + k,
                                            0 if features is None else features.shape[-1]))
         with self._timer(self._phase):
-            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+            out = self.model(input_ids=input_ids, **cache_kwargs(self.cache), use_cache=True,
                              **kwargs, **model_kwargs(self.hidden_layers, features))
             self.hidden = pick_hidden(out, self.hidden_layers)
         return out.logits.float()

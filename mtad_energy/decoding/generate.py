@@ -78,9 +78,13 @@ class GenerationStats:
     stop_reason: str  # "eos" | "max_new_tokens"
     draft_depth: int = 0  # sum over iterations of the draftable positions on one path
     mean_accepted_length: float | None = None  # accepted draft tokens per drafting iteration
-    # seconds the first forwards of new shapes took (compiling; on CUDA also recording their
-    # graphs), run untimed and left out of every time above; > 0 means this generation compiled
+    # seconds this call spent compiling (first forwards of new shapes; on CUDA also recording
+    # their graphs): the compiled runners' warm-up of their known widths before the prefill, plus
+    # shapes first met in the loop; run untimed and left out of every time above
     compile_s: float = 0.0
+    # the part of compile_s after the first ``on_phase`` hook: inside a caller's windows
+    compile_in_window_s: float = 0.0
+    graphs_compiled: int = 0  # graphs dynamo compiled during this call (0 when eager)
     # counted work (`mtad_energy.work`) of the decode phase's draft / target forwards up to
     # this row's last iteration, and of the prefill (both models); None where not countable
     draft_flops: int | None = 0
@@ -287,6 +291,15 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     return runners[0], (runners[1] if len(runners) > 1 else None)
 
 
+def _graphs_compiled(compile: bool | CompileOptions) -> int:
+    """Dynamo's count of graphs compiled in this process (0 when eager: nothing compiles)."""
+    if not compile:
+        return 0
+    from mtad_energy.decoding.static import graphs_compiled  # the compiler stack
+
+    return graphs_compiled()
+
+
 @torch.inference_mode()
 def generate_ids(decoder: Decoder, pair: ModelPair, prompt_ids: list[int], max_new_tokens: int,
                  seed: int = 0, compute_perplexity: bool = True,
@@ -338,6 +351,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
     generator = torch.Generator(device=device).manual_seed(seed)
+    graphs_before = _graphs_compiled(compile)
     target, draft = _runners(decoder, pair, timer, rows,
                              slots_needed(decoder, prompt_lens, max_new_tokens), compile)
     state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
@@ -425,7 +439,9 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     t_end = clock()
     hook("end")
 
-    compile_s = sum(r.compile_s for r in runners)
+    compile_in_window_s = sum(r.compile_s for r in runners)  # the runners' in-loop seconds
+    compile_s = compile_in_window_s + sum(r.prewarm_s for r in runners)
+    graphs = _graphs_compiled(compile) - graphs_before
     bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode
     splits = [_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1])
               for i in range(it)]
@@ -472,6 +488,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             block_efficiency=len(tokens) / target_fw if target_fw else 0.0,
             acceptance_rate=accepted / depth if depth else None,
             perplexity=ppl, stop_reason=stop[b], draft_depth=depth, compile_s=compile_s,
+            compile_in_window_s=compile_in_window_s, graphs_compiled=graphs,
             mean_accepted_length=accepted / drafting if drafting else None,
             draft_flops=row_draft and row_draft.flops, draft_bytes=row_draft and row_draft.bytes,
             target_flops=row_target and row_target.flops,

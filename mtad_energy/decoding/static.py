@@ -56,6 +56,7 @@ from mtad_energy.decoding.base import (
 )
 from mtad_energy.decoding.batch import RowLayout, rows_runner
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
+from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.work import Forward
 
 MIN_SLOTS = 256
@@ -200,7 +201,7 @@ def _forward(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor
         pos = ((count - m - 1)[:, None] + depths).clamp_min(0)
     mask = additive_mask(allowed, cache.layers[0].keys.dtype)  # [r, 1, k, L]
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
-                past_key_values=cache, use_cache=True, **model_kwargs(hidden, features))
+                **cache_kwargs(cache), use_cache=True, **model_kwargs(hidden, features))
     if hidden:
         return out.logits.float(), pick_hidden(out, hidden)
     return out.logits.float()

@@ -394,6 +394,7 @@ class WorkTap:
         self._extra_flops += 2 * args[0].numel() * module.out_features
 
     def _wrap(self, forward: Callable[..., Any], reads: _ParamReads) -> Callable[..., Any]:
+        from mtad_energy.hf_cache import cache_from
         from mtad_energy.measure.profiler import flop_counter
 
         def tapped(*args: Any, **kwargs: Any) -> Any:
@@ -402,7 +403,7 @@ class WorkTap:
             if torch.compiler.is_compiling():  # traced into a compiled graph: not seen
                 return forward(*args, **kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
-            cache = kwargs.get("past_key_values")
+            cache = cache_from(kwargs)
             before = _kv_tensors(cache)
             self._gathered = self._extra_flops = 0
             self._ran = set()

@@ -90,6 +90,36 @@ _NUMERIC_RUN_COLUMNS = ("tokens_emitted", "tokens_per_s", "block_efficiency", "a
                         "energy_ci_high_j", "decode_energy_j")
 
 
+COMPILE_COLUMNS = ("compile_s", "graphs_compiled")
+
+
+def compile_cost(rows: pd.DataFrame, one_per_batch: bool = False) -> dict[str, float]:
+    """What compiling cost a group of rows: ``compile_s`` the seconds spent compiling (the
+    warm-ups before their windows and any compile inside them), ``graphs_compiled`` the graphs.
+    A `runs` row carries its batch's figures (every row of a B-row batch, as it carries the
+    batch's decode time), so each counts 1 / batch_size of them; a `decode_batch` row is a whole
+    batch (``one_per_batch``). NaN for rows stored before the figures were kept."""
+    share = 1.0 if one_per_batch else 1.0 / pd.to_numeric(
+        rows["batch_size"], errors="coerce").fillna(1).clip(lower=1) if "batch_size" in rows else 1.0
+    out = {}
+    for c in COMPILE_COLUMNS:
+        v = pd.to_numeric(rows[c], errors="coerce") if c in rows else pd.Series(dtype=float)
+        out[c] = float((v * share).sum()) if v.notna().any() else math.nan
+    return out
+
+
+def compile_note(table: pd.DataFrame) -> str:
+    """A caption line naming each configuration's seconds compiling (empty when none did)."""
+    if "compile_s" not in table or not (pd.to_numeric(table["compile_s"], errors="coerce") > 0).any():
+        return ""
+    parts = []
+    for label, g in table.groupby("label", sort=False):
+        spent = pd.to_numeric(g["compile_s"], errors="coerce").sum()
+        graphs = pd.to_numeric(g.get("graphs_compiled"), errors="coerce").sum()
+        parts.append(f"{label} {spent:.1f} s ({graphs:.0f} graphs)")
+    return "compiling (warm-ups before the windows; left out of tok/s): " + ", ".join(parts)
+
+
 # -- labels and ordering ---------------------------------------------------------------------------
 def _format_param(value: Any) -> str:
     if isinstance(value, list | tuple):
@@ -216,6 +246,8 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
                                             if ok_tokens > 0 else math.nan)
         row["energy_per_token_ci_high_j"] = (g.loc[ok, "energy_ci_high_j"].sum() / ok_tokens
                                              if ok_tokens > 0 else math.nan)
+    if "compile_s" in optional:
+        row.update(compile_cost(g))
     if "rouge_l" in optional:
         row["rouge_l"] = g["rouge_l"].mean()
     if "pass_at_1" in optional:
@@ -246,7 +278,8 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     energy / total tokens of the runs with energy; NaN when none has), energy_saving
     (1 - J/token / baseline J/token), energy_reason (why energy is missing, if it is), meter;
     and when ``runs`` has them: energy_per_token_ci_low_j / _high_j, rouge_l, pass_at_1 (the mean
-    of a ``pass_at_1`` or per-row 0/1 ``passed`` column).
+    of a ``pass_at_1`` or per-row 0/1 ``passed`` column), compile_s / graphs_compiled
+    (`compile_cost`).
     """
     optional = []
     runs = runs.copy()
@@ -257,6 +290,8 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
             optional.append(c)
     if {"energy_ci_low_j", "energy_ci_high_j"} <= set(runs.columns):
         optional.append("energy_ci_low_j")
+    if "compile_s" in runs.columns:
+        optional.append("compile_s")
     columns = [*GROUP_KEYS, "label", "n_runs", "n_prompts", "total_tokens", "total_decode_time_s",
                "tokens_per_s", "tokens_per_s_std", "tokens_per_s_pooled", "speedup",
                "block_efficiency", "acceptance_rate", "perplexity", "n_energy_runs", "total_energy_j",
@@ -266,6 +301,7 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
         columns[columns.index("energy_saving"):columns.index("energy_saving")] = [
             "energy_per_token_ci_low_j", "energy_per_token_ci_high_j"]
     columns += [c for c in ("rouge_l", "pass_at_1") if c in optional]
+    columns += list(COMPILE_COLUMNS) if "compile_s" in optional else []
     if runs.empty:
         return pd.DataFrame(columns=columns)
 
@@ -586,6 +622,7 @@ def batch_crossover(rows: pd.DataFrame | Sequence[Mapping[str, Any]], baseline: 
                 if len(base_rows) else math.nan,
                 "block_efficiency": g["block_efficiency"].median(),
                 "perplexity": g["perplexity"].median(),
+                **compile_cost(g, one_per_batch=True),
                 "baseline_label": base_label,
                 "energy_reason": _join_reasons(g.loc[g["energy_per_token_j"].isna(), "energy_reason"]),
                 "meter": _join_reasons(g["meter"]),
@@ -701,4 +738,6 @@ def crossover_notes(table: pd.DataFrame, baseline: str = "ar") -> list[str]:
                      "spans 1); more repeats would settle the crossover")
     if table["baseline_label"].isna().all():
         notes.append(f"no {baseline} rows: no speed-up and no crossover")
+    if note := compile_note(table):
+        notes.append(note)
     return notes

@@ -71,8 +71,7 @@ def fit_columns(batch: pd.DataFrame, form: str) -> tuple[np.ndarray, ...]:
     return (energy.to_numpy(), *(c.to_numpy() for c in cols))
 
 
-def fit_stores(dirs: Sequence[str | Path], bootstrap: int = 1000) -> tuple[dict[str, EnergyFit | str],
-                                                                             int]:
+def fit_stores(dirs: Sequence[str | Path]) -> tuple[dict[str, EnergyFit | str], int]:
     """Both forms fitted on every batch row in ``dirs``: form -> its fit, or the reason it
     cannot be fitted (missing columns, no energy); and the number of rows."""
     batch = _load_all(dirs, "batch")
@@ -90,7 +89,7 @@ def fit_stores(dirs: Sequence[str | Path], bootstrap: int = 1000) -> tuple[dict[
             out[form] = f"the batch rows lack {a} / {b}: {fix}"
             continue
         try:
-            out[form] = fit_form(form, *fit_columns(batch, form), bootstrap=bootstrap)
+            out[form] = fit_form(form, *fit_columns(batch, form))
         except ValueError as err:
             out[form] = str(err)
     return out, len(batch)

@@ -490,7 +490,7 @@ def energy_model_section(store_dir: Path) -> list[str]:
              "Two energy models fitted on this store's batch-sweep rows: the paper's E = P_static·T + "
              "PW_flop·T_flop + PW_mem·T_mem and the energy roofline E = pi0·T + eps_flop·FLOPs + "
              "eps_byte·bytes (counted work). A coefficient is *identified* when its column varies apart "
-             "from the others and its bootstrap 95 % interval is within ±25 %; otherwise the verdict "
+             "from the others and its 95 % interval is within ±25 %; otherwise the verdict "
              "names the measurement that would identify it.", ""]
     try:
         fits, n_rows = breakdown.fit_stores([store_dir])

@@ -256,7 +256,13 @@ def test_compiled_sweep_stores_its_rows_apart_and_compiles_nothing_inside_a_wind
     comp, eag = (rows[rows.model == m].set_index(["label", "batch_size"]).sort_index()
                  for m in ("custom+compile", "custom"))
     assert (comp.tokens == eag.tokens).all() and (comp.block_efficiency == eag.block_efficiency).all()
-    assert (comp.compile_s == 0).all() and comp["compile"].all() and not eag["compile"].any()
+    assert (comp.compile_in_window_s == 0).all() and comp["compile"].all() and not eag["compile"].any()
+    # each size's warm-up compiled before its one row's window: the row carries that cost
+    assert (comp.compile_s > 0).all() and (eag.compile_s == 0).all() and (eag.graphs_compiled == 0).all()
+    doc = json.loads(compiled.stdout)  # the summary's JSON and notes say it too
+    assert all(r["compile_s"] > 0 for r in doc["rows"])
+    assert any(n.startswith("compiling") for n in doc["notes"])
+    assert all(r["compile_s"] == 0 for r in json.loads(eager.stdout)["rows"])
     assert (rows.peak_memory_bytes > 0).all()
     assert not rows.energy_flags.str.contains("compiled_in_window").any()
 

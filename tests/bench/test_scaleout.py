@@ -17,6 +17,9 @@ from mtad_energy.bench.scaleout import SweepError, run_shard, submit_sweep, wait
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 from mtad_energy.results import ResultStore, load_results
 from tests import tiny
+from tests.limits import hang_limit_s
+
+STAND_IN_S = 3600  # a stand-in job's `sleep`: ends only when stopped, within any hang guard
 
 N_PROMPTS, DECODERS = 3, (DecoderSpec("ar"), DecoderSpec("spd"))
 
@@ -73,7 +76,7 @@ def test_local_workers_are_concurrent_processes_writing_one_store(sweep, tmp_pat
     store = tmp_path / "store"
     t0 = time.perf_counter()
     summaries = wait(submit_sweep(sweep, store, workers=2, cluster="local", gpus_per_worker=0,
-                                  timeout_min=5))
+                                  timeout_min=60))
     print(f"2 local workers: {time.perf_counter() - t0:.1f} s")
     pids = {s["pid"] for s in summaries}
     assert len(pids) == 2 and os.getpid() not in pids
@@ -243,7 +246,7 @@ def sleepers(monkeypatch) -> list[subprocess.Popen]:
     procs: list[subprocess.Popen] = []
 
     def start_controller(**kwargs):
-        procs.append(subprocess.Popen(["sleep", "60"]))
+        procs.append(subprocess.Popen(["sleep", str(STAND_IN_S)]))
         return procs[-1]
 
     monkeypatch.setattr(submitit.local.local, "start_controller", start_controller)
@@ -253,11 +256,11 @@ def sleepers(monkeypatch) -> list[subprocess.Popen]:
         p.wait()
 
 
-def _ends(proc: subprocess.Popen, timeout_s: float = 10.0) -> bool:
-    """Whether ``proc`` ends within ``timeout_s`` (a signalled process is reaped a moment after
-    the signal, later on a loaded machine; an uncancelled `sleep 60` does not end)."""
+def _ends(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` ends within a hang guard (a signalled process is reaped a moment after
+    the signal, later on a loaded machine; an uncancelled stand-in sleeps far longer)."""
     try:
-        proc.wait(timeout=timeout_s)
+        proc.wait(timeout=hang_limit_s(10, cap_s=STAND_IN_S / 2))
     except subprocess.TimeoutExpired:
         return False
     return True
@@ -287,7 +290,7 @@ def test_a_job_that_ignores_the_cancel_is_killed(sweep, tmp_path, monkeypatch, r
     procs: list[subprocess.Popen] = []
 
     def start_controller(**kwargs):
-        procs.append(subprocess.Popen(["sleep", "60"], preexec_fn=lambda: signal.signal(
+        procs.append(subprocess.Popen(["sleep", str(STAND_IN_S)], preexec_fn=lambda: signal.signal(
             signal.SIGINT, signal.SIG_IGN)))
         return procs[-1]
 
@@ -298,7 +301,7 @@ def test_a_job_that_ignores_the_cancel_is_killed(sweep, tmp_path, monkeypatch, r
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
         with pytest.raises(SystemExit):
             wait(jobs)
-        assert len(procs) == 2 and all(_ends(p, 2.0) for p in procs)
+        assert len(procs) == 2 and all(_ends(p) for p in procs)
         assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
     finally:
         for p in procs:
@@ -316,7 +319,7 @@ def test_a_job_notices_when_its_parent_has_ended():
     scaleout.watch_parent(parent.pid, token, gone.set, period_s=0.05)
     assert not gone.wait(0.3)
     parent.kill()  # SIGKILL: it cannot tell anyone; a zombie counts as ended
-    assert gone.wait(5.0)
+    assert gone.wait(hang_limit_s(5))
     parent.wait()
     reused = threading.Event()  # same pid, another process (its start time differs)
     scaleout.watch_parent(os.getpid(), "not-my-start-time", reused.set, period_s=0.05)
@@ -344,13 +347,13 @@ def test_local_jobs_die_when_the_submitting_process_is_killed(sweep, tmp_path):
                               stdout=subprocess.PIPE, text=True)
     controller = int(parent.stdout.readline())
     runs = store / "runs"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + hang_limit_s(120)
     while not (runs.is_dir() and any(runs.glob("*.parquet"))):  # the job is writing rows
         assert time.monotonic() < deadline and parent.poll() is None
         time.sleep(0.2)
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + hang_limit_s(30)
     while scaleout._process_token(controller) is not None:
         assert time.monotonic() < deadline, "the local job outlived the process that submitted it"
         time.sleep(0.2)

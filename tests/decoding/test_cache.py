@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from mtad_energy.decoding import cache as kv
+from mtad_energy.hf_cache import cache_kwargs
 
 
 @pytest.mark.parametrize("pair", ["llama_pair", "opt_pair"])
@@ -11,11 +12,11 @@ def test_rollback_then_refeed_gives_the_logits_of_a_fresh_forward(request, pair)
     with torch.no_grad():
         fresh = model(input_ids=ids).logits
         cache = kv.new_cache(model)
-        model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
-        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)  # rejected
+        model(input_ids=ids[:, :5], **cache_kwargs(cache), use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwargs(cache), use_cache=True)  # rejected
         kv.crop(cache, 5)
         assert kv.cache_len(cache) == 5
-        again = model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
+        again = model(input_ids=ids[:, 5:], **cache_kwargs(cache), use_cache=True).logits
     assert torch.allclose(again, fresh[:, 5:], atol=1e-5)
 
 
@@ -23,12 +24,12 @@ def test_select_rows_keeps_a_beam_and_keep_positions_gathers_along_time(llama_pa
     model = llama_pair.target
     with torch.no_grad():
         cache = kv.new_cache(model)
-        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwargs(cache), use_cache=True)
         kv.repeat_rows(cache, 3)
-        model(input_ids=torch.tensor([[4], [5], [6]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[4], [5], [6]]), **cache_kwargs(cache), use_cache=True)
         kv.select_rows(cache, torch.tensor([1]))
         solo = kv.new_cache(model)
-        model(input_ids=torch.tensor([[1, 2, 3, 5]]), past_key_values=solo, use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3, 5]]), **cache_kwargs(solo), use_cache=True)
     for a, b in zip(cache.layers, solo.layers, strict=False):
         assert torch.allclose(a.keys, b.keys, atol=1e-5)
         assert torch.allclose(a.values, b.values, atol=1e-5)

@@ -78,7 +78,7 @@ def test_a_second_identical_call_compiles_nothing(llama_pair, name):
     before = graphs_compiled()
     for prompt in (PROMPTS[0], PROMPTS[1], list(range(2, 32)), PROMPTS[2]):
         again = generate_ids(decoder, llama_pair, prompt, 12, compile=TRACE)
-        assert again.stats.compile_s == 0.0
+        assert (again.stats.compile_s, again.stats.graphs_compiled) == (0.0, 0)
     assert graphs_compiled() == before
     assert again.stats.decode_time_s > 0 and first.config["compiled"]
 
@@ -125,7 +125,10 @@ def test_chain_shapes_that_depend_on_sampled_values_compile_before_the_windows(m
                         compute_perplexity=False, compile=TRACE,
                         on_phase=lambda phase: windows.append(graphs_compiled()))
     assert windows[0] > before  # compiled up front ...
-    assert windows[-1] == windows[0] and gen[0].stats.compile_s == 0  # ... and never inside
+    assert windows[-1] == windows[0] and gen[0].stats.compile_in_window_s == 0  # ... never inside
+    # and the call says what compiling cost it: seconds before its windows, and the graphs
+    assert gen[0].stats.graphs_compiled == windows[0] - before
+    assert gen[0].stats.compile_s > 0
     accepted = {s.accepted for g in gen for s in g.steps if s.draft_depth}
     assert (4 in accepted) if draft == "self" else (accepted & {0, 1, 2, 3})
 

@@ -27,6 +27,7 @@ from mtad_energy.decoding.acceptance import speculative_accept
 from mtad_energy.decoding.beams import beam_sample
 from mtad_energy.decoding.mtad import Mtad, MtadParams
 from mtad_energy.decoding.sampling import Warp, residual, warp_probs
+from mtad_energy.hf_cache import cache_of
 from mtad_energy.models import ModelPair
 from tests import tiny
 from tests.decoding.lossless import chi_square_pvalue, exact_joint
@@ -311,7 +312,7 @@ class CacheCheckedMtad(Mtad):
     def step(self, s):
         n_cached = len(s.draft)
         assert s.draft.cache.layers[0].keys.shape[0] == 1  # one row between iterations
-        fresh = s.draft.model(input_ids=s.ids[:, :n_cached], use_cache=True).past_key_values
+        fresh = cache_of(s.draft.model(input_ids=s.ids[:, :n_cached], use_cache=True))
         for mine, ref in zip(s.draft.cache.layers, fresh.layers, strict=True):
             assert torch.allclose(mine.keys[..., :n_cached, :], ref.keys, atol=1e-5)
             assert torch.allclose(mine.values[..., :n_cached, :], ref.values, atol=1e-5)

@@ -18,6 +18,7 @@ from mtad_energy.decoding.acceptance import (
 )
 from mtad_energy.decoding.registry import get_decoder
 from mtad_energy.decoding.sampling import Warp
+from mtad_energy.hf_cache import cache_of
 from mtad_energy.models import ModelPair
 from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_counts
 
@@ -158,7 +159,7 @@ def test_caches_keep_the_row_of_the_emitted_prefix(lossless_pair):
             ids = torch.cat([s.ids[0, :s.n], emitted])
             for runner in (s.target, s.draft):
                 length = min(len(runner), ids.shape[0] - 1)
-                fresh = runner.model(input_ids=ids[None, :length]).past_key_values
+                fresh = cache_of(runner.model(input_ids=ids[None, :length]))
                 for mine, ref in zip(runner.cache.layers, fresh.layers, strict=True):
                     assert mine.keys.shape[0] == 1
                     torch.testing.assert_close(mine.keys[..., :length, :], ref.keys, atol=1e-5,

@@ -23,6 +23,7 @@ from mtad_energy.decoding.tree import (
     tree_forward,
     tree_mask,
 )
+from mtad_energy.hf_cache import cache_of
 from tests.tiny import llama, opt
 
 VOCAB = 40
@@ -125,7 +126,7 @@ def test_keep_path_equals_sequential_cache(arch):
             path = _path(anc, node)
             keep_path(runner, len(prefix) - 1, path)
             seq = torch.cat([prefix, tokens[path[1:]]])
-            ref = model(input_ids=seq[None], use_cache=True).past_key_values
+            ref = cache_of(model(input_ids=seq[None], use_cache=True))
         assert len(runner) == len(seq)
         for (k, v), (rk, rv) in zip(_kv(runner.cache), _kv(ref), strict=True):
             torch.testing.assert_close(k, rk, atol=1e-5, rtol=0)

@@ -10,6 +10,7 @@ import torch
 import mtad_energy as me
 from mtad_energy.decoding.base import Decoder, DecodeState, StepResult
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.hf_cache import cache_of
 from mtad_energy.models import ModelPair
 from tests.tiny import llama, word_tokenizer
 
@@ -39,7 +40,7 @@ def test_greedy_equals_greedy_ar(pair, name):
 
 
 def _assert_cache_is_prefix(model, cache, ids: torch.Tensor) -> None:
-    ref = model(input_ids=ids[None], use_cache=True).past_key_values
+    ref = cache_of(model(input_ids=ids[None], use_cache=True))
     for layer, ref_layer in zip(cache.layers, ref.layers, strict=True):
         torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=0)

@@ -1,4 +1,4 @@
-"""The energy-model fits on synthetic rows generated from known coefficients: recovery, bootstrap
+"""The energy-model fits on synthetic rows generated from known coefficients: recovery, the 95 %
 intervals, and a verdict per coefficient that says what would identify it."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_a_column_that_is_zero_in_every_row_says_so() -> None:
     assert fit.condition_number == math.inf
 
 
-def test_a_wide_bootstrap_interval_is_not_identified() -> None:
+def test_a_wide_interval_is_not_identified() -> None:
     rng = np.random.default_rng(5)
     t = rng.uniform(1.0, 2.0, 12)
     flops = rng.uniform(1e12, 1.05e12, 12)  # barely varies: its coefficient is loosely held
@@ -128,11 +128,10 @@ def test_the_roofline_form_recovers_joules_per_flop_and_per_byte() -> None:
         pytest.approx(241.5)
 
 
-def test_the_bootstrap_is_seeded() -> None:
+def test_the_fit_is_deterministic() -> None:
     e, t, tf, tm = rows(n=20, seed=1)
     noisy = e * (1.0 + 0.05 * np.random.default_rng(2).standard_normal(e.size))
-    a, b = fit_energy_model(noisy, t, tf, tm, seed=7), fit_energy_model(noisy, t, tf, tm, seed=7)
-    assert a == b
+    assert fit_energy_model(noisy, t, tf, tm) == fit_energy_model(noisy, t, tf, tm)
     with pytest.raises(ValueError, match="unknown form 'joules'"):
         fit_form("joules", noisy, t, tf, tm)
 
@@ -194,3 +193,20 @@ def test_pandas_series_inputs() -> None:
     df = pd.DataFrame({"energy_j": e, "time_s": t, "t_flop_s": tf, "t_mem_s": tm})
     fit = fit_energy_model(df["energy_j"], df["time_s"], df["t_flop_s"], df["t_mem_s"])
     assert fit.value("pw_mem_w") == pytest.approx(PW_MEM_W, rel=1e-6)
+
+
+def test_the_intervals_cover_the_truth_as_often_as_they_claim() -> None:
+    """30 rows of an identifying design (`rows`, a new one per replicate), 1.5 % relative meter
+    noise, 2000 seeded replicates: the 95 % intervals cover the true powers in >= 93 % of the
+    fits (pooled over the three coefficients; each >= 91 %). The percentile bootstrap of
+    resampled rows used before covered 0.915 here (0.91-0.92 per coefficient) and fails it."""
+    truth = np.array([P_STATIC_W, PW_FLOP_W, PW_MEM_W])
+    noise = np.random.default_rng(11)
+    reps, hits = 2000, np.zeros(3)
+    for r in range(reps):
+        e, t, tf, tm = rows(n=30, seed=100 + r)
+        fit = fit_energy_model(e * (1.0 + 0.015 * noise.standard_normal(e.size)), t, tf, tm)
+        lo, hi = (np.array([getattr(c, end) for c in fit.coefficients]) for end in ("ci_low", "ci_high"))
+        hits += (lo <= truth) & (truth <= hi)
+    cover = hits / reps
+    assert cover.mean() >= 0.93 and cover.min() >= 0.91, cover

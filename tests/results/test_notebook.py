@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import hang_limit_s
+
 # the notebook stack is a dev extra: a machine without it (e.g. a GPU box) skips this module
 nbformat = pytest.importorskip("nbformat")
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
@@ -29,7 +31,7 @@ FIGURE_TAGS = {"figure:jpt_vs_speedup", "figure:ppl_vs_block_efficiency", "figur
 async def _execute(store: Path) -> nbformat.NotebookNode:
     nb = nbformat.read(NOTEBOOK, as_version=4)
     km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
-    client = NotebookClient(nb, km=km, timeout=120, shutdown_kernel="immediate",
+    client = NotebookClient(nb, km=km, timeout=int(hang_limit_s(120)), shutdown_kernel="immediate",
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     # raises CellExecutionError (with the cell and traceback) if any cell fails
     await client.async_execute(env={**os.environ, "MTAD_ENERGY_RESULTS": str(store)})
