@@ -20,6 +20,7 @@ from mtad_energy.measure.contention import (
     machine_load,
     parse_proc_stat,
     parse_self_stat,
+    passive_openmp_default,
     row_contention,
 )
 from mtad_energy.measure.env import snapshot
@@ -192,3 +193,19 @@ def test_a_busy_machine_is_warned_about_before_a_sweep() -> None:
     quiet = machine_load(0.5, FakeProc().probe(StepClock(0.0)),
                          sleep=lambda s: None)
     assert quiet["warning"] is None and busy_warning(None) is None
+
+
+def test_the_cli_sets_a_passive_wait_policy_before_torch_unless_the_user_chose_one() -> None:
+    env: dict[str, str] = {}
+    assert passive_openmp_default(env) and env == {"OMP_WAIT_POLICY": "passive"}
+    mine = {"OMP_WAIT_POLICY": "active"}
+    assert not passive_openmp_default(mine) and mine == {"OMP_WAIT_POLICY": "active"}
+    code = ("import os, sys; import mtad_energy.cli; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    child = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["passive", "False"]  # set before torch (and its OpenMP) is loaded
+    out = subprocess.run([sys.executable, "-c", code], env={**child, "OMP_WAIT_POLICY": "active"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["active", "False"]
