@@ -72,3 +72,18 @@ def test_a_crossover_point_with_contended_rows_or_baseline_is_marked(decode_only
     assert not shown.loc[at4 & (table["decoder"] == "spd"), "tok/s"].str.endswith("*").any()
     note = next(n for n in analysis.crossover_notes(table) if n.startswith("contended"))
     assert "at B = 4" in note and "0.90 core(s)" in note
+
+
+def test_the_report_says_how_many_rows_were_contended(store_dir):
+    from mtad_energy.results import report
+
+    runs = load_results(store_dir)
+    runs = _busy(runs, runs["decoder"] == "ar", cores=2.0)
+    notes = report._energy_notes(runs, analysis.decoder_summary(runs), pd.DataFrame(),
+                                 pd.DataFrame())
+    line = next(n for n in notes if n.startswith("**Contended:**"))
+    assert f"{int((runs['decoder'] == 'ar').sum())} of the runs were measured" in line
+    assert "up to 2.00 core(s)" in line
+    quiet = load_results(store_dir)
+    assert not any("Contended" in n for n in report._energy_notes(
+        quiet, analysis.decoder_summary(quiet), pd.DataFrame(), pd.DataFrame()))
