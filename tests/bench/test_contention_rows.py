@@ -66,8 +66,8 @@ def test_with_baseline_adds_it_first_unless_listed_or_none():
         with_baseline(["mtad"], "nope")
 
 
-def _profile(model_dirs, prompts_file, out, *extra):
-    res = runner.invoke(app, ["profile", "--decoder", "spd", "--target", model_dirs["llama"],
+def _profile(model_dirs, prompts_file, out, *extra, decoder="spd"):
+    res = runner.invoke(app, ["profile", "--decoder", decoder, "--target", model_dirs["llama"],
                               "--draft", model_dirs["llama-draft"], "--meter", "none",
                               "--max-new-tokens", "4", "--dataset", prompts_file, "--n-prompts",
                               "2", "--output", str(out), "--json", *extra])
@@ -102,6 +102,10 @@ def test_profile_baseline_none_runs_only_the_decoders_given(model_dirs, prompts_
     assert [r["decoder"] for r in doc["summary"]] == ["spd"] and doc["ran"] == 2
     assert doc["summary"][0]["speedup"] is None
     assert set(load_results(tmp_path / "p")["decoder"]) == {"spd"}
+    listed = _profile(model_dirs, prompts_file, tmp_path / "p", "--baseline", "none",
+                      decoder="ar,spd")  # ar given by hand: speed-ups over it, as ever
+    assert {r["decoder"]: r["speedup"] is not None for r in listed["summary"]} == {
+        "ar": True, "spd": True}
     bad = runner.invoke(app, ["profile", "--decoder", "spd", "--baseline", "nope", "--json",
                               "--output", str(tmp_path / "x")])
     assert bad.exit_code == 2 and "--baseline 'nope' is not a decoder" in bad.stdout
