@@ -274,13 +274,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.runner import (
-        Runner,
-        quality_scorer,
-        run_profile,
-        summary_baseline,
-        work_units,
-    )
+    from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, summary_baseline, work_units
     from mtad_energy.results import ResultStore
     from mtad_energy.results.analysis import decoder_summary
 
