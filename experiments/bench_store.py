@@ -84,6 +84,7 @@ def run_row(i: int) -> tuple[str, dict, list[dict]]:
         "block_efficiency": tokens / iterations, "acceptance_rate": 0.6, "perplexity": 3.2,
         "stop_reason": "max_new_tokens", "energy_j": 60.0 + i % 13, "prefill_energy_j": 2.0,
         "decode_energy_j": 58.0, "energy_reason": None, "energy_flags": "", "mitigated": False,
+        "others_cpu_s": 0.0, "others_cores": 0.0, "contended": False,
         "energy_per_token_j": 1.9, "rouge_l": None, "text": f"def f{i}(x):\n" + "    return x\n" * 12,
     }
     steps = [{"run_key": key, "iteration": j, "emitted": 3, "proposed": 5, "draft_depth": 5,

@@ -22,6 +22,9 @@ from mtad_energy.cli_common import (
     quiet_libraries,
     wrapping_table,
 )
+from mtad_energy.measure.contention import passive_openmp_default
+
+passive_openmp_default()  # none of the imports above loads torch (and OpenMP): see its docstring
 
 app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
                   no_args_is_help=True, add_completion=False, cls=JsonErrorGroup)

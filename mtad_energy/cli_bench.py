@@ -178,7 +178,7 @@ def with_attribution(summary, runs, store_dir: Path):
 def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     """The decoders' summary: ``columns`` "speed" (speed, quality and J/token) or "energy"
     (decode joules by phase from the energy model, `with_attribution`)."""
-    from mtad_energy.results.analysis import compile_note  # pandas: not at `--help` time
+    from mtad_energy.results.analysis import compile_note, contention_note  # pandas: not at `--help` time
 
     reasons: set[str] = set()
     simulated = False
@@ -205,9 +205,10 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
                     if columns != "energy":  # energy: the caption says so (the columns are many)
                         cells[-1] += " (simulated)"
             elif col in ("label", "dataset"):
-                cells.append(esc(v))
-            elif col == "n_runs":
-                cells.append(str(int(v)))
+                busy = col == "label" and columns == "energy" and r.get("n_contended")
+                cells.append(esc(v) + ("*" if busy else ""))
+            elif col == "n_runs":  # "*": some were measured on a busy machine (caption)
+                cells.append(str(int(v)) + ("*" if r.get("n_contended") else ""))
             elif col in ATTRIBUTED:
                 if v is None or v != v:
                     cells.append("n/a")
@@ -232,6 +233,7 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
         captions.append(("n/a: " if columns == "energy" else "J/tok n/a: ") + "; ".join(sorted(reasons)))
     if compiling := compile_note(summary):
         captions.append(compiling)
+    captions += [n for n in [contention_note(summary)] if n]
     if captions:
         table.caption = esc("\n".join(captions))
     return table
@@ -253,24 +255,28 @@ def _interrupted(out: Path) -> typing.NoReturn:
 
 # -- running a configuration -------------------------------------------------------------------
 def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers: int = 1,
-               cluster: str = "local", columns: str = "speed"):
+               cluster: str = "local", columns: str = "speed", baseline: str = "ar"):
     """Run/resume ``config`` into ``out`` with a progress bar (or as ``workers`` submitit jobs);
     print the summary (``columns``: `summary_table`) and return it."""
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
+    from mtad_energy.measure.contention import machine_load
 
     try:
         prompts = load_config_prompts(config)
         check_batch_size(config, prompts)  # before loading any model
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
+    load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
+    if load["warning"] and not as_json:
+        console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
     title = f"{title} · {model_label(config)}" + (
         f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
     if workers > 1:
-        return run_distributed(config, out, as_json, title, workers, cluster, columns)
+        return run_distributed(config, out, as_json, title, workers, cluster, columns, baseline)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, work_units
+    from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, summary_baseline, work_units
     from mtad_energy.results import ResultStore
     from mtad_energy.results.analysis import decoder_summary
 
@@ -306,12 +312,13 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     compact_after(out)
     ran, skipped = rep.ran, rep.skipped
     runs = pd.DataFrame(rep.rows)
-    summary = decoder_summary(runs)
+    summary = decoder_summary(runs, summary_baseline(baseline))
     notes = config_draft_notes(config) + pass_at_1_notes(rep.rows, config.allow_code_execution)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
               "pair": runner.pair.describe(), "config": config.to_dict(),
-              "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
+              "summary": json.loads(summary.to_json(orient="records")), "notes": notes,
+              "machine_load": load})
     else:
         shown = with_attribution(summary, runs, out) if columns == "energy" else summary
         console.print(summary_table(shown, title, columns))
@@ -329,9 +336,10 @@ def config_draft_notes(config: RunConfig) -> list[str]:
 
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
-                    columns: str = "speed"):
+                    columns: str = "speed", baseline: str = "ar"):
     """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
     from mtad_energy.bench.quality import pass_at_1_notes
+    from mtad_energy.bench.runner import summary_baseline
     from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
     from mtad_energy.results import load_results
     from mtad_energy.results.analysis import decoder_summary
@@ -354,7 +362,7 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     compact_after(out)
     runs = load_results(out)
     runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
-    summary = decoder_summary(runs)
+    summary = decoder_summary(runs, summary_baseline(baseline))
     ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
     notes = config_draft_notes(config) + pass_at_1_notes(runs.to_dict("records"),
                                                          config.allow_code_execution)
@@ -418,9 +426,14 @@ Columns = Annotated[str, typer.Option(
          "--output store's batch rows)")]
 
 
+Baseline = Annotated[str, typer.Option(help="also run this decoder beside the others, for "
+                                             "speed-ups ('none': run only the listed ones)")]
+
+
 @json_command
 def profile(
     decoder: Annotated[str, typer.Option(help="decoder name(s), comma separated")] = "mtad",
+    baseline: Baseline = "ar",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 3, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
@@ -434,15 +447,18 @@ def profile(
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
     Re-running the same command resumes: rows already in --output are not measured again."""
+    from mtad_energy.bench.runner import with_baseline
+
     try:
-        specs = decoder_specs(split_list(decoder), parse_sets(set_))
+        specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
                          require_energy, compile, batch_size)
         check_columns(columns)
     except ValueError as error:
         fail(error)
-    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster, columns)
+    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
+               baseline)
 
 
 @json_command
@@ -494,7 +510,7 @@ def sweep_param(
     decoder: Annotated[str, typer.Option(help="the decoder to sweep")] = "mmtad",
     param: Annotated[list[str] | None, typer.Option(help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
                                                           "the grid of all combinations)")] = None,
-    baseline: Annotated[str, typer.Option(help="also run this decoder for speed-ups ('none': skip)")] = "ar",
+    baseline: Baseline = "ar",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
@@ -529,7 +545,7 @@ def sweep_param(
     except ValueError as error:
         fail(error)
     run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
-               cluster, columns)
+               cluster, columns, baseline)
 
 
 # options of one study that the other ignores (`sweep batch-size` with and without --decoder)
@@ -679,6 +695,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     from mtad_energy.decoding.generate import encode_prompt
     from mtad_energy.decoding.registry import head_kinds
     from mtad_energy.measure import get_meter, select_meter, snapshot
+    from mtad_energy.measure.contention import machine_load
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
     from mtad_energy.results.analysis import (
@@ -712,6 +729,9 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         store.write_env(snap.snapshot_id, snap.to_dict())
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
+    load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
+    if load["warning"] and not as_json:
+        console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
     total = len(specs) * len(size_list) * repeats
     not_run: list[dict] = []  # sizes skipped for memory, with the reason
     if not as_json:
@@ -756,7 +776,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
                                 f"{pair.describe()['device']})").savefig(png, dpi=150)
     if as_json:
         emit({"output": str(out), "meter": m.name, "plot": str(png), "ran": rep.ran,
-              "skipped": rep.skipped, "not_run": not_run, "notes": notes,
+              "skipped": rep.skipped, "not_run": not_run, "notes": notes, "machine_load": load,
               "rows": json.loads(table.to_json(orient="records"))})
         return
     shown = crossover_display(table)

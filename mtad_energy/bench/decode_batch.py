@@ -18,9 +18,10 @@ runs a full-length unmeasured generation that compiles every shape: the (decoder
 measured row carries its seconds (``compile_s``) and graphs (``graphs_compiled``), later repeats 0;
 a row that still compiled inside its window is flagged ``compiled_in_window``
 (``compile_in_window_s`` says how long, also counted in ``compile_s``). Every row
-stores the batch's peak memory (``peak_memory_bytes``). A batch size whose caches would not fit
-in the free memory is skipped with the reason (``on_skip``), as is one that runs out of memory:
-a sweep to B = 128 never ends in an out-of-memory crash.
+stores the batch's peak memory (``peak_memory_bytes``) and what other processes took during its
+decode window (``others_cpu_s``, ``others_cores``, ``contended``: `measure.contention`). A batch
+size whose caches would not fit in the free memory is skipped with the reason (``on_skip``), as is
+one that runs out of memory: a sweep to B = 128 never ends in an out-of-memory crash.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import Generation, generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
+from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.models import ModelPair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -106,6 +108,7 @@ def decode_batch_sweep(
     if max(sizes) > 1:
         check_batched(built.values())
     desc = pair.describe()
+    probe = ContentionProbe(gpu_pids=gpu_processes(desc["device"]))  # others' share per window
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
     label = model + ("+compile" if compile else "")
     out, ran = [], 0
@@ -141,7 +144,7 @@ def decode_batch_sweep(
                             break
                     try:  # the warm-up's compile cost goes to the row measured right after it
                         row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
-                                       key, compile, warm if first else [])
+                                       key, compile, warm if first else [], probe)
                     except torch.OutOfMemoryError as error:
                         if on_skip is not None:
                             on_skip(spec.label, b, _out_of_memory(b, error))
@@ -250,8 +253,9 @@ def does_not_fit(pair: ModelPair, decoder: Decoder, rows: list[list[int]], max_n
 
 def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int, seed: int,
              meter: EnergyMeter, key: str, compile: bool = False,
-             warm: Sequence[Generation] = ()) -> dict[str, Any]:
-    windows = PhaseWindows(meter, key)
+             warm: Sequence[Generation] = (),
+             probe: ContentionProbe | None = None) -> dict[str, Any]:
+    windows = PhaseWindows(meter, key, probe)
     with peak_memory(pair.describe()["device"]) as peak:
         try:
             with work_tap(meter, pair.target, decoder.draft_model(pair), compiled=bool(compile)):
@@ -290,4 +294,5 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         "draft_proposed": sum(g.stats.draft_proposed for g in gens),
         "draft_accepted": sum(g.stats.draft_accepted for g in gens),
         "rows_iterations": sum(g.stats.iterations for g in gens),
+        **windows.contention_columns(("decode",)),  # the decode window's, as its time and joules
     }

@@ -43,6 +43,12 @@ from mtad_energy.measure import (
     work_tap,
 )
 from mtad_energy.measure.calibrate import calibrated
+from mtad_energy.measure.contention import (
+    Contention,
+    ContentionProbe,
+    gpu_processes,
+    row_contention,
+)
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -95,6 +101,26 @@ def work_units(config: RunConfig, prompts: Sequence[Prompt]) -> list[WorkUnit]:
     return list(dict.fromkeys(units))
 
 
+def with_baseline(names: Sequence[str], baseline: str) -> list[str]:
+    """The decoders to run: ``names`` with ``baseline`` first when it is not among them, so every
+    speed-up has its denominator measured beside it in the same store ("none": ``names`` as
+    given). The baseline's rows are ordinary rows (interleaved per prompt like the others)."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    if baseline == "none":
+        return list(names)
+    if baseline not in DECODERS:
+        raise ValueError(f"--baseline {baseline!r} is not a decoder; give one of "
+                         f"{', '.join(DECODERS)}, or none to run only --decoder")
+    return list(names) if baseline in names or not names else [baseline, *names]
+
+
+def summary_baseline(baseline: str) -> str:
+    """The decoder speed-ups are taken over: ``baseline``, or ``ar`` with ``--baseline none`` (an
+    ``ar`` listed in --decoder still gives them)."""
+    return "ar" if baseline == "none" else baseline
+
+
 def shard(units: Sequence[WorkUnit], index: int, count: int) -> list[WorkUnit]:
     """The units worker ``index`` of ``count`` owns (round-robin, so shards are balanced)."""
     if not 0 <= index < count:
@@ -130,25 +156,39 @@ def load_config_prompts(config: RunConfig) -> list[Prompt]:
 
 class PhaseWindows:
     """Opens a "prefill" and a "decode" window at the generate loop's phase hooks; closes whatever
-    is still open in `close()` (called from a finally), so an exception never leaks a window."""
+    is still open in `close()` (called from a finally), so an exception never leaks a window.
+    With a ``probe``, each window also records what other processes took meanwhile
+    (``contention``: `measure.contention`), the probe opened outside the meter's window."""
 
-    def __init__(self, meter: EnergyMeter, key: str):
-        self.meter, self.key = meter, key
+    def __init__(self, meter: EnergyMeter, key: str, probe: ContentionProbe | None = None):
+        self.meter, self.key, self.probe = meter, key, probe
         self.open: str | None = None
         self.measurements: dict[str, Measurement] = {}
+        self.contention: dict[str, Contention | None] = {}
 
     def __call__(self, phase: str) -> None:
         if self.open is not None:
-            self.measurements[self.open] = self.meter.end_window(f"{self.key}/{self.open}")
-            self.open = None
+            self._end()
         if phase in ("prefill", "decode"):
+            if self.probe is not None:
+                self.probe.begin(f"{self.key}/{phase}")
             self.meter.begin_window(f"{self.key}/{phase}")
             self.open = phase
 
+    def _end(self) -> None:
+        name, self.open = f"{self.key}/{self.open}", self.open
+        self.measurements[self.open] = self.meter.end_window(name)
+        if self.probe is not None:
+            self.contention[self.open] = self.probe.end(name)
+        self.open = None
+
     def close(self) -> None:
         if self.open is not None:
-            self.meter.end_window(f"{self.key}/{self.open}")
-            self.open = None
+            self._end()
+
+    def contention_columns(self, phases: Sequence[str] = ("prefill", "decode")) -> dict[str, Any]:
+        """The row's contention columns over ``phases`` (`row_contention`)."""
+        return row_contention(self.contention.get(p) for p in phases)
 
 
 def _energy_columns(windows: dict[str, Measurement]) -> dict[str, Any]:
@@ -196,6 +236,7 @@ class Runner:
         store.write_env(self.env_id, snap.to_dict())
         desc = self.pair.describe()
         self.device, self.dtype = desc["device"], desc["dtype"]
+        self.probe = ContentionProbe(gpu_pids=gpu_processes(self.device))
         self._decoders: dict[DecoderSpec, Decoder] = {d: d.build() for d in config.decoders}
         self._warm: set[tuple] = set()  # `warm_key`s warmed up
 
@@ -276,7 +317,7 @@ class Runner:
         warm = self.warm_up(spec, prompts) if c.warmup else []
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
-        windows = PhaseWindows(self.meter, batch_key)
+        windows = PhaseWindows(self.meter, batch_key, self.probe)
         with peak_memory(self.device) as peak:
             try:  # work_tap: the simulated roofline device sees the forwards' work; others ignore it
                 with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
@@ -291,7 +332,8 @@ class Runner:
         if compiling["compile_in_window_s"] > 0:  # a shape the warm-up did not cover
             energy["energy_flags"] = json.dumps(
                 sorted({*json.loads(energy["energy_flags"]), FLAG_COMPILED_IN_WINDOW}))
-        measured = {"peak_memory_bytes": peak.bytes, **compiling}
+        measured = {"peak_memory_bytes": peak.bytes, **compiling,
+                    **windows.contention_columns()}
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:

@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -72,6 +72,7 @@ class EnvSnapshot:
     git_dirty: bool | None
     nvml_error: str | None
     calibrations: tuple[Mapping[str, Any], ...] = ()  # `mtad-energy calibrate` records in force
+    threads: Mapping[str, Any] = field(default_factory=dict)  # `thread_settings`
 
     def stable_fields(self) -> dict[str, Any]:
         volatile = {"sm_clock_mhz", "memory_clock_mhz", "temperature_c"}
@@ -89,6 +90,8 @@ class EnvSnapshot:
             # only when calibrated: the ids of uncalibrated setups stay what they were
             **({"calibrations": [c["record_id"] for c in self.calibrations]}
                if self.calibrations else {}),
+            # threads and wait policy decide CPU speed under load: another setting, another setup
+            **({"threads": dict(self.threads)} if self.threads else {}),
         }
 
     @property
@@ -101,6 +104,7 @@ class EnvSnapshot:
         out["gpus"] = [asdict(g) for g in self.gpus]
         out["libraries"] = dict(self.libraries)
         out["calibrations"] = [dict(c) for c in self.calibrations]
+        out["threads"] = dict(self.threads)
         out["snapshot_id"] = self.snapshot_id
         return out
 
@@ -114,6 +118,27 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT")
+
+
+def thread_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The CPU thread setup: torch's intra- and inter-op threads (None when torch was not imported:
+    it is never imported here), the OpenMP/MKL variables (None where unset) and the CPUs this
+    process may run on."""
+    env = os.environ if env is None else env
+    torch = sys.modules.get("torch")
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    return {
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "torch_interop_threads": torch.get_num_interop_threads() if torch is not None else None,
+        **{name.lower(): env.get(name) for name in THREAD_VARIABLES},
+        "affinity_cpus": affinity,
+    }
 
 
 def library_versions(names: Sequence[str] = LIBRARIES) -> dict[str, str | None]:
@@ -238,6 +263,7 @@ def snapshot(env: Mapping[str, str] | None = None, repo: Path | None = None) -> 
         git_dirty=dirty,
         nvml_error=nvml_error,
         calibrations=calibration_refs([g.uuid for g in gpus]),
+        threads=thread_settings(env),
     )
 
 

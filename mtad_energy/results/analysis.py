@@ -208,6 +208,38 @@ def _decode_jpt(g: pd.DataFrame) -> float:
     return float(g.loc[ok, "decode_energy_j"].sum()) / tokens if tokens > 0 else math.nan
 
 
+def contended_mask(frame: pd.DataFrame) -> pd.Series:
+    """Rows measured on a busy machine (``contended`` true; rows stored before the column, or
+    unprobed, count as not flagged)."""
+    if "contended" not in frame:
+        return pd.Series(False, index=frame.index)
+    return frame["contended"].map(lambda v: bool(v) if v is not None and v == v else False)
+
+
+def _others_cores_max(frame: pd.DataFrame, column: str = "others_cores") -> float:
+    if column not in frame:
+        return math.nan
+    values = pd.to_numeric(frame[column], errors="coerce")
+    return float(values.max()) if values.notna().any() else math.nan
+
+
+def contention_note(frame: pd.DataFrame, what: str = "runs") -> str | None:
+    """One line for a table's caption when some of ``frame``'s rows (a summary with
+    ``n_contended``, or stored rows with ``contended``) were measured on a busy machine."""
+    if frame.empty:
+        return None
+    if "n_contended" in frame:
+        n = int(pd.to_numeric(frame["n_contended"], errors="coerce").fillna(0).sum())
+        most = _others_cores_max(frame, "others_cores_max")
+    else:
+        n, most = int(contended_mask(frame).sum()), _others_cores_max(frame)
+    if n == 0:
+        return None
+    figure = f", up to {most:.2f} core(s)" if math.isfinite(most) else ""
+    return (f"*: {n} of the {what} were measured while other processes used the machine "
+            f"(contended{figure}); their speed and energy are not the decoder's alone")
+
+
 def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]:
     tokens = g["tokens_emitted"]
     total_tokens = float(tokens.sum())
@@ -236,6 +268,9 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
         # why energy is missing, only for the runs that lack it
         "energy_reason": _join_reasons(g.loc[~has_energy, "energy_reason"]),
         "meter": _join_reasons(g["meter"]),
+        # measured on a busy machine (`measure.contention`): counted, never pooled silently
+        "n_contended": int(contended_mask(g).sum()),
+        "others_cores_max": _others_cores_max(g),
     }
     if "energy_ci_low_j" in optional:
         # summing per-run bounds gives a conservative (too wide, never too narrow) interval; only
@@ -276,7 +311,9 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     baseline's on the same model and dataset; NaN without a baseline), block_efficiency,
     acceptance_rate, perplexity (means), n_energy_runs, total_energy_j, energy_per_token_j (total
     energy / total tokens of the runs with energy; NaN when none has), energy_saving
-    (1 - J/token / baseline J/token), energy_reason (why energy is missing, if it is), meter;
+    (1 - J/token / baseline J/token), energy_reason (why energy is missing, if it is), meter,
+    n_contended (runs measured on a busy machine: `measure.contention`) and others_cores_max (the
+    most core-equivalents other processes took during one of them);
     and when ``runs`` has them: energy_per_token_ci_low_j / _high_j, rouge_l, pass_at_1 (the mean
     of a ``pass_at_1`` or per-row 0/1 ``passed`` column), compile_s / graphs_compiled
     (`compile_cost`).
@@ -296,7 +333,8 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
                "tokens_per_s", "tokens_per_s_std", "tokens_per_s_pooled", "speedup",
                "block_efficiency", "acceptance_rate", "perplexity", "n_energy_runs", "total_energy_j",
                "energy_per_token_j", "decode_energy_per_token_j", "energy_saving",
-               "tokens_per_s_total", "speedup_total", "energy_saving_total", "energy_reason", "meter"]
+               "tokens_per_s_total", "speedup_total", "energy_saving_total", "energy_reason", "meter",
+               "n_contended", "others_cores_max"]
     if "energy_ci_low_j" in optional:
         columns[columns.index("energy_saving"):columns.index("energy_saving")] = [
             "energy_per_token_ci_low_j", "energy_per_token_ci_high_j"]
@@ -567,7 +605,9 @@ def batch_crossover(rows: pd.DataFrame | Sequence[Mapping[str, Any]], baseline: 
     speedup_min / speedup_max (the spread over repeats), energy_per_token_j (median),
     energy_saving (1 - that / the baseline's median), block_efficiency, perplexity (medians),
     beats_baseline (median speed-up > 1), crossover_batch_size (`CROSSOVER_RULE`; NaN: still
-    faster at the largest size), baseline_label, energy_reason, meter."""
+    faster at the largest size), baseline_label, energy_reason, meter, n_contended (rows measured
+    on a busy machine), baseline_contended (the baseline's at that size were) and
+    others_cores_max."""
     df = pd.DataFrame(rows)
     if df.empty:
         return df
@@ -626,6 +666,10 @@ def batch_crossover(rows: pd.DataFrame | Sequence[Mapping[str, Any]], baseline: 
                 "baseline_label": base_label,
                 "energy_reason": _join_reasons(g.loc[g["energy_per_token_j"].isna(), "energy_reason"]),
                 "meter": _join_reasons(g["meter"]),
+                # this point's or its baseline's rows measured on a busy machine
+                "n_contended": int(contended_mask(g).sum()),
+                "baseline_contended": bool(contended_mask(base_rows).any()),
+                "others_cores_max": _others_cores_max(pd.concat([g, base_rows])),
             })
     agg = pd.DataFrame(out)
     agg["beats_baseline"] = agg["speedup"] > 1.0
@@ -680,7 +724,8 @@ def crossover_display(table: pd.DataFrame, baseline: str = "ar", compact: bool =
         has_speedup = table.loc[table["label"] == r["label"], "speedup"].notna().any()
         rows.append({
             "decoder": str(r["label"]), "B": str(int(r["batch_size"])), "repeats": str(int(r["repeats"])),
-            "tok/s": _fmt(r["tokens_per_s"], "{:.1f}"), "speed-up": _fmt(r["speedup"], "{:.2f}x"),
+            "tok/s": _fmt(r["tokens_per_s"], "{:.1f}") + ("*" if r.get("n_contended", 0) else ""),
+            "speed-up": _fmt(r["speedup"], "{:.2f}x") + ("*" if _busy_point(r) else ""),
             "min-max": "-" if r["repeats"] < 2 or is_base else
             f"{_fmt(r['speedup_min'], '{:.2f}')}-{_fmt(r['speedup_max'], '{:.2f}')}",
             "J/tok": _fmt(r["energy_per_token_j"], "{:.4g}", "n/a"),
@@ -701,6 +746,11 @@ def crossover_display(table: pd.DataFrame, baseline: str = "ar", compact: bool =
             drop += ["J/tok", "energy saving"]
         shown = shown.drop(columns=drop)
     return shown
+
+
+def _busy_point(r: Mapping[str, Any]) -> bool:
+    """A crossover point whose rows or whose baseline's rows were contended."""
+    return bool(r.get("n_contended", 0)) or bool(r.get("baseline_contended", False))
 
 
 def crossover_title(table: pd.DataFrame) -> str:
@@ -740,4 +790,11 @@ def crossover_notes(table: pd.DataFrame, baseline: str = "ar") -> list[str]:
         notes.append(f"no {baseline} rows: no speed-up and no crossover")
     if note := compile_note(table):
         notes.append(note)
+    busy = table[table.apply(_busy_point, axis=1)] if "n_contended" in table else table.iloc[:0]
+    if len(busy):
+        points = "; ".join(f"{label} at B = {', '.join(str(int(b)) for b in g['batch_size'])}"
+                           for label, g in busy.groupby("label", sort=False))
+        notes.append(f"contended (*): {points} measured while other processes used the machine "
+                     f"(up to {busy['others_cores_max'].max():.2f} core(s)); those speed-ups are "
+                     "not the decoders' alone: re-run on a quiet machine")
     return notes

@@ -384,6 +384,10 @@ def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame
         return ["The store holds no rows."]
     if not runs.empty:
         notes += _run_energy_notes(runs, summary)
+    for frame, what in ((runs, "runs"), (decode_batch, "decoding batch-size rows")):
+        busy = analysis.contention_note(frame, what)  # measured on a busy machine: said, not pooled
+        if busy:
+            notes += ["**Contended:** " + busy.removeprefix("*: ") + ".", ""]
     if not batch.empty and pd.to_numeric(batch["energy_j"], errors="coerce").isna().any():
         reasons = sorted({str(v) for v in batch["energy_reason"].dropna()}) or ["(no reason recorded)"]
         notes.append("Batch sweep rows without energy (the batch figure shows time instead when none "

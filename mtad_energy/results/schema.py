@@ -24,6 +24,11 @@ SCHEMA_VERSION = 2  # 2: a table may also hold compacted files (<table>/packs/);
 READABLE_SCHEMA_VERSIONS = (1, 2)  # a schema-1 store is read as is and upgraded by its first compaction
 
 
+# what other processes took during a row's windows (`measure.contention`): CPU seconds, their mean
+# core-equivalents, and whether the machine was busy (rows stored before these columns: missing)
+CONTENTION = ("others_cpu_s", "others_cores", "contended")
+
+
 @dataclass(frozen=True)
 class TableSpec:
     name: str
@@ -39,7 +44,7 @@ RUNS = TableSpec("runs", "run_key", (
     "draft_forwards", "target_forwards", "prefill_time_s", "decode_time_s", "time_draft_s",
     "time_target_s", "time_other_s", "tokens_per_s", "block_efficiency", "acceptance_rate",
     "perplexity", "stop_reason", "energy_j", "prefill_energy_j", "decode_energy_j",
-    "energy_per_token_j", "energy_reason", "energy_flags", "mitigated", "text",
+    "energy_per_token_j", "energy_reason", "energy_flags", "mitigated", "text", *CONTENTION,
 ), "one row per (prompt, decoder, parameters, repeat)")
 
 STEPS = TableSpec("steps", "run_key", (
@@ -66,7 +71,7 @@ DECODE_BATCH = TableSpec("decode_batch", "row_key", (
     "params_json", "label", "batch_size", "dataset", "prompts", "max_new_tokens", "seed", "repeat",
     "meter", "device", "dtype", "tokens", "decode_time_s", "tokens_per_s", "iterations",
     "target_forwards", "draft_forwards", "block_efficiency", "acceptance_rate", "perplexity",
-    "energy_j", "energy_per_token_j", "energy_reason", "energy_flags",
+    "energy_j", "energy_per_token_j", "energy_reason", "energy_flags", *CONTENTION,
 ), "one row per (decoder, parameters, batch size, repeat) of a decoding batch-size sweep: B rows "
    "decoded together, tokens and energy of all of them")
 

@@ -89,6 +89,7 @@ def _run_rows(rng: random.Random, energy: bool) -> tuple[list[dict], dict[str, l
                     "energy_per_token_j": energy_j / tokens if energy else None,
                     "energy_reason": None if energy else NO_ENERGY_REASON,
                     "energy_flags": "[]", "mitigated": energy, "text": "def f(x):\n    return x",
+                    "others_cpu_s": 0.0, "others_cores": 0.0, "contended": False,
                     "energy_ci_low_j": 0.97 * energy_j if energy else None,
                     "energy_ci_high_j": 1.03 * energy_j if energy else None,
                     # counted work of the decode phase (what the energy attribution reads)
@@ -163,6 +164,7 @@ def _decode_batch_rows(energy: bool, dataset: str = "mtbench", max_new_tokens: i
             "perplexity": 3.0, "energy_j": jpt * tokens if energy else None,
             "energy_per_token_j": jpt if energy else None,
             "energy_reason": None if energy else NO_ENERGY_REASON, "energy_flags": json.dumps([]),
+            "others_cpu_s": 0.0, "others_cores": 0.0, "contended": False,
             "time_draft_s": 0.0 if decoder == "ar" else 0.3 * tokens / tok_s,
             "time_target_s": (1.0 if decoder == "ar" else 0.6) * tokens / tok_s * 0.95,
             "time_other_s": 0.05 * tokens / tok_s, "draft_flops": 0 if decoder == "ar" else 4e11,
