@@ -963,29 +963,32 @@ def schedule(
         help="the model label of the setting to schedule (e.g. smollm2+compile) when the store "
              "holds several")] = None,
     out: Annotated[Path | None, typer.Option(
-        help="where to write the vLLM mapping (default: <results>-schedule-<objective>.json)")] = None,
+        help="where to write the schedule (default: <results>-schedule-<objective>[-<model>].json)"
+    )] = None,
     as_json: Json = False,
 ):
     """The speculation schedule: per batch-size range, the best decoder and gamma, and vLLM's
-    num_speculative_tokens_per_batch_size for the chain decoder (0 where ar wins).
+    speculative_config (num_speculative_tokens_per_batch_size: [start, end, k] triples, k = 0
+    where ar is not beaten), or the advice to leave speculation off where it never pays.
 
     Reads a `sweep batch-size --decoder ar,spd --set gamma=1,2,3,5` store; prints each range with
-    the measured speed-up or energy saving behind it and writes the mapping as JSON."""
+    the measured speed-up or energy saving behind it and writes the schedule as JSON (with its
+    setting; another setting's file is never replaced)."""
     from mtad_energy.results import load_results
-    from mtad_energy.results.schedule import build_schedule, schedule_table
+    from mtad_energy.results.schedule import build_schedule, schedule_path, schedule_table, write_schedule
 
     try:
         rows = load_results(results, "decode_batch")
         plan = build_schedule(rows, objective, decoder, max_batch_size, model)
-        path = out or results.parent / f"{results.name}-schedule-{objective}.json"
-        path.write_text(json.dumps(plan.vllm_config(), indent=2) + "\n")
+        path = out or schedule_path(results, objective, model)
+        write_schedule(plan, path)
     except (ValueError, OSError) as error:
         fail(error)
     if as_json:
         emit({**plan.to_dict(), "output": str(path)})
         return
     table = schedule_table(plan)
-    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar wins)"
+    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar is not beaten)"
                     + (f"\n{plan.setting}" if plan.setting else ""),
               title_justify="left", show_edge=False, caption_justify="left")
     for col in table.columns:
@@ -1001,12 +1004,15 @@ def schedule(
                     f"{'energy saving: 1 - J/token / ar' if percent else 'speed-up: tokens/s / ar'}"
                     + ("; joules from the simulated meter" if simulated and percent else ""))
     console.print(t)
-    if plan.never_pays:
-        console.print(f"[yellow]note:[/] {esc(decoder)} loses to ar at every batch size measured: "
-                      "leave speculative decoding off on this hardware and pair (the mapping says 0 "
-                      "everywhere)")
-    console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}):")
-    console.print(json.dumps(plan.vllm_config(), indent=2), markup=False, highlight=False)
+    for note in plan.notes:
+        console.print(f"[yellow]note:[/] {esc(note)}")
+    config = plan.vllm_config()
+    if config is None:
+        console.print(f"[bold]speculation: off[/] (written to {esc(path)})")
+        return
+    console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}, key speculative_config;"
+                  " add the drafting method):")
+    console.print(json.dumps(config), markup=False, highlight=False)
 
 
 @json_command

@@ -547,9 +547,9 @@ def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[s
 
     lines = ["### Speculation schedule", "",
              f"Per batch-size range, the best configuration and `{decoder}`'s best gamma (0 where "
-             "`ar` wins), with the measured speed-up or energy saving behind it; the mapping is "
-             "vLLM's `num_speculative_tokens_per_batch_size` (inclusive ranges; `mtad-energy "
-             "schedule` writes it).", ""]
+             "it does not beat `ar`), with the measured speed-up or energy saving behind it; the "
+             "config is vLLM's `speculative_config` (`num_speculative_tokens_per_batch_size`: "
+             "inclusive `[start, end, k]` ranges; `mtad-energy schedule` writes it).", ""]
     parts = analysis.crossover_settings(decode_batch) or [("", decode_batch)]
     for title, rows in parts:  # one schedule per setting: never pooled
         where = f" ({title})" if len(parts) > 1 else ""
@@ -560,11 +560,11 @@ def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[s
                 lines += [f"**{objective}**{where}: no schedule: {err}.", ""]
                 continue
             table = schedule_table(plan).set_index("batch sizes")
-            never = (f" `{decoder}` loses to `ar` at every batch size measured: leave speculation "
-                     "off." if plan.never_pays else "")
-            lines += [f"**{objective}**{where}:{never}", "",
-                      analysis.to_markdown(table, higher_is_better={}),
-                      "", "```json", json.dumps(plan.vllm_config()), "```", ""]
+            config = plan.vllm_config()
+            lines += [f"**{objective}**{where}:", "",
+                      analysis.to_markdown(table, higher_is_better={}), "",
+                      *[line for note in plan.notes for line in (f"Note: {note}.", "")],
+                      *(["```json", json.dumps(config), "```", ""] if config is not None else [])]
     return lines
 
 

@@ -9,28 +9,41 @@ tokens/s and of the decode J/token. Per measured batch size B:
   speed-up over ``ar`` at B. ``energy``: the fewest J/token wins; its gain is the energy saving
   1 - J/token / ``ar``'s at B.
 * the **chain decoder** (``spd`` by default, the draft-model speculation vLLM runs): its best gamma
-  at B under the objective, or 0 where it does not beat ``ar`` (speed-up <= 1, or saving <= 0).
+  at B under the objective, or 0 where it is not strictly better than ``ar`` (**the tie rule**:
+  speculation is on only at a speed-up > 1, or a saving > 0; at exactly ``ar``'s figure it stays
+  off, since drafting then costs memory and draft compute for nothing: the same side as the
+  crossover rule, under which a speed-up of at most 1 no longer beats ``ar``).
 
-Batch-size ranges are inclusive, one per measured size: [1 or the first size, the next size - 1],
-..., [the largest size, ``max_batch_size``]; the vLLM mapping merges neighbouring ranges that share
-a gamma. vLLM (PR 32374) reads ``num_speculative_tokens_per_batch_size`` as inclusive
-``"low-high": k`` ranges, 0 = no speculation, gaps inheriting the previous range's k, and clamps k
-to ``num_speculative_tokens`` (the startup maximum): the document written here carries both.
-Pure pandas: no torch, no decoders.
+Batch-size ranges are inclusive, one per measured size: [1, the next size - 1], ..., [the largest
+size, ``max_batch_size``]: **the first always starts at 1**, also when the smallest size measured
+is larger (vLLM refuses a schedule that leaves batch size 1 undefined). vLLM's released form
+(0.32: `SpeculativeConfig`, checked by ``validate_and_normalize_dynamic_sd_schedule`` and
+expanded by ``build_dynamic_sd_schedule_lookup`` when the scheduler starts) is a non-empty list of
+``[range_start, range_end, k]`` triples, inclusive, sorted, non-overlapping, the first starting at
+1, k >= 0 (0 = no speculation), beside ``num_speculative_tokens`` >= 1, the largest k (k is clamped
+to it): `Schedule.triples` merges neighbouring ranges that share a k. Where the chain decoder never
+pays (k = 0 everywhere) there is no valid config (``num_speculative_tokens`` would be 0): the
+schedule says to leave speculation off and carries no ``speculative_config``.
+Pure pandas: no torch, no decoders (only an unknown ``decoder``'s error looks up the registry).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 OBJECTIVES = ("speed", "energy")
 BASELINE = "ar"
+ONE_REPEAT_NOTE = ("one repeat: a single noisy measurement decides each range's gamma and can move "
+                   "it; re-run the sweep with --repeats 3 or more (ranges use medians over repeats)")
 
 
 @dataclass(frozen=True)
@@ -43,8 +56,8 @@ class ScheduleRange:
         best_gain: its speed-up (speed) or energy saving (energy) over ``ar`` at that size.
         chain_gamma / chain_gain: the chain decoder's best gamma there and its gain, also where
             it loses to ``ar`` (None where it was not measured at that size).
-        gamma: the schedule's draft length for this range (``chain_gamma``, or 0 where ``ar``
-            wins).
+        gamma: the schedule's draft length for this range (``chain_gamma`` where it is strictly
+            better than ``ar``, else 0).
     """
 
     low: int
@@ -61,36 +74,61 @@ class ScheduleRange:
 
 @dataclass(frozen=True)
 class Schedule:
+    """One setting's schedule. ``repeats``: the fewest repeats behind any median it used (1: one
+    noisy measurement decides a range, `ONE_REPEAT_NOTE`)."""
+
     objective: str
     decoder: str
     ranges: tuple[ScheduleRange, ...]
     setting: str = ""  # the sweep's setting (model · dataset · tokens · device), one per schedule
+    repeats: int = 1
 
     @property
-    def mapping(self) -> dict[str, int]:
-        """vLLM's ``num_speculative_tokens_per_batch_size``: neighbouring ranges with one gamma
-        merged, keys ``"low-high"`` (inclusive)."""
+    def triples(self) -> list[list[int]]:
+        """vLLM's ``num_speculative_tokens_per_batch_size``: ``[range_start, range_end, k]``,
+        inclusive, sorted, contiguous from 1, neighbouring ranges with one k merged."""
         merged: list[list[int]] = []
         for r in self.ranges:
             if merged and merged[-1][2] == r.gamma and merged[-1][1] + 1 == r.low:
                 merged[-1][1] = r.high
             else:
                 merged.append([r.low, r.high, r.gamma])
-        return {f"{lo}-{hi}": k for lo, hi, k in merged}
+        return merged
 
     @property
     def never_pays(self) -> bool:
-        """The chain decoder loses to ``ar`` at every measured size: leave speculation off."""
+        """The chain decoder is not better than ``ar`` at any measured size: leave speculation off."""
         return all(r.gamma == 0 for r in self.ranges)
 
-    def vllm_config(self) -> dict[str, Any]:
-        """The part of vLLM's ``speculative_config`` this schedule sets."""
-        return {"num_speculative_tokens": max((r.gamma for r in self.ranges), default=0),
-                "num_speculative_tokens_per_batch_size": self.mapping}
+    @property
+    def notes(self) -> list[str]:
+        """What the reader must know beside the ranges: one repeat, speculation never paying."""
+        notes = [ONE_REPEAT_NOTE] if self.repeats < 2 else []
+        if self.never_pays:
+            notes.append(f"{self.decoder} is not better than {BASELINE} at any batch size measured: "
+                         "leave speculative decoding off on this hardware and pair (vLLM needs "
+                         "num_speculative_tokens >= 1, so there is no schedule to give it)")
+        return notes
+
+    def vllm_config(self) -> dict[str, Any] | None:
+        """The part of vLLM's ``speculative_config`` this schedule sets (add the drafting method:
+        ``"method": "draft_model", "model": DRAFT`` for ``spd``, ``"method": "ngram"`` for
+        ``pld``); None where speculation never pays (no config vLLM accepts says "off")."""
+        if self.never_pays:
+            return None
+        return {"num_speculative_tokens": max(r.gamma for r in self.ranges),
+                "num_speculative_tokens_per_batch_size": self.triples}
+
+    def document(self) -> dict[str, Any]:
+        """What `write_schedule` writes: the setting it holds, the verdict (``speculation`` on or
+        off), the notes and the ``speculative_config`` (null where off)."""
+        return {"setting": self.setting, "objective": self.objective, "decoder": self.decoder,
+                "speculation": "off" if self.never_pays else "on", "notes": self.notes,
+                "speculative_config": self.vllm_config()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"objective": self.objective, "decoder": self.decoder, "setting": self.setting,
-                "ranges": [asdict(r) for r in self.ranges], "speculative_config": self.vllm_config()}
+        return {**self.document(), "repeats": self.repeats,
+                "ranges": [asdict(r) for r in self.ranges]}
 
 
 def _gamma(params: Any) -> int | None:
@@ -102,17 +140,40 @@ def _gamma(params: Any) -> int | None:
 
 
 def _medians(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per (label, decoder, params, batch size): median tokens/s and J/token, and ``repeats`` (the
+    distinct repeats behind them)."""
     df = rows.copy()
     if "params_json" not in df:
         df["params_json"] = "{}"
     df["params_json"] = df["params_json"].fillna("{}")
     for c in ("tokens_per_s", "energy_per_token_j"):
         df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else math.nan
-    med = (df.groupby(["label", "decoder", "params_json", "batch_size"], sort=False)
-           [["tokens_per_s", "energy_per_token_j"]].median().reset_index())
+    if "repeat" not in df:
+        df["repeat"] = range(len(df))  # no repeat column: each row is one measurement
+    keys = ["label", "decoder", "params_json", "batch_size"]
+    groups = df.groupby(keys, sort=False)
+    med = groups[["tokens_per_s", "energy_per_token_j"]].median()
+    med["repeats"] = groups["repeat"].nunique()
+    med = med.reset_index()
     med["gamma"] = med["params_json"].map(_gamma)
     med["batch_size"] = med["batch_size"].astype(int)
     return med
+
+
+def _no_chain_rows(decoder: str, have: str) -> str:
+    """Why the sweep has no rows of ``decoder`` with a gamma: not a decoder, a decoder without a
+    draft length, or one the sweep did not run (the registry is read only here)."""
+    from mtad_energy.decoding.registry import DECODERS, param_specs
+
+    chains = [n for n, c in DECODERS.items() if any(p["name"] == "gamma" for p in param_specs(c))]
+    if decoder not in DECODERS:
+        return (f"--decoder {decoder!r} is not a decoder; the schedule sets the draft length (gamma) "
+                f"of one of: {', '.join(chains)} (the sweep ran: {have})")
+    if decoder not in chains:
+        return (f"--decoder {decoder!r} has no draft length (gamma) to schedule; decoders with one: "
+                f"{', '.join(chains)} (the sweep ran: {have})")
+    return (f"no `{decoder}` rows with a gamma in the sweep (decoders: {have}); sweep it with "
+            f"--decoder ar,{decoder} --set gamma=1,2,3,5, or pick --decoder")
 
 
 def one_setting(rows: pd.DataFrame, model: str | None = None) -> tuple[str, pd.DataFrame]:
@@ -139,6 +200,12 @@ def one_setting(rows: pd.DataFrame, model: str | None = None) -> tuple[str, pd.D
     return parts[0] if parts else ("", rows)
 
 
+def beats_baseline(gain: float | None, objective: str) -> bool:
+    """The tie rule: speculation is on only where strictly better than ``ar`` (speed-up > 1,
+    energy saving > 0); a tie leaves it off."""
+    return gain is not None and gain > (1.0 if objective == "speed" else 0.0)
+
+
 def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: str = "speed",
                    decoder: str = "spd", max_batch_size: int | None = None,
                    model: str | None = None) -> Schedule:
@@ -147,8 +214,9 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
 
     Raises:
         ValueError: unknown objective, several settings, no ``ar`` rows, no rows of ``decoder``
-            (or none with a gamma), no energy for the energy objective (with the recorded
-            reasons), or a ``max_batch_size`` below the largest measured size.
+            (or none with a gamma; an unknown decoder named as such), no energy for the energy
+            objective (with the recorded reasons), or a ``max_batch_size`` below the largest
+            measured size.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be {' or '.join(OBJECTIVES)}, got {objective!r}")
@@ -159,13 +227,11 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
     setting, df = one_setting(df, model)
     med = _medians(df)
     base = med[med["decoder"] == BASELINE].groupby("batch_size").first()
-    if base.empty:
-        raise ValueError(f"no `{BASELINE}` rows to compare with: the sweep adds them; re-run it")
     chain = med[(med["decoder"] == decoder) & med["gamma"].notna()]
     if chain.empty:
-        have = ", ".join(sorted(set(med["decoder"])))
-        raise ValueError(f"no `{decoder}` rows with a gamma in the sweep (decoders: {have}); sweep it "
-                         f"with --decoder ar,{decoder} --set gamma=1,2,3,5, or pick --decoder")
+        raise ValueError(_no_chain_rows(decoder, ", ".join(sorted(set(med["decoder"])))))
+    if base.empty:
+        raise ValueError(f"no `{BASELINE}` rows to compare with: the sweep adds them; re-run it")
     metric = "tokens_per_s" if objective == "speed" else "energy_per_token_j"
     if objective == "energy" and med[metric].isna().all():
         reasons = sorted({str(r) for r in df.get("energy_reason", pd.Series(dtype=object)).dropna()})
@@ -191,15 +257,15 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
         pick = (mine.loc[mine[metric].idxmax() if objective == "speed" else mine[metric].idxmin()]
                 if len(mine) else None)
         chain_gain = gain(pick[metric], b) if pick is not None else None
-        wins = chain_gain is not None and chain_gain > (1.0 if objective == "speed" else 0.0)
         ranges.append(ScheduleRange(
             low=1 if i == 0 else b, high=sizes[i + 1] - 1 if i + 1 < len(sizes) else top,
             measured_batch_size=b, best_label=str(best["label"]), best_decoder=str(best["decoder"]),
             best_gamma=None if pd.isna(best["gamma"]) else int(best["gamma"]),
             best_gain=gain(best[metric], b),
             chain_gamma=int(pick["gamma"]) if pick is not None else None, chain_gain=chain_gain,
-            gamma=int(pick["gamma"]) if wins else 0))
-    return Schedule(objective, decoder, tuple(ranges), setting)
+            gamma=int(pick["gamma"]) if beats_baseline(chain_gain, objective) else 0))
+    used = med[med["decoder"].isin([BASELINE, decoder]) & med["batch_size"].isin(sizes)]
+    return Schedule(objective, decoder, tuple(ranges), setting, int(used["repeats"].min()))
 
 
 def schedule_table(schedule: Schedule) -> pd.DataFrame:
@@ -213,3 +279,36 @@ def schedule_table(schedule: Schedule) -> pd.DataFrame:
         what: r.best_gain, f"best {d} gamma": r.chain_gamma, f"{d} {what}": r.chain_gain,
         "vLLM gamma": r.gamma,
     } for r in schedule.ranges])
+
+
+def schedule_path(results: Path, objective: str, model: str | None = None) -> Path:
+    """Where `schedule` writes by default: ``<results>-schedule-<objective>.json`` beside the
+    store, with ``-<model label>`` added when ``--model`` picks one of several settings (so the
+    schedules of an eager and a ``+compile`` sweep never replace each other)."""
+    tail = f"-{re.sub(r'[^A-Za-z0-9._+-]', '_', model)}" if model is not None else ""
+    return results.parent / f"{results.name}-schedule-{objective}{tail}.json"
+
+
+def write_schedule(schedule: Schedule, path: Path) -> None:
+    """Write `Schedule.document` to ``path`` (atomically). An existing file is replaced only when
+    it is a schedule of the same setting (or the old form, a bare ``speculative_config``).
+
+    Raises:
+        ValueError: ``path`` holds another setting's schedule, or is no schedule at all.
+    """
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            old = None
+        if not isinstance(old, dict) or not ({"speculative_config", "num_speculative_tokens"} & set(old)):
+            raise ValueError(f"{path} exists and is not a schedule file: pass another --out, or "
+                             "remove it")
+        theirs = old.get("setting")
+        if theirs is not None and theirs != schedule.setting:
+            raise ValueError(f"{path} holds the schedule of another setting ({theirs or 'unnamed'}), "
+                             f"not of {schedule.setting or 'this one'}: pass another --out, or "
+                             "remove it")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(schedule.document(), indent=2) + "\n")
+    os.replace(tmp, path)
