@@ -40,7 +40,7 @@ from mtad_energy.decoding.generate import generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.models import ModelPair
-from mtad_energy.results.schema import params_json, stable_key
+from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
 
 
@@ -144,8 +144,9 @@ def decode_batch_sweep(
                         if on_skip is not None:
                             on_skip(spec.label, b, _out_of_memory(b, error))
                         break
-                    row = {"row_key": key, "created_unix_s": time.time(), "env_id": env_id,
-                           **identity, "label": spec.label, "compile": compile, **row}
+                    row = without_unseen_energy({  # compiled + simulated: static joules alone
+                        "row_key": key, "created_unix_s": time.time(), "env_id": env_id,
+                        **identity, "label": spec.label, "compile": compile, **row})
                     try:
                         store.write("decode_batch", key, [row])
                         measured = True

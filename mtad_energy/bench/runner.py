@@ -44,7 +44,7 @@ from mtad_energy.measure import (
 )
 from mtad_energy.measure.calibrate import calibrated
 from mtad_energy.models import ModelPair, load_pair
-from mtad_energy.results.schema import params_json, stable_key
+from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
 
 # a compiled run that still compiled a shape inside its measurement windows: its time excludes
@@ -370,6 +370,7 @@ class Runner:
         # steps file is then overwritten, never duplicated)
         if self.store.has("runs", key):  # another worker stored it meanwhile: keep its steps
             raise RowExistsError(f"runs row {key} was stored by another worker meanwhile")
+        row = without_unseen_energy(row)  # compiled + simulated: joules of static power alone
         self.store.write("steps", key, steps, overwrite=True)
         self.store.write("runs", key, [row])
         return row

@@ -58,7 +58,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mtad_energy.results.schema import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, TABLES, TableSpec
+from mtad_energy.results.schema import (
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    TABLES,
+    TableSpec,
+    frame_without_unseen_energy,
+)
 
 try:
     import fcntl
@@ -514,7 +520,7 @@ class ResultStore:
             tables = [t for t in tables if t.num_rows]
         if not tables:
             return pd.DataFrame(columns=list(TABLES[table].required))
-        return _to_pandas(tables)
+        return frame_without_unseen_energy(_to_pandas(tables))  # old stores' static-only joules
 
     def envs(self) -> dict[str, dict[str, Any]]:
         d = self.root / "envs"

@@ -1,0 +1,106 @@
+"""What a new user met (issue 27, items 8 and 9): results that were silently wrong, errors that
+did not say what to change, and output that misled. Each test names the finding it covers."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from mtad_energy.cli import app
+from mtad_energy.results import ResultStore, load_results
+from mtad_energy.results.schema import FLAG_WORK_UNSEEN, WORK_UNSEEN_REASON
+
+runner = CliRunner()
+
+
+def words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def pair_args(model_dirs) -> list[str]:
+    return ["--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"], "--device", "cpu"]
+
+
+# --- (a) compiled windows the simulated meter could not see -----------------------------------
+
+
+def test_the_flag_code_is_the_simulated_meters():
+    from mtad_energy.measure.simulated import FLAG_WORK_UNSEEN as meters
+
+    assert FLAG_WORK_UNSEEN == meters
+
+
+@pytest.mark.slow  # compiles spd and ar at two batch sizes (~100 s on a loaded 2-core CPU)
+def test_a_compiled_sweep_with_the_simulated_meter_stores_no_joules_and_says_why(tmp_path,
+                                                                                model_dirs):
+    """`sweep batch-size --compile --meter simulated`: the windows saw static power only, so the
+    rows, the table's J/token and energy saving and every later reader say n/a with the reason."""
+    out = tmp_path / "sweep"
+    args = ["sweep", "batch-size", "--decoder", "ar,spd", *pair_args(model_dirs), "--sizes", "1,2",
+            "--meter", "simulated", "--max-new-tokens", "4", "--n-prompts", "1", "--compile",
+            "--output", str(out)]
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert all(r["energy_per_token_j"] is None and r["energy_saving"] is None for r in doc["rows"])
+    stored = load_results(out, "decode_batch")
+    assert stored["energy_flags"].str.contains(FLAG_WORK_UNSEEN).all()
+    assert stored["energy_j"].isna().all() and (stored["energy_reason"] == WORK_UNSEEN_REASON).all()
+    text = words(runner.invoke(app, args).output)  # resumed: the table from the stored rows
+    assert "J/tok n/a: work-unseen" in text and "drop --compile" in text
+    sched = runner.invoke(app, ["schedule", str(out), "--objective", "energy", "--out",
+                                str(tmp_path / "s.json")])
+    assert sched.exit_code == 2 and "work-unseen" in words(sched.output)
+
+
+def _old_row(key: str, decoder: str, flags: list[str], energy_j: float) -> dict:
+    """A decode_batch row as a store written before the rule holds it: joules and the flag."""
+    return {"row_key": key, "created_unix_s": 0.0, "env_id": "e", "model": "m+compile",
+            "target_id": "t", "draft_id": None, "decoder": decoder, "params_json": "{}",
+            "label": decoder, "batch_size": 1, "dataset": "d", "prompts": "p", "max_new_tokens": 4,
+            "seed": 0, "repeat": 0, "meter": "simulated", "device": "cpu", "dtype": "float32",
+            "tokens": 4, "decode_time_s": 0.1, "tokens_per_s": 40.0, "iterations": 4,
+            "target_forwards": 4, "draft_forwards": 0, "block_efficiency": 1.0,
+            "acceptance_rate": None, "perplexity": 2.0, "energy_j": energy_j,
+            "energy_per_token_j": energy_j / 4, "energy_reason": None,
+            "energy_flags": json.dumps(flags), "time_draft_s": 0.0, "time_target_s": 0.08,
+            "time_other_s": 0.02, "draft_flops": 0, "draft_bytes": 0, "target_flops": 1e6,
+            "target_bytes": 1e6, "draft_proposed": 0, "draft_accepted": 0, "rows_iterations": 4}
+
+
+def test_rows_an_older_store_holds_with_unseen_work_are_read_without_their_joules(tmp_path):
+    """A store written before the rule: its flagged rows' joules are n/a (with the reason) for
+    every reader (tables, decompose's windows and attribution, the report); others keep theirs."""
+    from mtad_energy.results.analysis import batch_crossover
+    from mtad_energy.results.breakdown import attribute, decode_windows
+
+    store = ResultStore(tmp_path / "old")
+    store.write("decode_batch", "a" * 16, [_old_row("a" * 16, "ar", [FLAG_WORK_UNSEEN], 2.0)])
+    store.write("decode_batch", "b" * 16, [_old_row("b" * 16, "ar", [], 3.0) | {"model": "m", "seed": 1}])
+    rows = load_results(tmp_path / "old", "decode_batch").set_index("row_key")
+    assert pd.isna(rows.loc["a" * 16, "energy_j"]) and pd.isna(rows.loc["a" * 16, "energy_per_token_j"])
+    assert rows.loc["a" * 16, "energy_reason"] == WORK_UNSEEN_REASON
+    assert rows.loc["b" * 16, "energy_j"] == 3.0 and pd.isna(rows.loc["b" * 16, "energy_reason"])
+    table = batch_crossover(rows.reset_index()).set_index("model")
+    assert pd.isna(table.loc["m+compile", "energy_per_token_j"])
+    windows = attribute(decode_windows([tmp_path / "old"]), "no fit").set_index("key")
+    assert pd.isna(windows.loc["a" * 16, "decode_energy_j"])
+    assert "work-unseen" in windows.loc["a" * 16, "attribution_reason"]
+    res = runner.invoke(app, ["report", str(tmp_path / "old")])
+    assert res.exit_code == 0, res.output
+    assert "work-unseen" in (tmp_path / "old-report" / "report.md").read_text()
+
+
+def test_a_compiled_profile_with_the_simulated_meter_shows_no_joules(tmp_path, model_dirs):
+    out = tmp_path / "p"
+    res = runner.invoke(app, ["profile", "--decoder", "ar", *pair_args(model_dirs), "--meter",
+                              "simulated", "--max-new-tokens", "3", "--n-prompts", "1",
+                              "--compile", "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "J/tok n/a: work-unseen" in words(res.output)
+    runs = load_results(out)
+    assert runs["energy_j"].isna().all() and runs["decode_energy_j"].isna().all()
+    assert (runs["energy_reason"] == WORK_UNSEEN_REASON).all()
