@@ -104,3 +104,30 @@ def test_a_compiled_profile_with_the_simulated_meter_shows_no_joules(tmp_path, m
     runs = load_results(out)
     assert runs["energy_j"].isna().all() and runs["decode_energy_j"].isna().all()
     assert (runs["energy_reason"] == WORK_UNSEEN_REASON).all()
+
+
+# --- (c) options a decoder configuration ignores --------------------------------------------------
+
+
+@pytest.mark.parametrize(("sets", "mode"), [
+    (["branching=2,2"], "tree=static"),  # the default tree is dynamic
+    (["tree=static", "depth=3"], "tree=dynamic"),
+])
+def test_an_eagle_option_its_tree_ignores_is_refused_naming_the_tree(model_dirs, sets, mode):
+    from mtad_energy.cli import app
+
+    args = ["generate", "--decoder", "eagle", "--target", model_dirs["llama"], "--draft",
+            f"eagle:{model_dirs['llama-eagle']}", "--device", "cpu", "--max-new-tokens", "2"]
+    res = runner.invoke(app, [*args, *[a for s in sets for a in ("--set", s)]])
+    assert res.exit_code == 2, res.output
+    assert f"read only with {mode}" in words(res.output) and "ignored" in res.output
+    ok = runner.invoke(app, [*args, "--set", "tree=static", "--set", "branching=2,2"])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_medusas_typical_threshold_is_refused_with_speculative_acceptance():
+    from mtad_energy.decoding.registry import get_decoder
+
+    with pytest.raises(ValueError, match="delta is read only with acceptance=typical"):
+        get_decoder("medusa", acceptance="speculative", delta="0.5")
+    assert get_decoder("medusa", acceptance="typical", delta="0.5").params.delta == 0.5
