@@ -131,3 +131,72 @@ def test_medusas_typical_threshold_is_refused_with_speculative_acceptance():
     with pytest.raises(ValueError, match="delta is read only with acceptance=typical"):
         get_decoder("medusa", acceptance="speculative", delta="0.5")
     assert get_decoder("medusa", acceptance="typical", delta="0.5").params.delta == 0.5
+
+
+# --- item 8: headers at 80 columns are never split inside a word ------------------------------------
+
+
+def _render(table, width: int = 80) -> str:
+    import io
+
+    from rich.console import Console
+
+    con = Console(width=width, file=io.StringIO(), color_system=None)
+    con.print(table)
+    return con.file.getvalue()
+
+
+def _headers_whole(text: str, headers) -> None:
+    """Every word of every header is one token of the table's header lines (those above a '━'
+    rule), never broken over two lines; and no line is wider than 80 columns."""
+    import re
+
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    tokens: set[str] = set()
+    for i, line in enumerate(lines):
+        if "━" in line:
+            j = i - 1
+            while j >= 0 and "┃" in lines[j]:
+                tokens |= set(re.split(r"[\s┃]+", lines[j]))
+                j -= 1
+    missing = [w for h in headers for w in str(h).split() if w not in tokens]
+    assert not missing, (missing, text)
+
+
+def _summary(n_decoders: int = 3) -> pd.DataFrame:
+    rows = [dict(label=lab, dataset=ds, n_runs=2, tokens_per_s=123.4, speedup=1.23,
+                 block_efficiency=1.5, acceptance_rate=0.5, perplexity=12.345,
+                 decode_energy_per_token_j=0.01234, energy_per_token_j=0.0234, meter="simulated",
+                 rouge_l=0.3, pass_at_1=0.5, draft_j_per_token=0.001, target_j_per_token=0.002,
+                 other_j_per_token=0.003, j_per_accepted_draft_token=0.004, rejected_share=0.1,
+                 scale=1.01, model="m", decoder=lab, params_json="{}")
+            for lab in ("ar", "spd(gamma=5)", "mtad(gamma=4,tau=0.3)")[:n_decoders]
+            for ds in ("humaneval", "mtbench")]
+    return pd.DataFrame(rows)
+
+
+def test_summary_tables_keep_every_header_word_whole_at_80_columns():
+    from mtad_energy.cli import stats_table
+    from mtad_energy.cli_bench import ENERGY_COLUMNS, summary_table
+    from mtad_energy.cli_common import wrapping_table
+    from mtad_energy.results.analysis import CROSSOVER_COLUMNS
+
+    speed = ("decoder", "dataset", "runs", "tok/s", "speed-up", "blk eff", "accepted/depth", "ppl",
+             "J/tok dec", "J/tok", "rouge-l", "pass-at-1")
+    _headers_whole(_render(summary_table(_summary(), "profile")), speed)  # profile, compare, param
+    _headers_whole(_render(summary_table(_summary(), "e", "energy")),
+                   ("decoder", "dataset", *[n for n, _ in ENERGY_COLUMNS]))
+    stats = {"tokens_emitted": 10, "tokens_per_s": 12.3, "block_efficiency": 1.5,
+             "acceptance_rate": 0.5, "perplexity": 12.345, "time_draft_s": 0.1,
+             "time_target_s": 0.2, "time_other_s": 0.3}
+    _headers_whole(_render(stats_table([("mtad(gamma=4,tau=0.3)", stats)])),  # generate
+                   ("decoder", "tokens", "tokens/s", "block eff.", "accepted/depth", "perplexity",
+                    "draft s", "target s", "other s"))
+    cells = ["spd(gamma=5)", "16", "3", "1234.5", "1.23x", "0.95-1.30", "0.01234", "12%", "1.50",
+             "never"]
+    crossover = wrapping_table(CROSSOVER_COLUMNS, [cells] * 3, left=("decoder",))  # sweep --decoder
+    _headers_whole(_render(crossover), CROSSOVER_COLUMNS)
+    batch = ("Batch Size", "Energy (J)", "Energy/run (J)", "Energy/input (J)", "Time (s)",
+             "Time/run (s)", "Time/input (s)", "T_flop (s)", "T_mem (s)")  # forward-only sweep
+    _headers_whole(_render(wrapping_table(batch, [["16", *["0.001234"] * 8]] * 2)), batch)
