@@ -200,3 +200,34 @@ def test_summary_tables_keep_every_header_word_whole_at_80_columns():
     batch = ("Batch Size", "Energy (J)", "Energy/run (J)", "Energy/input (J)", "Time (s)",
              "Time/run (s)", "Time/input (s)", "T_flop (s)", "T_mem (s)")  # forward-only sweep
     _headers_whole(_render(wrapping_table(batch, [["16", *["0.001234"] * 8]] * 2)), batch)
+
+
+# --- unclear: a huge draft length with few new tokens ---------------------------------------------
+
+
+def test_a_huge_gamma_with_few_new_tokens_runs_and_the_advice_is_never_negative(model_dirs):
+    """pld --set gamma=1000000 --max-new-tokens 8 advised "at most -991850": a draft never goes
+    past the tokens still wanted, so it runs; where the prompt leaves little room the advice is
+    a positive count that works."""
+    args = ["generate", "--target", model_dirs["llama"], "--device", "cpu", "--decoder", "pld",
+            "--set", "gamma=1000000"]
+    ok = runner.invoke(app, [*args, "--max-new-tokens", "8", "--prompt", "w3 w4 w3 w4"])
+    assert ok.exit_code == 0, ok.output
+    near = runner.invoke(app, [*args, "--max-new-tokens", "8", "--prompt", " ".join(["w3"] * 250)])
+    assert near.exit_code == 2, near.output
+    assert "lower max_new_tokens to at most 3" in words(near.output)
+    fits = runner.invoke(app, [*args, "--max-new-tokens", "3", "--prompt", " ".join(["w3"] * 250)])
+    assert fits.exit_code == 0, fits.output
+
+
+def test_the_memory_estimate_uses_the_draft_a_generation_can_make(llama_pair):
+    """`sweep batch-size --decoder ar,spd --set gamma=100000 --max-new-tokens 4` skipped spd as
+    needing 163.7 GiB: with 4 new tokens spd drafts at most 3, whatever its gamma."""
+    from mtad_energy.bench.decode_batch import rows_memory_bytes
+    from mtad_energy.decoding.registry import get_decoder
+
+    rows = [[1, 2, 3]] * 4
+    huge, three = (rows_memory_bytes(llama_pair, get_decoder("spd", gamma=g), rows, 4, False)
+                   for g in (100000, 3))
+    assert huge == three
+    assert rows_memory_bytes(llama_pair, get_decoder("spd", gamma=100000), rows, 400, False) > huge

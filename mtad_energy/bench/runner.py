@@ -459,7 +459,8 @@ def check_prompt_lengths(runner: Runner, units: Sequence[WorkUnit]) -> None:
     for unit in units:
         if unit.prompt not in lengths:
             lengths[unit.prompt] = len(runner._prompt_ids(unit.prompt))
-        n, lookahead = lengths[unit.prompt], runner._decoders[unit.decoder].lookahead
+        n = lengths[unit.prompt]
+        lookahead = runner._decoders[unit.decoder].lookahead_for(runner.config.max_new_tokens)
         if n + runner.config.max_new_tokens + lookahead > ctx:
             bad[unit.prompt.id] = (n, max(lookahead, bad.get(unit.prompt.id, (0, 0))[1]))
     if not bad:

@@ -506,6 +506,12 @@ class Decoder:
         """Tokens of the widest forward an iteration runs (a chain's verify; trees override)."""
         return self.lookahead + 1
 
+    def lookahead_for(self, max_new_tokens: int) -> int:
+        """The lookahead a generation of ``max_new_tokens`` can use: `draft_len` caps every
+        iteration's draft one short of the tokens still wanted (``gamma=1000000`` with 8 new
+        tokens drafts at most 7)."""
+        return min(self.lookahead, max(0, max_new_tokens - 1))
+
     def cache_rows(self, role: str) -> int:
         """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):
         the beam width of a beam search over that model, Spectr's k drafts; 1 otherwise."""
