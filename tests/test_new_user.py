@@ -231,3 +231,42 @@ def test_the_memory_estimate_uses_the_draft_a_generation_can_make(llama_pair):
                    for g in (100000, 3))
     assert huge == three
     assert rows_memory_bytes(llama_pair, get_decoder("spd", gamma=100000), rows, 400, False) > huge
+
+
+# --- unclear errors: which option, which study -----------------------------------------------------
+
+
+def test_decompose_on_a_decoding_sweep_says_to_run_the_sweep_without_decoder(tmp_path):
+    store = ResultStore(tmp_path / "dec")
+    store.write("decode_batch", "c" * 16, [_old_row("c" * 16, "ar", [], 2.0)])
+    res = runner.invoke(app, ["decompose", str(tmp_path / "dec")])
+    assert res.exit_code == 2, res.output
+    said = words(res.output)
+    assert "holds a decoding sweep" in said and "without --decoder" in said
+
+
+def test_an_output_that_cannot_be_created_names_the_option(model_dirs, tmp_path, monkeypatch):
+    import mtad_energy.bench.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "load_pair", lambda *a, **k: pytest.fail("loaded a model"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in ("/proc/x", str(blocker / "sub")):  # no such parent; a parent that is a file
+        res = runner.invoke(app, ["profile", "--decoder", "ar", *pair_args(model_dirs), "--meter",
+                                  "none", "--output", out, "--json"])
+        assert res.exit_code == 2, res.output
+        error = json.loads(res.stdout)["error"]
+        assert f"cannot create the results directory {out} (--output)" in error, error
+
+
+def test_calibrate_checks_its_record_dir_before_calibrating(tmp_path, monkeypatch):
+    import mtad_energy.bench.calibrate as cal
+
+    monkeypatch.setattr(cal, "calibrate_meters", lambda *a, **k: pytest.fail("calibrated first"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    res = runner.invoke(app, ["calibrate", "--meter", "simulated", "--quick", "--record-dir",
+                              str(blocker / "records")])
+    assert res.exit_code == 2, res.output
+    assert "--record-dir" in words(res.output) and "cannot write calibration records" in words(
+        res.output)
