@@ -270,3 +270,24 @@ def test_calibrate_checks_its_record_dir_before_calibrating(tmp_path, monkeypatc
     assert res.exit_code == 2, res.output
     assert "--record-dir" in words(res.output) and "cannot write calibration records" in words(
         res.output)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("damage", ["weights", "config"])
+def test_a_damaged_head_checkpoint_names_its_file(model_dirs, tmp_path, kind, damage):
+    import shutil
+    from pathlib import Path
+
+    head = Path(shutil.copytree(model_dirs[f"llama-{kind}"], tmp_path / kind))
+    if damage == "config":
+        bad = head / "config.json"
+        bad.write_text('{"medusa_num_heads": 2,')  # cut off
+    else:
+        bad = next(p for p in head.iterdir() if p.name != "config.json")
+        bad.write_bytes(b"\xff" * 64)  # SafetensorError: header too large / not a pickle
+    res = runner.invoke(app, ["generate", "--decoder", kind, "--target", model_dirs["llama"],
+                              "--draft", f"{kind}:{head}", "--device", "cpu", "--max-new-tokens",
+                              "2", "--json"])
+    assert res.exit_code == 2, res.output
+    error = json.loads(res.stdout)["error"]
+    assert str(bad) in error and f"{kind} head" in error, error
