@@ -387,7 +387,8 @@ Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dail
                                            "chatgpt_prompts, NAME:PATH or FILE.jsonl (comma list)")]
 NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
 MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]
-Sets = Annotated[list[str] | None, typer.Option("--set", help="decoder param key=value or decoder.key=value")]
+Sets = Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                help="decoder param key=value or decoder.key=value")]
 Meter = Annotated[str, typer.Option(help="auto, nvml-counter, nvml-power, zeus, rapl, none or simulated "
                                           "(simulated: a modelled GPU and sensor, not a measurement)")]
 Mitigate = Annotated[str, typer.Option(help="Yang et al. repetitions: auto (GPU meters that measure "
@@ -396,6 +397,8 @@ RequireEnergy = Annotated[bool, typer.Option("--require-energy", help="exit 2 be
                                              "when the meter cannot measure energy here")]
 Output = Annotated[Path | None, typer.Option(help="results directory (default results/<command>)")]
 Json = Annotated[bool, typer.Option("--json", help="print JSON")]
+Dtype = Annotated[str | None, typer.Option(metavar="DTYPE", help="fp32|bf16|fp16 [default: bf16 on "
+                                                                 "a GPU, fp32 on the CPU]")]
 Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")]
 Ops = Annotated[bool, typer.Option("--ops", help="also profile FLOPs/bytes per decoder (for decompose)")]
 Workers = Annotated[int, typer.Option(min=1, help="split the work over N submitit jobs, one GPU each")]
@@ -421,7 +424,7 @@ def profile(
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 3, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
@@ -449,7 +452,7 @@ def compare(
     dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
@@ -488,14 +491,15 @@ def compare(
 @json_command
 def sweep_param(
     decoder: Annotated[str, typer.Option(help="the decoder to sweep")] = "mmtad",
-    param: Annotated[list[str] | None, typer.Option(help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
+    param: Annotated[list[str] | None, typer.Option(metavar="NAME=VALUES",
+                                                    help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
                                                           "the grid of all combinations)")] = None,
     baseline: Annotated[str, typer.Option(help="also run this decoder for speed-ups ('none': skip)")] = "ar",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
     require_energy: RequireEnergy = False, compile: Compile = False,
     batch_size: BatchSize = 1, columns: Columns = "speed", as_json: Json = False,
@@ -557,7 +561,7 @@ def sweep_batch_size(
     chunks: Annotated[str, typer.Option(help="also run one forward of these many new tokens over "
                                              "--context-len (e.g. 128,1024,4096: FLOPs vary)")] = "",
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None,
+    dtype: Dtype = None,
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
     seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
     decoder: Annotated[str | None, typer.Option(
@@ -778,7 +782,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
 def decompose(
     results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and decoding runs")],
     fit_from: Annotated[list[Path] | None, typer.Option(
-        "--fit-from", help="fit on the batch rows of these stores only (default: every RESULTS dir)")
+        "--fit-from", metavar="DIR",
+        help="fit on the batch rows of these stores only (default: every RESULTS dir)")
     ] = None,
     max_rows: Annotated[int, typer.Option(min=1, help="validation rows printed (--json: all)")] = 40,
     as_json: Json = False,

@@ -17,6 +17,7 @@ from typer._click.exceptions import ClickException  # typer vendors click: not t
 from typer.core import TyperGroup
 
 console = Console()
+err_console = Console(stderr=True)  # errors: stdout keeps only what a command produces
 
 # set while a command runs with --json: stdout is reserved for the one JSON document
 _json_stdout: list[TextIO] = []
@@ -29,6 +30,9 @@ def parse_sets(sets: list[str] | None) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise typer.BadParameter(f"--set expects key=value, got {item!r}")
+        if "," in value and not all(v.strip() for v in value.split(",")):  # 1,,2 is not 1,2
+            raise typer.BadParameter(f"{item!r} has an empty value between commas; write e.g. "
+                                     f"{key.strip()}=1,2,3")
         out[key.strip()] = value.strip()
     return out
 
@@ -212,11 +216,11 @@ def emit(document: Any) -> None:
 
 def fail(error: Exception | str, code: int = 2, label: str = "[bold red]error:[/]") -> NoReturn:
     """Exit with ``code``: under --json as ``{"error": ..., "exit_code": ...}`` on stdout,
-    otherwise as a message on the console (the message is printed as text, never as markup)."""
+    otherwise as a message on stderr (printed as text, never as markup)."""
     if _json_stdout:
         emit({"error": str(error), "exit_code": code})
     else:
-        console.print(f"{label} {esc(error)}")
+        err_console.print(f"{label} {esc(error)}")
     raise typer.Exit(code)
 
 

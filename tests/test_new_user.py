@@ -291,3 +291,41 @@ def test_a_damaged_head_checkpoint_names_its_file(model_dirs, tmp_path, kind, da
     assert res.exit_code == 2, res.output
     error = json.loads(res.stdout)["error"]
     assert str(bad) in error and f"{kind} head" in error, error
+
+
+# --- cosmetic: what the command line prints ----------------------------------------------------------
+
+
+def test_errors_go_to_stderr_and_stdout_stays_clean(model_dirs, tmp_path):
+    res = runner.invoke(app, ["profile", "--decoder", "nope", "--output", str(tmp_path / "x")])
+    assert res.exit_code == 2
+    assert "unknown decoder nope" in words(res.stderr) and res.stdout == ""
+
+
+def test_an_empty_value_between_commas_is_refused(model_dirs, tmp_path):
+    for args in (["sweep", "batch-size", "--decoder", "ar,spd", "--set", "gamma=1,,2"],
+                 ["sweep", "param", "--decoder", "spd", "--param", "gamma=1,,2"],
+                 ["generate", "--decoder", "specinfer", "--set", "branching=2,,2"]):
+        res = runner.invoke(app, [*args, "--target", model_dirs["llama"], "--device", "cpu",
+                                  "--output" if args[0] == "sweep" else "--seed",
+                                  str(tmp_path / "o") if args[0] == "sweep" else "0"])
+        assert res.exit_code == 2, res.output
+        assert "empty value between commas" in words(res.output), res.output
+
+
+def test_help_names_values_not_python_types_and_gives_the_dtype_default():
+    for command in (["profile"], ["generate"], ["sweep", "param"], ["decompose"]):
+        text = runner.invoke(app, [*command, "--help"]).output
+        options = [line for line in text.splitlines() if line.strip().startswith("--")]
+        assert not [line for line in options if "list[" in line], text
+    text = words(runner.invoke(app, ["profile", "--help"]).output)
+    assert "--set KEY=VALUE" in text and "fp32 on the CPU" in text
+
+
+def test_generates_title_names_the_head_that_drafts(model_dirs):
+    res = runner.invoke(app, ["generate", "--decoder", "medusa", "--target", model_dirs["llama"],
+                              "--draft", f"medusa:{model_dirs['llama-medusa']}", "--device", "cpu",
+                              "--max-new-tokens", "2"])
+    assert res.exit_code == 0, res.output
+    title = res.output.splitlines()[0]
+    assert "no draft" not in title and "medusa:" in words(res.output)
