@@ -179,7 +179,7 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     """The decoders' summary: ``columns`` "speed" (speed, quality and J/token) or "energy"
     (decode joules by phase from the energy model, `with_attribution`)."""
     reasons: set[str] = set()
-    simulated = False
+    simulated = implausible = False
     if columns == "energy":
         cols = [("decoder", "label"), ("dataset", "dataset"), *ENERGY_COLUMNS]
     else:
@@ -216,10 +216,17 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
             else:
                 cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
+                if col == "speedup" and str(r.get("implausible")) == "True":
+                    cells[-1] += " !"
+                    implausible = True
         rows.append(cells)
     table = wrapping_table([name for name, _ in cols], rows, left=("decoder", "dataset"),
                            title=esc(title) or None)
     captions = [SIMULATED_NOTE] if simulated else []
+    if implausible:
+        from mtad_energy.results.analysis import IMPLAUSIBLE_NOTE
+
+        captions.append(IMPLAUSIBLE_NOTE.format(baseline="ar"))
     if columns == "energy":
         scale = summary["scale"].dropna() if "scale" in summary else []
         captions.append(ENERGY_NOTE + (f"; measured / predicted by the energy model: "

@@ -329,3 +329,73 @@ def test_generates_title_names_the_head_that_drafts(model_dirs):
     assert res.exit_code == 0, res.output
     title = res.output.splitlines()[0]
     assert "no draft" not in title and "medusa:" in words(res.output)
+
+
+# --- decoders compared in one command are interleaved -----------------------------------------------
+
+
+def test_the_decoding_sweep_interleaves_decoders_per_repeat(tmp_path, llama_pair):
+    """Medusa with random heads showed 3.70x over ar in one order and 0.39x in the other: the
+    decoders of one batch size take turns per repeat, never all repeats of one then the next."""
+    from mtad_energy.bench.decode_batch import decode_batch_sweep
+    from mtad_energy.config import DecoderSpec
+    from mtad_energy.measure import get_meter
+
+    order = []
+    decode_batch_sweep(llama_pair, [DecoderSpec.of("ar"), DecoderSpec.of("spd", gamma="2")],
+                       [1, 2], [[1, 2, 3], [4, 5]], ResultStore(tmp_path / "s"), get_meter("none"),
+                       max_new_tokens=3, repeats=2,
+                       progress=lambda row, ran: order.append((row["batch_size"], row["repeat"],
+                                                               row["decoder"])))
+    assert order == [(b, r, d) for b in (1, 2) for r in (0, 1) for d in ("ar", "spd")]
+
+
+def test_profile_and_compare_interleave_decoders_per_prompt_and_repeat():
+    from mtad_energy.bench.prompts import Prompt
+    from mtad_energy.bench.runner import work_units
+    from mtad_energy.config import DecoderSpec, ModelSpec, RunConfig
+
+    config = RunConfig(decoders=(DecoderSpec.of("ar"), DecoderSpec.of("spd")), model=ModelSpec(),
+                       repeats=2)
+    prompts = [Prompt("a", "x", "d"), Prompt("b", "y", "d")]
+    got = [(u.prompt.id, u.repeat, u.decoder.name) for u in work_units(config, prompts)]
+    assert got == [(p, r, d) for p in "ab" for r in (0, 1) for d in ("ar", "spd")]
+
+
+# --- an implausible result is flagged -------------------------------------------------------------
+
+
+def _runs(decoder: str, tok_s: float, block: float, accepted: int) -> dict:
+    return {"model": "m", "dataset": "d", "decoder": decoder, "params_json": "{}", "prompt_id": "p",
+            "repeat": 0, "tokens_emitted": 8, "decode_time_s": 8 / tok_s, "tokens_per_s": tok_s,
+            "block_efficiency": block, "acceptance_rate": accepted / 4, "perplexity": 2.0,
+            "draft_accepted": accepted, "draft_proposed": 4, "energy_j": None,
+            "decode_energy_j": None, "energy_reason": "no meter", "meter": "none",
+            "prefill_time_s": 0.01}
+
+
+def test_a_speedup_with_nothing_accepted_is_flagged_implausible():
+    """Medusa with random heads: 3.70x over ar with nothing accepted (block efficiency 1.00)."""
+    from mtad_energy.cli_bench import summary_table
+    from mtad_energy.results.analysis import (
+        batch_crossover,
+        crossover_display,
+        crossover_notes,
+        decoder_summary,
+    )
+
+    runs = pd.DataFrame([_runs("ar", 10.0, 1.0, 0), _runs("medusa", 37.0, 1.0, 0),
+                         _runs("spd", 15.0, 1.8, 3), _runs("mtad", 9.0, 1.0, 0)])
+    summary = decoder_summary(runs).set_index("decoder")
+    assert summary["implausible"].to_dict() == {"ar": False, "medusa": True, "spd": False,
+                                                "mtad": False}
+    text = words(_render(summary_table(summary.reset_index(), "profile")))
+    assert "3.70 !" in text and "1.50 !" not in text and "!: implausible" in text
+    rows = [{"label": r["decoder"], "decoder": r["decoder"], "batch_size": 1, "repeat": 0,
+             "tokens_per_s": r["tokens_per_s"], "energy_per_token_j": None,
+             "block_efficiency": r["block_efficiency"], "perplexity": 2.0}
+            for r in runs.to_dict("records")]
+    table = batch_crossover(rows)
+    assert table.set_index("decoder")["implausible"].to_dict()["medusa"]
+    assert "3.70x !" in crossover_display(table).set_index("decoder").loc["medusa", "speed-up"]
+    assert any("implausible" in n for n in crossover_notes(table))

@@ -89,7 +89,8 @@ def decode_batch_sweep(
     compile: bool = False,
     on_skip: Callable[[str, int, str], object] | None = None,
 ) -> DecodeBatchReport:
-    """Run every decoder (variants expanded, `expand_variants`) at every batch size; rows the
+    """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
+    decoders interleaved within each repeat (so drift and load hit them alike); rows the
     store holds already are not rerun, and a row another worker stores meanwhile (into the same
     store) counts as skipped, as in `Runner`. ``progress(row, ran)`` is called once per row
     (``ran``: measured now, not found stored); ``on_skip(label, batch size, reason)`` hears of
@@ -107,17 +108,25 @@ def decode_batch_sweep(
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
     label = model + ("+compile" if compile else "")
     out, ran = [], 0
-    for spec, decoder in built.items():
-        params = {k: v for k, v in decoder.config().items() if k != "decoder"}
-        for b in dict.fromkeys(int(s) for s in sizes):
-            rows = [list(prompts[i % len(prompts)]) for i in range(b)]
-            warm = False
-            for rep in range(repeats):
+    params = {spec: {k: v for k, v in d.config().items() if k != "decoder"}
+              for spec, d in built.items()}
+    for b in dict.fromkeys(int(s) for s in sizes):
+        rows = [list(prompts[i % len(prompts)]) for i in range(b)]
+        warm: set[DecoderSpec] = set()
+        skipped: set[DecoderSpec] = set()
+        released = False
+        # decoders interleaved per repeat (drift and load hit them alike), each warmed up once
+        # at this size before its first measured row (compiled: every shape, after freeing the
+        # static caches of the other sizes once)
+        for rep in range(repeats):
+            for spec, decoder in built.items():
+                if spec in skipped:
+                    continue
                 identity = {
                     "model": label, "target_id": pair.target_id,
                     "draft_id": pair.draft_id_for(decoder),
-                    "decoder": spec.name, "params_json": params_json(params), "batch_size": b,
-                    "dataset": dataset, "prompts": stable_key({"ids": rows}),
+                    "decoder": spec.name, "params_json": params_json(params[spec]),
+                    "batch_size": b, "dataset": dataset, "prompts": stable_key({"ids": rows}),
                     "max_new_tokens": max_new_tokens, "seed": seed + rep, "repeat": rep,
                     "meter": meter.name, "device": desc["device"], "dtype": desc["dtype"],
                     **({"compile": True} if compile else {}),  # eager rows keep their keys
@@ -125,25 +134,29 @@ def decode_batch_sweep(
                 key = stable_key(identity)
                 row, measured = _stored_row(store, stored, key), False
                 if row is None:
-                    if not warm:
+                    why = None
+                    if spec not in warm:
                         why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
                         try:
                             if why is None:  # first calls (compiled: every shape), unmeasured
+                                if compile and not released:
+                                    _release()
+                                    released = True
                                 _warm_up(decoder, pair, rows, max_new_tokens, seed, compile)
                         except torch.OutOfMemoryError as error:
                             why = _out_of_memory(b, error)
-                        if why is not None:
-                            if on_skip is not None:
-                                on_skip(spec.label, b, why)
-                            break
-                        warm = True
-                    try:
-                        row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
-                                       key, compile)
-                    except torch.OutOfMemoryError as error:
+                    if why is None:
+                        warm.add(spec)
+                        try:
+                            row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
+                                           key, compile)
+                        except torch.OutOfMemoryError as error:
+                            why = _out_of_memory(b, error)
+                    if why is not None:
+                        skipped.add(spec)
                         if on_skip is not None:
-                            on_skip(spec.label, b, _out_of_memory(b, error))
-                        break
+                            on_skip(spec.label, b, why)
+                        continue
                     row = without_unseen_energy({  # compiled + simulated: static joules alone
                         "row_key": key, "created_unix_s": time.time(), "env_id": env_id,
                         **identity, "label": spec.label, "compile": compile, **row})
@@ -170,15 +183,18 @@ def _stored_row(store: ResultStore, stored, key: str) -> dict[str, Any] | None:
     return None
 
 
+def _release() -> None:
+    """Free the static caches of the other batch sizes (compiled sweeps)."""
+    from mtad_energy.decoding.static import release_engines
+
+    release_engines()
+
+
 def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int,
              seed: int, compile: bool) -> None:
-    """Eager: first-call allocations (a few tokens). Compiled: a full-length generation, after
-    freeing the static caches of other batch sizes, so every shape this batch size uses is
-    compiled (and on CUDA recorded) here, not inside the measured window."""
-    if compile:
-        from mtad_energy.decoding.static import release_engines
-
-        release_engines()
+    """Eager: first-call allocations (a few tokens). Compiled: a full-length generation (the
+    caller has freed the static caches of other batch sizes, `_release`), so every shape this
+    batch size uses is compiled (and on CUDA recorded) here, not inside the measured window."""
     generate_rows(decoder, pair, rows, max_new_tokens if compile else min(8, max_new_tokens),
                   seed=seed, compute_perplexity=False, compile=compile)
 
