@@ -692,6 +692,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         batch_crossover,
         crossover_display,
         crossover_notes,
+        crossover_settings,
         crossover_title,
     )
     from mtad_energy.results.report import plot_batch_crossover
@@ -757,7 +758,9 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
                                 draft, device) + crossover_notes(table)
     out_dir = out.resolve()  # `--output .` has no name of its own
-    png = out_dir.parent / f"{out_dir.name}-crossover.png"  # beside the store: it holds only tables
+    # beside the store (it holds only tables), named by setting: an eager sweep into the same
+    # store does not overwrite the compiled sweep's plot
+    png = out_dir.parent / f"{out_dir.name}-crossover{'-compile' if compile else ''}.png"
     plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "
                                 f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "
                                 f"{pair.describe()['device']})").savefig(png, dpi=150)
@@ -768,7 +771,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         return
     shown = crossover_display(table)
     t = wrapping_table(list(shown.columns), [[esc(v) for v in r] for r in shown.to_numpy()],
-                       left=("decoder",), title=crossover_title(table))
+                       left=("decoder",), title=esc(crossover_title(table) + "".join(
+                           f"\n{name}" for name, _ in crossover_settings(table)[:1])))
     reasons = sorted({short_reason(r) for r in table["energy_reason"].dropna()})
     captions = [SIMULATED_NOTE] if m.name == "simulated" and len(reasons) == 0 else []
     if reasons:

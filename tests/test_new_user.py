@@ -51,6 +51,9 @@ def test_a_compiled_sweep_with_the_simulated_meter_stores_no_joules_and_says_why
     assert stored["energy_j"].isna().all() and (stored["energy_reason"] == WORK_UNSEEN_REASON).all()
     text = words(runner.invoke(app, args).output)  # resumed: the table from the stored rows
     assert "J/tok n/a: work-unseen" in text and "drop --compile" in text
+    assert "custom+compile" in text  # the title names the setting, the plot is the setting's
+    assert (tmp_path / "sweep-crossover-compile.png").is_file()
+    assert not (tmp_path / "sweep-crossover.png").exists()  # the eager sweep's name stays free
     sched = runner.invoke(app, ["schedule", str(out), "--objective", "energy", "--out",
                                 str(tmp_path / "s.json")])
     assert sched.exit_code == 2 and "work-unseen" in words(sched.output)
