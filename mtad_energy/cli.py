@@ -125,11 +125,13 @@ def generate(
     "checks whether a number is prime.",
     target: Annotated[str | None, typer.Option(help="target hub id or local dir")] = None,
     draft: Annotated[str | None, typer.Option(help="draft hub id, local dir or self:...")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="decoder param key=value")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                   help="decoder param key=value")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     seed: int = 0,
     device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16 (default: bf16 GPU, fp32 CPU)")] = None,
+    dtype: Annotated[str | None, typer.Option(metavar="DTYPE", help="fp32|bf16|fp16 [default: bf16 "
+                                                                    "on a GPU, fp32 on the CPU]")] = None,
     chat: Annotated[bool | None, typer.Option(
         "--chat/--no-chat", help="apply the chat template (default: when the tokenizer has one)")] = None,
     compile: Annotated[bool, typer.Option(
@@ -154,7 +156,8 @@ def generate(
     if as_json:
         emit({**gen.to_dict(), "pair": pair.describe(), "notes": notes})
         return
-    console.rule(esc(f"{decoder} on {pair.name} ({pair.target_id} + {pair.draft_id or 'no draft'})"))
+    console.rule(esc(f"{decoder} on {pair.name} ({pair.target_id} + "
+                     f"{pair.draft_id_for(dec) or 'no draft'})"))
     if pair.draft_note and pair.draft_id:
         console.print(pair.draft_line(), markup=False, highlight=False)
     for note in notes:

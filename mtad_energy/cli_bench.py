@@ -181,7 +181,7 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     from mtad_energy.results.analysis import compile_note, contention_note  # pandas: not at `--help` time
 
     reasons: set[str] = set()
-    simulated = False
+    simulated = implausible = False
     if columns == "energy":
         cols = [("decoder", "label"), ("dataset", "dataset"), *ENERGY_COLUMNS]
     else:
@@ -219,10 +219,17 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
             else:
                 cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
+                if col == "speedup" and str(r.get("implausible")) == "True":
+                    cells[-1] += " !"
+                    implausible = True
         rows.append(cells)
     table = wrapping_table([name for name, _ in cols], rows, left=("decoder", "dataset"),
                            title=esc(title) or None)
     captions = [SIMULATED_NOTE] if simulated else []
+    if implausible:
+        from mtad_energy.results.analysis import IMPLAUSIBLE_NOTE
+
+        captions.append(IMPLAUSIBLE_NOTE.format(baseline="ar"))
     if columns == "energy":
         scale = summary["scale"].dropna() if "scale" in summary else []
         captions.append(ENERGY_NOTE + (f"; measured / predicted by the energy model: "
@@ -399,7 +406,8 @@ Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dail
                                            "chatgpt_prompts, NAME:PATH or FILE.jsonl (comma list)")]
 NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
 MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]
-Sets = Annotated[list[str] | None, typer.Option("--set", help="decoder param key=value or decoder.key=value")]
+Sets = Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                help="decoder param key=value or decoder.key=value")]
 Meter = Annotated[str, typer.Option(help="auto, nvml-counter, nvml-power, zeus, rapl, none or simulated "
                                           "(simulated: a modelled GPU and sensor, not a measurement)")]
 Mitigate = Annotated[str, typer.Option(help="Yang et al. repetitions: auto (GPU meters that measure "
@@ -408,6 +416,8 @@ RequireEnergy = Annotated[bool, typer.Option("--require-energy", help="exit 2 be
                                              "when the meter cannot measure energy here")]
 Output = Annotated[Path | None, typer.Option(help="results directory (default results/<command>)")]
 Json = Annotated[bool, typer.Option("--json", help="print JSON")]
+Dtype = Annotated[str | None, typer.Option(metavar="DTYPE", help="fp32|bf16|fp16 [default: bf16 on "
+                                                                 "a GPU, fp32 on the CPU]")]
 Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")]
 Ops = Annotated[bool, typer.Option("--ops", help="also profile FLOPs/bytes per decoder (for decompose)")]
 Workers = Annotated[int, typer.Option(min=1, help="split the work over N submitit jobs, one GPU each")]
@@ -438,7 +448,7 @@ def profile(
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 3, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
@@ -469,7 +479,7 @@ def compare(
     dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
@@ -508,14 +518,15 @@ def compare(
 @json_command
 def sweep_param(
     decoder: Annotated[str, typer.Option(help="the decoder to sweep")] = "mmtad",
-    param: Annotated[list[str] | None, typer.Option(help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
+    param: Annotated[list[str] | None, typer.Option(metavar="NAME=VALUES",
+                                                    help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
                                                           "the grid of all combinations)")] = None,
     baseline: Baseline = "ar",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None, chat: Chat = None,
+    dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
     require_energy: RequireEnergy = False, compile: Compile = False,
     batch_size: BatchSize = 1, columns: Columns = "speed", as_json: Json = False,
@@ -577,7 +588,7 @@ def sweep_batch_size(
     chunks: Annotated[str, typer.Option(help="also run one forward of these many new tokens over "
                                              "--context-len (e.g. 128,1024,4096: FLOPs vary)")] = "",
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
-    dtype: Annotated[str | None, typer.Option(help="fp32|bf16|fp16")] = None,
+    dtype: Dtype = None,
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
     seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
     decoder: Annotated[str | None, typer.Option(
@@ -702,6 +713,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         batch_crossover,
         crossover_display,
         crossover_notes,
+        crossover_settings,
         crossover_title,
     )
     from mtad_energy.results.report import plot_batch_crossover
@@ -770,7 +782,9 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
                                 draft, device) + crossover_notes(table)
     out_dir = out.resolve()  # `--output .` has no name of its own
-    png = out_dir.parent / f"{out_dir.name}-crossover.png"  # beside the store: it holds only tables
+    # beside the store (it holds only tables), named by setting: an eager sweep into the same
+    # store does not overwrite the compiled sweep's plot
+    png = out_dir.parent / f"{out_dir.name}-crossover{'-compile' if compile else ''}.png"
     plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "
                                 f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "
                                 f"{pair.describe()['device']})").savefig(png, dpi=150)
@@ -781,7 +795,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         return
     shown = crossover_display(table)
     t = wrapping_table(list(shown.columns), [[esc(v) for v in r] for r in shown.to_numpy()],
-                       left=("decoder",), title=crossover_title(table))
+                       left=("decoder",), title=esc(crossover_title(table) + "".join(
+                           f"\n{name}" for name, _ in crossover_settings(table)[:1])))
     reasons = sorted({short_reason(r) for r in table["energy_reason"].dropna()})
     captions = [SIMULATED_NOTE] if m.name == "simulated" and len(reasons) == 0 else []
     if reasons:
@@ -802,7 +817,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
 def decompose(
     results: Annotated[list[Path], typer.Argument(help="results dir(s): a batch sweep and decoding runs")],
     fit_from: Annotated[list[Path] | None, typer.Option(
-        "--fit-from", help="fit on the batch rows of these stores only (default: every RESULTS dir)")
+        "--fit-from", metavar="DIR",
+        help="fit on the batch rows of these stores only (default: every RESULTS dir)")
     ] = None,
     max_rows: Annotated[int, typer.Option(min=1, help="validation rows printed (--json: all)")] = 40,
     as_json: Json = False,

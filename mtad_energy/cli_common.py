@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
@@ -18,6 +17,7 @@ from typer._click.exceptions import ClickException  # typer vendors click: not t
 from typer.core import TyperGroup
 
 console = Console()
+err_console = Console(stderr=True)  # errors: stdout keeps only what a command produces
 
 # set while a command runs with --json: stdout is reserved for the one JSON document
 _json_stdout: list[TextIO] = []
@@ -30,6 +30,9 @@ def parse_sets(sets: list[str] | None) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise typer.BadParameter(f"--set expects key=value, got {item!r}")
+        if "," in value and not all(v.strip() for v in value.split(",")):  # 1,,2 is not 1,2
+            raise typer.BadParameter(f"{item!r} has an empty value between commas; write e.g. "
+                                     f"{key.strip()}=1,2,3")
         out[key.strip()] = value.strip()
     return out
 
@@ -54,31 +57,84 @@ def esc(value: Any) -> str:
 
 
 def _header_words(header: str) -> list[str]:
-    """A header's words, also broken after '/' and '-' ("accepted/", "depth"): where it must
-    wrap, it wraps there rather than mid-word."""
-    return [w for word in header.split() for w in re.split(r"(?<=[/-])(?=.)", word)]
+    """A header's words: where it must wrap, it wraps between them, never inside one."""
+    return header.split()
+
+
+def _least_widths(texts: Sequence[Sequence[str]]) -> list[int]:
+    """Per column (its header, then its cells): the narrowest width that keeps its header's and
+    its cells' words whole."""
+    return [max([len(w) for w in _header_words(col[0])]
+                + [len(w) for t in col[1:] for w in t.split()] + [1]) for col in texts]
+
+
+def column_parts(texts: Sequence[Sequence[str]], keys: Sequence[int], width: int) -> list[list[int]]:
+    """The columns of ``texts`` split into tables stacked one below the other, each holding the
+    ``keys`` columns (the names that identify a row) and as many of the others, in order, as fit
+    ``width`` with every header and number whole (3 characters between columns); one part when
+    they all fit."""
+    least = _least_widths(texts)
+    rest = [i for i in range(len(texts)) if i not in keys]
+    parts: list[list[int]] = []
+    for i in rest:
+        if parts:
+            cols = [*keys, *parts[-1], i]
+            if sum(least[c] for c in cols) + 3 * (len(cols) - 1) <= width:
+                parts[-1].append(i)
+                continue
+        parts.append([i])
+    return [[*keys, *p] for p in parts] or [list(keys)]
+
+
+class WrappingTable(Table):
+    """A `Table` that prints as several tables stacked (``parts``, each repeating the name
+    columns) when its columns cannot fit the width with their headers and numbers whole: the
+    title on the first, the caption under the last."""
+
+    parts: list[Table] = []
+
+    def __rich_console__(self, console_: Console, options: Any) -> Any:
+        if len(self.parts) < 2:
+            yield from super().__rich_console__(console_, options)
+            return
+        if self.title:  # at the full width, not the first part's
+            yield console_.render_str(str(self.title), style="table.title")
+        yield from self.parts
+        if self.caption:
+            yield console_.render_str(str(self.caption), style="table.caption")
 
 
 def wrapping_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], left: Sequence[str] = (),
                    width: int | None = None, **options: Any) -> Table:
     """A table for the console whose headers and cells wrap, never cut, when it is wider than the
     terminal (``width``, default the console's: 80 columns when piped to a file). Each column
-    gets at least its longest word (headers may break after '/' and '-') where they all fit, and
+    gets at least its longest word (a header wraps between its words, never inside one), and
     the rest of the room goes to the columns with the most text to wrap, so headers and
     sentences wrap at spaces and numbers stay whole; where even the longest words do not fit,
-    the longest fold onto the next line. ``left``: the columns of names (left-aligned); the
-    others are numbers. Cells are text (escape user text with `esc`)."""
-    table = Table(show_edge=False, pad_edge=False, title_justify="left", caption_justify="left",
-                  **options)
+    the table prints as several stacked ones (`column_parts`), each repeating the ``left``
+    columns (the names, left-aligned; the others are numbers). Cells are text (escape user text
+    with `esc`)."""
+    total = width or console.width
     texts = [[str(col), *(str(r[i]) for r in rows)] for i, col in enumerate(columns)]
-    widths = column_widths(texts, (width or console.width) - 3 * max(0, len(columns) - 1))
-    for col, w in zip(columns, widths, strict=True):
-        header = col if max(map(len, col.split()), default=0) <= w else " ".join(_header_words(col))
-        table.add_column(esc(header), justify="left" if col in left else "right", overflow="fold",
-                         width=w)
-    for r in rows:
-        table.add_row(*map(str, r))
-    return table
+    keys = [i for i, col in enumerate(columns) if col in left and i < 2] or [0]
+    split = column_parts(texts, keys, total) if options.get("show_header", True) else \
+        [list(range(len(columns)))]
+
+    def build(cols: Sequence[int], cls: type[Table] = Table, **more: Any) -> Table:
+        table = cls(show_edge=False, pad_edge=False, title_justify="left", caption_justify="left",
+                    **more)
+        widths = column_widths([texts[i] for i in cols], total - 3 * max(0, len(cols) - 1))
+        for i, w in zip(cols, widths, strict=True):
+            table.add_column(esc(columns[i]), justify="left" if columns[i] in left else "right",
+                             overflow="fold", width=w)
+        for r in rows:
+            table.add_row(*(str(r[i]) for i in cols))
+        return table
+
+    whole = build(range(len(columns)), WrappingTable, **options)
+    part_options = {k: v for k, v in options.items() if k not in ("title", "caption")}
+    whole.parts = [build(cols, **part_options) for cols in split] if len(split) > 1 else []
+    return whole
 
 
 def column_widths(texts: Sequence[Sequence[str]], room: int) -> list[int]:
@@ -91,7 +147,7 @@ def column_widths(texts: Sequence[Sequence[str]], room: int) -> list[int]:
     if sum(natural) <= room:
         return list(natural)
     cells = [max([len(w) for t in col[1:] for w in t.split()], default=1) for col in texts]
-    least = [max([len(w) for w in _header_words(col[0])] + [c]) for col, c in zip(texts, cells, strict=True)]
+    least = _least_widths(texts)
     while sum(least) > room:  # fold headers before numbers and names: the widest first
         over = [i for i, (w, c) in enumerate(zip(least, cells, strict=True)) if w > c] or \
             [i for i, w in enumerate(least) if w > 1]
@@ -160,11 +216,11 @@ def emit(document: Any) -> None:
 
 def fail(error: Exception | str, code: int = 2, label: str = "[bold red]error:[/]") -> NoReturn:
     """Exit with ``code``: under --json as ``{"error": ..., "exit_code": ...}`` on stdout,
-    otherwise as a message on the console (the message is printed as text, never as markup)."""
+    otherwise as a message on stderr (printed as text, never as markup)."""
     if _json_stdout:
         emit({"error": str(error), "exit_code": code})
     else:
-        console.print(f"{label} {esc(error)}")
+        err_console.print(f"{label} {esc(error)}")
     raise typer.Exit(code)
 
 

@@ -290,11 +290,17 @@ def _weights(directory: Path, names: tuple[str, ...], kind: str) -> dict[str, to
     for name in names:
         path = directory / name
         if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+            try:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
 
-                return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
+                    return load_file(str(path))
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as err:  # SafetensorError, UnpicklingError, EOFError, ...
+                raise HeadLoadError(f"{kind} head: cannot read the weights file {path} "
+                                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+                                    f"it is damaged or not a {kind} checkpoint: download it "
+                                    "again") from None
     files = ", ".join(sorted(p.name for p in directory.iterdir())[:10]) or "none"
     raise HeadLoadError(f"{kind} head in {directory}: no weights file ({' or '.join(names)}); "
                         f"files there: {files}")
@@ -305,7 +311,15 @@ def _config(directory: Path, kind: str) -> dict[str, Any]:
     if not path.is_file():
         raise HeadLoadError(f"{kind} head in {directory}: no config.json (the {kind} checkpoint "
                             "layout has one beside the weights)")
-    return json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (ValueError, OSError) as err:
+        raise HeadLoadError(f"{kind} head: {path} is not valid JSON ({err}); restore the "
+                            f"checkpoint's config.json") from None
+    if not isinstance(cfg, dict):
+        raise HeadLoadError(f"{kind} head: {path} holds {type(cfg).__name__}, not a JSON object; "
+                            "restore the checkpoint's config.json")
+    return cfg
 
 
 def _check(ok: bool, message: str) -> None:

@@ -35,6 +35,7 @@ from mtad_energy.measure.calibrate import (
     Probe,
     Workload,
     calibrate_meters,
+    check_record_dir,
     save_record,
 )
 from mtad_energy.measure.probes import nvml_probe, simulated_probe
@@ -210,6 +211,8 @@ def run_calibration(cfg: CalibrateConfig, log: Callable[[str], object] = lambda 
                     ) -> CalibrationReport:
     """Calibrate this machine (see the module docstring); stores the record unless ``cfg.save``
     is off or nothing could be calibrated."""
+    if cfg.save:
+        check_record_dir(cfg.record_dir)  # before minutes of calibrating, not after
     plan = CalibrationPlan.quick() if cfg.quick else CalibrationPlan()
     cannot: list[tuple[str, str]] = []
     meters: MeterCalibration | None = None

@@ -44,7 +44,7 @@ from mtad_energy.decoding.registry import check_batched
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.models import ModelPair
-from mtad_energy.results.schema import params_json, stable_key
+from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
 
 
@@ -93,7 +93,8 @@ def decode_batch_sweep(
     compile: bool = False,
     on_skip: Callable[[str, int, str], object] | None = None,
 ) -> DecodeBatchReport:
-    """Run every decoder (variants expanded, `expand_variants`) at every batch size; rows the
+    """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
+    decoders interleaved within each repeat (so drift and load hit them alike); rows the
     store holds already are not rerun, and a row another worker stores meanwhile (into the same
     store) counts as skipped, as in `Runner`. ``progress(row, ran)`` is called once per row
     (``ran``: measured now, not found stored); ``on_skip(label, batch size, reason)`` hears of
@@ -112,17 +113,25 @@ def decode_batch_sweep(
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
     label = model + ("+compile" if compile else "")
     out, ran = [], 0
-    for spec, decoder in built.items():
-        params = {k: v for k, v in decoder.config().items() if k != "decoder"}
-        for b in dict.fromkeys(int(s) for s in sizes):
-            rows = [list(prompts[i % len(prompts)]) for i in range(b)]
-            warm: list[Generation] | None = None  # the warm-up's generations, once run
-            for rep in range(repeats):
+    params = {spec: {k: v for k, v in d.config().items() if k != "decoder"}
+              for spec, d in built.items()}
+    for b in dict.fromkeys(int(s) for s in sizes):
+        rows = [list(prompts[i % len(prompts)]) for i in range(b)]
+        warm: set[DecoderSpec] = set()  # warmed up at this size
+        skipped: set[DecoderSpec] = set()
+        released = False
+        # decoders interleaved per repeat (drift and load hit them alike), each warmed up once
+        # at this size before its first measured row (compiled: every shape, after freeing the
+        # static caches of the other sizes once)
+        for rep in range(repeats):
+            for spec, decoder in built.items():
+                if spec in skipped:
+                    continue
                 identity = {
                     "model": label, "target_id": pair.target_id,
                     "draft_id": pair.draft_id_for(decoder),
-                    "decoder": spec.name, "params_json": params_json(params), "batch_size": b,
-                    "dataset": dataset, "prompts": stable_key({"ids": rows}),
+                    "decoder": spec.name, "params_json": params_json(params[spec]),
+                    "batch_size": b, "dataset": dataset, "prompts": stable_key({"ids": rows}),
                     "max_new_tokens": max_new_tokens, "seed": seed + rep, "repeat": rep,
                     "meter": meter.name, "device": desc["device"], "dtype": desc["dtype"],
                     **({"compile": True} if compile else {}),  # eager rows keep their keys
@@ -130,27 +139,33 @@ def decode_batch_sweep(
                 key = stable_key(identity)
                 row, measured = _stored_row(store, stored, key), False
                 if row is None:
-                    first = warm is None
-                    if first:
+                    why, warm_gens = None, []
+                    if spec not in warm:
                         why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
                         try:
                             if why is None:  # first calls (compiled: every shape), unmeasured
-                                warm = _warm_up(decoder, pair, rows, max_new_tokens, seed, compile)
+                                if compile and not released:
+                                    _release()
+                                    released = True
+                                warm_gens = _warm_up(decoder, pair, rows, max_new_tokens, seed,
+                                                     compile)
                         except torch.OutOfMemoryError as error:
                             why = _out_of_memory(b, error)
-                        if why is not None:
-                            if on_skip is not None:
-                                on_skip(spec.label, b, why)
-                            break
-                    try:  # the warm-up's compile cost goes to the row measured right after it
-                        row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
-                                       key, compile, warm if first else [], probe)
-                    except torch.OutOfMemoryError as error:
+                    if why is None:
+                        warm.add(spec)
+                        try:  # the warm-up's compile cost goes to the row measured right after it
+                            row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
+                                           key, compile, warm_gens, probe)
+                        except torch.OutOfMemoryError as error:
+                            why = _out_of_memory(b, error)
+                    if why is not None:
+                        skipped.add(spec)
                         if on_skip is not None:
-                            on_skip(spec.label, b, _out_of_memory(b, error))
-                        break
-                    row = {"row_key": key, "created_unix_s": time.time(), "env_id": env_id,
-                           **identity, "label": spec.label, "compile": compile, **row}
+                            on_skip(spec.label, b, why)
+                        continue
+                    row = without_unseen_energy({  # compiled + simulated: static joules alone
+                        "row_key": key, "created_unix_s": time.time(), "env_id": env_id,
+                        **identity, "label": spec.label, "compile": compile, **row})
                     try:
                         store.write("decode_batch", key, [row])
                         measured = True
@@ -174,15 +189,18 @@ def _stored_row(store: ResultStore, stored, key: str) -> dict[str, Any] | None:
     return None
 
 
+def _release() -> None:
+    """Free the static caches of the other batch sizes (compiled sweeps)."""
+    from mtad_energy.decoding.static import release_engines
+
+    release_engines()
+
+
 def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int,
              seed: int, compile: bool) -> list[Generation]:
-    """Eager: first-call allocations (a few tokens). Compiled: a full-length generation, after
-    freeing the static caches of other batch sizes, so every shape this batch size uses is
-    compiled (and on CUDA recorded) here, not inside the measured window."""
-    if compile:
-        from mtad_energy.decoding.static import release_engines
-
-        release_engines()
+    """Eager: first-call allocations (a few tokens). Compiled: a full-length generation (the
+    caller has freed the static caches of other batch sizes, `_release`), so every shape this
+    batch size uses is compiled (and on CUDA recorded) here, not inside the measured window."""
     return generate_rows(decoder, pair, rows,
                          max_new_tokens if compile else min(8, max_new_tokens),
                          seed=seed, compute_perplexity=False, compile=compile)
@@ -205,7 +223,7 @@ def kv_bytes_per_token(model) -> int:
 
 
 def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int,
-                        compile: bool) -> int:
+                        compile: bool, max_new_tokens: int | None = None) -> int:
     """An estimate (on the high side) of the memory B rows need beyond the weights: each model's
     KV cache (compiled: rows padded to their bucket, times the rows a sequence expands to, over
     the slot bucket; eager: twice, as a dynamic cache is copied when it grows) and the float32
@@ -213,13 +231,16 @@ def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int
     from mtad_energy.decoding.static import row_bucket, slot_bucket
 
     total = 0
+    # a chain verifies its effective draft (`Decoder.lookahead_for`) plus one; a tree its nodes
+    chain = (decoder.lookahead_for(max_new_tokens) + 1
+             if max_new_tokens is not None and decoder.verify_width == decoder.lookahead + 1 else 0)
     draft = decoder.draft_model(pair)  # a draft model, a head with a cache (EAGLE), or none
     roles = [("target", pair.target)] + ([("draft", draft)] if draft is not None
                                          and not getattr(draft, "cacheless", False) else [])
     for role, model in roles:
         r = (row_bucket(rows) if compile else rows) * decoder.cache_rows(role)
         cache = kv_bytes_per_token(model) * r * (slot_bucket(slots) if compile else 2 * slots)
-        width = max(decoder.verify_width, 32)  # trees are wider than their depth
+        width = max(decoder.verify_width if not chain else chain, 32)  # trees: wider than deep
         total += cache + 4 * r * width * model.config.vocab_size * 4
     return total
 
@@ -240,10 +261,20 @@ def free_memory_bytes(device: str) -> int | None:
     return None
 
 
+def rows_memory_bytes(pair: ModelPair, decoder: Decoder, rows: list[list[int]],
+                      max_new_tokens: int, compile: bool) -> int:
+    """`memory_needed_bytes` of decoding ``rows`` (token ids) for ``max_new_tokens``: compiled,
+    over the static caches' slots; eager, over what the rows write, with the effective draft
+    (`Decoder.lookahead_for`: ``gamma=100000`` with 4 new tokens drafts at most 3)."""
+    slots = slots_needed(decoder, [len(r) for r in rows], max_new_tokens)
+    if not compile:  # a dynamic cache grows with what the rows write
+        slots += decoder.lookahead_for(max_new_tokens) - decoder.lookahead
+    return memory_needed_bytes(pair, decoder, len(rows), slots, compile, max_new_tokens)
+
+
 def does_not_fit(pair: ModelPair, decoder: Decoder, rows: list[list[int]], max_new_tokens: int,
                   compile: bool) -> str | None:
-    slots = slots_needed(decoder, [len(r) for r in rows], max_new_tokens)
-    need = memory_needed_bytes(pair, decoder, len(rows), slots, compile)
+    need = rows_memory_bytes(pair, decoder, rows, max_new_tokens, compile)
     free = free_memory_bytes(pair.describe()["device"])
     if free is None or need <= 0.9 * free:
         return None

@@ -50,7 +50,7 @@ from mtad_energy.measure.contention import (
     row_contention,
 )
 from mtad_energy.models import ModelPair, load_pair
-from mtad_energy.results.schema import params_json, stable_key
+from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
 
 # a compiled run that still compiled a shape inside its measurement windows: its time excludes
@@ -425,6 +425,7 @@ class Runner:
         # steps file is then overwritten, never duplicated)
         if self.store.has("runs", key):  # another worker stored it meanwhile: keep its steps
             raise RowExistsError(f"runs row {key} was stored by another worker meanwhile")
+        row = without_unseen_energy(row)  # compiled + simulated: joules of static power alone
         self.store.write("steps", key, steps, overwrite=True)
         self.store.write("runs", key, [row])
         return row
@@ -513,7 +514,8 @@ def check_prompt_lengths(runner: Runner, units: Sequence[WorkUnit]) -> None:
     for unit in units:
         if unit.prompt not in lengths:
             lengths[unit.prompt] = len(runner._prompt_ids(unit.prompt))
-        n, lookahead = lengths[unit.prompt], runner._decoders[unit.decoder].lookahead
+        n = lengths[unit.prompt]
+        lookahead = runner._decoders[unit.decoder].lookahead_for(runner.config.max_new_tokens)
         if n + runner.config.max_new_tokens + lookahead > ctx:
             bad[unit.prompt.id] = (n, max(lookahead, bad.get(unit.prompt.id, (0, 0))[1]))
     if not bad:

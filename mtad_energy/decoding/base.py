@@ -26,9 +26,12 @@ from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.work import Forward
 
 
-def param(default: Any, help: str) -> Any:
-    """A decoder parameter with its one-line help (shown by ``mtad-energy decoders``)."""
-    return field(default=default, metadata={"help": help})
+def param(default: Any, help: str, when: tuple[str, str] | None = None) -> Any:
+    """A decoder parameter with its one-line help (shown by ``mtad-energy decoders``); ``when``
+    (another parameter, its value): the mode it belongs to (EAGLE's ``branching`` is read only
+    with ``tree=static``): set to other than its default in another mode, it is refused rather
+    than silently ignored."""
+    return field(default=default, metadata={"help": help, **({"when": when} if when else {})})
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,18 @@ class DecoderParams:
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         self.warp  # noqa: B018 - validates the warp fields
         self.validate()
+        self._refuse_ignored()
+
+    def _refuse_ignored(self) -> None:
+        """A parameter of a mode that is not selected (`param`'s ``when``), set to other than its
+        default, would be ignored: refuse it, naming the mode that reads it."""
+        for f in dataclasses.fields(self):
+            when = f.metadata.get("when")
+            if when is None or getattr(self, when[0]) == when[1] or getattr(self, f.name) == f.default:
+                continue
+            raise ValueError(f"{f.name} is read only with {when[0]}={when[1]}; with {when[0]}="
+                             f"{getattr(self, when[0])} it would be ignored: add --set {when[0]}="
+                             f"{when[1]}, or drop {f.name}")
 
     def validate(self) -> None:
         """Subclasses raise ValueError naming the parameter and its valid range."""
@@ -492,6 +507,12 @@ class Decoder:
     def verify_width(self) -> int:
         """Tokens of the widest forward an iteration runs (a chain's verify; trees override)."""
         return self.lookahead + 1
+
+    def lookahead_for(self, max_new_tokens: int) -> int:
+        """The lookahead a generation of ``max_new_tokens`` can use: `draft_len` caps every
+        iteration's draft one short of the tokens still wanted (``gamma=1000000`` with 8 new
+        tokens drafts at most 7)."""
+        return min(self.lookahead, max(0, max_new_tokens - 1))
 
     def cache_rows(self, role: str) -> int:
         """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):

@@ -53,10 +53,13 @@ TREES = ("dynamic", "static")
 class EagleParams(DecoderParams):
     tree: str = param("dynamic", "dynamic (EAGLE-2/3: best nodes by cumulative draft "
                                  "log-prob) or static (EAGLE-1: the branching tree)")
-    depth: int = param(6, "dynamic: expansion steps (tree depth <= depth + 1)")
-    expand: int = param(10, "dynamic: nodes expanded per step, children kept per node (top-k)")
-    total_tokens: int = param(60, "dynamic: tokens verified per iteration, the root included")
-    branching: tuple[int, ...] = param((4, 2, 2, 1), "static: children per node at each level")
+    depth: int = param(6, "dynamic: expansion steps (tree depth <= depth + 1)", ("tree", "dynamic"))
+    expand: int = param(10, "dynamic: nodes expanded per step, children kept per node (top-k)",
+                        ("tree", "dynamic"))
+    total_tokens: int = param(60, "dynamic: tokens verified per iteration, the root included",
+                              ("tree", "dynamic"))
+    branching: tuple[int, ...] = param((4, 2, 2, 1), "static: children per node at each level",
+                                       ("tree", "static"))
 
     def validate(self) -> None:
         set_branching(self)

@@ -147,12 +147,15 @@ def _check_lengths(pair: ModelPair, decoder: Decoder, prompt_len: int, max_new_t
     if prompt_len >= ctx:
         raise ValueError(f"the prompt is {prompt_len} tokens, longer than the target's context of "
                          f"{ctx}; shorten the prompt")
-    need = prompt_len + max_new_tokens + decoder.lookahead
+    look = decoder.lookahead_for(max_new_tokens)
+    need = prompt_len + max_new_tokens + look
     if need > ctx:
+        most = max(m for m in (1, ctx - prompt_len - decoder.lookahead, (ctx - prompt_len + 1) // 2)
+                   if m < 1 or prompt_len + m + decoder.lookahead_for(m) <= ctx)
+        fix = f"lower max_new_tokens to at most {most}" if most >= 1 else "shorten the prompt"
         raise ValueError(
             f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + the decoder's lookahead "
-            f"({decoder.lookahead}) = {need} exceeds the target's context of {ctx}; lower "
-            f"max_new_tokens to at most {ctx - prompt_len - decoder.lookahead}")
+            f"({look}) = {need} exceeds the target's context of {ctx}; {fix}")
 
 
 @torch.inference_mode()

@@ -49,8 +49,10 @@ class MedusaParams(DecoderParams):
     branching: tuple[int, ...] = param((4, 2, 2), "top tokens of head k at tree level k+1 "
                                                   "(levels <= the checkpoint's heads)")
     acceptance: str = param("typical", "typical (Medusa's, lossy) or speculative (lossless)")
-    eps: float = param(0.09, "typical: accept x if p(x) > min(eps, delta*exp(-H(p)))")
-    delta: float = param(0.3, "typical: entropy-scaled threshold factor (Medusa's alpha)")
+    eps: float = param(0.09, "typical: accept x if p(x) > min(eps, delta*exp(-H(p)))",
+                       ("acceptance", "typical"))
+    delta: float = param(0.3, "typical: entropy-scaled threshold factor (Medusa's alpha)",
+                         ("acceptance", "typical"))
 
     def validate(self) -> None:
         set_branching(self)

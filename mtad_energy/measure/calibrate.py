@@ -450,6 +450,23 @@ def record_path(device_id: str, directory: Path | None = None) -> Path:
     return (directory or calibration_dir()) / f"{safe}.json"
 
 
+def check_record_dir(directory: Path | None = None) -> Path:
+    """The directory records go to (``directory``, else `calibration_dir`), created and tried
+    with a file, before anything is calibrated: a ValueError naming it and the option when it
+    cannot be written (minutes of calibrating would otherwise be lost at the end)."""
+    where = Path(directory) if directory is not None else calibration_dir()
+    probe = where / f".tmp-{os.getpid()}-write-check"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"cannot write calibration records to {where} (--record-dir, else "
+                         f"${CALIBRATION_ENV_VAR}): {err.strerror or err}; pick a directory you "
+                         "can write to") from None
+    return where
+
+
 def save_record(record: CalibrationRecord, directory: Path | None = None) -> Path:
     """Write ``record`` (atomically; it replaces the device's previous one); returns the path."""
     path = record_path(record.device_id, directory)

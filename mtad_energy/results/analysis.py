@@ -187,6 +187,21 @@ def _numeric(frame: pd.DataFrame, columns: Iterable[str]) -> pd.DataFrame:
 
 
 # -- per-decoder summary ---------------------------------------------------------------------------
+IMPLAUSIBLE_NOTE = ("!: implausible: faster than {baseline} with no draft token accepted (block "
+                    "efficiency 1.00), so load or drift on the machine, not the decoder, made the "
+                    "difference; re-run with --repeats 3 or more on a quiet machine")
+
+
+def implausible(frame: pd.DataFrame, baseline: str = "ar") -> pd.Series:
+    """Rows whose speed-up over ``baseline`` is above 1 although every target forward emitted one
+    token (block efficiency 1.00: nothing drafted was accepted): such a decoder did the baseline's
+    work plus its drafting, so its speed-up cannot be its own."""
+    speedup = pd.to_numeric(frame.get("speedup"), errors="coerce")
+    block = pd.to_numeric(frame.get("block_efficiency"), errors="coerce")
+    return ((speedup > 1.0) & (block < 1.005) & (frame["decoder"] != baseline)).fillna(False) \
+        .astype(bool)
+
+
 def short_reason(reason: Any) -> str:
     """The first clause of a (possibly long or multi-line) meter or energy reason, for one table
     line, caption or figure; reports list the whole reason."""
@@ -362,7 +377,8 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     summary["speedup_total"] = summary["tokens_per_s_total"] / summary["_base_tps_total"]
     summary["energy_saving_total"] = 1.0 - summary["energy_per_token_j"] / summary["_base_jpt"]
     summary = summary.drop(columns=["_base_tps", "_base_jpt", "_base_dec_jpt", "_base_tps_total"])
-    return _sort_by_decoder(summary[columns])
+    summary["implausible"] = implausible(summary, baseline)
+    return _sort_by_decoder(summary[[*columns, "implausible"]])
 
 
 # -- the paper's main table ------------------------------------------------------------------------
@@ -673,6 +689,7 @@ def batch_crossover(rows: pd.DataFrame | Sequence[Mapping[str, Any]], baseline: 
             })
     agg = pd.DataFrame(out)
     agg["beats_baseline"] = agg["speedup"] > 1.0
+    agg["implausible"] = implausible(agg, baseline)
     agg["crossover_batch_size"] = math.nan
     for _, g in agg.groupby([*setting, "label"], sort=False):
         if (g["label"] != g["baseline_label"]).all():  # the baseline has no crossover with itself
@@ -725,7 +742,8 @@ def crossover_display(table: pd.DataFrame, baseline: str = "ar", compact: bool =
         rows.append({
             "decoder": str(r["label"]), "B": str(int(r["batch_size"])), "repeats": str(int(r["repeats"])),
             "tok/s": _fmt(r["tokens_per_s"], "{:.1f}") + ("*" if r.get("n_contended", 0) else ""),
-            "speed-up": _fmt(r["speedup"], "{:.2f}x") + ("*" if _busy_point(r) else ""),
+            "speed-up": _fmt(r["speedup"], "{:.2f}x") + ("*" if _busy_point(r) else "")
+            + (" !" if str(r.get("implausible")) == "True" else ""),
             "min-max": "-" if r["repeats"] < 2 or is_base else
             f"{_fmt(r['speedup_min'], '{:.2f}')}-{_fmt(r['speedup_max'], '{:.2f}')}",
             "J/tok": _fmt(r["energy_per_token_j"], "{:.4g}", "n/a"),
@@ -797,4 +815,6 @@ def crossover_notes(table: pd.DataFrame, baseline: str = "ar") -> list[str]:
         notes.append(f"contended (*): {points} measured while other processes used the machine "
                      f"(up to {busy['others_cores_max'].max():.2f} core(s)); those speed-ups are "
                      "not the decoders' alone: re-run on a quiet machine")
+    if "implausible" in table and table["implausible"].eq(True).any():
+        notes.append(IMPLAUSIBLE_NOTE.format(baseline=baseline))
     return notes

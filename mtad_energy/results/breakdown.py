@@ -76,9 +76,13 @@ def fit_stores(dirs: Sequence[str | Path]) -> tuple[dict[str, EnergyFit | str], 
     cannot be fitted (missing columns, no energy); and the number of rows."""
     batch = _load_all(dirs, "batch")
     if batch.empty:
-        raise ValueError(f"no batch-sweep rows in {', '.join(map(str, dirs))}; run `mtad-energy sweep "
-                         "batch-size --output DIR` (with --contexts and --chunks for the identifying "
-                         "design) and pass that DIR")
+        decoding = not _load_all(dirs, "decode_batch").empty
+        raise ValueError(f"no batch-sweep rows in {', '.join(map(str, dirs))}"
+                         + (" (it holds a decoding sweep, `sweep batch-size --decoder`, whose rows "
+                            "are checked against the fit, never fitted)" if decoding else "")
+                         + "; run the forward-only study, `mtad-energy sweep batch-size --output "
+                         "DIR` without --decoder (with --contexts and --chunks for the identifying "
+                         "design), and pass that DIR (--fit-from DIR, or as one more RESULTS dir)")
     needs = {"roofline": ("counted_flops", "counted_bytes", "re-run the batch sweep: rows stored "
                           "before counted work have no FLOPs/bytes"),
              "paper": ("t_flop_s", "t_mem_s", "re-run the sweep with --ops")}

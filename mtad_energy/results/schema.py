@@ -88,3 +88,55 @@ def stable_key(identity: Mapping[str, Any]) -> str:
 def params_json(params: Mapping[str, Any]) -> str:
     """Decoder parameters as canonical JSON (sorted keys), the form stored and compared."""
     return json.dumps(dict(params), sort_keys=True, default=str, separators=(",", ":"))
+
+
+# -- rows whose joules measured nothing the models did ---------------------------------------------
+FLAG_WORK_UNSEEN = "work-unseen"  # `measure.simulated.FLAG_WORK_UNSEEN` (results never imports measure)
+WORK_UNSEEN_REASON = ("work-unseen: the simulated meter cannot see compiled forwards (--compile), "
+                      "its joules would be static power x time alone: drop --compile for modelled "
+                      "joules, or measure with a real meter")
+
+
+def row_flags(value: Any) -> set[str]:
+    """A row's ``energy_flags`` (a JSON list, or missing) as a set of flag codes."""
+    if isinstance(value, list | tuple | set):
+        return set(map(str, value))
+    if not isinstance(value, str) or not value:
+        return set()
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return {value}
+    return set(map(str, parsed)) if isinstance(parsed, list) else set()
+
+
+def is_energy_column(name: str) -> bool:
+    """A column that holds joules (``*_j``: energy_j, decode_energy_j, energy_per_token_j, ...)."""
+    return name.endswith("_j")
+
+
+def without_unseen_energy(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its joules n/a (None) and `WORK_UNSEEN_REASON` when its energy is flagged
+    `FLAG_WORK_UNSEEN`: those joules are static power x time, not the models' work, so no table,
+    fit, attribution, schedule or report may use them. Other rows are returned unchanged."""
+    if FLAG_WORK_UNSEEN not in row_flags(row.get("energy_flags")):
+        return row
+    return {**{k: (None if is_energy_column(k) else v) for k, v in row.items()},
+            "energy_reason": WORK_UNSEEN_REASON}
+
+
+def frame_without_unseen_energy(frame: Any) -> Any:
+    """`without_unseen_energy` for every row of a DataFrame (a copy where any row changes)."""
+    if "energy_flags" not in getattr(frame, "columns", ()) or frame.empty:
+        return frame
+    unseen = frame["energy_flags"].map(lambda v: FLAG_WORK_UNSEEN in row_flags(v)).astype(bool)
+    if not unseen.any():
+        return frame
+    out = frame.copy()
+    for col in (c for c in out.columns if is_energy_column(str(c))):
+        out[col] = out[col].astype(object).where(~unseen, None) if out[col].dtype == object \
+            else out[col].where(~unseen)
+    if "energy_reason" not in out:
+        out["energy_reason"] = None
+    out["energy_reason"] = out["energy_reason"].astype(object).where(~unseen, WORK_UNSEEN_REASON)
+    return out

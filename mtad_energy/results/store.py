@@ -58,7 +58,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mtad_energy.results.schema import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, TABLES, TableSpec
+from mtad_energy.results.schema import (
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    TABLES,
+    TableSpec,
+    frame_without_unseen_energy,
+)
 
 try:
     import fcntl
@@ -213,6 +219,11 @@ def _to_pandas(tables: Sequence[pa.Table]) -> pd.DataFrame:
         return pd.concat([t.to_pandas() for t in tables], ignore_index=True, sort=False)
 
 
+def _unwritable(root: Path, err: OSError) -> str:
+    return (f"cannot create the results directory {root} (--output): "
+            f"{err.strerror or err}; pick a directory you can write to")
+
+
 class ResultStore:
     """A results directory. ``ResultStore(dir)`` creates it if needed and checks what is in it."""
 
@@ -223,7 +234,10 @@ class ResultStore:
         if not self.root.exists():
             if not create:
                 raise StoreError(f"results directory {self.root} does not exist")
-            self.root.mkdir(parents=True, exist_ok=True)  # another worker may be creating it too
+            try:  # another worker may be creating it too
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(_unwritable(self.root, err)) from None
         if not self.root.is_dir():
             raise StoreError(f"{self.root} is a file, not a results directory; pick another --output")
         if marker.exists():
@@ -233,7 +247,10 @@ class ResultStore:
                 f"{self.root} is not empty and is not an mtad-energy results store (no {MARKER}); "
                 "pick a new or empty --output directory")
         elif create:
-            self._write_marker()
+            try:
+                self._write_marker()
+            except OSError as err:
+                raise StoreError(_unwritable(self.root, err)) from None
         else:
             raise StoreError(f"{self.root} is empty: no results yet")
         self._sweep_temporaries()
@@ -514,7 +531,7 @@ class ResultStore:
             tables = [t for t in tables if t.num_rows]
         if not tables:
             return pd.DataFrame(columns=list(TABLES[table].required))
-        return _to_pandas(tables)
+        return frame_without_unseen_energy(_to_pandas(tables))  # old stores' static-only joules
 
     def envs(self) -> dict[str, dict[str, Any]]:
         d = self.root / "envs"

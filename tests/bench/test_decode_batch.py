@@ -91,7 +91,7 @@ def test_profile_batch_size_reaches_the_rows_and_refuses_what_does_not_batch(tmp
               "--max-new-tokens", "4", "--json"]
     bad = runner.invoke(app, ["profile", "--decoder", "bild", "--batch-size", "2",
                               "--output", str(tmp_path / "bad"), *common])
-    assert bad.exit_code == 2 and "bild do not decode batches yet" in bad.stdout
+    assert bad.exit_code == 2 and "bild do not decode batches yet" in bad.output
     ok = runner.invoke(app, ["profile", "--decoder", "spd", "--batch-size", "2",
                              "--output", str(tmp_path / "ok"), *common])
     assert ok.exit_code == 0, ok.output

@@ -163,7 +163,8 @@ def test_cli_decompose_prints_both_forms_the_validation_and_the_attribution(roof
 
 def test_no_batch_rows_is_a_clear_error(tmp_path):
     ResultStore(tmp_path / "empty")
-    with pytest.raises(ValueError, match="no batch-sweep rows in .*run `mtad-energy sweep batch-size"):
+    with pytest.raises(ValueError, match="no batch-sweep rows in .*`mtad-energy sweep batch-size "
+                                         "--output DIR` without --decoder"):
         fit_stores([tmp_path / "empty"])
     res = CliRunner().invoke(app, ["decompose", str(tmp_path / "empty"), "--json"])
     assert res.exit_code == 2 and "no batch-sweep rows" in json.loads(res.stdout)["error"]
