@@ -279,12 +279,15 @@ def warped_along(model, prompt: Sequence[int], output: Sequence[int], warp: Warp
     return warp.probs(logits).cpu()
 
 
-def draft_model_chains(p: torch.Tensor, q: torch.Tensor, k: int) -> list[torch.Tensor]:
+def draft_model_chains(p: torch.Tensor, q: torch.Tensor, k: int, greedy_draft: bool = False
+                       ) -> list[torch.Tensor]:
     """Chains of a draft model along one output: the engine drafts after each token it emits, so a
     chain starts at every position t >= 1 (position 0 comes from prefill) and its alphas are
     alpha_t..alpha_{t+k-1} teacher-forced along the output (an accepted draft token is the output
-    token). p, q ``[T, V]`` -> one ``[k]`` per start with a full chain ahead."""
-    alphas = alpha_dists(p, q)  # [T]
+    token). ``greedy_draft``: the engine proposes argmax q and verifies it as a point mass (vLLM's
+    default ``draft_sample_method="greedy"``), alpha = p~(argmax q~); else alpha = sum min(p~, q~).
+    p, q ``[T, V]`` -> one ``[k]`` per start with a full chain ahead."""
+    alphas = alpha_point(p, q.argmax(-1)) if greedy_draft else alpha_dists(p, q)  # [T]
     return [alphas[t:t + k] for t in range(1, alphas.shape[0] - k + 1)]
 
 

@@ -48,6 +48,10 @@ def test_teacher_forced_alpha_on_a_tiny_pair(lossless_pair):
     hand = torch.minimum(lp, lq).sum(-1)
     assert audit.alpha_dists(p, q).tolist() == pytest.approx(hand.tolist(), abs=1e-5)
     assert 0.0 < float(hand.min()) and float(hand.max()) < 1.0
+    # a greedy draft (argmax q, verified as a point mass): alpha = p~(argmax q~), below 1 even for q = p
+    greedy = audit.draft_model_chains(p, q_self, k=1, greedy_draft=True)
+    assert [c.item() for c in greedy] == pytest.approx(lp.max(-1).values[1:].tolist(), abs=1e-5)
+    assert max(c.item() for c in greedy) < 1.0
 
 
 def _matching(theory: Theory, drafts: int, seed: int = 0) -> Measured:
