@@ -295,14 +295,29 @@ def draft_model_chains(p: torch.Tensor, q: torch.Tensor, k: int, greedy_draft: b
 def ngram_chains(target, prompt: Sequence[int], output: Sequence[int], warp: Warp, k: int,
                  min_n: int, max_n: int) -> list[torch.Tensor]:
     """Chains of n-gram drafting along one output: at each position t >= 1 the proposal d from
-    prompt + output[:t]; its alphas p~(d_i | context, d_<i) with one target forward over the
-    context and the proposal."""
+    prompt + output[:t]; its alphas p~(d_i | context, d_<i). One cached forward over prompt +
+    output gives them where the proposal follows the output; elsewhere the cache, cropped to the
+    context, runs the proposal's first len(d) - 1 tokens."""
+    import copy
+
+    from mtad_energy.decoding.cache import crop
+
+    ids = torch.tensor([list(prompt) + list(output)], device=target.device)
+    res = target(input_ids=ids, use_cache=True)
+    p_out = warp.probs(res.logits[0, len(prompt) - 1:-1]).cpu()  # [T, V]
     chains = []
     for t in range(1, len(output)):
-        ctx = list(prompt) + list(output[:t])
-        d = ngram_propose(ctx, min_n, max_n, k)
+        d = ngram_propose(list(prompt) + list(output[:t]), min_n, max_n, k)
         if not d:
             continue
-        p = warped_along(target, ctx, d, warp)  # [len(d), V]
+        if list(d[:-1]) == list(output[t:t + len(d) - 1]) and t + len(d) - 1 < len(output):
+            p = p_out[t:t + len(d)]  # [len(d), V]
+        else:
+            cache = copy.deepcopy(res.past_key_values)
+            crop(cache, len(prompt) + t)
+            tail = torch.tensor([d[:-1]], device=target.device)
+            rest = (warp.probs(target(input_ids=tail, past_key_values=cache).logits[0]).cpu()
+                    if len(d) > 1 else p_out[:0])
+            p = torch.cat([p_out[t:t + 1], rest])  # [len(d), V]
         chains.append(alpha_point(p, torch.tensor(d)))
     return chains

@@ -54,6 +54,25 @@ def test_teacher_forced_alpha_on_a_tiny_pair(lossless_pair):
     assert max(c.item() for c in greedy) < 1.0
 
 
+def test_ngram_chains_are_the_target_on_each_proposal(lossless_pair):
+    """The cached chains equal p~(d_i | context, d_<i) from a full forward over each context and
+    proposal, where the proposal follows the output and where it leaves it."""
+    target, warp = lossless_pair.target, Warp(temperature=0.8, top_k=0, top_p=1.0)
+    prompt, out = [1, 2, 3, 1, 2, 4], [1, 2, 3, 0, 1, 2]
+    chains = audit.ngram_chains(target, prompt, out, warp, k=3, min_n=1, max_n=2)
+    expected, follows = [], set()
+    for t in range(1, len(out)):
+        ctx = prompt + out[:t]
+        d = audit.ngram_propose(ctx, 1, 2, 3)
+        if d:
+            p = audit.warped_along(target, ctx, d, warp)
+            expected.append(p[torch.arange(len(d)), torch.tensor(d)])
+            follows.add(d[:-1] == out[t:t + len(d) - 1])
+    assert len(chains) == len(expected) >= 3 and follows == {True, False}  # both paths
+    for c, e in zip(chains, expected, strict=True):
+        assert c.tolist() == pytest.approx(e.tolist(), abs=1e-5)
+
+
 def _matching(theory: Theory, drafts: int, seed: int = 0) -> Measured:
     """Counters an engine meeting theory would report: each chain accepted to depth j with
     theory.depth[j] (drawn as a chain: depth j+1 only after depth j)."""
