@@ -2,10 +2,12 @@
 
 Three stages, each a subcommand (run them in this order; `all` runs run + audit):
 
-    export PYTHONPATH=$PWD OMP_NUM_THREADS=1
-    /work/venv-vllm/bin/python experiments/vllm_audit.py probe   # vLLM's CPU rejection kernel on known p
+    export PYTHONPATH=$PWD OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1
+    /work/venv-vllm/bin/python experiments/vllm_audit.py probe [--patched]  # the CPU sampler on known p
     /work/venv-vllm/bin/python experiments/vllm_audit.py run     # engines: outputs + diffed counters
-    /work/venv-vllm/bin/python experiments/vllm_audit.py audit   # HF teacher forcing -> the table
+    .venv/bin/python experiments/vllm_audit.py audit             # HF teacher forcing -> the table
+    # the committed table: run --configs ngram --prompts 4 --max-tokens 48 --samples 0
+    #                          --temperatures 0.8,0.0  (a loaded 2-core machine: ~6 min engine start)
 
 `run`: one engine per drafting configuration (SmolLM2-135M-Instruct, the project's cached HF
 conversion, bf16, `enforce_eager` unless --compiled; the model is its own draft), MT-Bench prompts
@@ -124,7 +126,7 @@ def run(args) -> None:
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
         entry = {"spec": {k: v for k, v in spec.items() if k != "model"}, "engine_start_s": start_s,
                  "calls": {}}
-        for temp in TEMPERATURES:
+        for temp in (float(t) for t in args.temperatures.split(",")):
             before = counters(llm)
             t1 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -136,8 +138,11 @@ def run(args) -> None:
                 "counters": diff(counters(llm), before), "wall_s": wall,
                 "outputs": [list(o.outputs[0].token_ids) for o in outs]}
             print(name, temp, entry["calls"][str(temp)]["counters"], f"{wall:.1f}s", flush=True)
+            raw["runs"][name] = entry  # written after every call: a long run killed keeps its calls
+            OUT.mkdir(parents=True, exist_ok=True)
+            (OUT / args.raw).write_text(json.dumps(raw))
         before = counters(llm)
-        outs = llm.generate([{"prompt_token_ids": lossless_ids}] * args.samples,
+        outs = [] if not args.samples else llm.generate([{"prompt_token_ids": lossless_ids}] * args.samples,
                             SamplingParams(temperature=0.8, top_p=1.0, top_k=0, max_tokens=2,
                                            ignore_eos=True), use_tqdm=False)
         entry["lossless"] = {"counters": diff(counters(llm), before),
@@ -276,6 +281,8 @@ def audit(args) -> None:
         # lossless: the 2nd token against the target's exact p~(. | prompt, x1)
         warp = Warp(temperature=0.8, top_k=0, top_p=1.0)
         pairs = [tuple(p) for p in entry["lossless"]["pairs"] if len(p) == 2]
+        if not pairs:  # run with --samples 0
+            continue
         groups = defaultdict(int)
         for x1, _ in pairs:
             groups[x1] += 1
@@ -327,8 +334,9 @@ def markdown(rows, lossless) -> str:
                      f"{r['accepted_tokens']}/{r['draft_tokens']} = {r['measured_accept_rate']:.3f} "
                      f"[{alo:.3f}, {ahi:.3f}] | {r['drafts']} | {r['pvalue_under']:.2g} | "
                      f"{'UNDER-ACCEPTS' if r['flag_under_accepts'] else 'ok'} |")
-    lines += ["", "| configuration (T=0.8, 2nd token) | samples | chi2 / dof | p | x1 control chi2 / dof |",
-              "|---|---:|---:|---:|---:|"]
+    if lossless:
+        lines += ["", "| configuration (T=0.8, 2nd token) | samples | chi2 / dof | p | "
+                  "x1 control chi2 / dof |", "|---|---:|---:|---:|---:|"]
     for r in lossless:
         lines.append(f"| {r['config']} | {r['samples']} | {r['chi2']} / {r['dof']} | {r['pvalue']:.2g} | "
                      f"{r['x1_control_chi2']} / {r['x1_control_dof']} |")
@@ -342,6 +350,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--samples", type=int, default=400)
+    ap.add_argument("--temperatures", default=",".join(map(str, TEMPERATURES)))
     ap.add_argument("--compiled", action="store_true", help="torch.compile (default: enforce_eager)")
     ap.add_argument("--raw", default=None, help="raw file name (default by --patched)")
     ap.add_argument("--patched", action="store_true",

@@ -214,8 +214,10 @@ class VllmEngine(Engine):
         t0 = time.perf_counter()
         try:
             for i, p in enumerate(prompts):
-                engine.add_request(ids[i], {"prompt_token_ids": list(p)},
-                                   SamplingParams(**sampling_kwargs(params, max_new_tokens, seed + i)))
+                internal = engine.add_request(
+                    ids[i], {"prompt_token_ids": list(p)},
+                    SamplingParams(**sampling_kwargs(params, max_new_tokens, seed + i)))
+                index[internal] = i  # vLLM may suffix the id it was given
             decoding = False
             while engine.has_unfinished_requests():
                 for out in engine.step():
