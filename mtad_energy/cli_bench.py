@@ -30,6 +30,7 @@ from mtad_energy.cli_common import (
     quiet_libraries,
     wrapping_table,
 )
+from mtad_energy.cli_engines import EngineOption, each_engine, engine_configs, sweep_engines
 from mtad_energy.cli_store import compact_after, store_app
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 
@@ -261,36 +262,72 @@ def _interrupted(out: Path) -> typing.NoReturn:
 
 
 # -- running a configuration -------------------------------------------------------------------
-def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers: int = 1,
-               cluster: str = "local", columns: str = "speed", baseline: str = "ar"):
-    """Run/resume ``config`` into ``out`` with a progress bar (or as ``workers`` submitit jobs);
-    print the summary (``columns``: `summary_table`) and return it."""
+def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
+               workers: int = 1, cluster: str = "local", columns: str = "speed",
+               baseline: str = "ar"):
+    """Run/resume ``config`` (or one per engine, side by side) into ``out`` with a progress bar
+    (or as ``workers`` submitit jobs); print the summary (``columns``: `summary_table`, speed-ups
+    over ``baseline``), return it."""
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
+    from mtad_energy.cli_engines import check_workers
     from mtad_energy.measure.contention import machine_load
 
+    configs = config if isinstance(config, list) else [config]
+    config = configs[0]
     try:
         prompts = load_config_prompts(config)
         check_batch_size(config, prompts)  # before loading any model
+        check_workers(configs, workers)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
     if load["warning"] and not as_json:
         console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
-    title = f"{title} · {model_label(config)}" + (
-        f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
+    if len(configs) > 1:
+        title = f"{title} · {', '.join(model_label(c) for c in configs)}"
+    else:
+        title = f"{title} · {model_label(config)}" + (
+            f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
     if workers > 1:
         return run_distributed(config, out, as_json, title, workers, cluster, columns, baseline)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, summary_baseline, work_units
-    from mtad_energy.results import ResultStore
+    from mtad_energy.bench.runner import summary_baseline
     from mtad_energy.results.analysis import decoder_summary
 
     quiet_libraries()
+    rows, ran, skipped = [], 0, 0
+    for config in configs:  # one engine after the other, each loaded once, freed after
+        runner, rep = _run_one(config, out, as_json, prompts)
+        rows, ran, skipped = rows + rep.rows, ran + rep.ran, skipped + rep.skipped
+    compact_after(out)
+    runs = pd.DataFrame(rows)
+    summary = decoder_summary(runs, summary_baseline(baseline))
+    notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
+    if as_json:
+        emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
+              "pair": runner.pair.describe(), "config": config.to_dict(),
+              **({"engines": [c.engine for c in configs]} if len(configs) > 1 else {}),
+              "summary": json.loads(summary.to_json(orient="records")), "notes": notes,
+              "machine_load": load})
+    else:
+        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+        console.print(summary_table(shown, title, columns))
+        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
+        for note in notes:
+            console.print(f"[yellow]note:[/] {esc(note)}")
+    return summary
+
+
+def _run_one(config: RunConfig, out: Path, as_json: bool, prompts):
+    """Load one configuration's runner (its engine) and run it into ``out`` with a progress bar."""
+    from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, work_units
+    from mtad_energy.results import ResultStore
+
     try:
         store = ResultStore(out)
-        with console.status("loading models"):
+        with console.status(f"loading models ({config.engine})"):
             runner = Runner(config, store, scorer=quality_scorer(config.allow_code_execution))
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
@@ -301,6 +338,9 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
                                                f"({runner.dtype}), loaded in {pair.load_time_s:.1f} s"))
         console.print(runner.pair.draft_line(), markup=False, highlight=False)
         console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(short_reason(runner.meter_reason))}")
+        if runner.engine is not None:
+            console.print(f"[bold]engine[/] {esc(runner.engine.name)} {esc(runner.engine.version)}: "
+                          f"{esc(runner.engine.config_json())}", highlight=False)
     try:
         with _progress() as bar:
             task = bar.add_task(esc(config.sweep), total=len(runner.unique(work_units(config, prompts))),
@@ -316,23 +356,10 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
         _interrupted(out)
     except (ValueError, RuntimeError) as error:
         fail(error)
-    compact_after(out)
-    ran, skipped = rep.ran, rep.skipped
-    runs = pd.DataFrame(rep.rows)
-    summary = decoder_summary(runs, summary_baseline(baseline))
-    notes = config_draft_notes(config) + pass_at_1_notes(rep.rows, config.allow_code_execution)
-    if as_json:
-        emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
-              "pair": runner.pair.describe(), "config": config.to_dict(),
-              "summary": json.loads(summary.to_json(orient="records")), "notes": notes,
-              "machine_load": load})
-    else:
-        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
-        console.print(summary_table(shown, title, columns))
-        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
-        for note in notes:
-            console.print(f"[yellow]note:[/] {esc(note)}")
-    return summary
+    finally:
+        if runner.engine is not None:
+            runner.engine.close()
+    return runner, rep
 
 
 def config_draft_notes(config: RunConfig) -> list[str]:
@@ -452,7 +479,7 @@ def profile(
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    as_json: Json = False,
+    engine: EngineOption = "hf", as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -465,9 +492,10 @@ def profile(
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
                          require_energy, compile, batch_size)
         check_columns(columns)
+        configs = engine_configs(config, engine)
     except ValueError as error:
         fail(error)
-    run_config(config, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
+    run_config(configs, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
                baseline)
 
 
@@ -485,7 +513,7 @@ def compare(
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    as_json: Json = False,
+    engine: EngineOption = "hf", as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -501,10 +529,11 @@ def compare(
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
                          require_energy, compile, batch_size)
         check_columns(columns)
+        configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS))
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
-    summary = run_config(config, out, as_json, "compare", workers, cluster, columns)
+    summary = run_config(configs, out, as_json, "compare", workers, cluster, columns)
     table = main_table(summary)
     md = to_markdown(table)
     if "meter" in summary and summary["meter"].map(is_simulated).any():
@@ -597,7 +626,7 @@ def sweep_batch_size(
     draft: Draft = None, dataset: Dataset = "mtbench",
     n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
     max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
-    set_: Sets = None, compile: Compile = False,
+    set_: Sets = None, compile: Compile = False, engine: EngineOption = "hf",
 ):
     """The paper's batch-size study: energy and time per run and per input.
 
@@ -612,7 +641,8 @@ def sweep_batch_size(
     from mtad_energy.results import ResultStore
 
     quiet_libraries()
-    unused = given_options(ctx, FORWARD_ONLY_OPTIONS if decoder is not None else DECODING_ONLY_OPTIONS)
+    unused = given_options(ctx, FORWARD_ONLY_OPTIONS if decoder is not None else
+                           (*DECODING_ONLY_OPTIONS, "engine"))
     if unused:
         why = ("the decoding sweep (--decoder) decodes prompts: it has no fixed forward runs, "
                "context length or Yang et al. repetitions" if decoder is not None else
@@ -625,7 +655,7 @@ def sweep_batch_size(
         _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
                             max_new_tokens, repeats, set_, meter, device, dtype, seed,
                             output or Path("results/batch-size-decode"), require_energy, as_json,
-                            compile)
+                            compile, engine)
         return
     out = output or Path("results/batch-size")
     try:
@@ -700,7 +730,7 @@ def sweep_batch_size(
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
                         repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
-                        as_json, compile: bool = False) -> None:
+                        as_json, compile: bool = False, engine: str = "hf") -> None:
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
@@ -730,12 +760,14 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         else:
             m, why = get_meter(meter), f"asked for {meter}"
         MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
-        needs_draft = any(s.build().needs_draft for s in specs)
+        engines = sweep_engines(engine, specs, size_list, compile)  # refusals before loading
+        needs_draft = "hf" in engines and any(s.build().needs_draft for s in specs)
         with console.status("loading the models"):
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
                              dtype=dtype, with_draft=needs_draft,
                              heads=head_kinds(s.build() for s in specs))
         prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
+        model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
         store = ResultStore(out)
         snap = snapshot()
         store.write_env(snap.snapshot_id, snap.to_dict())
@@ -744,7 +776,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
     if load["warning"] and not as_json:
         console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
-    total = len(specs) * len(size_list) * repeats
+    total = len(specs) * len(size_list) * repeats * len(engines)
     not_run: list[dict] = []  # sizes skipped for memory, with the reason
     if not as_json:
         console.print("[bold]model[/] " + esc(f"{pair.name}: {pair.target_id} + "
@@ -765,10 +797,10 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
                 not_run.append({"decoder": label, "batch_size": b, "reason": reason})
                 bar.update(task, advance=repeats, note=f"{label} B={b}: does not fit")
 
-            rep = decode_batch_sweep(pair, specs, size_list, prompts, store, m, model=pair.name,
-                                     dataset=dataset, max_new_tokens=max_new_tokens,
-                                     repeats=repeats, seed=seed, env_id=snap.snapshot_id,
-                                     progress=step, compile=compile, on_skip=skip)
+            rep = each_engine(engines, model_spec, lambda e: decode_batch_sweep(
+                pair, specs, size_list, prompts, store, m, model=pair.name, dataset=dataset,
+                max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
+                env_id=snap.snapshot_id, progress=step, compile=compile, on_skip=skip, engine=e))
     except KeyboardInterrupt:
         fail(f"interrupted: {done['ran']} row(s) measured and stored in {out} ({done['skipped']} "
              f"were stored before), {total - done['ran'] - done['skipped']} left; re-run the same "

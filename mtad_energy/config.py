@@ -119,6 +119,7 @@ class RunConfig:
     sweep: str = "profile"
     compile: bool = False  # static KV cache + torch.compile forwards (CUDA graphs on CUDA)
     batch_size: int = 1  # prompts decoded together per set of forwards (generate_rows)
+    engine: str = "hf"  # what generates (`mtad_energy.engines`): hf = the project's own decoders
 
     def __post_init__(self) -> None:
         if not self.decoders:
@@ -131,7 +132,20 @@ class RunConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.batch_size > 1:
+        if self.engine != "hf":  # what the engine cannot honour, refused before anything loads
+            from mtad_energy.engines.registry import engine_kind
+
+            kind = engine_kind(self.engine)
+            kind.check_compile(self.compile)
+            kind.check_batch_size(self.batch_size)
+            for d in self.decoders:
+                kind.decoder_params(d.name, d.param_dict)
+            if self.ops:
+                from mtad_energy.engines.registry import UnsupportedError
+
+                raise UnsupportedError(f"--ops profiles the project's own forwards; engine "
+                                       f"{self.engine!r} runs its own: drop --ops for it")
+        elif self.batch_size > 1:
             from mtad_energy.decoding.registry import DECODERS, check_batched
 
             check_batched(DECODERS[d.name] for d in self.decoders if d.name in DECODERS)

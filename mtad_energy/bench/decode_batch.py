@@ -41,6 +41,8 @@ from mtad_energy.config import DecoderSpec
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import Generation, generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
+from mtad_energy.engines import Engine, hf_columns
+from mtad_energy.engines.base import EngineDecoder, with_perplexity
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.models import ModelPair
@@ -92,26 +94,36 @@ def decode_batch_sweep(
     progress: Callable[[dict[str, Any], bool], object] | None = None,
     compile: bool = False,
     on_skip: Callable[[str, int, str], object] | None = None,
+    engine: Engine | None = None,
 ) -> DecodeBatchReport:
     """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
     decoders interleaved within each repeat (so drift and load hit them alike); rows the
     store holds already are not rerun, and a row another worker stores meanwhile (into the same
     store) counts as skipped, as in `Runner`. ``progress(row, ran)`` is called once per row
     (``ran``: measured now, not found stored); ``on_skip(label, batch size, reason)`` hears of
-    every size skipped for memory."""
+    every size skipped for memory. ``engine``: decode with a loaded engine (`mtad_energy.engines`)
+    instead of the project's decoders (``pair`` then gives the prompts' perplexity only); its rows
+    are stored under model ``<model>+<engine>`` with the engine columns in their key."""
     decoders = expand_variants(decoders)
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
         raise ValueError(f"batch sizes must be positive integers, got {list(sizes) or 'none'}")
     if not prompts:
         raise ValueError("give at least one prompt")
-    built = {spec: spec.build() for spec in decoders}  # validates every parameter up front
-    if max(sizes) > 1:
-        check_batched(built.values())
-    desc = pair.describe()
+    if engine is not None:  # refused before anything runs: a size or a parameter it lacks
+        engine.kind.check_compile(compile)
+        engine.kind.check_batch_size(max(sizes))
+        built = {spec: EngineDecoder(engine, spec) for spec in decoders}
+        desc = {"device": engine.device, "dtype": engine.dtype}
+    else:
+        built = {spec: spec.build() for spec in decoders}  # validates every parameter up front
+        if max(sizes) > 1:
+            check_batched(built.values())
+        desc = pair.describe()
+    columns = engine.columns() if engine is not None else hf_columns(compile)
     probe = ContentionProbe(gpu_pids=gpu_processes(desc["device"]))  # others' share per window
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
-    label = model + ("+compile" if compile else "")
+    label = model + (f"+{engine.name}" if engine is not None else "") + ("+compile" if compile else "")
     out, ran = [], 0
     params = {spec: {k: v for k, v in d.config().items() if k != "decoder"}
               for spec, d in built.items()}
@@ -129,21 +141,26 @@ def decode_batch_sweep(
                     continue
                 identity = {
                     "model": label, "target_id": pair.target_id,
-                    "draft_id": pair.draft_id_for(decoder),
+                    "draft_id": (engine.draft_id(spec) if engine is not None
+                                 else pair.draft_id_for(decoder)),
                     "decoder": spec.name, "params_json": params_json(params[spec]),
                     "batch_size": b, "dataset": dataset, "prompts": stable_key({"ids": rows}),
                     "max_new_tokens": max_new_tokens, "seed": seed + rep, "repeat": rep,
                     "meter": meter.name, "device": desc["device"], "dtype": desc["dtype"],
                     **({"compile": True} if compile else {}),  # eager rows keep their keys
+                    **({"engine": columns} if engine is not None else {}),  # hf: old keys
                 }
                 key = stable_key(identity)
                 row, measured = _stored_row(store, stored, key), False
                 if row is None:
                     why, warm_gens = None, []
                     if spec not in warm:
-                        why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
+                        why = (None if engine is not None  # the engine says when it is full
+                               else does_not_fit(pair, decoder, rows, max_new_tokens, compile))
                         try:
-                            if why is None:  # first calls (compiled: every shape), unmeasured
+                            if engine is not None:
+                                engine.warm_up(spec, rows, max_new_tokens, seed)
+                            elif why is None:  # first calls (compiled: every shape), unmeasured
                                 if compile and not released:
                                     _release()
                                     released = True
@@ -165,7 +182,7 @@ def decode_batch_sweep(
                         continue
                     row = without_unseen_energy({  # compiled + simulated: static joules alone
                         "row_key": key, "created_unix_s": time.time(), "env_id": env_id,
-                        **identity, "label": spec.label, "compile": compile, **row})
+                        **identity, **columns, "label": spec.label, "compile": compile, **row})
                     try:
                         store.write("decode_batch", key, [row])
                         measured = True
@@ -289,11 +306,16 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
     windows = PhaseWindows(meter, key, probe)
     with peak_memory(pair.describe()["device"]) as peak:
         try:
-            with work_tap(meter, pair.target, decoder.draft_model(pair), compiled=bool(compile)):
-                gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
-                                     on_phase=windows, compile=compile)
+            if isinstance(decoder, EngineDecoder):
+                gens = decoder.engine.generate(decoder.spec, rows, max_new_tokens, seed, windows)
+            else:
+                with work_tap(meter, pair.target, decoder.draft_model(pair), compiled=bool(compile)):
+                    gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
+                                         on_phase=windows, compile=compile)
         finally:
             windows.close()
+    if isinstance(decoder, EngineDecoder):  # outside the window, under the HF target
+        gens = [with_perplexity(g, pair, r) for g, r in zip(gens, rows, strict=True)]
     m = windows.measurements["decode"]
     compiling = compile_columns(warm, gens)
     flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if compiling["compile_in_window_s"] > 0

@@ -30,6 +30,14 @@ from mtad_energy.decoding.generate import (
     slots_needed,
 )
 from mtad_energy.decoding.registry import head_kinds
+from mtad_energy.engines import (
+    HF,
+    Engine,
+    UnsupportedError,
+    check_engine_options,
+    hf_columns,
+    load_engine,
+)
 from mtad_energy.measure import (
     EnergyMeter,
     Measurement,
@@ -132,7 +140,8 @@ def model_label(config: RunConfig) -> str:
     """The stored ``model``: compiled or batched runs are another system (other times, other
     joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
     ``<model>+batch<B>``; every row stored under ``+batch<B>`` was decoded with B rows."""
-    return (config.model.label + ("+compile" if config.compile else "")
+    return (config.model.label + (f"+{config.engine}" if config.engine != HF else "")
+            + ("+compile" if config.compile else "")
             + (f"+batch{config.batch_size}" if config.batch_size > 1 else ""))
 
 
@@ -214,7 +223,13 @@ class Runner:
                  meter: EnergyMeter | None = None, meter_reason: str = "",
                  scorer: Scorer | None = None, sleep: Callable[[float], object] = time.sleep):
         self.config, self.store, self.scorer, self.sleep = config, store, scorer, sleep
-        built = [d.build() for d in config.decoders]  # validates params early
+        self.engine: Engine | None = None  # None: the project's own decoders (engine "hf")
+        if config.engine != HF:  # refuses what the engine cannot honour, before loading
+            check_engine_options(config.engine, [d.name for d in config.decoders],
+                                 config.batch_size, config.compile,
+                                 {d.name: d.param_dict for d in config.decoders})
+        built = ([d.build() for d in config.decoders]  # validates params early
+                 if config.engine == HF else [])
         needs_draft = any(d.needs_draft for d in built)
         if meter is None:
             if config.measure.meter == "auto":
@@ -230,6 +245,9 @@ class Runner:
         self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
                                       dtype=m.dtype, with_draft=needs_draft,
                                       heads=head_kinds(built))
+        # the engine loads once per configuration, outside every window; the HF pair above
+        # gives every engine the same prompt ids and scores perplexity outside the windows
+        self.engine = load_engine(config.engine, m)
         # a calibrated device: its record in the snapshot, windows below its minimum flagged
         self.meter, snap = calibrated(self.meter, snapshot())
         self.env_id = snap.snapshot_id
@@ -237,7 +255,11 @@ class Runner:
         desc = self.pair.describe()
         self.device, self.dtype = desc["device"], desc["dtype"]
         self.probe = ContentionProbe(gpu_pids=gpu_processes(self.device))
-        self._decoders: dict[DecoderSpec, Decoder] = {d: d.build() for d in config.decoders}
+        if self.engine is not None:
+            self.device, self.dtype = self.engine.device, self.engine.dtype
+        self.engine_columns = (self.engine.columns() if self.engine is not None
+                               else hf_columns(config.compile))
+        self._decoders: dict[DecoderSpec, Decoder] = dict(zip(config.decoders, built, strict=False))
         self._warm: set[tuple] = set()  # `warm_key`s warmed up
 
     @property
@@ -247,13 +269,25 @@ class Runner:
     # -- identity -----------------------------------------------------------------------------
     def _params(self, spec: DecoderSpec) -> dict[str, Any]:
         """Every parameter of the decoder, defaults included (what identifies its rows)."""
+        if self.engine is not None:
+            return self.engine.params(spec)
         return {k: v for k, v in self._decoders[spec].config().items() if k != "decoder"}
+
+    def _draft_id(self, spec: DecoderSpec) -> str | None:
+        if self.engine is not None:
+            return self.engine.draft_id(spec)
+        return self.pair.draft_id_for(self._decoders[spec])
+
+    def lookahead(self, spec: DecoderSpec) -> int:
+        if self.engine is not None:
+            return self.engine.lookahead(spec)
+        return self._decoders[spec].lookahead
 
     def run_key(self, unit: WorkUnit) -> str:
         c = self.config
         return stable_key({
             "model": c.model.label, "target_id": self.pair.target_id,
-            "draft_id": self.pair.draft_id_for(self._decoders[unit.decoder]),
+            "draft_id": self._draft_id(unit.decoder),
             "decoder": unit.decoder.name, "params": params_json(self._params(unit.decoder)),
             "dataset": unit.prompt.dataset, "prompt_id": unit.prompt.id, "prompt": unit.prompt.text,
             "max_new_tokens": c.max_new_tokens, "seed": c.seed + unit.repeat, "repeat": unit.repeat,
@@ -261,6 +295,7 @@ class Runner:
             "device": self.device, "dtype": self.dtype, "chat": c.chat,
             **({"compile": True} if c.compile else {}),  # eager rows keep their old keys
             **({"batch_size": c.batch_size} if c.batch_size > 1 else {}),
+            **({"engine": self.engine_columns} if self.engine is not None else {}),  # hf: old keys
         })
 
     # -- running ------------------------------------------------------------------------------
@@ -277,6 +312,10 @@ class Runner:
         if key in self._warm:
             return []
         c = self.config
+        if self.engine is not None:
+            self.engine.warm_up(spec, prompts, c.max_new_tokens, seed=c.seed)
+            self._warm.add(key)
+            return []
         gens = generate_rows(self._decoders[spec], self.pair, list(prompts),
                              c.max_new_tokens if c.compile else min(8, c.max_new_tokens),
                              seed=c.seed, compute_perplexity=False, compile=c.compile)
@@ -287,7 +326,7 @@ class Runner:
         """What decides the shapes a batch runs at: eager, the decoder and the batch size;
         compiled, the decoder, the row bucket and the static cache's slot bucket (prompts of
         similar length share graphs)."""
-        if not self.config.compile:
+        if not self.config.compile or self.engine is not None:
             return spec, len(prompts)
         from mtad_energy.decoding.static import row_bucket, slot_bucket
 
@@ -310,7 +349,6 @@ class Runner:
         spec, repeat = units[0].decoder, units[0].repeat
         if any(u.decoder != spec or u.repeat != repeat for u in [*units, *fill]):
             raise ValueError("a batch holds one decoder and one repeat")
-        decoder = self._decoders[spec]
         keys = [self.run_key(u) for u in units]
         prompts = [self._prompt_ids(u.prompt) for u in [*units, *fill]]
         seed = c.seed + repeat
@@ -319,12 +357,8 @@ class Runner:
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
         windows = PhaseWindows(self.meter, batch_key, self.probe)
         with peak_memory(self.device) as peak:
-            try:  # work_tap: the simulated roofline device sees the forwards' work; others ignore it
-                with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
-                              compiled=bool(c.compile)):
-                    gens = generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                         compute_perplexity=False, on_phase=windows,
-                                         compile=c.compile)
+            try:
+                gens = self._generate(spec, prompts, seed, windows)
             finally:
                 windows.close()
         energy = _energy_columns(windows.measurements)
@@ -337,15 +371,12 @@ class Runner:
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
-            with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
-                          compiled=bool(c.compile)):
-                m = measure_mitigated(
-                    lambda: generate_rows(decoder, self.pair, prompts, c.max_new_tokens,
-                                          seed=seed, compute_perplexity=False, compile=c.compile),
-                    self.meter,
-                    MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
-                                     min_duration_s=c.measure.mitigation_min_s),
-                    sleep=self.sleep)
+            m = measure_mitigated(
+                lambda: self._generate(spec, prompts, seed),
+                self.meter,
+                MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
+                                 min_duration_s=c.measure.mitigation_min_s),
+                sleep=self.sleep)
             mitigation = {
                 "mitigated": True, "energy_ci_low_j": m.ci_low_j, "energy_ci_high_j": m.ci_high_j,
                 "idle_power_w": m.idle_power_w, "dynamic_energy_j": m.dynamic_energy_per_rep_j,
@@ -367,6 +398,19 @@ class Runner:
                                         mitigation, share, len(gens)))
         return rows
 
+    def _generate(self, spec: DecoderSpec, prompts: list[list[int]], seed: int,
+                  on_phase: PhaseWindows | None = None) -> list[Generation]:
+        """One measured generation of ``prompts`` together: the engine's, or the project's
+        decoder (under `work_tap`: the simulated roofline device sees the forwards' work)."""
+        c = self.config
+        if self.engine is not None:
+            return self.engine.generate(spec, prompts, c.max_new_tokens, seed, on_phase)
+        decoder = self._decoders[spec]
+        with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
+                      compiled=bool(c.compile)):
+            return generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
+                                 compute_perplexity=False, on_phase=on_phase, compile=c.compile)
+
     def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
                    energy: dict[str, Any], mitigation: dict[str, Any], share: float,
                    batch_size: int) -> dict[str, Any]:
@@ -387,7 +431,7 @@ class Runner:
         row: dict[str, Any] = {
             "run_key": key, "sweep": c.sweep, "created_unix_s": time.time(), "env_id": self.env_id,
             "model": self.model_label, "target_id": self.pair.target_id,
-            "draft_id": self.pair.draft_id_for(self._decoders[unit.decoder]),
+            "draft_id": self._draft_id(unit.decoder), **self.engine_columns,
             "decoder": unit.decoder.name, "label": unit.decoder.label, "compile": c.compile,
             "batch_size": batch_size, "energy_share": share,
             "params_json": params_json(params),
@@ -433,6 +477,9 @@ class Runner:
     def profile_ops(self, spec: DecoderSpec, prompt: Prompt) -> dict[str, Any] | None:
         """FLOP/byte accounting of one generation (unmeasured) into the ``ops`` table."""
         c = self.config
+        if self.engine is not None:
+            raise UnsupportedError(f"--ops profiles the project's own forwards; engine "
+                                   f"{c.engine!r} runs its own: drop --ops for it")
         params = params_json(self._params(spec))
         key = stable_key({"model": c.model.label, "target_id": self.pair.target_id,
                           "draft_id": self.pair.draft_id_for(self._decoders[spec]),
@@ -514,8 +561,7 @@ def check_prompt_lengths(runner: Runner, units: Sequence[WorkUnit]) -> None:
     for unit in units:
         if unit.prompt not in lengths:
             lengths[unit.prompt] = len(runner._prompt_ids(unit.prompt))
-        n = lengths[unit.prompt]
-        lookahead = runner._decoders[unit.decoder].lookahead_for(runner.config.max_new_tokens)
+        n, lookahead = lengths[unit.prompt], runner.lookahead(unit.decoder)
         if n + runner.config.max_new_tokens + lookahead > ctx:
             bad[unit.prompt.id] = (n, max(lookahead, bad.get(unit.prompt.id, (0, 0))[1]))
     if not bad:

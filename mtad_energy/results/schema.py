@@ -10,6 +10,10 @@ parameter) without a schema migration; `TABLES` names the columns every row must
              the T_flop / T_mem fractions the energy decomposition needs.
 - ``decode_batch``: one row per (decoder, parameters, batch size, repeat) of the decoding
              batch-size sweep (B sequences decoded together).
+
+Rows of ``runs`` and ``decode_batch`` also carry ``engine`` (hf, llamacpp, vllm),
+``engine_version`` and ``engine_config`` (JSON): what generated them (`mtad_energy.engines`);
+optional, so stores written before them still load (their rows are hf's).
 """
 
 from __future__ import annotations

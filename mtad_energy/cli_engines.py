@@ -1,0 +1,70 @@
+"""CLI glue for ``--engine hf|vllm|llamacpp`` (comma list: side by side in one command) on
+profile, compare and sweep batch-size --decoder: the option, and one configuration per engine
+with what it cannot honour refused before any model loads (`mtad_energy.engines`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+import typer
+
+from mtad_energy.config import RunConfig
+from mtad_energy.engines import HF, check_engine_options, parse_engines
+
+EngineOption = Annotated[str, typer.Option(
+    "--engine", help="what generates: hf (the project's decoders over Hugging Face models), "
+                     "llamacpp, vllm; a comma list runs them side by side into one store (rows "
+                     "never pooled: model '<model>+<engine>')")]
+
+
+def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False) -> list[RunConfig]:
+    """One configuration per engine of ``engines`` (``--engine``), each checked: a decoder,
+    parameter, batch size, ``--compile`` or ``--ops`` an engine cannot honour is refused by name,
+    and an engine not installed names its extra. ``all_decoders`` (compare's default list): each
+    engine runs the decoders it has."""
+    out = []
+    for name in parse_engines(engines):
+        decoders = config.decoders
+        if all_decoders and name != HF:
+            kind = check_engine_options(name)
+            decoders = tuple(d for d in decoders if d.name in kind.methods)
+        check_engine_options(name, [d.name for d in decoders], config.batch_size, config.compile,
+                             {d.name: d.param_dict for d in decoders})
+        out.append(dataclasses.replace(config, decoders=decoders, engine=name))
+    return out
+
+
+def check_workers(configs: list[RunConfig], workers: int) -> None:
+    if workers > 1 and len(configs) > 1:
+        raise ValueError(f"--workers {workers} runs one engine at a time; run one command per "
+                         "engine (same --output) to put them side by side")
+
+
+def sweep_engines(engines: str, specs, sizes: list[int], compile: bool) -> list[str]:
+    """``sweep batch-size --decoder ... --engine``: the engines, each checked against the
+    decoders, their parameters, the largest batch size and ``--compile``."""
+    names = parse_engines(engines)
+    for name in names:
+        check_engine_options(name, [s.name for s in specs], max(sizes), compile,
+                             {s.name: s.param_dict for s in specs})
+    return names
+
+
+def each_engine(names: list[str], model, run):
+    """``run(engine)`` for each engine in turn (None for hf), loaded once and closed after; the
+    reports' rows joined (``rows``, ``ran``, ``skipped``)."""
+    from mtad_energy.bench.decode_batch import DecodeBatchReport
+    from mtad_energy.engines import load_engine
+
+    total = DecodeBatchReport([], 0, 0)
+    for name in names:
+        engine = load_engine(name, model)
+        try:
+            rep = run(engine)
+        finally:
+            if engine is not None:
+                engine.close()
+        total = DecodeBatchReport(total.rows + rep.rows, total.ran + rep.ran,
+                                  total.skipped + rep.skipped)
+    return total

