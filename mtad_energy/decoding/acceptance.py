@@ -119,7 +119,8 @@ def spectr_residual(p: torch.Tensor, q: torch.Tensor, rho: torch.Tensor) -> torc
 def spectr_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
                   generator: torch.Generator | None = None, support: int = 0,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Multi-draft k-sequential selection over k i.i.d. draft sequences, lossless w.r.t. p.
+    """Multi-draft k-sequential selection over k i.i.d. draft sequences, lossless w.r.t. p; for
+    one sequence or B sequences at once (a leading ``[B]`` on every argument and result).
 
     p: ``[k, gamma+1, V]`` target along each draft (plus the bonus position).
     q: ``[k, gamma, V]`` draft distributions the drafts were sampled from.
@@ -133,36 +134,43 @@ def spectr_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     t tokens), so every rho and coin is computed up front in one batch; only a gamma-step walk of
     small tensor ops remains, with no host sync.
     Returns 0-d ``(n_accepted, next_token, row)``: the first n tokens of ``drafts[row]`` are
-    accepted. ``support``: see ``spectr_rho``.
+    accepted (``[B]`` each for B sequences). ``support``: see ``spectr_rho``. B sequences draw
+    their coins in one ``rand [B, k, gamma]`` and their next tokens in one `sample`: for B = 1
+    the same draws as one sequence.
     """
-    k, gamma = drafts.shape
-    # same[r, j, t]: drafts r and j agree on their first t tokens, t = 0..gamma
-    eq = (drafts[:, None, :] == drafts[None, :, :]).long()  # [k, k, gamma]
-    same = torch.cat([torch.ones_like(eq[..., :1]), eq.cumprod(-1)], -1).bool()  # [k, k, gamma+1]
-    k_alive = same[..., :gamma].sum(1)  # [k, gamma]: consistent drafts at t if r is
-    rho = spectr_rho(p[:, :gamma], q, k_alive, support=support)  # [k, gamma]
-    p_x = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]  # [k, gamma]
+    if drafts.dim() == 2:  # one sequence: a batch of one
+        n, nxt, row = spectr_accept(p[None], q[None], drafts[None], generator, support)
+        return n[0], nxt[0], row[0]
+    rows, k, gamma = drafts.shape
+    # same[b, r, j, t]: drafts r and j agree on their first t tokens, t = 0..gamma
+    eq = (drafts[:, :, None, :] == drafts[:, None, :, :]).long()  # [B, k, k, gamma]
+    same = torch.cat([torch.ones_like(eq[..., :1]), eq.cumprod(-1)], -1).bool()  # [.., gamma+1]
+    k_alive = same[..., :gamma].sum(2)  # [B, k, gamma]: consistent drafts at t if r is
+    rho = spectr_rho(p[:, :, :gamma], q, k_alive, support=support)  # [B, k, gamma]
+    p_x = p[:, :, :gamma].gather(-1, drafts[..., None])[..., 0]  # [B, k, gamma]
     q_x = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(k, gamma, generator=generator, device=p.device)
-    ok = (u * rho * q_x <= p_x) & (p_x > 0)  # [k, gamma] each draft's coin at each position
-    going = torch.ones((), dtype=torch.bool, device=p.device)  # every position so far accepted
-    n = torch.zeros((), dtype=torch.long, device=p.device)
-    row = torch.zeros(1, dtype=torch.long, device=p.device)  # the last accepted draft
+    u = torch.rand(rows, k, gamma, generator=generator, device=p.device)
+    ok = (u * rho * q_x <= p_x) & (p_x > 0)  # [B, k, gamma] each draft's coin at each position
+    going = torch.ones(rows, dtype=torch.bool, device=p.device)  # every position so far accepted
+    n = torch.zeros(rows, dtype=torch.long, device=p.device)
+    row = torch.zeros(rows, dtype=torch.long, device=p.device)  # the last accepted draft
     for t in range(gamma):
-        cand = same[:, :, t].index_select(0, row)[0] & ok[:, t]  # [k] consistent and accepted
-        hit = going & cand.any()
-        row = torch.where(hit, cand.long().argmax().view(1), row)  # argmax: first in order
+        at_row = row[:, None, None].expand(-1, 1, k)
+        cand = same[..., t].gather(1, at_row)[:, 0] & ok[..., t]  # [B, k] consistent, accepted
+        hit = going & cand.any(-1)
+        row = torch.where(hit, cand.long().argmax(-1), row)  # argmax: first in order
         n = n + hit.long()
         going = hit
     # next token at (row, n): residual after a rejection; q = 0 at the bonus position gives p
-    at = row * (gamma + 1) + n  # [1] flat index into [k, gamma+1]
-    q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], 1)
-    rho_pad = torch.cat([rho, torch.ones_like(rho[:, :1])], 1)
+    at = (row * (gamma + 1) + n)[:, None]  # [B, 1] flat index into [k, gamma+1]
+    q_pad = torch.cat([q, torch.zeros_like(p[:, :, :1])], 2)
+    rho_pad = torch.cat([rho, torch.ones_like(rho[..., :1])], 2)
     vocab = p.shape[-1]
-    next_dist = spectr_residual(p.reshape(-1, vocab).index_select(0, at)[0],
-                                q_pad.reshape(-1, vocab).index_select(0, at)[0],
-                                rho_pad.reshape(-1).index_select(0, at)[0])
-    return n, sample(next_dist, generator), row[0]
+    at_v = at[..., None].expand(-1, 1, vocab)
+    next_dist = spectr_residual(p.reshape(rows, -1, vocab).gather(1, at_v)[:, 0],
+                                q_pad.reshape(rows, -1, vocab).gather(1, at_v)[:, 0],
+                                rho_pad.reshape(rows, -1).gather(1, at)[:, 0])
+    return n, sample(next_dist, generator), row
 
 
 # --- Medusa's typical acceptance and BiLD's rollback ---------------------------------------------

@@ -104,6 +104,22 @@ def _pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return x.gather(-2, i[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(-2)
 
 
+def candidates(warp: Warp, logits: torch.Tensor, stochastic: bool, least: int = 1
+               ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens a beam step draws from, per row of ``logits [R, V]``: ``(tokens [R, C],
+    log ~q [R, C])`` holding every token of positive warped probability (`Warp.support`: the
+    top-k candidates on the CPU), or ``(None, log ~q [R, V])`` for the whole vocabulary.
+    Gumbel-top-k over every positive-probability entry draws the same law whether the zeros
+    are there or not; so a stochastic beam step draws from the C candidates only (keys for W x k
+    joint entries instead of W x V). A deterministic one (beam search) keeps the vocabulary:
+    equal weights keep their order. ``least``: fewer candidates than that (a first step of W
+    beams from a top-k < W) fall back to the vocabulary, whose zeros fill the dead beams."""
+    tokens, q = warp.support(logits) if stochastic else (None, warp.probs(logits))
+    if tokens is not None and tokens.shape[-1] < least:
+        tokens, q = None, warp.probs(logits)
+    return tokens, log_probs(q)
+
+
 def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width: int, warp: Warp,
                 generator: torch.Generator, stochastic: bool = True,
                 eos_token_id: int | None = None) -> BeamDraft:
@@ -125,9 +141,10 @@ def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, w
     """
     logits = runner(first_ids, counts)[:, -1]  # [B, V]
     rows, vocab = logits.shape
-    log_q = log_probs(warp.probs(logits))  # [B, V]
-    tok = gumbel_topk(log_q, width, generator, stochastic)  # [B, W] distinct tokens
-    cum = log_q.gather(1, tok)  # [B, W]
+    cand, log_q = candidates(warp, logits, stochastic, width)  # [B, C]
+    pick = gumbel_topk(log_q, width, generator, stochastic)  # [B, W] distinct tokens
+    tok = pick if cand is None else cand.gather(1, pick)
+    cum = log_q.gather(1, pick)  # [B, W]
     parent = torch.zeros_like(tok)
     tokens, parents, cums = [tok], [parent], [cum]
     seqs, paths = tok[..., None], cum[..., None]  # [B, W, 1]
@@ -140,13 +157,21 @@ def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, w
     base = torch.arange(rows, device=logits.device)[:, None] * width  # [B, 1]
     for _ in range(1, depth):
         out = runner(tok.reshape(rows * width, 1))[:, -1]  # [B*W, V]
-        log_q = log_probs(warp.probs(out)).view(rows, width, vocab)
+        cand, log_q = candidates(warp, out, stochastic)  # [B*W, C]
+        n_cand = log_q.shape[-1]
+        log_q = log_q.view(rows, width, n_cand)
         if eos_token_id is not None:
-            done = tok == eos_token_id
-            log_q = torch.where(done[..., None], frozen.to(log_q.dtype), log_q)
-        joint = (cum[..., None] + log_q).reshape(rows, width * vocab)  # [B, W*V]
+            done = (tok == eos_token_id)[..., None]  # [B, W, 1]
+            if cand is None:
+                log_q = torch.where(done, frozen.to(log_q.dtype), log_q)
+            else:  # a finished beam's one candidate: EOS, at no cost
+                only = torch.arange(n_cand, device=out.device) == 0
+                log_q = torch.where(done, torch.where(only, 0.0, float("-inf")), log_q)
+                cand = torch.where(done, eos_token_id, cand.view(rows, width, n_cand))
+        joint = (cum[..., None] + log_q).reshape(rows, width * n_cand)  # [B, W*C]
         idx = gumbel_topk(joint, width, generator, stochastic)  # [B, W]
-        parent, tok, cum = idx // vocab, idx % vocab, joint.gather(1, idx)
+        parent, cum = idx // n_cand, joint.gather(1, idx)
+        tok = idx % n_cand if cand is None else cand.reshape(rows, -1).gather(1, idx)
         runner.select_rows((base + parent).reshape(-1))
         at = parent[..., None]
         seqs = torch.cat([seqs.gather(1, at.expand(-1, -1, seqs.shape[-1])), tok[..., None]], -1)

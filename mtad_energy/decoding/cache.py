@@ -33,8 +33,9 @@ def cache_len(cache: DynamicCache) -> int:
 def crop(cache: DynamicCache, length: int) -> None:
     """Keep the first ``length`` positions (roll back rejected tokens)."""
     for layer in _layers(cache):
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
+        if layer.keys.shape[-2] > length:  # nothing to cut: no new views
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:

@@ -33,6 +33,9 @@ class Warp:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return warp_probs(logits, self.temperature, self.top_k, self.top_p)
 
+    def support(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        return warp_support(logits, self.temperature, self.top_k, self.top_p)
+
 
 def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
                top_p: float = 0.9) -> torch.Tensor:
@@ -46,10 +49,8 @@ def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
     top = None
     if 0 < top_k < vocab:
         top = logits.topk(top_k, dim=-1)  # values descending, with their indices
-        if logits.device.type == "cpu" and not bool(
-                ((logits >= top.values[..., -1:]).sum(-1) > top_k).any()):
+        if _only_top_k(logits, top.values, top_k):
             # no token tied with the k-th beyond the k: the whole warp lives in the k candidates
-            # (on the CPU, where this check reads nothing back from a device)
             return _warp_top_k(top.values, top.indices, vocab, top_p)
         logits = logits.masked_fill(logits < top.values[..., -1:], NEG_INF)  # ties at the cut stay
     probs = logits.softmax(-1)
@@ -61,15 +62,53 @@ def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
     return probs
 
 
-def _warp_top_k(values: torch.Tensor, indices: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
-    """The warp when exactly the k candidates survive top-k: softmax, nucleus and renormalisation
-    over ``values, indices [..., k]`` (logits descending), scattered into ``[..., V]``."""
+def warp_support(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
+                 top_p: float = 0.9) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The warped distribution on a set of tokens holding all its mass: ``(tokens [..., k],
+    probs [..., k])`` when top-k leaves exactly its k candidates (on the CPU, where checking for
+    ties at the cut reads nothing back from a device), else ``(None, warp_probs(...) [..., V])``
+    (tokens: the whole vocabulary). The probabilities are `warp_probs`' at those tokens, bit for
+    bit; every token outside ``tokens`` has probability 0. For consumers whose work grows with
+    the candidates (Gumbel-top-k over a beam's W x V joint): V values -> k."""
+    logits = logits.float()
+    if temperature > 0 and 0 < top_k < logits.shape[-1] and logits.device.type == "cpu":
+        scaled = logits / temperature if temperature != 1.0 else logits
+        top = scaled.topk(top_k, dim=-1)
+        if _only_top_k(scaled, top.values, top_k):
+            return top.indices, _top_k_probs(top.values, top_p)
+    return None, warp_probs(logits, temperature, top_k, top_p)
+
+
+def on_vocab(tokens: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`warp_support`'s ``(tokens, probs)`` as the distribution over the vocabulary ``[..., V]``
+    (what `warp_probs` returns, bit for bit)."""
+    if tokens is None:
+        return probs
+    return torch.zeros((*probs.shape[:-1], vocab), dtype=probs.dtype,
+                       device=probs.device).scatter_(-1, tokens, probs)
+
+
+def _only_top_k(logits: torch.Tensor, values: torch.Tensor, top_k: int) -> bool:
+    """On the CPU: whether no token ties the k-th logit beyond the k ``values`` topk returned
+    (then the warp's support is exactly those k). On other devices False: checking would read a
+    value back to the host."""
+    return logits.device.type == "cpu" and not bool(
+        ((logits >= values[..., -1:]).sum(-1) > top_k).any())
+
+
+def _top_k_probs(values: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Softmax, nucleus and renormalisation over the k candidates ``values [..., k]`` (logits
+    descending) when exactly they survive top-k: their warped probabilities ``[..., k]``."""
     p = values.softmax(-1)
     if top_p < 1.0:
         p = p.masked_fill(p.cumsum(-1) - p > top_p, 0.0)
         p = p / p.sum(-1, keepdim=True)
-    return torch.zeros((*values.shape[:-1], vocab), dtype=p.dtype, device=p.device).scatter_(
-        -1, indices, p)
+    return p
+
+
+def _warp_top_k(values: torch.Tensor, indices: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
+    """`_top_k_probs` scattered into ``[..., V]`` at ``indices [..., k]``."""
+    return on_vocab(indices, _top_k_probs(values, top_p), vocab)
 
 
 def _nucleus_drop(logits: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ from mtad_energy.decoding.base import (
     require,
     target_step,
 )
-from mtad_energy.decoding.sampling import Warp, log_probs, sample
+from mtad_energy.decoding.sampling import Warp, log_probs, on_vocab, sample
 from mtad_energy.decoding.tree import ancestors, level_parents, tree_forward
 from mtad_energy.decoding.tree_accept import tree_speculative_accept
 
@@ -86,14 +86,24 @@ def tree_structure(branching: tuple[int, ...], device: torch.device
 
 
 def draw_children(q: torch.Tensor, b: int, generator: torch.Generator,
-                  without_replacement: bool) -> torch.Tensor:
+                  without_replacement: bool,
+                  support: tuple[torch.Tensor | None, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """``[C, V]`` -> ``[C, b]`` children per row: i.i.d., or without replacement (Gumbel-top-k:
-    exactly sequential sampling; slots beyond q's support get q = 0 tokens)."""
+    exactly sequential sampling; slots beyond q's support get q = 0 tokens). ``support``:
+    `Warp.support`'s ``(tokens [C, k], probs [C, k])`` of the same q (tokens None: the whole
+    vocabulary): the draws run over those k candidates, which hold all of q's mass (the same
+    law; without replacement only where k >= b, so that the b slots fit)."""
+    tokens, probs = support if support is not None else (None, q)
+    if tokens is not None and without_replacement and tokens.shape[-1] < b:
+        tokens, probs = None, q
     if not without_replacement:
-        return torch.multinomial(q, b, replacement=True, generator=generator)
-    u = torch.rand(q.shape, generator=generator, device=q.device)
-    keys = log_probs(q) - torch.log(-torch.log(u.clamp_min(1e-20)))
-    return keys.topk(b, -1).indices
+        pick = torch.multinomial(probs, b, replacement=True, generator=generator)
+    else:
+        u = torch.rand(probs.shape, generator=generator, device=probs.device)
+        keys = log_probs(probs) - torch.log(-torch.log(u.clamp_min(1e-20)))
+        pick = keys.topk(b, -1).indices
+    return pick if tokens is None else tokens.gather(-1, pick)
 
 
 def draft_tree(draft: ModelRunner, pending: torch.Tensor, branching: tuple[int, ...],
@@ -106,17 +116,23 @@ def draft_tree(draft: ModelRunner, pending: torch.Tensor, branching: tuple[int, 
     The draft cache ends as prefix + the internal nodes (in index order). anc: ``[N, N]``.
     """
     rows = pending.shape[0]
-    qs = [warp.probs(draft(pending, counts)[:, -1:])]  # [B, 1, V] at the root
+    logits = draft(pending, counts)[:, -1:]  # [B, 1, V] at the root
+    vocab = logits.shape[-1]
     tokens: list[torch.Tensor] = []
+    qs: list[torch.Tensor] = []
     fed = 0
     for level, b in enumerate(branching):
-        q = qs[-1]
-        children = draw_children(q.reshape(-1, q.shape[-1]), b, generator,
-                                 without_replacement).reshape(rows, -1)  # [B, C*b]
+        cand, probs = warp.support(logits)  # [B, C, k] (or the vocabulary)
+        q = on_vocab(cand, probs, vocab)  # [B, C, V]
+        qs.append(q)
+        flat = None if cand is None else cand.reshape(-1, cand.shape[-1])
+        children = draw_children(q.reshape(-1, vocab), b, generator, without_replacement,
+                                 (flat, probs.reshape(-1, probs.shape[-1]))
+                                 ).reshape(rows, -1)  # [B, C*b]
         tokens.append(children)
         if level + 1 < len(branching):
             end = fed + children.shape[1]
-            qs.append(warp.probs(tree_forward(draft, children, anc[:end, :end])))
+            logits = tree_forward(draft, children, anc[:end, :end])
             fed = end
     return torch.cat(tokens, 1), torch.cat(qs, 1)
 

@@ -95,9 +95,7 @@ class Spectr(Decoder):
         p = warp.probs(s.target(ids)).view(rows, k, gamma + 1, -1)  # [B, k, gamma+1, V]
         # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
         support = 2 * self.params.top_k
-        n, nxt, row = (torch.stack(x) for x in zip(*[
-            spectr_accept(p_b, q_b, d_b, s.generator, support)
-            for p_b, q_b, d_b in zip(p, q, drafts, strict=True)], strict=True))  # [B] each
+        n, nxt, row = spectr_accept(p, q, drafts, s.generator, support)  # [B] each
         # back to one row per sequence, the one consistent with the emitted prefix (the loop
         # then crops)
         if k > 1:

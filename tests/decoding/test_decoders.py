@@ -79,16 +79,21 @@ def test_mtjd_with_k1_matches_ar_in_distribution(lossless_pair):
         assert chi_square_pvalue(counts, exact) > 1e-3, name
 
 
-def test_beam_draft_of_width_one_samples_the_joint_draft_distribution(lossless_pair):
+@pytest.mark.parametrize("warp", [Warp(), Warp(top_k=3, top_p=1.0)], ids=["vocab", "top-k"])
+def test_beam_draft_of_width_one_samples_the_joint_draft_distribution(lossless_pair, warp):
     """With W=1 each step samples (beam, token) in proportion to the joint ~q: the final beam is
-    an exact sample of the joint draft distribution."""
+    an exact sample of the joint draft distribution. top_k 3 < V: each step draws among the
+    top-k candidates only (`beams.candidates`), the same law."""
     pair = me.ModelPair(lossless_pair.draft, None, lossless_pair.tokenizer)
-    exact = exact_joint(pair, Warp())
+    if warp.top_k == 3:  # premise: the candidate path is taken (no tie at the cut)
+        logits = pair.target(input_ids=torch.tensor([[1, 2]])).logits[:, -1]
+        assert warp.support(logits)[0] is not None
+    exact = exact_joint(pair, warp)
     g = torch.Generator().manual_seed(0)
     counts = {}
     for _ in range(2000):
         runner = ModelRunner(pair.target, PhaseTimer(torch.device("cpu")), "draft")
-        draft = beam_sample(runner, torch.tensor([[1, 2]]), 2, 1, Warp(), g)
+        draft = beam_sample(runner, torch.tensor([[1, 2]]), 2, 1, warp, g)
         key = tuple(draft.best_seq.tolist())
         counts[key] = counts.get(key, 0) + 1
         assert draft.best_path_log_q[-1].exp().item() == pytest.approx(exact[key], rel=1e-4)

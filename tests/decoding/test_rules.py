@@ -92,12 +92,13 @@ class TableRunner:
     """A ModelRunner stand-in whose model is a Markov table: q(. | last token). Rows track what each
     cache row has seen, so select/repeat are checked like the real KV cache."""
 
-    def __init__(self, prompt: list[int]):
+    def __init__(self, prompt: list[int], next_table: torch.Tensor = Q_NEXT):
         self.rows = [list(prompt)]
         self.forwards = 0
+        self.next_table = next_table
 
     def _probs(self, last: int) -> torch.Tensor:
-        return Q1 if last == PROMPT_TOKEN else Q_NEXT[last]
+        return Q1 if last == PROMPT_TOKEN else self.next_table[last]
 
     def __call__(self, input_ids: torch.Tensor, counts=None, **kwargs) -> torch.Tensor:
         assert input_ids.shape[0] == len(self.rows)
@@ -133,11 +134,12 @@ def _draws_without_replacement(weights: dict, k: int):
         yield order, prob
 
 
-def _exact_final_beams(width: int, joint: bool = True) -> dict[frozenset, float]:
+def _exact_final_beams(width: int, joint: bool = True, warp: Warp = WARP_ALL,
+                       next_table: torch.Tensor = Q_NEXT) -> dict[frozenset, float]:
     """P(set of final beams) of two steps of stochastic beam sampling; ``joint=False`` weights the
     second step by the conditional q instead (the broken rule, to show the test's power)."""
-    q1 = WARP_ALL.probs(Q1.log()).double()
-    qn = WARP_ALL.probs(Q_NEXT.log()).double()
+    q1 = warp.probs(Q1.log()).double()
+    qn = warp.probs(next_table.log()).double()
     out: Counter = Counter()
     for first, p_first in _draws_without_replacement({a: float(q1[a]) for a in range(V)}, width):
         weights = {(a, t): float((q1[a] if joint else 1.0) * qn[a, t]) for a in first
@@ -155,26 +157,35 @@ def test_joint_and_conditional_beam_weights_give_distant_distributions():
     assert tv > 0.2
 
 
-def test_beam_sampling_picks_pairs_in_proportion_to_the_joint_draft_probability():
+# top_k 2 of V 3 on tables without a tie at the cut: every step draws among the top-k candidates
+# only (`beams.candidates`); Q_NEXT's rows tie at the cut and keep the vocabulary
+WARP_TOP2 = Warp(temperature=1.0, top_k=2, top_p=1.0)
+Q_NEXT_DISTINCT = torch.tensor([[0.40, 0.35, 0.25], [0.9, 0.07, 0.03], [0.04, 0.06, 0.9]])
+
+
+@pytest.mark.parametrize("warp, table", [(WARP_ALL, Q_NEXT), (WARP_TOP2, Q_NEXT),
+                                         (WARP_TOP2, Q_NEXT_DISTINCT)])
+def test_beam_sampling_picks_pairs_in_proportion_to_the_joint_draft_probability(warp, table):
     width, n = 2, 3000
-    exact = _exact_final_beams(width)
+    exact = _exact_final_beams(width, warp=warp, next_table=table)
     g = torch.Generator().manual_seed(0)
     counts: Counter = Counter()
     for _ in range(n):
-        runner = TableRunner([7])
-        d = beam_sample(runner, torch.tensor([[PROMPT_TOKEN]]), 2, width, WARP_ALL, g)
+        runner = TableRunner([7], table)
+        d = beam_sample(runner, torch.tensor([[PROMPT_TOKEN]]), 2, width, warp, g)
         counts[frozenset(tuple(s) for s in d.seqs.tolist())] += 1
     assert chi_square_pvalue(counts, exact) > 1e-3
 
 
-@pytest.mark.parametrize("width", [2, 3])
-def test_beam_sampling_records_joint_log_probs_and_best_beam(width):
+@pytest.mark.parametrize("width, warp", [(2, WARP_ALL), (3, WARP_ALL), (2, WARP_TOP2)])
+def test_beam_sampling_records_joint_log_probs_and_best_beam(width, warp):
     depth = 4
-    q1, qn = WARP_ALL.probs(Q1.log()), WARP_ALL.probs(Q_NEXT.log())
+    table = Q_NEXT if warp is WARP_ALL else Q_NEXT_DISTINCT
+    q1, qn = warp.probs(Q1.log()), warp.probs(table.log())
     g = torch.Generator().manual_seed(1)
     for _ in range(50):
-        runner = TableRunner([])
-        d = beam_sample(runner, torch.tensor([[PROMPT_TOKEN]]), depth, width, WARP_ALL, g)
+        runner = TableRunner([], table)
+        d = beam_sample(runner, torch.tensor([[PROMPT_TOKEN]]), depth, width, warp, g)
         for b, seq in enumerate(d.seqs.tolist()):
             probs = [q1[seq[0]]] + [qn[a, t] for a, t in zip(seq, seq[1:], strict=False)]
             joint = torch.stack(probs).log().cumsum(0)

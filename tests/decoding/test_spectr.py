@@ -109,6 +109,19 @@ def test_selection_walks_to_the_draft_that_stays_consistent(seed):
     assert (int(n), int(nxt)) == (1, 1)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_b_sequences_select_as_each_alone(seed):
+    """One call for B sequences (spectr.py's batch) walks each row as alone: the two hand-built
+    cases above, stacked with their drafts swapped in one row (so the accepted draft is row 0
+    there), give each case's own outcome."""
+    cases = [hand_built([0.0, 0.0, 1.0]), hand_built([0.0, 1.0, 0.0])]
+    p3, q3, d3 = hand_built([0.0, 0.0, 1.0])
+    cases.append((p3, q3.flip(0), d3.flip(0)))  # draft [1, 2] first: accepted as row 0
+    p, q, drafts = (torch.stack(x) for x in zip(*cases, strict=True))
+    n, nxt, row = spectr_accept(p, q, drafts, torch.Generator().manual_seed(seed))
+    assert n.tolist() == [2, 1, 2] and nxt.tolist() == [0, 1, 0] and row.tolist()[::2] == [1, 0]
+
+
 def test_spectr_is_lossless(lossless_pair):
     prompt = [1, 0]  # where p and q differ most (see test_lossless.py)
     exact = exact_joint(lossless_pair, Warp(), prompt, n_tokens=3)

@@ -28,13 +28,19 @@ OK, BROKEN = 1e-3, 1e-6
 
 
 def walk_counts(p: torch.Tensor, q: torch.Tensor, children: int, without_replacement: bool,
-                n: int) -> Counter:
-    """First emitted token of a one-level tree walk, n times."""
+                n: int, on_support: bool = False) -> Counter:
+    """First emitted token of a one-level tree walk, n times. ``on_support``: children drawn
+    over q's nonzero tokens only (`Warp.support` with top_k = their count), as the decoders
+    draw after a top-k warp on the CPU."""
     gen = torch.Generator().manual_seed(0)
+    support = None
+    if on_support:
+        support = Warp(1.0, int((q > 0).sum()), 1.0).support(q[None].log())
+        assert support[0] is not None  # premise: the candidate path is taken
     p_rows = p[None].expand(1 + children, -1)  # children's own p only matter below them
     counts: Counter = Counter()
     for _ in range(n):
-        tokens = draw_children(q[None], children, gen, without_replacement)[0]
+        tokens = draw_children(q[None], children, gen, without_replacement, support)[0]
         u = torch.rand(children, generator=gen)
         depth, path, dist = tree_speculative_accept(p_rows, q[None], tokens, (children,), u,
                                                     without_replacement)
@@ -46,10 +52,11 @@ def _exact(p: torch.Tensor) -> dict[tuple, float]:
     return {(i,): float(v) for i, v in enumerate(p) if v > 0}
 
 
+@pytest.mark.parametrize("on_support", [False, True])
 @pytest.mark.parametrize("without_replacement", [False, True])
 @pytest.mark.parametrize("q", [Q_WIDE, Q_NARROW])
-def test_walk_is_lossless(q, without_replacement):
-    counts = walk_counts(P, q, 4, without_replacement, 3000)
+def test_walk_is_lossless(q, without_replacement, on_support):
+    counts = walk_counts(P, q, 4, without_replacement, 3000, on_support)
     assert chi_square_pvalue(counts, _exact(P)) > OK
 
 
