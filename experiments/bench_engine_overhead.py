@@ -4,8 +4,8 @@ The same (prompt, decoder) generations on llama.cpp two ways, interleaved (the o
 repeat, so drift and other processes' load hit both alike):
 
 * ``alone``: llama-cpp-python driven directly: a fresh unwrapped ``Llama`` (same GGUF, threads,
-  context, no extra buffer types), its prompt minus the last token evaluated, then
-  ``Llama.generate`` timed until max_new_tokens or end of generation (``pld``: its own
+  context, no extra buffer types), ``Llama.generate`` timed from its first token (the prompt's
+  eval gives it) until max_new_tokens or end of generation (``pld``: its own
   ``LlamaPromptLookupDecoding``; ``spd``: `SelfDraft`, llama-cpp-python shipping no draft-model
   class, unwrapped);
 * ``tool``: `LlamaCppEngine.generate` with the runner's phase windows on the ``none`` meter: the
@@ -43,7 +43,8 @@ from mtad_energy.models import load_pair
 
 def drive_alone(llm, draft_llm, decoder: str, params: dict, prompt: list[int], new: int
                 ) -> tuple[list[int], float]:
-    """llama-cpp-python alone: the tokens and the decode seconds (same boundary as the tool)."""
+    """llama-cpp-python alone: the tokens and the decode seconds, from the first token on (the
+    tool's boundary: the prompt's eval and its first token are the prefill)."""
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -55,15 +56,15 @@ def drive_alone(llm, draft_llm, decoder: str, params: dict, prompt: list[int], n
     else:
         llm.draft_model = None
     llm.reset()
-    llm.eval(prompt[:-1])
-    tokens = []
+    stream = llm.generate(prompt, top_k=params["top_k"], top_p=params["top_p"], min_p=0.0,
+                          typical_p=1.0, temp=params["temperature"], repeat_penalty=1.0)
+    tokens = [int(next(stream))]  # the prompt's eval gives the first token: the prefill
     t0 = time.perf_counter()
-    for token in llm.generate(prompt, top_k=params["top_k"], top_p=params["top_p"], min_p=0.0,
-                              typical_p=1.0, temp=params["temperature"], repeat_penalty=1.0):
-        tokens.append(int(token))
-        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(tokens) >= new:
-            break
-    return tokens, time.perf_counter() - t0
+    while not (llama_cpp.llama_vocab_is_eog(llm._model.vocab, tokens[-1]) or len(tokens) >= new):
+        tokens.append(int(next(stream)))
+    secs = time.perf_counter() - t0
+    stream.close()
+    return tokens, secs
 
 
 def main() -> None:
@@ -109,7 +110,7 @@ def main() -> None:
                     else:
                         toks, secs = drive_alone(llm, alone["draft"], name, params, prompt,
                                                  args.max_new_tokens)
-                        results[way] = (toks, len(toks) / secs)
+                        results[way] = (toks, (len(toks) - 1) / secs)  # tokens after the first
                 if results["tool"][0] != results["alone"][0]:
                     raise SystemExit(f"{name} prompt {i}: the tool and llama.cpp alone decoded "
                                      "different tokens; the comparison would be meaningless")
