@@ -554,6 +554,8 @@ def check_prompt_lengths(runner: Runner, units: Sequence[WorkUnit]) -> None:
     and the decoder's lookahead: one ValueError naming every such prompt id with its length in
     tokens, and the fix. (Otherwise a long prompt would abort every re-run at the same row.)"""
     ctx = runner.pair.context_length
+    if runner.engine is not None and runner.engine.context_length is not None:
+        ctx = min(ctx or runner.engine.context_length, runner.engine.context_length)
     if ctx is None:
         return
     lengths: dict[Prompt, int] = {}

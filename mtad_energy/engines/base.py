@@ -35,11 +35,14 @@ def _sum(values: Sequence[Any]) -> Any:
 
 def build_generation(token_ids: list[int], text: str, prompt_len: int,
                      iterations: Sequence[Iteration], prefill_s: float, decode_s: float,
-                     stop_reason: str, config: Mapping[str, Any]) -> Generation:
+                     stop_reason: str, config: Mapping[str, Any], decode_tokens: int | None = None
+                     ) -> Generation:
     """A `Generation` from an engine's per-iteration counts, aggregated as the generate loop
-    aggregates its own: tokens/s = tokens emitted / decode seconds (the decode window holds every
-    emitted token, as for the project's decoders), block efficiency = tokens per target forward,
-    acceptance = accepted / draft depth. Unknown counts stay None in the totals they enter."""
+    aggregates its own: tokens/s = tokens emitted inside the decode window / its seconds
+    (``decode_tokens``: all of them by default, as in the loop; a streamed engine's first token
+    comes out of the prefill window, so it passes len(tokens) - 1), block efficiency = tokens per
+    target forward, acceptance = accepted / draft depth. Unknown counts stay None in the totals
+    they enter."""
     steps = [StepStats(emitted=i.emitted, proposed=i.proposed, accepted=i.accepted,  # type: ignore[arg-type]
                        draft_forwards=i.draft_forwards, target_forwards=i.target_forwards,  # type: ignore[arg-type]
                        time_draft_s=i.time_draft_s, time_target_s=i.time_target_s,  # type: ignore[arg-type]
@@ -59,7 +62,8 @@ def build_generation(token_ids: list[int], text: str, prompt_len: int,
         time_draft_s=t_draft, time_target_s=t_target,
         time_other_s=(max(0.0, decode_s - t_draft - t_target)
                       if t_draft is not None and t_target is not None else None),
-        tokens_per_s=n / decode_s if decode_s > 0 else float("inf"),
+        tokens_per_s=(n if decode_tokens is None else decode_tokens) / decode_s
+        if decode_s > 0 else float("inf"),
         block_efficiency=n / target_fw if target_fw else None,
         acceptance_rate=accepted / depth if depth and accepted is not None else None,
         perplexity=None, stop_reason=stop_reason, draft_depth=depth,
@@ -77,6 +81,7 @@ class Engine(abc.ABC):
     version: str = ""
     device: str = "cpu"
     dtype: str = ""
+    context_length: int | None = None  # positions a prompt + its tokens + lookahead may fill
 
     def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
         self.kind: EngineKind = engine_kind(self.name)

@@ -4,9 +4,11 @@
   `SelfDraft`, a `LlamaDraftModel` that runs a second ``Llama`` on a GGUF (the target's own file
   unless ``draft_path`` is given: the model as its own draft) greedily for ``gamma`` tokens and
   rolls its cache back to what the target kept.
-- Phases as in the generate loop: "prefill" evaluates all but the last prompt token (target and
-  draft); "decode" starts before the forward of the last prompt token, which gives the first
-  token; ``Llama.generate`` then reuses the prefilled cache (its prefix match).
+- Phases as for a streamed request: "prefill" is the prompt's eval (the draft's too) and the first
+  token it gives; "decode" the rest, its tokens/s = the tokens after the first / its seconds.
+  (Splitting the prompt's eval as the generate loop does changes llama.cpp's greedy output at
+  near-ties: a batch of one token runs other kernels than the whole prompt.) Iteration 0 is the
+  prompt's forward: its token and forward count, so block efficiency compares with the loop's.
 - Statistics: llama.cpp keeps no acceptance counters and ``llama_perf_context`` counts verify
   batches as prompt evaluation. So target forwards are counted by wrapping ``Llama.eval`` (one
   iteration per decode eval, a forward per ``n_batch`` chunk), proposals by wrapping the draft
@@ -52,6 +54,18 @@ def gguf_path(model: ModelSpec) -> Path:
         return smollm2_gguf_path()
     raise UnsupportedError(f"engine 'llamacpp' has no GGUF for the alias {model.alias!r}: give "
                            "--target FILE.gguf (or --model smollm2)")
+
+
+def draft_gguf(model: ModelSpec, target: Path) -> Path:
+    """spd's draft: ``--draft FILE.gguf``, else the target's own GGUF (``--draft self`` or none:
+    the model as its own draft)."""
+    if model.draft in (None, "self"):
+        return target
+    path = Path(model.draft)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise UnsupportedError(f"engine 'llamacpp' drafts with a GGUF: --draft self (the target's "
+                               f"own file) or --draft FILE.gguf; got {model.draft!r}")
+    return path
 
 
 def check_warp(params: Mapping[str, Any]) -> None:
@@ -161,10 +175,11 @@ class TracedDraft:
 
 def iterations(events: list[tuple], tokens: list[int], t_decode: float, t_end: float
                ) -> list[Iteration]:
-    """Per decode iteration (one target eval, with the draft call before it): emitted tokens
+    """Per iteration (one target eval, with the draft call before it): emitted tokens
     (``tokens`` split by how many each eval's samples yielded: its tokens evaluated minus the
     drafts not reached), the proposal, accepted = leading emitted tokens equal to the proposal,
-    and times tiling [t_decode, t_end]."""
+    and times. Iteration 0 is the prompt's eval, which gives the first token inside the prefill
+    window (its times are the prefill's: 0 here); the others tile [t_decode, t_end]."""
     its: list[dict[str, Any]] = []
     pending: tuple | None = None
     for ev in events:
@@ -176,8 +191,8 @@ def iterations(events: list[tuple], tokens: list[int], t_decode: float, t_end: f
         its.append({"start": d[1] if pending else e0, "draft_s": d[2] - d[1], "target_s": e1 - e0,
                     "proposal": d[3], "draft_fw": d[4], "target_fw": fw})
         pending = None
-    if its:
-        its[0]["start"] = t_decode
+    if len(its) > 1:
+        its[1]["start"] = t_decode
     out, pos = [], 0
     for k, it in enumerate(its):
         if pos >= len(tokens):
@@ -190,6 +205,8 @@ def iterations(events: list[tuple], tokens: list[int], t_decode: float, t_end: f
         emitted = min(matched + 1, len(left))
         accepted = min(matched, emitted)  # a block cut by EOS / max_new_tokens keeps what it emitted
         end = its[k + 1]["start"] if k + 1 < len(its) else t_end
+        if k == 0:
+            it.update(start=end, target_s=0.0, draft_s=0.0)
         out.append(Iteration(
             emitted=emitted, proposed=len(proposal), accepted=accepted,
             draft_depth=len(proposal), target_forwards=it["target_fw"],
@@ -213,11 +230,12 @@ class LlamaCppEngine(Engine):
 
         threads = thread_settings()
         self.path = gguf_path(model)
-        self.draft_path = Path(self.options.get("draft_path") or self.path)
+        self.draft_path = Path(self.options.get("draft_path") or draft_gguf(model, self.path))
         self.n_threads = int(self.options.get("n_threads") or threads["threads"])
         self.n_threads_batch = int(self.options.get("n_threads_batch") or self.n_threads)
         self.n_ctx = int(self.options.get("n_ctx", 1024))
         self.n_batch = int(self.options.get("n_batch", 512))
+        self.context_length = self.n_ctx - 1  # the position after the last draft token
         self.version = f"llama-cpp-python {llama_cpp.__version__}"
         quant = re.search(r"\.((?:I?Q\d\w*)|F16|BF16|F32)\.gguf$", self.path.name, re.IGNORECASE)
         self.dtype = f"gguf-{quant.group(1)}" if quant else "gguf"
@@ -265,8 +283,8 @@ class LlamaCppEngine(Engine):
         self.kind.check_batch_size(len(prompts))
         params = self.params(spec)
         prompt = list(prompts[0])
-        need = len(prompt) + max_new_tokens + int(params.get("gamma", 0)) + 1
-        if need > self.n_ctx:
+        need = len(prompt) + max_new_tokens + int(params.get("gamma", 0))
+        if need > self.context_length:
             raise UnsupportedError(
                 f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + the draft length "
                 f"needs {need} positions, more than llama.cpp's n_ctx {self.n_ctx}; lower "
@@ -293,30 +311,31 @@ class LlamaCppEngine(Engine):
         llm.draft_model = TracedDraft(draft, trace) if draft is not None else None
         llm.set_seed(seed)
         trace.events.clear()
-        hook("prefill")
-        t0 = time.perf_counter()
-        llm.reset()
-        if len(prompt) > 1:  # the cache invariant of the generate loop: all but the last token
-            llm.eval(prompt[:-1])
-        if isinstance(draft, SelfDraft):
-            draft.prime(prompt[:-1])
-        t_prefill = time.perf_counter()
-        hook("decode")
-        t_decode = time.perf_counter()
-        trace.on = True
         tokens: list[int] = []
         stop = "max_new_tokens"
+        trace.on = True
         try:
+            # prefill: the prompt's eval and its first token (B = 1: switch at the first token)
+            hook("prefill")
+            t0 = time.perf_counter()
+            llm.reset()
+            if isinstance(draft, SelfDraft):
+                draft.prime(prompt[:-1])
             stream = llm.generate(prompt, top_k=int(params["top_k"]), top_p=float(params["top_p"]),
                                   min_p=0.0, typical_p=1.0, temp=float(params["temperature"]),
                                   repeat_penalty=1.0, reset=True)
-            for token in stream:
+            token = next(stream)
+            t_prefill = time.perf_counter()
+            hook("decode")
+            t_decode = time.perf_counter()
+            while True:
                 tokens.append(int(token))
                 if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
                     stop = "eos"
                     break
                 if len(tokens) >= max_new_tokens:
                     break
+                token = next(stream)
             stream.close()
         finally:
             trace.on = False
@@ -328,7 +347,7 @@ class LlamaCppEngine(Engine):
         config = {"decoder": decoder, **params, "max_new_tokens": max_new_tokens, "seed": seed,
                   "engine": self.name}
         return build_generation(tokens, text, len(prompt), its, t_prefill - t0, t_end - t_decode,
-                                stop, config)
+                                stop, config, decode_tokens=len(tokens) - 1)
 
     def close(self) -> None:
         for attr in ("plain", "spec", "draft_llm"):

@@ -32,7 +32,7 @@ class EngineKind:
     for it (``pld`` -> vLLM ``ngram``); ``params`` per decoder name: every parameter the engine
     honours for it with its default (the project's default where the meaning is the same), so a
     row's ``params_json`` is complete; ``fixed``: parameters the engine has only at one value
-    (giving that value is accepted, any other refused). ``max_batch_size`` None: any."""
+    (in every row's parameters; giving that value is accepted, any other refused). ``max_batch_size`` None: any."""
 
     name: str
     package: str | None  # the module to import (None: always available)
@@ -58,7 +58,7 @@ class EngineKind:
         a fixed one it cannot take, is refused with what it has."""
         self.method(decoder)
         defaults, fixed = dict(self.params.get(decoder, {})), self.fixed.get(decoder, {})
-        out = dict(defaults)
+        out = {**defaults, **fixed}  # the full configuration, its fixed values included
         for key, value in given.items():
             if key in fixed:
                 if _coerce(value, fixed[key], key, self.name) != fixed[key]:

@@ -28,7 +28,8 @@ def test_decoder_names_keep_one_meaning_across_engines():
     assert "draft model" in engine_kind("llamacpp").method("spd")
     # the project's default warp and draft lengths, so `pld` means the same on every engine
     params = engine_kind("llamacpp").decoder_params("pld", {})
-    assert params == {"temperature": 1.0, "top_k": 10, "top_p": 0.9, "gamma": 10, "max_ngram": 3}
+    assert params == {"temperature": 1.0, "top_k": 10, "top_p": 0.9, "gamma": 10, "max_ngram": 3,
+                      "min_ngram": 1}  # the project's pld parameters, one fixed
     assert engine_kind("llamacpp").decoder_params("spd", {"gamma": "3", "temperature": "0"}) == {
         "temperature": 0.0, "top_k": 10, "top_p": 0.9, "gamma": 3}
 
@@ -105,3 +106,18 @@ def test_a_generation_from_engine_counts_obeys_the_statistics_contract():
     assert unknown.stats.draft_accepted is None and unknown.stats.draft_proposed is None
     assert unknown.stats.acceptance_rate is None and unknown.steps[0].accepted is None
     assert unknown.stats.time_other_s is None  # the target's time is unknown too
+
+
+def test_the_decoding_sweep_refuses_a_batch_size_the_engine_cannot_do(tmp_path):
+    from typer.testing import CliRunner
+
+    from mtad_energy.cli import app
+
+    out = CliRunner().invoke(app, ["sweep", "batch-size", "--engine", "llamacpp", "--decoder",
+                                   "ar,spd", "--sizes", "1,2", "--meter", "none", "--output",
+                                   str(tmp_path / "s"), "--json"])
+    assert out.exit_code != 0
+    assert "engine 'llamacpp' decodes batch size 1 only (asked for 2)" in json.loads(out.stdout)["error"]
+    out = CliRunner().invoke(app, ["sweep", "batch-size", "--engine", "llamacpp", "--output",
+                                   str(tmp_path / "t"), "--json"])
+    assert out.exit_code != 0 and "--engine" in json.loads(out.stdout)["error"]
