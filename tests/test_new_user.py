@@ -71,7 +71,8 @@ def _old_row(key: str, decoder: str, flags: list[str], energy_j: float) -> dict:
             "energy_per_token_j": energy_j / 4, "energy_reason": None,
             "energy_flags": json.dumps(flags), "time_draft_s": 0.0, "time_target_s": 0.08,
             "time_other_s": 0.02, "draft_flops": 0, "draft_bytes": 0, "target_flops": 1e6,
-            "target_bytes": 1e6, "draft_proposed": 0, "draft_accepted": 0, "rows_iterations": 4}
+            "target_bytes": 1e6, "draft_proposed": 0, "draft_accepted": 0, "rows_iterations": 4,
+            "others_cpu_s": 0.0, "others_cores": 0.0, "contended": False}  # a quiet machine
 
 
 def test_rows_an_older_store_holds_with_unseen_work_are_read_without_their_joules(tmp_path):

@@ -301,6 +301,7 @@ def ngram_chains(target, prompt: Sequence[int], output: Sequence[int], warp: War
     import copy
 
     from mtad_energy.decoding.cache import crop
+    from mtad_energy.hf_cache import cache_kwargs, cache_of
 
     ids = torch.tensor([list(prompt) + list(output)], device=target.device)
     res = target(input_ids=ids, use_cache=True)
@@ -313,10 +314,10 @@ def ngram_chains(target, prompt: Sequence[int], output: Sequence[int], warp: War
         if list(d[:-1]) == list(output[t:t + len(d) - 1]) and t + len(d) - 1 < len(output):
             p = p_out[t:t + len(d)]  # [len(d), V]
         else:
-            cache = copy.deepcopy(res.past_key_values)
+            cache = copy.deepcopy(cache_of(res))
             crop(cache, len(prompt) + t)
             tail = torch.tensor([d[:-1]], device=target.device)
-            rest = (warp.probs(target(input_ids=tail, past_key_values=cache).logits[0]).cpu()
+            rest = (warp.probs(target(input_ids=tail, **cache_kwargs(cache)).logits[0]).cpu()
                     if len(d) > 1 else p_out[:0])
             p = torch.cat([p_out[t:t + 1], rest])  # [len(d), V]
         chains.append(alpha_point(p, torch.tensor(d)))
