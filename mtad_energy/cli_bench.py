@@ -24,6 +24,7 @@ from mtad_energy.cli_common import (
     esc,
     fail,
     ignored_draft_notes,
+    integer_records,
     json_command,
     pair_alias,
     parse_sets,
@@ -324,7 +325,7 @@ def run_config(config: RunConfig, out: Path, as_json: bool, title: str, workers:
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
               "pair": runner.pair.describe(), "config": config.to_dict(),
-              "summary": json.loads(summary.to_json(orient="records")), "notes": notes,
+              "summary": integer_records(summary), "notes": notes,
               "machine_load": load})
     else:
         shown = with_attribution(summary, runs, out) if columns == "energy" else summary
@@ -375,7 +376,7 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
                                                          config.allow_code_execution)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
-              "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
+              "summary": integer_records(summary), "notes": notes})
     else:
         shown = with_attribution(summary, runs, out) if columns == "energy" else summary
         console.print(summary_table(shown, title, columns))
@@ -676,7 +677,7 @@ def sweep_batch_size(
     compact_after(out)
     table = batch_table(rows)
     if as_json:
-        emit({"output": str(out), "meter": m.name, "rows": json.loads(table.to_json(orient="records"))})
+        emit({"output": str(out), "meter": m.name, "rows": integer_records(table)})
         return
     t = wrapping_table([str(c) for c in table.columns],
                        [[str(int(v)) if c == table.columns[0] else
@@ -791,7 +792,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     if as_json:
         emit({"output": str(out), "meter": m.name, "plot": str(png), "ran": rep.ran,
               "skipped": rep.skipped, "not_run": not_run, "notes": notes, "machine_load": load,
-              "rows": json.loads(table.to_json(orient="records"))})
+              "rows": integer_records(table)})
         return
     shown = crossover_display(table)
     t = wrapping_table(list(shown.columns), [[esc(v) for v in r] for r in shown.to_numpy()],
@@ -864,10 +865,10 @@ def decompose(
               "fits": {f: (v.to_dict() if not isinstance(v, str) else {"error": v})
                        for f, v in fits.items()},
               "validation": {"median_abs_error": median,
-                             "runs": json.loads(valid.to_json(orient="records"))},
-              "attribution": json.loads(summary.to_json(orient="records")),
-              "windows": json.loads(attributed.to_json(orient="records")),  # every row's split
-              "decoders": json.loads(paper_split.to_json(orient="records"))})
+                             "runs": integer_records(valid)},
+              "attribution": integer_records(summary),
+              "windows": integer_records(attributed),  # every row's split
+              "decoders": integer_records(paper_split)})
         return
     for form, fit in fits.items():
         if isinstance(fit, str):
