@@ -203,4 +203,6 @@ def test_integer_records_keep_fractions_and_missing_values():
     assert integer_records(frame) == [
         {"max_new_tokens": 8, "Batch Size": 2, "tokens_per_s": 10.0, "tokens": 1.5},
         {"max_new_tokens": None, "Batch Size": 3, "tokens_per_s": 2.5, "tokens": 2}]
-    assert type(integer_records(frame)[0]["tokens_per_s"]) is float
+    first = integer_records(frame)[0]
+    assert (type(first["max_new_tokens"]), type(first["Batch Size"])) == (int, int)  # 8 == 8.0 too
+    assert type(first["tokens_per_s"]) is float
