@@ -991,7 +991,7 @@ def schedule(
     Reads a `sweep batch-size --decoder ar,spd --set gamma=1,2,3,5` store; prints each range with
     the measured speed-up or energy saving behind it and writes the schedule as JSON (with its
     setting; another setting's file is never replaced)."""
-    from mtad_energy.results import load_results
+    from mtad_energy.results import StoreError, load_results
     from mtad_energy.results.schedule import build_schedule, schedule_path, schedule_table, write_schedule
 
     try:
@@ -999,7 +999,7 @@ def schedule(
         plan = build_schedule(rows, objective, decoder, max_batch_size, model)
         path = out or schedule_path(results, objective, model)
         write_schedule(plan, path)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2
         fail(error)
     if as_json:
         emit({**plan.to_dict(), "output": str(path)})
