@@ -232,7 +232,8 @@ def integer_records(frame: Any) -> list[dict[str, Any]]:
     for record in records:
         for name, value in record.items():
             column = name.lower().replace(" ", "_")  # a shown table's "Batch Size" too
-            if column in INTEGER_COLUMNS and isinstance(value, float) and value.is_integer():
+            counts = column in INTEGER_COLUMNS or column.endswith("_batch_size")  # crossover_...
+            if counts and isinstance(value, float) and value.is_integer():
                 record[name] = int(value)
     return records
 

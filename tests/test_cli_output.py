@@ -199,10 +199,13 @@ def test_integer_records_keep_fractions_and_missing_values():
 
     from mtad_energy.cli_common import integer_records
     frame = pd.DataFrame({"max_new_tokens": [8, None], "Batch Size": [2.0, 3.0],
-                          "tokens_per_s": [10.0, 2.5], "tokens": [1.5, 2.0]})
+                          "tokens_per_s": [10.0, 2.5], "tokens": [1.5, 2.0],
+                          "crossover_batch_size": [4.0, None]})
     assert integer_records(frame) == [
-        {"max_new_tokens": 8, "Batch Size": 2, "tokens_per_s": 10.0, "tokens": 1.5},
-        {"max_new_tokens": None, "Batch Size": 3, "tokens_per_s": 2.5, "tokens": 2}]
+        {"max_new_tokens": 8, "Batch Size": 2, "tokens_per_s": 10.0, "tokens": 1.5,
+         "crossover_batch_size": 4},
+        {"max_new_tokens": None, "Batch Size": 3, "tokens_per_s": 2.5, "tokens": 2,
+         "crossover_batch_size": None}]
     first = integer_records(frame)[0]
-    assert (type(first["max_new_tokens"]), type(first["Batch Size"])) == (int, int)  # 8 == 8.0 too
+    assert {type(first[k]) for k in ("max_new_tokens", "Batch Size", "crossover_batch_size")} == {int}
     assert type(first["tokens_per_s"]) is float
