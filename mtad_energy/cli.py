@@ -99,6 +99,8 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")
              for gpu in snap.to_dict()["gpus"]]
     console.print(wrapping_table(("field", "value"), rows, left=("field", "value"), show_header=False))
     console.print(f"[bold]meter auto ->[/] {esc(choice.name)}: {esc(choice.reason)}")
+    for name, why in choice.rejected:  # the full reasons, which errors and rows only summarise
+        console.print(f"  not {esc(name)}: {esc(why)}")
     for w in warnings:
         console.print(f"[yellow]preflight:[/] {esc(w)}")
 

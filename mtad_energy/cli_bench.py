@@ -24,6 +24,7 @@ from mtad_energy.cli_common import (
     esc,
     fail,
     ignored_draft_notes,
+    integer_records,
     json_command,
     pair_alias,
     parse_sets,
@@ -309,7 +310,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
               "pair": runner.pair.describe(), "config": config.to_dict(),
               **({"engines": [c.engine for c in configs]} if len(configs) > 1 else {}),
-              "summary": json.loads(summary.to_json(orient="records")), "notes": notes,
+              "summary": integer_records(summary), "notes": notes,
               "machine_load": load})
     else:
         shown = with_attribution(summary, runs, out) if columns == "energy" else summary
@@ -402,7 +403,7 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
                                                          config.allow_code_execution)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
-              "summary": json.loads(summary.to_json(orient="records")), "notes": notes})
+              "summary": integer_records(summary), "notes": notes})
     else:
         shown = with_attribution(summary, runs, out) if columns == "energy" else summary
         console.print(summary_table(shown, title, columns))
@@ -706,7 +707,7 @@ def sweep_batch_size(
     compact_after(out)
     table = batch_table(rows)
     if as_json:
-        emit({"output": str(out), "meter": m.name, "rows": json.loads(table.to_json(orient="records"))})
+        emit({"output": str(out), "meter": m.name, "rows": integer_records(table)})
         return
     t = wrapping_table([str(c) for c in table.columns],
                        [[str(int(v)) if c == table.columns[0] else
@@ -823,7 +824,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     if as_json:
         emit({"output": str(out), "meter": m.name, "plot": str(png), "ran": rep.ran,
               "skipped": rep.skipped, "not_run": not_run, "notes": notes, "machine_load": load,
-              "rows": json.loads(table.to_json(orient="records"))})
+              "rows": integer_records(table)})
         return
     shown = crossover_display(table)
     t = wrapping_table(list(shown.columns), [[esc(v) for v in r] for r in shown.to_numpy()],
@@ -896,10 +897,10 @@ def decompose(
               "fits": {f: (v.to_dict() if not isinstance(v, str) else {"error": v})
                        for f, v in fits.items()},
               "validation": {"median_abs_error": median,
-                             "runs": json.loads(valid.to_json(orient="records"))},
-              "attribution": json.loads(summary.to_json(orient="records")),
-              "windows": json.loads(attributed.to_json(orient="records")),  # every row's split
-              "decoders": json.loads(paper_split.to_json(orient="records"))})
+                             "runs": integer_records(valid)},
+              "attribution": integer_records(summary),
+              "windows": integer_records(attributed),  # every row's split
+              "decoders": integer_records(paper_split)})
         return
     for form, fit in fits.items():
         if isinstance(fit, str):
@@ -1022,7 +1023,7 @@ def schedule(
     Reads a `sweep batch-size --decoder ar,spd --set gamma=1,2,3,5` store; prints each range with
     the measured speed-up or energy saving behind it and writes the schedule as JSON (with its
     setting; another setting's file is never replaced)."""
-    from mtad_energy.results import load_results
+    from mtad_energy.results import StoreError, load_results
     from mtad_energy.results.schedule import build_schedule, schedule_path, schedule_table, write_schedule
 
     try:
@@ -1030,7 +1031,7 @@ def schedule(
         plan = build_schedule(rows, objective, decoder, max_batch_size, model)
         path = out or schedule_path(results, objective, model)
         write_schedule(plan, path)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2
         fail(error)
     if as_json:
         emit({**plan.to_dict(), "output": str(path)})

@@ -13,12 +13,13 @@ from mtad_energy.cli_common import console, emit, esc, fail, json_command, quiet
 
 
 def _pct(value: Any) -> str:
-    return "-" if value is None or value != value else f"{value:+.1%}"
+    return "-" if value is None or value != value else f"{round(value, 3) + 0.0:+.1%}"  # no -0.0%
 
 
 def meters_table(rows: list[dict[str, Any]]) -> Table:
-    """J per repetition (idle: W) read by the energy counter, and every other meter against it."""
-    from mtad_energy.measure.calibrate import COUNTER, ROLES
+    """Each workload's consensus (J per repetition; idle: W) and every meter's difference to it:
+    the basis the verdict uses too (`measure.calibrate._compare`)."""
+    from mtad_energy.measure.calibrate import ROLES
 
     measured = [r for r in rows if r["protocol"] != "-"]
     names = [m for m in ROLES if any(r["meter"] == m for r in measured)]
@@ -26,17 +27,19 @@ def meters_table(rows: list[dict[str, Any]]) -> Table:
               caption_justify="left")
     t.add_column("workload")
     t.add_column("protocol")
-    for name in names:
-        t.add_column(name, justify="right")
+    t.add_column("consensus", justify="right")
+    for name in names:  # long names over two lines, at their hyphen: 80 columns fit every header
+        t.add_column(name.replace("-", "-\n", 1) if len(name) > 10 else name, justify="right")
     for key in dict.fromkeys((r["workload"], r["protocol"]) for r in measured):
         cells = {r["meter"]: r for r in measured if (r["workload"], r["protocol"]) == key}
         unit = "W" if key[0] == "idle" else "J"
-        ref = cells.get(COUNTER, {}).get("value")
-        t.add_row(*key, *[(("-" if ref is None else f"{ref:.4g} {unit}") if n == COUNTER else
-                           _pct(cells.get(n, {}).get("vs_counter"))) for n in names])
+        ref = next(iter(cells.values())).get("consensus_value")
+        t.add_row(*key, "-" if ref is None else f"{ref:.4g} {unit}",
+                  *[_pct(cells.get(n, {}).get("vs_consensus")) for n in names])
     missing = [f"{r['meter']}: {r['error']}" for r in rows if r["protocol"] == "-"]
-    t.caption = ("J per repetition (idle: W) by the energy counter; the others: difference to it"
-                 + "".join(f"\nnot measured: {m}" for m in missing))
+    t.caption = ("consensus: the median of the meters' protocol estimates, J per repetition (idle: "
+                 "the median idle power, W); each meter: its difference to the consensus, the basis "
+                 "of the verdict too" + "".join(f"\nnot measured: {m}" for m in missing))
     return t
 
 

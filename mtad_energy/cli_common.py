@@ -214,6 +214,30 @@ def emit(document: Any) -> None:
     out.flush()
 
 
+# columns that count things (tokens, forwards, sizes, seeds): integers, though pandas stores them as
+# floats as soon as one row lacks them (NaN); JSON output turns them back (`integer_records`)
+INTEGER_COLUMNS = frozenset((
+    "max_new_tokens", "seed", "repeat", "repeats", "prompt_len", "tokens_emitted", "iterations",
+    "draft_proposed", "draft_accepted", "draft_forwards", "target_forwards", "batch_size", "runs",
+    "forwards_per_run", "context_len", "tokens", "prompts", "iteration", "emitted", "proposed",
+    "accepted", "flops", "bytes", "n", "n_runs", "n_prompts", "rows", "windows", "total_tokens",
+    "graphs_compiled",
+))
+
+
+def integer_records(frame: Any) -> list[dict[str, Any]]:
+    """A frame's rows as JSON-ready dicts (NaN -> None) where a count column (`INTEGER_COLUMNS`)
+    holds ints: ``8`` not ``8.0``. A value that is not integral is left as it is (never rounded)."""
+    records = json.loads(frame.to_json(orient="records"))
+    for record in records:
+        for name, value in record.items():
+            column = name.lower().replace(" ", "_")  # a shown table's "Batch Size" too
+            counts = column in INTEGER_COLUMNS or column.endswith("_batch_size")  # crossover_...
+            if counts and isinstance(value, float) and value.is_integer():
+                record[name] = int(value)
+    return records
+
+
 def fail(error: Exception | str, code: int = 2, label: str = "[bold red]error:[/]") -> NoReturn:
     """Exit with ``code``: under --json as ``{"error": ..., "exit_code": ...}`` on stdout,
     otherwise as a message on stderr (printed as text, never as markup)."""

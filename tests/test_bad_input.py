@@ -317,3 +317,24 @@ def test_an_over_long_prompt_is_refused_before_any_row_runs_naming_it(model_dirs
     near = profile(model_dirs, path, out)
     assert near.exit_code == 2, near.output
     assert "lower --max-new-tokens to at most" in words(near.output)
+
+
+STORE_READERS = (["report", "{store}", "--out", "{tmp}/rep"], ["decompose", "{store}"],
+                 ["schedule", "{store}"], ["store", "compact", "{store}"])
+
+
+@pytest.mark.parametrize("state", ["missing", "empty"])
+@pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.parametrize("command", STORE_READERS, ids=lambda c: " ".join(c[:2]).split(" {")[0])
+def test_a_missing_or_empty_store_is_bad_input_for_every_reader(tmp_path, command, state, as_json):
+    """Exit code 2 everywhere (issue 27 item 9: `schedule` exited 1 with a traceback), naming the
+    directory; with --json as the one error document."""
+    store = tmp_path / "store"
+    if state == "empty":
+        store.mkdir()
+    args = [a.format(store=store, tmp=tmp_path) for a in command] + (["--json"] if as_json else [])
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, (args, res.output)
+    assert "Traceback" not in res.output
+    said = json.loads(res.stdout)["error"] if as_json else flat(res.output)
+    assert str(store) in said and ("does not exist" if state == "missing" else "is empty") in said

@@ -61,6 +61,18 @@ def test_env_json_has_a_snapshot_id_and_the_auto_meter_with_its_reason():
     assert res["meter"]["name"] and res["meter"]["reason"]
 
 
+def test_env_shows_each_meter_rejection_in_full(monkeypatch):
+    """Errors and rows carry the short reason; `env` (which they point to) keeps every full one."""
+    from mtad_energy import measure
+    from mtad_energy.measure import MeterChoice, NoneMeter
+    full = "NVML could not start (X); this machine has no usable NVIDIA driver. Use a CPU meter."
+    choice = MeterChoice(NoneMeter(reason="short"), "none", "short", (("nvml-counter", full),))
+    monkeypatch.setattr(measure, "select_meter", lambda: choice)
+    out = runner.invoke(app, ["env"])
+    assert out.exit_code == 0, out.output
+    assert f"not nvml-counter: {full}" in " ".join(out.output.split())  # wrapped at 80 columns
+
+
 def test_generate_pld_says_the_pairs_draft_is_ignored(model_dirs):
     out = runner.invoke(app, ["generate", "--decoder", "pld", "--target", model_dirs["llama"],
                               "--draft", model_dirs["llama-draft"], "--prompt", "w1 w2 w1 w2",

@@ -178,3 +178,34 @@ def test_profile_batches_hold_batch_size_rows_or_are_refused(model_dirs, tmp_pat
     assert (rows.batch_size == 2).all() and (rows.model == "custom+batch2").all()
     last = rows[rows.prompt_id == "c"].iloc[0]
     assert 0 < last.energy_share < 1  # its share of a two-row batch
+
+
+def test_json_counts_are_integers_not_floats(model_dirs, tmp_path):
+    """Counts stay ints in --json (issue 27 item 9: `max_new_tokens: 8.0`): pandas makes a count
+    column float as soon as one row lacks it; the JSON output turns it back."""
+    res = runner.invoke(app, ["compare", "--decoders", "ar,spd", *pair_args(model_dirs),
+                              "--dataset", prompts(tmp_path), "--n-prompts", "2",
+                              "--output", str(tmp_path / "c"), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = only_json(res)["summary"]
+    for row in rows:
+        for name in ("n_runs", "total_tokens", "graphs_compiled"):
+            assert type(row[name]) is int, (name, row[name])
+    assert '"total_tokens": 6,' in res.stdout  # 2 prompts x 3 tokens, printed as an integer
+
+
+def test_integer_records_keep_fractions_and_missing_values():
+    import pandas as pd
+
+    from mtad_energy.cli_common import integer_records
+    frame = pd.DataFrame({"max_new_tokens": [8, None], "Batch Size": [2.0, 3.0],
+                          "tokens_per_s": [10.0, 2.5], "tokens": [1.5, 2.0],
+                          "crossover_batch_size": [4.0, None]})
+    assert integer_records(frame) == [
+        {"max_new_tokens": 8, "Batch Size": 2, "tokens_per_s": 10.0, "tokens": 1.5,
+         "crossover_batch_size": 4},
+        {"max_new_tokens": None, "Batch Size": 3, "tokens_per_s": 2.5, "tokens": 2,
+         "crossover_batch_size": None}]
+    first = integer_records(frame)[0]
+    assert {type(first[k]) for k in ("max_new_tokens", "Batch Size", "crossover_batch_size")} == {int}
+    assert type(first["tokens_per_s"]) is float

@@ -276,6 +276,25 @@ def test_calibrate_checks_its_record_dir_before_calibrating(tmp_path, monkeypatc
         res.output)
 
 
+
+def test_calibrate_table_and_verdict_give_the_same_figure(tmp_path):
+    """One basis (the consensus) for the table and the verdict: 1 s polling's worst plain error is
+    the same number in both (issue 27 item 9: -18.9 % in the table, -15.4 % in the verdict)."""
+    import re
+
+    res = runner.invoke(app, ["calibrate", "--meter", "simulated", "--quick", "--record-dir",
+                              str(tmp_path / "records")])
+    assert res.exit_code == 0, res.output
+    plain = [line.split("│") for line in res.output.splitlines()
+             if re.match(r"\s*(steady|bursty)\s*│\s*plain\s*│", line)]
+    assert len(plain) == 2
+    naive_cells = [cells[-1].strip() for cells in plain]  # power.draw-1s is the last column
+    worst = max(naive_cells, key=lambda cell: abs(float(cell.rstrip("%"))))
+    verdict = re.search(r"power\.draw-1s ([+-][0-9.]+%)", words(res.output)).group(1)
+    assert verdict == worst, (verdict, naive_cells)
+    assert abs(float(worst.rstrip("%"))) > 10  # 1 s polling of steady kernels is far off
+    assert "the basis of the verdict too" in words(res.output)
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 @pytest.mark.parametrize("damage", ["weights", "config"])
 def test_a_damaged_head_checkpoint_names_its_file(model_dirs, tmp_path, kind, damage):

@@ -32,7 +32,8 @@ class EngineKind:
     for it (``pld`` -> vLLM ``ngram``); ``params`` per decoder name: every parameter the engine
     honours for it with its default (the project's default where the meaning is the same), so a
     row's ``params_json`` is complete; ``fixed``: parameters the engine has only at one value
-    (in every row's parameters; giving that value is accepted, any other refused). ``max_batch_size`` None: any."""
+    (in every row's parameters; giving that value is accepted, any other refused).
+    ``max_batch_size`` None: any."""
 
     name: str
     package: str | None  # the module to import (None: always available)

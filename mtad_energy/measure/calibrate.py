@@ -231,14 +231,29 @@ def _mitigated(probe: Probe, name: str, meter: EnergyMeter, work: Workload,
 
 
 def _compare(rows: list[dict[str, Any]]) -> None:
-    """Each row's value (J per repetition; idle: W) and its difference to the energy counter's."""
+    """Each row's value (J per repetition; idle: W), its difference to the energy counter's, and
+    its difference to the workload's consensus (`consensus_value`, `vs_consensus`): the one basis
+    the table and the verdict both use."""
     for r in rows:
         r["value"] = r.get("power_w") if r["workload"] == "idle" else r.get("energy_per_rep_j")
     ref = {(r["workload"], r["protocol"]): r["value"] for r in rows if r["meter"] == COUNTER}
+    basis = {w: consensus_value(rows, w) for w in dict.fromkeys(r["workload"] for r in rows)}
     for r in rows:
         r["counter_value"] = ref.get((r["workload"], r["protocol"]))
         ok = r["value"] is not None and r["counter_value"]
         r["vs_counter"] = r["value"] / r["counter_value"] - 1.0 if ok else None
+        r["consensus_value"] = basis[r["workload"]]
+        ok = r["value"] is not None and r["consensus_value"]
+        r["vs_consensus"] = r["value"] / r["consensus_value"] - 1.0 if ok else None
+
+
+def consensus_value(rows: Sequence[dict[str, Any]], workload: str) -> float | None:
+    """The basis every difference is taken against: `consensus_j` of a workload (J per
+    repetition); idle, which has no protocol run, the median of the meters' idle power (W)."""
+    if workload != "idle":
+        return consensus_j(rows, workload)
+    values = [r["power_w"] for r in rows if r["workload"] == "idle" and r.get("power_w") is not None]
+    return statistics.median(values) if values else None
 
 
 # -- verdict ------------------------------------------------------------------------------------
@@ -384,11 +399,14 @@ def _verdict(rows, trusted, why, minimum, period, updates, idle_w, tolerance, sw
         lines.append(f"the energy counter changed {updates} time(s): too few to time its updates")
     if idle_w is not None:
         lines.append(f"idle power {idle_w:.4g} W (subtract idle power x time for dynamic energy)")
-    naive = {(r["workload"], r["protocol"]): r["vs_counter"] for r in rows if r["meter"] == NAIVE}
+    # against the consensus, as `choose_meter` and the table: one basis for every figure printed
+    naive = {(r["workload"], r["protocol"]): None if r["vs_consensus"] is None else
+             round(r["vs_consensus"], 3) + 0.0 for r in rows if r["meter"] == NAIVE}  # no -0.0%
     if naive.get((swept, "plain")) is not None:
         mit = naive.get((swept, "mitigated"))
-        lines.append(f"naive 1 s power.draw polling is off by {naive[(swept, 'plain')]:+.1%} on "
-                     f"{swept} work" + (f", {mit:+.1%} under the protocol" if mit is not None else ""))
+        lines.append(f"naive 1 s power.draw polling is off by {naive[(swept, 'plain')]:+.1%} of the "
+                     f"consensus on {swept} work"
+                     + (f", {mit:+.1%} under the protocol" if mit is not None else ""))
     lines += list(probe.notes)
     return tuple(lines)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,11 +105,22 @@ def select_meter(
         rejected += [(n, f"lower priority than {name}") for n in rest]
         rejected.append(("simulated", "never chosen automatically (it simulates a sensor)"))
         return MeterChoice(meter, name, _why(name, meter), tuple(rejected))
-    reason = "no GPU meter and no readable RAPL; energy will be null. " + "; ".join(
-        f"{n}: {why}" for n, why in rejected
-    )
+    reason = no_meter_reason(rejected)
     rejected.append(("simulated", "never chosen automatically (it simulates a sensor)"))
     return MeterChoice(NoneMeter(reason=reason), "none", reason, tuple(rejected))
+
+
+def no_meter_reason(rejected: Sequence[tuple[str, str]]) -> str:
+    """Why `auto` fell back to no energy, short enough for every error, row and footnote: one
+    sentence per distinct cause (NVML, RAPL: the first sentence of each rejection), where the full
+    text is (`mtad-energy env`) and how to get modelled joules anyway (`--meter simulated`)."""
+    causes: list[str] = []
+    for _, why in rejected:
+        first = why.split("; ")[0].split(". ")[0].rstrip(".")
+        if not why.startswith("skipped:") and first not in causes:
+            causes.append(first)
+    return (f"no energy meter here: {', and '.join(causes) or 'no GPU meter and no RAPL'}. Energy "
+            "is null; `mtad-energy env` shows why in full, `--meter simulated` models a GPU instead")
 
 
 def _why(name: str, meter: EnergyMeter) -> str:

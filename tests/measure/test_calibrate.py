@@ -132,7 +132,8 @@ def test_calibrate_on_nvml_exact_joules_and_the_verdict(fake_nvml: FakeNvml) -> 
         "workload within ±5% from there on); later runs flag shorter windows 'below-calibrated-min'",
         "the energy counter updates every 25 ms (40 updates seen)",
         "idle power 300 W (subtract idle power x time for dynamic energy)",
-        "naive 1 s power.draw polling is off by -6.7% on bursty work, -6.7% under the protocol",
+        "naive 1 s power.draw polling is off by -6.7% of the consensus on bursty work, -6.7% under "
+        "the protocol",
     )
 
 
