@@ -193,6 +193,8 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
                 ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
         extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
         cols += [(c.replace("_", "-"), c) for c in extra]
+    if "model" in summary and summary["model"].nunique() > 1:  # engines side by side, say
+        cols.insert(0, ("model", "model"))
     rows = []
     for _, r in summary.iterrows():
         cells = []
@@ -206,7 +208,7 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
                     simulated = True
                     if columns != "energy":  # energy: the caption says so (the columns are many)
                         cells[-1] += " (simulated)"
-            elif col in ("label", "dataset"):
+            elif col in ("label", "dataset", "model"):
                 busy = col == "label" and columns == "energy" and r.get("n_contended")
                 cells.append(esc(v) + ("*" if busy else ""))
             elif col == "n_runs":  # "*": some were measured on a busy machine (caption)

@@ -121,3 +121,27 @@ def test_the_decoding_sweep_refuses_a_batch_size_the_engine_cannot_do(tmp_path):
     out = CliRunner().invoke(app, ["sweep", "batch-size", "--engine", "llamacpp", "--output",
                                    str(tmp_path / "t"), "--json"])
     assert out.exit_code != 0 and "--engine" in json.loads(out.stdout)["error"]
+
+
+def test_a_table_of_several_engines_names_each_rows_model():
+    """Engines side by side in one summary: each row says which engine (model label) it is."""
+    import pandas as pd
+    from rich.console import Console
+
+    from mtad_energy.cli_bench import summary_table
+
+    summary = pd.DataFrame([
+        {"model": model, "dataset": "mtbench", "label": label, "n_runs": 3, "tokens_per_s": tps,
+         "speedup": 1.0, "block_efficiency": 1.0, "acceptance_rate": None, "perplexity": 2.0,
+         "energy_per_token_j": None, "decode_energy_per_token_j": None, "energy_reason": "none"}
+        for model, tps in (("smollm2", 6.5), ("smollm2+llamacpp", 22.9)) for label in ("ar",)])
+    console = Console(width=120, record=True)
+    console.print(summary_table(summary, "compare"))
+    text = console.export_text()
+    rows = [line for line in text.splitlines() if "mtbench" in line]
+    assert len(rows) == 2
+    assert "smollm2+llamacpp" in rows[1] and "22.9" in rows[1]
+    assert "smollm2+llamacpp" not in rows[0] and "smollm2" in rows[0]
+    console = Console(width=120, record=True)
+    console.print(summary_table(summary[summary["model"] == "smollm2"], "profile"))
+    assert "model" not in console.export_text().split("\n")[1]  # one model: no column for it
