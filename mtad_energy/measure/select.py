@@ -119,8 +119,9 @@ def no_meter_reason(rejected: Sequence[tuple[str, str]]) -> str:
         first = why.split("; ")[0].split(". ")[0].rstrip(".")
         if not why.startswith("skipped:") and first not in causes:
             causes.append(first)
-    return (f"no energy meter here: {', and '.join(causes) or 'no GPU meter and no RAPL'}. Energy "
-            "is null; `mtad-energy env` shows why in full, `--meter simulated` models a GPU instead")
+    # one clause (no "; " or ". "): tables keep a reason's first clause (`short_reason`)
+    return (f"no energy meter here: {', and '.join(causes) or 'no GPU meter and no RAPL'}, so "
+            "energy is null (`--meter simulated` models a GPU, `mtad-energy env` says why in full)")
 
 
 def _why(name: str, meter: EnergyMeter) -> str:

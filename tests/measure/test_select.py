@@ -44,13 +44,16 @@ def test_no_gpu_no_rapl_gives_none_with_the_reasons(no_nvml: None, tmp_path: Pat
     assert choice.reason == (
         "no energy meter here: NVML could not start (NVML Shared Library Not Found), and "
         f"RAPL is not available: {tmp_path / 'none'} does not exist (no powercap driver, or not "
-        "Linux). Energy is null; `mtad-energy env` shows why in full, `--meter simulated` models "
-        "a GPU instead"
+        "Linux), so energy is null (`--meter simulated` models a GPU, `mtad-energy env` says why "
+        "in full)"
     )
     meter = choice.meter
     meter.begin_window("w")
     m = meter.end_window("w")
     assert m.energy_j is None and m.reason == choice.reason
+    from mtad_energy.results.analysis import short_reason  # what tables and footnotes show
+
+    assert short_reason(choice.reason) == choice.reason
     assert "not rapl: RAPL is not available" in choice.describe()
 
 
