@@ -10,7 +10,9 @@ from typing import Annotated
 import typer
 
 from mtad_energy.config import RunConfig
-from mtad_energy.engines import HF, check_engine_options, parse_engines
+
+# `mtad_energy.engines` loads the decoding core (torch): imported where used, so `import
+# mtad_energy.cli` stays light and the CLI can set OpenMP's wait policy before torch loads
 
 EngineOption = Annotated[str, typer.Option(
     "--engine", help="what generates: hf (the project's decoders over Hugging Face models), "
@@ -23,6 +25,8 @@ def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False) 
     parameter, batch size, ``--compile`` or ``--ops`` an engine cannot honour is refused by name,
     and an engine not installed names its extra. ``all_decoders`` (compare's default list): each
     engine runs the decoders it has."""
+    from mtad_energy.engines import HF, check_engine_options, parse_engines
+
     out = []
     for name in parse_engines(engines):
         decoders = config.decoders
@@ -44,6 +48,8 @@ def check_workers(configs: list[RunConfig], workers: int) -> None:
 def sweep_engines(engines: str, specs, sizes: list[int], compile: bool) -> list[str]:
     """``sweep batch-size --decoder ... --engine``: the engines, each checked against the
     decoders, their parameters, the largest batch size and ``--compile``."""
+    from mtad_energy.engines import check_engine_options, parse_engines
+
     names = parse_engines(engines)
     for name in names:
         check_engine_options(name, [s.name for s in specs], max(sizes), compile,

@@ -282,15 +282,15 @@ def test_mmtad_bonus_token_comes_from_the_chosen_node_even_when_it_is_not_node_0
     top_k, prompt = 2, [3, 5, 7]
     dec = me.get_decoder("mmtad", gamma=3, beam_width=4, tau=0.1, top_k=top_k, top_p=1.0)
     chosen: list[tuple[int, int]] = []
-    real_select = mmtad_mod.mmtad_select
+    real_select = mmtad_mod.mmtad_select_rows  # the step selects for every row at once
 
     def spy(*args, **kwargs):
         out = real_select(*args, **kwargs)
-        chosen.append((int(out[0]), int(out[1])))
+        chosen.append((int(out[0][0]), int(out[1][0])))  # row 0's (eta, b): B = 1 here
         return out
 
     not_first, hits, mean, var = 0, 0, 0.0, 0.0
-    with mock.patch.object(mmtad_mod, "mmtad_select", spy):
+    with mock.patch.object(mmtad_mod, "mmtad_select_rows", spy):
         for seed in range(120):
             chosen.clear()
             g = me.generate(dec, pair, prompt, max_new_tokens=4, seed=seed, compute_perplexity=False)
