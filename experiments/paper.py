@@ -62,7 +62,7 @@ def command(exp: Experiment, profile: str, root: Path, model: str | None) -> lis
     args = [*exp.args, *(exp.cpu if profile == "cpu" else exp.gpu)]
     if model and exp.takes_model:
         args += ["--model", model]
-    return [sys.executable, "-m", "mtad_energy.cli", *args, "--output", str(root / exp.name)]
+    return [sys.executable, "-m", "mtad_energy", *args, "--output", str(root / exp.name)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     python experiments/refit_batch.py experiments/results/gpu/nvidia-h100-80gb-hbm3
 
 Reads ``batch.csv`` of a kit folder (rows of any kit version: older ones have no counted work, so
-it is counted here from each row's shape with `mtad_energy.work`: random weights at the named
+it is counted here from each row's shape with `mtad_energy.energy.work`: random weights at the named
 shape, bf16 on a GPU), fits the paper form and the energy roofline per model and over all rows
 (mitigated rows on their per-run basis), prints each coefficient with its 95 % interval and
 verdict, and writes ``refit.json`` beside ``batch.csv``.
@@ -26,7 +26,7 @@ def count_work(batch: pd.DataFrame, elem_bytes: int = 2) -> pd.DataFrame:
     """``counted_flops`` / ``counted_bytes`` of every row's window, from its model shape, batch
     size, context, new tokens and forwards (the kit's run definition)."""
     from mtad_energy.bench.shapes import config_for
-    from mtad_energy.work import ModelDims, shapes_work
+    from mtad_energy.energy.work import ModelDims, shapes_work
 
     flops, nbytes = [], []
     for _, r in batch.iterrows():
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kit", type=Path, help="a GPU kit results folder (with batch.csv)")
     args = ap.parse_args(argv)
-    from mtad_energy.measure.decompose import FORMS, fit_form
-    from mtad_energy.results.breakdown import fit_columns
+    from mtad_energy.energy.attribution import fit_columns
+    from mtad_energy.energy.fit import FORMS, fit_form
 
     batch = pd.read_csv(args.kit / "batch.csv")
     if "counted_flops" not in batch or batch["counted_flops"].isna().any():

@@ -166,7 +166,7 @@ def test_a_foreign_parquet_file_with_a_valid_name_is_not_loaded_as_a_row(stored,
 
 
 def test_the_advice_for_a_truncated_steps_part_brings_its_steps_back(stored, tmp_path, monkeypatch):
-    import mtad_energy.cli_bench
+    import mtad_energy.cli.run
     from mtad_energy.results import load_results
     from mtad_energy.results.store import CorruptFileError
 
@@ -174,7 +174,7 @@ def test_the_advice_for_a_truncated_steps_part_brings_its_steps_back(stored, tmp
     _, args = stored
     store = tmp_path / "store"
     args = [a if a != str(stored[0]) else str(store) for a in args]
-    monkeypatch.setattr(mtad_energy.cli_bench, "compact_after", lambda out: None)
+    monkeypatch.setattr(mtad_energy.cli.run, "compact_after", lambda out: None)
     assert runner.invoke(app, args).exit_code == 0
     monkeypatch.undo()
     steps = sorted((store / "steps").glob("*.parquet"))[0]

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mtad_energy.cli import app
-from mtad_energy.cli_bench import UsageError, decoder_specs, parse_range, parse_sizes
+from mtad_energy.cli.options import UsageError, decoder_specs, parse_range, parse_sizes
 from mtad_energy.config import DecoderSpec
 from mtad_energy.results import load_results
 
@@ -75,7 +75,7 @@ def test_compare_includes_pld_and_says_it_ignores_the_draft(model_dirs, prompts_
 def test_compare_runs_every_decoder_and_the_heads_the_pair_has(model_dirs, prompts_file, tmp_path):
     """The default decoder list: all of ALL_DECODERS, plus medusa and eagle when the draft spec
     (or the alias) names their heads; each head decoder's rows name its head as their draft."""
-    from mtad_energy.cli_bench import ALL_DECODERS
+    from mtad_energy.cli.options import ALL_DECODERS
 
     out = tmp_path / "cmp"
     draft = (f"{model_dirs['llama-draft']},medusa:{model_dirs['llama-medusa']},"

@@ -94,7 +94,7 @@ def _lines_fit(text: str, width: int = 80) -> None:
 
 def test_tables_and_help_wrap_at_80_columns_instead_of_cutting(model_dirs, tmp_path):
     from mtad_energy.cli import app as the_app
-    from mtad_energy.cli_common import console
+    from mtad_energy.cli.output import console
 
     assert console.width == 80  # as when piped to a file
     for args in (["models"], ["decoders"], ["--help"], ["profile", "--help"],
@@ -111,7 +111,7 @@ def test_tables_and_help_wrap_at_80_columns_instead_of_cutting(model_dirs, tmp_p
 
 
 def test_wrapping_keeps_numbers_whole():
-    from mtad_energy.cli_common import column_widths
+    from mtad_energy.cli.output import column_widths
 
     texts = [["decoder", "spd(gamma=6)"], ["perplexity", "54.231"], ["speed-up", "1.25x"],
              ["accepted/depth", "0.50"], ["a long note that can wrap", "x y z"]]
@@ -197,7 +197,7 @@ def test_json_counts_are_integers_not_floats(model_dirs, tmp_path):
 def test_integer_records_keep_fractions_and_missing_values():
     import pandas as pd
 
-    from mtad_energy.cli_common import integer_records
+    from mtad_energy.cli.output import integer_records
     frame = pd.DataFrame({"max_new_tokens": [8, None], "Batch Size": [2.0, 3.0],
                           "tokens_per_s": [10.0, 2.5], "tokens": [1.5, 2.0],
                           "crossover_batch_size": [4.0, None]})

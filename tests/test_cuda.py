@@ -155,7 +155,8 @@ def test_calibrate_on_the_gpu_stores_a_record_later_runs_reference(calibration_r
     record under the GPU's UUID that the next snapshot references."""
     from mtad_energy.bench.calibrate import CalibrateConfig, run_calibration
     from mtad_energy.measure import snapshot
-    from mtad_energy.measure.calibrate import ROLES, load_record
+    from mtad_energy.measure.calibration import load_record
+    from mtad_energy.measure.probes import ROLES
 
     report = run_calibration(CalibrateConfig(quick=True, model="llama3.2-1b"))
     cal, rec = report.meters, report.record

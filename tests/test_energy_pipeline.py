@@ -19,11 +19,12 @@ from mtad_energy.bench.decode_batch import decode_batch_sweep
 from mtad_energy.bench.runner import run_profile
 from mtad_energy.cli import app
 from mtad_energy.config import DecoderSpec, MeasureConfig, RunConfig
+from mtad_energy.energy.attribution import PHASES, TERMS, attribute, fit_columns
+from mtad_energy.energy.fit import fit_form
+from mtad_energy.energy.work import ModelDims, forward_work
 from mtad_energy.measure import RooflineDevice, SimulatedMeter
-from mtad_energy.measure.decompose import fit_form
 from mtad_energy.results import ResultStore, load_results
-from mtad_energy.results.breakdown import PHASES, TERMS, attribute, decode_windows, fit_columns
-from mtad_energy.work import ModelDims, forward_work
+from mtad_energy.results.breakdown import decode_windows
 
 # made-up coefficients under which every term is a visible share of a tiny model's joules
 TRUTH = {"pi0_w": 5.0, "eps_flop_j": 5e-7, "eps_byte_j": 5e-7}
@@ -179,7 +180,7 @@ def test_the_summary_table_shows_joules_per_phase_on_request(tmp_path, model_dir
 def test_the_price_of_drafting_on_a_hand_built_window():
     """pi0 = 10 W, 1 nJ/FLOP, 2 nJ/byte; a window measured 10 % above the model: every part
     scales by 1.1. The draft proposed 8 tokens over 2 iterations and 6 were accepted."""
-    from mtad_energy.measure.decompose import fit_roofline
+    from mtad_energy.energy.fit import fit_roofline
 
     t, flops, nbytes = np.array([1.0, 2.0, 1.5, 3.0]), np.array([1e9, 5e9, 2e9, 1e9]), \
         np.array([1e9, 1e9, 4e9, 2e9])

@@ -1,4 +1,4 @@
-"""Draft heads (`mtad_energy.heads`): the public checkpoint layouts (written key by key in
+"""Draft heads (`mtad_energy.models.heads`): the public checkpoint layouts (written key by key in
 tests/tiny.py, as FasterDecoding/Medusa and SafeAILab/EAGLE save them) load through
 ``load_pair(draft='KIND:DIR')``, compute what those projects' code computes, and bad input gets
 an error naming the problem."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtad_energy.heads import EagleHead, HeadLoadError, MedusaHeads, split_draft_spec
 from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.models import load_pair
+from mtad_energy.models.heads import EagleHead, HeadLoadError, MedusaHeads, split_draft_spec
 from tests import tiny
 
 

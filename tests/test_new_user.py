@@ -78,8 +78,9 @@ def _old_row(key: str, decoder: str, flags: list[str], energy_j: float) -> dict:
 def test_rows_an_older_store_holds_with_unseen_work_are_read_without_their_joules(tmp_path):
     """A store written before the rule: its flagged rows' joules are n/a (with the reason) for
     every reader (tables, decompose's windows and attribution, the report); others keep theirs."""
+    from mtad_energy.energy.attribution import attribute
     from mtad_energy.results.analysis import batch_crossover
-    from mtad_energy.results.breakdown import attribute, decode_windows
+    from mtad_energy.results.breakdown import decode_windows
 
     store = ResultStore(tmp_path / "old")
     store.write("decode_batch", "a" * 16, [_old_row("a" * 16, "ar", [FLAG_WORK_UNSEEN], 2.0)])
@@ -181,9 +182,8 @@ def _summary(n_decoders: int = 3) -> pd.DataFrame:
 
 
 def test_summary_tables_keep_every_header_word_whole_at_80_columns():
-    from mtad_energy.cli import stats_table
-    from mtad_energy.cli_bench import ENERGY_COLUMNS, summary_table
-    from mtad_energy.cli_common import wrapping_table
+    from mtad_energy.cli.output import wrapping_table
+    from mtad_energy.cli.tables import ENERGY_COLUMNS, stats_table, summary_table
     from mtad_energy.results.analysis import CROSSOVER_COLUMNS
 
     speed = ("decoder", "dataset", "runs", "tok/s", "speed-up", "blk eff", "accepted/depth", "ppl",
@@ -399,7 +399,7 @@ def _runs(decoder: str, tok_s: float, block: float, accepted: int) -> dict:
 
 def test_a_speedup_with_nothing_accepted_is_flagged_implausible():
     """Medusa with random heads: 3.70x over ar with nothing accepted (block efficiency 1.00)."""
-    from mtad_energy.cli_bench import summary_table
+    from mtad_energy.cli.tables import summary_table
     from mtad_energy.results.analysis import (
         batch_crossover,
         crossover_display,

@@ -1,4 +1,4 @@
-"""The FLOP / byte counting rule (`mtad_energy.work`) against two independent counts: the
+"""The FLOP / byte counting rule (`mtad_energy.energy.work`) against two independent counts: the
 profiler's FLOPs per aten op (`profile_ops`) and the simulated device's tap, which reads the bytes
 off the tensors a forward touches (parameters, KV cache before and after, logits). Every decoder's
 per-iteration counts from the loop must add up to what the tap saw."""
@@ -18,10 +18,10 @@ from transformers import (
 from mtad_energy.decoding.cache import new_cache
 from mtad_energy.decoding.generate import generate_rows
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.energy.tap import WorkTap
+from mtad_energy.energy.work import HeadDims, ModelDims, Work, dims_of, forward_work, shapes_work
 from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.measure import DevicePeaks, profile_ops
-from mtad_energy.measure.simulated import WorkTap
-from mtad_energy.work import HeadDims, ModelDims, Work, dims_of, forward_work, shapes_work
 from tests import tiny
 
 PEAKS = DevicePeaks("cpu:test", peak_flops_per_s=1e11, peak_bytes_per_s=1e10, dtype="float32")
@@ -132,7 +132,7 @@ def test_weights_are_read_once_per_forward_not_per_row():
 
 def _head(kind: str):
     """A random head on the tiny Llama (hidden 32, 4 heads over 2 KV heads, 64 tokens)."""
-    from mtad_energy.heads import random_eagle, random_medusa
+    from mtad_energy.models.heads import random_eagle, random_medusa
 
     target = MODELS["llama"]()
     if kind == "medusa":
@@ -146,7 +146,7 @@ def test_a_heads_forwards_count_what_the_tap_sees(kind):
     features) and Medusa's calls, as a runner records them: FLOPs and bytes equal the tap's,
     EAGLE-3's fusion layer counted only on the forwards fed the target's 3H-wide features."""
     from mtad_energy.decoding.base import ModelRunner, PhaseTimer
-    from mtad_energy.decoding.heads import HeadRunner
+    from mtad_energy.decoding.head_runner import HeadRunner
 
     head = _head(kind)
     dims = dims_of(head)

@@ -233,8 +233,7 @@ def stage_meters(kit: Kit) -> None:
     side on idle, steady and bursty work, plain and under the protocol; the counter's update
     period; the trusted meter and the shortest window worth measuring (a simulated GPU on
     simulated time in --smoke)."""
-    from mtad_energy.bench.calibrate import gpu_calibration_probe
-    from mtad_energy.measure.calibrate import CalibrationPlan, calibrate_meters
+    from mtad_energy.bench.calibrate import CalibrationPlan, calibrate_meters, gpu_calibration_probe
     from mtad_energy.measure.probes import simulated_probe
 
     plan = kit.plan
@@ -260,10 +259,10 @@ def stage_meters(kit: Kit) -> None:
 def stage_batch(kit: Kit) -> None:
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table
     from mtad_energy.bench.shapes import random_pair
+    from mtad_energy.energy.attribution import fit_columns
+    from mtad_energy.energy.fit import FORMS, fit_form
     from mtad_energy.measure import get_meter, snapshot
-    from mtad_energy.measure.decompose import FORMS, fit_form
     from mtad_energy.results.analysis import batch_axis
-    from mtad_energy.results.breakdown import fit_columns
     from mtad_energy.results.store import ResultStore
 
     plan = kit.plan
@@ -504,8 +503,8 @@ def stage_decoders(kit: Kit) -> None:
 def _validate_roofline(kit: Kit, raw: pd.DataFrame) -> None:
     """The `batch` stage's roofline fit (all shapes: its coefficients are the device's) predicts
     every eager decode window measured here, none of which it was fitted on."""
-    from mtad_energy.measure.decompose import EnergyFit
-    from mtad_energy.results.breakdown import validate
+    from mtad_energy.energy.attribution import validate
+    from mtad_energy.energy.fit import EnergyFit
 
     path = kit.out / "decompose.json"
     fit = json.loads(path.read_text()).get("all", {}).get("roofline", {}) if path.is_file() else {}

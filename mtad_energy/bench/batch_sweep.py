@@ -13,21 +13,21 @@ Definitions (the paper's table "effect of batch size": OPT-13b on an L40):
 * an **input** is one row of one run: inputs = runs x batch size.
 
 The identifying design (DESIGN.md section 8) adds two axes beside the batch sizes, so that FLOPs
-and bytes vary apart and the energy roofline can be fitted (`measure.decompose`):
+and bytes vary apart and the energy roofline can be fitted (`energy.fit`):
 
 * **context** (``contexts``): decode runs at batch size 1 over ``c`` cached tokens: KV bytes grow
   with ``c`` at nearly fixed FLOPs;
 * **chunk** (``chunks``): prefill-like runs at batch size 1: one forward of ``n`` new tokens over
   the ``context_len`` cached ones: FLOPs grow with ``n`` at nearly fixed weight bytes.
 
-Every row carries its counted work (`mtad_energy.work`): ``counted_flops`` / ``counted_bytes``
+Every row carries its counted work (`mtad_energy.energy.work`): ``counted_flops`` / ``counted_bytes``
 of the measured window, and per run.
 
 Per point: prefill (unmeasured), one warm-up run (unmeasured), then one meter window around
 `runs` runs. Optionally the Yang et al. mitigation protocol (`measure.measure_mitigated`) runs the
 same workload again for a per-run energy with a confidence interval, and `measure.profile_ops`
 accounts FLOPs/bytes of one run (outside the window) to split the measured time into T_flop, T_mem
-and T_other for the energy decomposition (`measure.decompose`).
+and T_other for the energy decomposition (`energy.fit`).
 
 Each batch size's row is written to the store's ``batch`` table as soon as it is finished; a
 re-run with the same identity finds the row and skips that batch size (resume).
@@ -46,6 +46,7 @@ import pandas as pd
 import torch
 
 from mtad_energy.decoding.cache import cache_len, crop, new_cache
+from mtad_energy.energy.work import ModelDims, shapes_work
 from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.measure import (
     DevicePeaks,
@@ -62,7 +63,6 @@ from mtad_energy.models import ModelPair
 from mtad_energy.results.analysis import batch_axis
 from mtad_energy.results.schema import stable_key
 from mtad_energy.results.store import ResultStore
-from mtad_energy.work import ModelDims, shapes_work
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16)
 
@@ -157,7 +157,7 @@ class BatchWorkload:
         self.last_ids = ids
 
     def shapes(self) -> list[tuple[int, int, int]]:
-        """(rows, new tokens, KV columns attended) of a run's forwards (`mtad_energy.work`)."""
+        """(rows, new tokens, KV columns attended) of a run's forwards (`mtad_energy.energy.work`)."""
         n = self.new_tokens
         return [(self.batch_size, n, self.context_len + (k + 1) * n)
                 for k in range(self.forwards_per_run)]

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from mtad_energy.energy.work import dims_of
 from mtad_energy.hf_cache import cache_kwargs
-from mtad_energy.work import dims_of
 
 
 def weight_bytes(model) -> int:
@@ -40,7 +40,7 @@ def weight_bytes(model) -> int:
 
 def decode_read_bytes(model) -> int:
     """Bytes of the parameters a one-token decode forward reads: the counting rule's weight bytes
-    (`mtad_energy.work`: every weight but an untied embedding table, of which a forward gathers
+    (`mtad_energy.energy.work`: every weight but an untied embedding table, of which a forward gathers
     one row; a table tied to the LM head is read whole there), so the floor and the energy model
     agree on what a forward moves. A model type the rule does not count: all its weights."""
     try:

@@ -50,13 +50,13 @@ from mtad_energy.measure import (
     snapshot,
     work_tap,
 )
-from mtad_energy.measure.calibrate import calibrated
 from mtad_energy.measure.contention import (
     Contention,
     ContentionProbe,
     gpu_processes,
     row_contention,
 )
+from mtad_energy.measure.env import calibrated
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError

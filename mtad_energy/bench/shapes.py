@@ -125,7 +125,7 @@ def random_pair(target: str, draft: str | None = None, device: str | torch.devic
     and, optionally, random-weight draft heads at the target's shapes: an EAGLE-``eagle`` head
     (EAGLE-3 with a draft vocabulary of ``eagle_draft_vocab`` tokens, the full one if None) and
     ``medusa_heads`` Medusa-1 heads."""
-    from mtad_energy.heads import random_eagle, random_medusa
+    from mtad_energy.models.heads import random_eagle, random_medusa
 
     t, d = get_shape(target), get_shape(draft) if draft else None
     if d is not None and d.vocab != t.vocab:

@@ -22,8 +22,8 @@ import torch
 
 from mtad_energy.decoding import cache as kv
 from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.energy.work import Forward
 from mtad_energy.hf_cache import cache_kwargs
-from mtad_energy.work import Forward
 
 
 def param(default: Any, help: str, when: tuple[str, str] | None = None) -> Any:
@@ -291,7 +291,7 @@ class ModelRunner:
         self.cache = kv.new_cache(model)
         self.forwards = 0
         # (rows, new tokens, KV columns attended) of every forward, padding included: the loop
-        # turns them into FLOPs and bytes (`mtad_energy.work`) after the decode phase
+        # turns them into FLOPs and bytes (`mtad_energy.energy.work`) after the decode phase
         self.forward_shapes: list[Forward] = []
         self._timer = timer
         self._phase = phase

@@ -1,5 +1,5 @@
 """EAGLE (Li et al. 2024-2025): a feature-level draft head that reads the target's hidden states
-(`heads.EagleHead`: EAGLE-1, or EAGLE-3 with fused low/mid/high features and its own draft
+(`models.heads.EagleHead`: EAGLE-1, or EAGLE-3 with fused low/mid/high features and its own draft
 vocabulary), drafts a token tree, and the target verifies it in one tree-attention forward.
 
 The head runs over pairs (target feature of position j, token j + 1) with its own KV cache (the
@@ -41,7 +41,7 @@ from mtad_energy.decoding.base import (
     target_step,
     to_device,
 )
-from mtad_energy.decoding.heads import prefill_features
+from mtad_energy.decoding.head_runner import prefill_features
 from mtad_energy.decoding.specinfer import MAX_TREE_NODES, rooted_tree, set_branching, tree_nodes
 from mtad_energy.decoding.tree import ancestors, tree_forward
 from mtad_energy.decoding.tree_accept import tree_candidates_accept

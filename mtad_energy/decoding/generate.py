@@ -19,8 +19,8 @@ from mtad_energy.decoding.base import (
     StepResult,
     to_device,
 )
+from mtad_energy.energy.work import Work, dims_of, shapes_work
 from mtad_energy.models import ModelPair
-from mtad_energy.work import Work, dims_of, shapes_work
 
 if TYPE_CHECKING:
     from mtad_energy.decoding.static import CompileOptions
@@ -35,7 +35,7 @@ class StepStats:
     how many draft tokens on one path could have been accepted (gamma for a chain, the tree
     depth for trees, the draft length for Spectr; 0 without a draft). ``*_flops`` / ``*_bytes``:
     the work of this iteration's draft / target forwards, counted from their shapes
-    (`mtad_energy.work`; the batch's forwards, shared by its rows like the forward counts;
+    (`mtad_energy.energy.work`; the batch's forwards, shared by its rows like the forward counts;
     None where a runner records no shapes or the model type cannot be counted)."""
 
     emitted: int
@@ -85,7 +85,7 @@ class GenerationStats:
     # the part of compile_s after the first ``on_phase`` hook: inside a caller's windows
     compile_in_window_s: float = 0.0
     graphs_compiled: int = 0  # graphs dynamo compiled during this call (0 when eager)
-    # counted work (`mtad_energy.work`) of the decode phase's draft / target forwards up to
+    # counted work (`mtad_energy.energy.work`) of the decode phase's draft / target forwards up to
     # this row's last iteration, and of the prefill (both models); None where not countable
     draft_flops: int | None = 0
     draft_bytes: int | None = 0
@@ -263,8 +263,8 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     """The target and draft runners: eager with a dynamic cache, `batch.RowsRunner` for B > 1
     rows, or (``compile``) `static.StaticRunner` - different runners under the same loop. The
     draft runner runs `Decoder.draft_model`: a draft model, a head with a KV cache (EAGLE: the
-    same runners), or a cache-free head (Medusa: `heads.HeadRunner`)."""
-    from mtad_energy.decoding.heads import HeadRunner
+    same runners), or a cache-free head (Medusa: `head_runner.HeadRunner`)."""
+    from mtad_energy.decoding.head_runner import HeadRunner
 
     draft_model = decoder.draft_model(pair)
     roles = [("target", pair.target, decoder.target_hidden(pair))]

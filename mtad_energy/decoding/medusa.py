@@ -35,7 +35,7 @@ from mtad_energy.decoding.base import (
     target_step,
     to_device,
 )
-from mtad_energy.decoding.heads import hidden_at, prefill_features
+from mtad_energy.decoding.head_runner import hidden_at, prefill_features
 from mtad_energy.decoding.sampling import sample, warp_probs
 from mtad_energy.decoding.specinfer import rooted_tree, set_branching, tree_nodes
 from mtad_energy.decoding.tree import tree_forward

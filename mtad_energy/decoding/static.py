@@ -56,8 +56,8 @@ from mtad_energy.decoding.base import (
 )
 from mtad_energy.decoding.batch import RowLayout, rows_runner
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
+from mtad_energy.energy.work import Forward
 from mtad_energy.hf_cache import cache_kwargs
-from mtad_energy.work import Forward
 
 MIN_SLOTS = 256
 
@@ -402,7 +402,7 @@ class StaticRunner(RowLayout, ModelRunner):
         self.model = model
         self.forwards = 0
         # (rows, tokens, KV columns attended) of every forward as it runs: padding rows and
-        # widths included, attention over all L slots (`mtad_energy.work` counts them)
+        # widths included, attention over all L slots (`mtad_energy.energy.work` counts them)
         self.forward_shapes: list[Forward] = []
         self.compile_s = 0.0  # seconds of first forwards of a shape (compiling), untimed
         self._timer = timer

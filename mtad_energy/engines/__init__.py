@@ -35,9 +35,8 @@ import importlib
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtad_energy.config import ModelSpec
 from mtad_energy.engines.base import Engine, Iteration, build_generation
 from mtad_energy.engines.registry import (
     ENGINES,
@@ -49,6 +48,9 @@ from mtad_energy.engines.registry import (
     engine_kind,
     parse_engines,
 )
+
+if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
+    from mtad_energy.config import ModelSpec
 
 __all__ = ["ENGINES", "HF", "Engine", "EngineError", "EngineKind", "EngineNotInstalledError",
            "Iteration", "UnsupportedError", "build_generation", "check_engine_options",

@@ -8,11 +8,13 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtad_energy.config import DecoderSpec, ModelSpec
 from mtad_energy.decoding.generate import Generation, GenerationStats, PhaseHook, StepStats
 from mtad_energy.engines.registry import EngineError, EngineKind, engine_kind
+
+if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
+    from mtad_energy.config import DecoderSpec, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtad_energy.config import DecoderSpec, ModelSpec
 from mtad_energy.decoding.generate import Generation, PhaseHook
 from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
 from mtad_energy.engines.registry import EngineError, UnsupportedError
+
+if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
+    from mtad_energy.config import DecoderSpec, ModelSpec
 
 
 def gguf_path(model: ModelSpec) -> Path:

@@ -32,13 +32,15 @@ import dataclasses
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtad_energy.config import DecoderSpec, ModelSpec
 from mtad_energy.decoding.generate import Generation, PhaseHook
 from mtad_energy.engines import thread_settings
 from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
 from mtad_energy.engines.registry import EngineError, UnsupportedError
+
+if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
+    from mtad_energy.config import DecoderSpec, ModelSpec
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")

@@ -12,6 +12,7 @@ This package never imports `mtad_energy.decoding`; torch, pynvml, Zeus and scipy
 only when a backend needs them.
 """
 
+from mtad_energy.energy.tap import RooflineDevice, WorkTap  # the simulated device's work
 from mtad_energy.measure.base import (
     FLAG_BELOW_MIN_WINDOW,
     FLAG_COUNTER_RESET,
@@ -66,11 +67,9 @@ from mtad_energy.measure.sensor import (
     polled_energy_j,
 )
 from mtad_energy.measure.simulated import (
-    RooflineDevice,
     SimClock,
     SimulatedGPU,
     SimulatedMeter,
-    WorkTap,
     work_tap,
 )
 from mtad_energy.measure.zeus_meter import (

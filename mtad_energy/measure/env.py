@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,7 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from mtad_energy.measure.base import MeterUnavailableError
+from mtad_energy.measure.base import EnergyMeter, MeterUnavailableError
+from mtad_energy.measure.calibration import CalibratedMeter, calibration_refs, load_record
 
 LIBRARIES = (
     "mtad-energy",
@@ -243,7 +245,6 @@ def _read_gpus(env: Mapping[str, str]) -> tuple[tuple[GpuInfo, ...], str | None,
 def snapshot(env: Mapping[str, str] | None = None, repo: Path | None = None) -> EnvSnapshot:
     """Describe this machine and software; GPU fields are empty (with `nvml_error`) without NVML.
     The calibrations (`mtad-energy calibrate`) stored for its GPUs are referenced."""
-    from mtad_energy.measure.calibrate import calibration_refs
 
     env = os.environ if env is None else env
     gpus, driver, nvml_error = _read_gpus(env)
@@ -310,3 +311,28 @@ def preflight_check(
         for msg in messages:
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return messages
+
+
+def meter_device_ids(meter: EnergyMeter, snap: EnvSnapshot) -> list[str]:
+    """What the calibrations of ``meter``'s devices are filed under: the GPU UUIDs (from the
+    snapshot, by CUDA index), or ``simulated-<preset>`` for the simulated meter."""
+    if meter.name == "simulated":
+        preset = getattr(meter, "preset", None)
+        return [f"simulated-{preset}"] if preset else []
+    by_label = {f"gpu{g.cuda_index}": g.uuid for g in snap.gpus}
+    return [by_label[d] for d in meter.devices if d in by_label]
+
+
+def calibrated(meter: EnergyMeter, snap: EnvSnapshot, directory: Path | None = None
+               ) -> tuple[EnergyMeter, EnvSnapshot]:
+    """``meter`` flagging windows below its devices' calibrated minimum (the longest of them),
+    and ``snap`` referencing those calibrations; both unchanged where none was calibrated."""
+    records = [r for d in meter_device_ids(meter, snap) if (r := load_record(d, directory))]
+    refs = list(snap.calibrations)
+    refs += [r.reference() for r in records if r.record_id not in {x["record_id"] for x in refs}]
+    snap = dataclasses.replace(snap, calibrations=tuple(refs))
+    minimums = [(r.min_window_s, r) for r in records if r.min_window_s is not None]
+    if not minimums:
+        return meter, snap
+    minimum, record = max(minimums, key=lambda x: x[0])
+    return CalibratedMeter(meter, minimum, record), snap

@@ -33,6 +33,7 @@ from typing import Any
 
 from mtad_energy.measure.base import EnergyMeter, Flag, SyncFn, default_sync, window
 
+MITIGATION_WINDOW_PREFIX = "mitigation-"  # the protocol's own windows (calibration exempts them)
 FLAG_NO_PHASE_ALIGN = "no-phase-align"
 
 
@@ -158,7 +159,7 @@ def measure_mitigated(
     if cfg.idle_s > 0:
         sync_fn()
         sleep(cfg.drop_s)  # let the sensor forget whatever ran before
-        with window(meter, "mitigation-idle", sync_fn) as w:
+        with window(meter, f"{MITIGATION_WINDOW_PREFIX}idle", sync_fn) as w:
             sleep(cfg.idle_s)
         idle_power_w = w.result().power_w
 
@@ -198,7 +199,7 @@ def measure_mitigated(
             sync_fn()
             dropped += 1
         kept = 0
-        with window(meter, f"mitigation-group{g}", sync_fn) as w:
+        with window(meter, f"{MITIGATION_WINDOW_PREFIX}group{g}", sync_fn) as w:
             kept_start = clock()
             while kept < reps_per_group or clock() - kept_start < time_per_group_s:
                 workload()

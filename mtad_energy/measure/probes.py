@@ -6,14 +6,47 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mtad_energy.measure._nvml import init_nvml, require_devices, shutdown_nvml, visible_devices
-from mtad_energy.measure.base import Clock, MeterUnavailableError, SyncFn, no_sync
-from mtad_energy.measure.calibrate import COUNTER, NAIVE, POWER, ZEUS, Probe, Workload
+from mtad_energy.measure.base import Clock, EnergyMeter, MeterUnavailableError, SyncFn, no_sync
 from mtad_energy.measure.nvml import DEFAULT_POLL_INTERVAL_S
 from mtad_energy.measure.sensor import PowerProfile, get_preset
 from mtad_energy.measure.simulated import SimClock, SimulatedCounterMeter, SimulatedGPU, SimulatedMeter
+
+COUNTER, POWER, ZEUS, NAIVE = "nvml-counter", "nvml-power", "zeus", "power.draw-1s"
+ROLES = (COUNTER, POWER, ZEUS, NAIVE)
+"""The meters compared: the energy counter, instant power polled every 5 ms, Zeus, and
+nvidia-smi's power.draw polled every second (the naive method Yang et al. measured)."""
+
+@dataclass(frozen=True)
+class Workload:
+    """One repetition of a workload (`run`), about `rep_s` seconds long."""
+
+    name: str
+    run: Callable[[], object]
+    rep_s: float
+    description: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a calibration needs from a device: its identity, the meters to compare (name ->
+    factory, built once), its energy counter (joules) for the update period, an optional reader
+    of board and memory average power (watts; H100), and the clock, sleep and sync to run on."""
+
+    device_id: str
+    device_name: str
+    meters: Mapping[str, Callable[[], EnergyMeter]]
+    counter_j: Callable[[], float] | None
+    clock: Clock
+    sleep: Callable[[float], object]
+    sync: SyncFn = no_sync
+    average_power_w: Callable[[], tuple[float, float]] | None = None
+    simulated: bool = False
+    notes: tuple[str, ...] = ()
+
 
 NAIVE_POLL_S = 1.0  # nvidia-smi --loop=1
 

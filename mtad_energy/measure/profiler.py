@@ -18,7 +18,6 @@ torch is imported lazily so `mtad_energy.measure` imports without it.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -26,18 +25,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mtad_energy.energy.tap import matrix_flops
 from mtad_energy.measure.base import Clock, SyncFn, no_sync
+from mtad_energy.paths import cache_dir
 
-CACHE_ENV_VAR = "MTAD_ENERGY_CACHE"  # the same cache root as the converted models
 COMPUTE, MEMORY, OTHER = "compute", "memory", "other"
-
-
-def cache_dir() -> Path:
-    """$MTAD_ENERGY_CACHE, else $XDG_CACHE_HOME/mtad_energy, else ~/.cache/mtad_energy."""
-    if override := os.environ.get(CACHE_ENV_VAR):
-        return Path(override)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mtad_energy"
 
 
 @dataclass(frozen=True)
@@ -229,29 +221,6 @@ def _tensor_bytes(values: Any) -> tuple[int, list[str]]:
     return total, shapes
 
 
-def matrix_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
-    """FLOPs of one aten op by torch's formulas: matrix products and attention (0 for the rest,
-    pointwise ops included)."""
-    import torch
-    from torch.utils.flop_counter import flop_registry
-
-    aten = torch.ops.aten
-    packet = func._overloadpacket
-    if packet in _sdpa_ops(aten) and _is_bhld(args[:3]):
-        # counted here, not by torch's formula: with grouped-query attention (enable_gqa, e.g.
-        # Llama with num_key_value_heads < num_heads) the CUDA kernels get K/V with fewer heads,
-        # and torch < 2.13's sdpa_flop_count asserts equal head counts
-        return _sdpa_flops(args[0], args[1], args[2])
-    if packet in flop_registry:
-        return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    if packet is aten.linear:
-        # under inference_mode linear reaches the dispatcher whole (not as addmm/mm), and the
-        # flop registry has no entry for it: 2 * (rows of x) * in * out
-        x, w = args[0], args[1]
-        return 2 * x.numel() * w.shape[0]
-    return 0
-
-
 def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     """`matrix_flops`, or one FLOP per output element of a pointwise op (a convention)."""
     import torch
@@ -262,48 +231,6 @@ def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         return int(sum(t.numel() for t in outs))
     return flops
-
-
-def flop_counter() -> Any:
-    """A dispatch mode that adds up `matrix_flops` of every op run inside it (``.flops``); no
-    syncs, no timing: cheap enough to wrap every forward of a simulated run."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _FlopCounter(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.flops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            self.flops += matrix_flops(func, args, kwargs, out)
-            return out
-
-    return _FlopCounter()
-
-
-def _sdpa_ops(aten: Any) -> tuple[Any, ...]:
-    """Scaled-dot-product attention ops whose first three arguments are q, k, v [B, H, L, D]."""
-    names = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention")
-    return tuple(getattr(aten, n) for n in names if hasattr(aten, n))
-
-
-def _is_bhld(tensors: Any) -> bool:
-    import torch
-
-    return len(tensors) == 3 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors)
-
-
-def _sdpa_flops(q: Any, k: Any, v: Any) -> int:
-    """FLOPs of softmax(Q K^T) V for q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv]:
-    2*B*H*Lq*Lk*D for Q K^T plus 2*B*H*Lq*Lk*Dv for P V, H being the query's head count (each
-    K/V head serves H/H_kv query heads under grouped-query attention)."""
-    b, h, lq, d = q.shape
-    lk, dv = k.shape[-2], v.shape[-1]
-    return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * dv
 
 
 # ops that return a new tensor aliasing their input's storage without moving bytes

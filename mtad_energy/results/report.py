@@ -488,6 +488,7 @@ def energy_model_section(store_dir: Path) -> list[str]:
     """"Where the joules go": both energy models fitted on the store's batch rows (coefficients,
     95 % intervals, verdicts), the roofline fit's error on the decode windows, and every decoder's
     decode joules by phase and by term (n/a with the reasons)."""
+    from mtad_energy.energy.attribution import attribute, validate
     from mtad_energy.results import breakdown
 
     lines = ["## Where the joules go", "",
@@ -514,12 +515,12 @@ def energy_model_section(store_dir: Path) -> list[str]:
     roofline = fits["roofline"]
     windows = breakdown.decode_windows([store_dir])
     if not isinstance(roofline, str) and not windows.empty:
-        valid = breakdown.validate(roofline, windows)
+        valid = validate(roofline, windows)
         if len(valid):
             lines += [f"The roofline fit predicts the decode energy of the {len(valid)} decoding "
                       f"window(s) it was not fitted on with a median |error| of "
                       f"{valid['error'].abs().median():.1%} (max {valid['error'].abs().max():.1%}).", ""]
-    summary = breakdown.attribution_summary(breakdown.attribute(windows, roofline))
+    summary = breakdown.attribution_summary(attribute(windows, roofline))
     if summary.empty:
         return [*lines, "No decoding runs to attribute.", ""]
     cols = {"draft_j_per_token": "draft", "target_j_per_token": "target",

@@ -182,7 +182,7 @@ def test_design_points_name_each_point_once():
 
 
 def test_context_and_chunk_axes_store_their_counted_work(llama_pair, tmp_path) -> None:
-    from mtad_energy.work import ModelDims, forward_work
+    from mtad_energy.energy.work import ModelDims, forward_work
 
     store = ResultStore(tmp_path / "store")
     rows = batch_sweep(llama_pair, [1, 2], 2, store, constant_power_meter(), profile=False,

@@ -128,7 +128,7 @@ def test_a_table_of_several_engines_names_each_rows_model():
     import pandas as pd
     from rich.console import Console
 
-    from mtad_energy.cli_bench import summary_table
+    from mtad_energy.cli.tables import summary_table
 
     summary = pd.DataFrame([
         {"model": model, "dataset": "mtbench", "label": label, "n_runs": 3, "tokens_per_s": tps,

@@ -12,6 +12,13 @@ import pytest
 from zeus.monitor import ZeusMonitor
 from zeus.monitor.energy import Measurement as ZeusMeasurement
 
+from mtad_energy.bench.calibrate import (
+    CalibrationPlan,
+    calibrate_meters,
+    choose_meter,
+    counter_update_period_s,
+    shortest_window_s,
+)
 from mtad_energy.measure import (
     FLAG_BELOW_MIN_WINDOW,
     MeterUnavailableError,
@@ -20,28 +27,26 @@ from mtad_energy.measure import (
     snapshot,
     window,
 )
-from mtad_energy.measure.calibrate import (
+from mtad_energy.measure.calibration import (
+    CalibratedMeter,
+    CalibrationError,
+    CalibrationRecord,
+    load_record,
+    record_path,
+    save_record,
+)
+from mtad_energy.measure.env import calibrated
+from mtad_energy.measure.mitigation import MitigationConfig
+from mtad_energy.measure.probes import (
     COUNTER,
     NAIVE,
     POWER,
     ROLES,
     ZEUS,
-    CalibratedMeter,
-    CalibrationError,
-    CalibrationPlan,
-    CalibrationRecord,
     Workload,
-    calibrate_meters,
-    calibrated,
-    choose_meter,
-    counter_update_period_s,
-    load_record,
-    record_path,
-    save_record,
-    shortest_window_s,
+    nvml_probe,
+    simulated_probe,
 )
-from mtad_energy.measure.mitigation import MitigationConfig
-from mtad_energy.measure.probes import nvml_probe, simulated_probe
 from tests.measure.conftest import FakeNvml, StepClock
 
 PLAN = CalibrationPlan(idle_s=0.5, settle_s=0.1, plain_s=2.0, period_probe_s=1.0, period_poll_s=0.025,

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from mtad_energy.cli import app
-from mtad_energy.measure.calibrate import ROLES
+from mtad_energy.measure.probes import ROLES
 from mtad_energy.results import ResultStore, load_results
 
 runner = CliRunner()

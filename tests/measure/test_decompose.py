@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from mtad_energy.measure.decompose import EnergyFit, fit_energy_model, fit_form, fit_roofline
+from mtad_energy.energy.fit import EnergyFit, fit_energy_model, fit_form, fit_roofline
 
 P_STATIC_W, PW_FLOP_W, PW_MEM_W = 60.0, 120.0, 200.0
 

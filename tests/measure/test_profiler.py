@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mtad_energy.measure import DevicePeaks, export_trace, get_peaks, measure_peaks, profile_ops
-from mtad_energy.measure.profiler import CACHE_ENV_VAR, cache_dir, classify, device_key
+from mtad_energy.measure.profiler import classify, device_key
+from mtad_energy.paths import CACHE_ENV_VAR, cache_dir
 
 # ridge = 10 FLOP/byte
 PEAKS = DevicePeaks("cpu:test", peak_flops_per_s=1e11, peak_bytes_per_s=1e10, dtype="float32")

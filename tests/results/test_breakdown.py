@@ -11,14 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from mtad_energy.cli import app
+from mtad_energy.energy.attribution import fit_columns, validate
 from mtad_energy.results import ResultStore, stable_key
-from mtad_energy.results.breakdown import (
-    decode_windows,
-    fit_columns,
-    fit_stores,
-    ops_fractions_breakdown,
-    validate,
-)
+from mtad_energy.results.breakdown import decode_windows, fit_stores, ops_fractions_breakdown
 from mtad_energy.results.schema import BATCH, OPS, RUNS
 
 P_STATIC, PW_FLOP, PW_MEM = 60.0, 120.0, 200.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 from rich.console import Console
 
-from mtad_energy.cli_bench import summary_table
+from mtad_energy.cli.tables import summary_table
 from mtad_energy.results import analysis, load_results
 
 

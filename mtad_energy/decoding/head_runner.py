@@ -1,4 +1,5 @@
-"""What the head decoders (`medusa`, `eagle`) share: the runner of a cache-free head, the
+"""Running a draft head inside a decode step (the loading of its checkpoint is `models.heads`):
+what the head decoders (`medusa`, `eagle`) share: the runner of a cache-free head, the
 target's features carried from one iteration to the next, and the target's tree verify.
 
 A head reads the target's hidden state at the last position the target cache holds (the cache
@@ -15,7 +16,7 @@ import weakref
 import torch
 
 from mtad_energy.decoding.base import DecodeState, ModelRunner, PhaseTimer
-from mtad_energy.work import Forward
+from mtad_energy.energy.work import Forward
 
 # head -> (compiled forward, shapes run so far): kept across generations, like the engines
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,36 +1,21 @@
-"""The ``mtad-energy`` command line (typer + rich)."""
+"""Commands that describe rather than measure: `decoders`, `models`, `env`, and `generate` (decode
+one prompt and print its text and statistics).
+
+Heavy imports (torch, pandas) happen inside the functions so that `mtad-energy --help` stays fast
+and `import mtad_energy.cli` loads no torch.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from mtad_energy.cli_bench import register
-from mtad_energy.cli_calibrate import calibrate
-from mtad_energy.cli_common import (
-    JsonErrorGroup,
-    console,
-    emit,
-    esc,
-    fail,
-    ignored_draft_notes,
-    json_command,
-    pair_alias,
-    parse_sets,
-    quiet_libraries,
-    wrapping_table,
-)
-from mtad_energy.measure.contention import passive_openmp_default
-
-passive_openmp_default()  # none of the imports above loads torch (and OpenMP): see its docstring
-
-app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
-                  no_args_is_help=True, add_completion=False, cls=JsonErrorGroup)
+from mtad_energy.cli.options import ignored_draft_notes, pair_alias, parse_sets
+from mtad_energy.cli.output import console, emit, esc, fail, json_command, quiet_libraries, wrapping_table
+from mtad_energy.cli.tables import stats_table
 
 
-@app.command()
 @json_command
 def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
     """List every decoder with its parameters, defaults and one line of help."""
@@ -54,7 +39,6 @@ def decoders(as_json: Annotated[bool, typer.Option("--json", help="machine-reada
         console.print()
 
 
-@app.command()
 @json_command
 def models(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
     """List the model-pair aliases."""
@@ -78,7 +62,6 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="machine-readabl
     console.print(wrapping_table(cols, rows, left=cols))
 
 
-@app.command()
 @json_command
 def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False):
     """Environment snapshot and the meter `--meter auto` would pick.
@@ -105,20 +88,6 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="machine-readable")
         console.print(f"[yellow]preflight:[/] {esc(w)}")
 
 
-def stats_table(rows: list[tuple[str, dict]]) -> Table:
-    """One row per (label, stats dict)."""
-
-    def f(x, fmt="{:.2f}"):
-        return "-" if x is None else fmt.format(x)
-
-    cells = [[esc(label), str(s["tokens_emitted"]), f(s["tokens_per_s"], "{:.1f}"),
-              f(s["block_efficiency"]), f(s["acceptance_rate"]), f(s["perplexity"], "{:.3f}"),
-              f(s["time_draft_s"]), f(s["time_target_s"]), f(s["time_other_s"])] for label, s in rows]
-    return wrapping_table(("decoder", "tokens", "tokens/s", "block eff.", "accepted/depth", "perplexity",
-                           "draft s", "target s", "other s"), cells, left=("decoder",))
-
-
-@app.command()
 @json_command
 def generate(
     decoder: Annotated[str, typer.Option(help="decoder name (see `mtad-energy decoders`)")] = "mtad",
@@ -167,10 +136,3 @@ def generate(
     console.print(gen.text, markup=False, highlight=False)
     console.rule()
     console.print(stats_table([(decoder, gen.to_dict()["stats"])]))
-
-
-register(app)
-app.command()(calibrate)
-
-if __name__ == "__main__":
-    app()

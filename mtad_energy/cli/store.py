@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from mtad_energy.cli_common import console, emit, esc, fail, json_command
+from mtad_energy.cli.output import console, emit, esc, fail, json_command
 
 store_app = typer.Typer(help="Maintain a results store.", no_args_is_help=True)
 

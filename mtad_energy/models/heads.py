@@ -20,7 +20,7 @@
 
 A head module is what a runner runs: `EagleHead` looks like a causal LM to them (ids, 4-D mask,
 positions, a KV cache, plus ``features``) and returns its logits and, as ``hidden_states``, its
-output feature; `MedusaHeads` has no cache (`decoding.heads.HeadRunner` runs it).
+output feature; `MedusaHeads` has no cache (`decoding.head_runner.HeadRunner` runs it).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtad_energy.energy.work import HeadDims
 from mtad_energy.hf_cache import cache_from, cache_kwargs
-from mtad_energy.work import HeadDims
 
 EAGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -65,7 +65,7 @@ class MedusaHeads(nn.Module):
     """K Medusa-1 heads: ``forward(h [..., H]) -> logits [..., K, V]`` (head k predicts the
     token k + 2 positions after the one whose hidden state h is)."""
 
-    cacheless = True  # no KV cache: `decoding.heads.HeadRunner` runs it
+    cacheless = True  # no KV cache: `decoding.head_runner.HeadRunner` runs it
 
     def __init__(self, hidden: int, vocab: int, heads: int, layers: int = 1):
         super().__init__()

@@ -184,7 +184,7 @@ class ModelDims:
 @dataclass(frozen=True)
 class HeadDims:
     """What the counting rule needs of a draft head on the target's hidden states
-    (`mtad_energy.heads`; the head module's ``work_dims()`` builds it). Its matrices are counted
+    (`mtad_energy.models.heads`; the head module's ``work_dims()`` builds it). Its matrices are counted
     from the loaded weights, not from a config, so EAGLE's 2H-wide q/k/v, its fusion layer and a
     draft vocabulary count as they are:
 

@@ -5,7 +5,7 @@
   overhead and host work, is billed only through P_static). Powers in watts.
 * **roofline** (Choi, Bedard, Fowler, Vuduc, "A roofline model of energy", IPDPS 2013):
   E = pi0*T + eps_flop*W + eps_byte*Q, with W the FLOPs and Q the bytes moved (counted,
-  `mtad_energy.work`): constant power in watts, joules per FLOP and per byte. Its coefficients
+  `mtad_energy.energy.work`): constant power in watts, joules per FLOP and per byte. Its coefficients
   are properties of the device, so one fit attributes any run's joules on it.
 
 Units: energies in joules, times in seconds. Per row (one point of a batch study): E measured,

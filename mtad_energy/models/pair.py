@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from mtad_energy.paths import cache_dir
+
 SMOLLM2_ID = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -133,13 +135,6 @@ class ModelPair:
 
 
 # --------------------------------------------------------------------------- paths and devices
-
-def cache_dir() -> Path:
-    """Where converted models are cached: $MTAD_ENERGY_CACHE, else $XDG_CACHE_HOME/mtad_energy."""
-    if env := os.environ.get("MTAD_ENERGY_CACHE"):
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mtad_energy"
-
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """``auto`` (CUDA when available, else CPU) or the named device (`check_device` says whether it
@@ -471,12 +466,12 @@ def resolve_pair_spec(alias: str | None = None, device: str | torch.device = "cp
     nothing.
 
     Explicit ``target``/``draft`` override the alias. ``draft`` may name heads beside (or
-    instead of) a draft model, ``'MODEL,eagle:DIR,medusa:DIR'`` (`heads.split_draft_spec`): each
+    instead of) a draft model, ``'MODEL,eagle:DIR,medusa:DIR'`` (`models.heads.split_draft_spec`): each
     part replaces only what it names. On a CUDA device an alias's ``gpu_draft`` replaces its
     CPU-only draft (``draft_note`` says so) unless the target is overridden; an explicit draft
     is never replaced.
     """
-    from mtad_energy.heads import split_draft_spec
+    from mtad_energy.models.heads import split_draft_spec
 
     model, heads = split_draft_spec(draft)
     if alias is None and target is None:
@@ -510,12 +505,12 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
     may depend on the device (``resolve_pair_spec``): ``smollm2`` drafts with ``self:int8`` on
     CPU and ``self:layers=0-24`` on CUDA.
 
-    Draft heads on the target's hidden states (``eagle``, ``medusa``; `heads.py`): those
+    Draft heads on the target's hidden states (``eagle``, ``medusa``; `models.heads`): those
     ``draft`` names (``'eagle:DIR'``, ``'self:int8,medusa:DIR'``) are loaded; the alias's only
     for the kinds in ``heads`` (the decoders that run them). A hub id is used only when it is in
     the local Hugging Face cache.
     """
-    from mtad_energy.heads import load_head, split_draft_spec
+    from mtad_energy.models.heads import load_head, split_draft_spec
 
     if alias is None and target is None:
         alias = "smollm2"

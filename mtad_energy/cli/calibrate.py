@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from mtad_energy.cli_common import console, emit, esc, fail, json_command, quiet_libraries
+from mtad_energy.cli.output import console, emit, esc, fail, json_command, quiet_libraries
 
 
 def _pct(value: Any) -> str:
@@ -18,8 +18,8 @@ def _pct(value: Any) -> str:
 
 def meters_table(rows: list[dict[str, Any]]) -> Table:
     """Each workload's consensus (J per repetition; idle: W) and every meter's difference to it:
-    the basis the verdict uses too (`measure.calibrate._compare`)."""
-    from mtad_energy.measure.calibrate import ROLES
+    the basis the verdict uses too (`bench.calibrate._compare`)."""
+    from mtad_energy.measure.probes import ROLES
 
     measured = [r for r in rows if r["protocol"] != "-"]
     names = [m for m in ROLES if any(r["meter"] == m for r in measured)]

@@ -23,26 +23,6 @@ err_console = Console(stderr=True)  # errors: stdout keeps only what a command p
 _json_stdout: list[TextIO] = []
 
 
-def parse_sets(sets: list[str] | None) -> dict[str, str]:
-    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}."""
-    out: dict[str, str] = {}
-    for item in sets or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
-        if "," in value and not all(v.strip() for v in value.split(",")):  # 1,,2 is not 1,2
-            raise typer.BadParameter(f"{item!r} has an empty value between commas; write e.g. "
-                                     f"{key.strip()}=1,2,3")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def pair_alias(model: str, target: str | None) -> str | None:
-    """The alias to load: a --target of one's own replaces the default pair, whose name it must
-    not carry (its rows and output say "custom"); an alias asked for by name keeps its name."""
-    return None if target and model == "smollm2" else model
-
-
 def quiet_libraries() -> None:
     """Hide transformers' per-load progress bars and info logs on the command line."""
     import transformers
@@ -287,24 +267,3 @@ class JsonErrorGroup(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-def ignored_draft_notes(decoders: Sequence[Any], alias: str | None, target: str | None,
-                        draft: str | None, device: str = "auto") -> list[str]:
-    """Notes naming the decoders that draft without a draft model (``needs_draft`` False with a
-    draft of their own, such as ``pld``'s prompt lookup) when the pair has a draft (``--draft``
-    or the alias's): they ignore it, and it is not loaded when no other decoder uses it."""
-    from mtad_energy.models import resolve_device, resolve_pair_spec
-
-    own = [d.name for d in decoders if getattr(d, "drafts_without_model", False)]
-    if not own:
-        return []
-    try:
-        name = resolve_pair_spec(alias, resolve_device(device), target=target, draft=draft).draft
-    except ValueError:
-        return []
-    if not name:
-        return []
-    loaded = any(d.needs_draft for d in decoders)
-    return [f"{', '.join(own)} draft{'s' if len(own) == 1 else ''} without a draft model: the "
-            f"pair's draft ({name}) is ignored"
-            + (" by it" if loaded and len(own) == 1 else " by them" if loaded else
-               " and not loaded")]

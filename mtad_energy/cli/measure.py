@@ -1,0 +1,125 @@
+"""`profile` and `compare`: decoders measured over prompts (ar beside them for the speed-up).
+
+Heavy imports (torch, pandas) happen inside the functions so that `mtad-energy --help` stays fast
+and `import mtad_energy.cli` loads no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mtad_energy.cli.engines import EngineOption, engine_configs
+from mtad_energy.cli.options import (
+    ALL_DECODERS,
+    AllowExec,
+    Baseline,
+    BatchSize,
+    Chat,
+    Cluster,
+    Columns,
+    Compile,
+    Dataset,
+    Draft,
+    Dtype,
+    Json,
+    MaxNew,
+    Meter,
+    Mitigate,
+    Model,
+    NPrompts,
+    Ops,
+    Output,
+    RequireEnergy,
+    Sets,
+    Target,
+    Workers,
+    _config,
+    check_columns,
+    decoder_specs,
+    pair_head_kinds,
+    parse_sets,
+    split_list,
+)
+from mtad_energy.cli.output import console, esc, fail, json_command
+from mtad_energy.cli.run import run_config
+from mtad_energy.cli.tables import SIMULATED_NOTE, is_simulated
+
+
+@json_command
+def profile(
+    decoder: Annotated[str, typer.Option(help="decoder name(s), comma separated")] = "mtad",
+    baseline: Baseline = "ar",
+    model: Model = "smollm2", target: Target = None, draft: Draft = None,
+    dataset: Dataset = "mtbench", n_prompts: NPrompts = 3, max_new_tokens: MaxNew = 32,
+    set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Dtype = None, chat: Chat = None,
+    ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
+    workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
+    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    engine: EngineOption = "hf", as_json: Json = False,
+):
+    """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
+
+    Re-running the same command resumes: rows already in --output are not measured again."""
+    from mtad_energy.bench.runner import with_baseline
+
+    try:
+        specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_))
+        config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
+                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
+                         require_energy, compile, batch_size)
+        check_columns(columns)
+        configs = engine_configs(config, engine)
+    except ValueError as error:
+        fail(error)
+    run_config(configs, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
+               baseline)
+
+
+@json_command
+def compare(
+    model: Model = "smollm2", target: Target = None, draft: Draft = None,
+    decoders: Annotated[str, typer.Option(help="comma list (default: all; eagle and medusa where "
+                                               "the pair has their heads)")] = ",".join(ALL_DECODERS),
+    dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
+    set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Dtype = None, chat: Chat = None,
+    ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
+    markdown: Annotated[Path | None, typer.Option(help="markdown table file "
+                                                       "(default: <output>.md)")] = None,
+    workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
+    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    engine: EngineOption = "hf", as_json: Json = False,
+):
+    """All decoders side by side in the paper's main-table layout.
+
+    The markdown export marks the best value of each column in bold and the second underlined."""
+    from mtad_energy.results.analysis import main_table, to_markdown
+
+    try:
+        names = split_list(decoders)
+        if decoders == ",".join(ALL_DECODERS):  # the default: every decoder the pair can run
+            names += pair_head_kinds(model, target, draft, device)
+        specs = decoder_specs(names, parse_sets(set_))
+        config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
+                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
+                         require_energy, compile, batch_size)
+        check_columns(columns)
+        configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS))
+    except ValueError as error:
+        fail(error)
+    out = output or Path("results/compare")
+    summary = run_config(configs, out, as_json, "compare", workers, cluster, columns)
+    table = main_table(summary)
+    md = to_markdown(table)
+    if "meter" in summary and summary["meter"].map(is_simulated).any():
+        md += "\n\n" + SIMULATED_NOTE.replace("J/tok", "J/token") + "."
+    path = markdown or out.with_suffix(".md")
+    path.write_text(md + "\n")
+    if not as_json:
+        console.print(f"[dim]main table (markdown) written to {esc(path)}[/]")

@@ -1,0 +1,259 @@
+"""Parsing what the user typed, in one place: option values (lists, ranges, sizes, ``--set``),
+decoder specs, the pair, and the typer option types the measuring commands share.
+
+Heavy imports (torch, pandas) happen inside the functions so that `mtad-energy --help` stays fast
+and `import mtad_energy.cli` loads no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
+
+
+def parse_sets(sets: list[str] | None) -> dict[str, str]:
+    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}."""
+    out: dict[str, str] = {}
+    for item in sets or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
+        if "," in value and not all(v.strip() for v in value.split(",")):  # 1,,2 is not 1,2
+            raise typer.BadParameter(f"{item!r} has an empty value between commas; write e.g. "
+                                     f"{key.strip()}=1,2,3")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def pair_alias(model: str, target: str | None) -> str | None:
+    """The alias to load: a --target of one's own replaces the default pair, whose name it must
+    not carry (its rows and output say "custom"); an alias asked for by name keeps its name."""
+    return None if target and model == "smollm2" else model
+
+
+def ignored_draft_notes(decoders: Sequence[Any], alias: str | None, target: str | None,
+                        draft: str | None, device: str = "auto") -> list[str]:
+    """Notes naming the decoders that draft without a draft model (``needs_draft`` False with a
+    draft of their own, such as ``pld``'s prompt lookup) when the pair has a draft (``--draft``
+    or the alias's): they ignore it, and it is not loaded when no other decoder uses it."""
+    from mtad_energy.models import resolve_device, resolve_pair_spec
+
+    own = [d.name for d in decoders if getattr(d, "drafts_without_model", False)]
+    if not own:
+        return []
+    try:
+        name = resolve_pair_spec(alias, resolve_device(device), target=target, draft=draft).draft
+    except ValueError:
+        return []
+    if not name:
+        return []
+    loaded = any(d.needs_draft for d in decoders)
+    return [f"{', '.join(own)} draft{'s' if len(own) == 1 else ''} without a draft model: the "
+            f"pair's draft ({name}) is ignored"
+            + (" by it" if loaded and len(own) == 1 else " by them" if loaded else
+               " and not loaded")]
+
+
+ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
+                "typical", "pld")
+
+
+def pair_head_kinds(model: str, target: str | None, draft: str | None, device: str) -> list[str]:
+    """The head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
+    KIND:DIR`` or the alias's): `compare`'s default runs them beside the others. Loads nothing."""
+    from mtad_energy.models import resolve_device, resolve_pair_spec
+
+    spec = resolve_pair_spec(pair_alias(model, target), resolve_device(device), target=target,
+                             draft=draft)
+    return [kind for kind in ("medusa", "eagle") if spec.head(kind)]
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message says what to change."""
+
+
+# -- parsing -----------------------------------------------------------------------------------
+def split_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def decoder_specs(names: list[str], sets: dict[str, str]) -> tuple[DecoderSpec, ...]:
+    """Decoders with their --set overrides. ``key=v`` goes to every listed decoder that has the
+    parameter; ``decoder.key=v`` to that decoder only. A key no listed decoder has is an error."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    unknown = [n for n in names if n not in DECODERS]
+    if unknown:
+        raise UsageError(f"unknown decoder {', '.join(unknown)}; available: {', '.join(DECODERS)}")
+    params: dict[str, dict[str, str]] = {n: {} for n in names}
+    for key, value in sets.items():
+        scope, dot, name = key.rpartition(".")
+        targets = [scope] if dot else names
+        if dot and scope not in params:
+            raise UsageError(f"--set {key}: decoder {scope!r} is not among --decoder {','.join(names)}")
+        hit = [n for n in targets if name in typing.get_type_hints(DECODERS[n].Params)]
+        if not hit:
+            raise UsageError(f"--set {key}: no selected decoder ({', '.join(targets)}) has a parameter "
+                             f"{name!r}; `mtad-energy decoders` lists them")
+        for n in hit:
+            params[n][name] = value
+    return tuple(DecoderSpec.of(n, **params[n]) for n in names)
+
+
+MAX_SWEEP_VALUES = 1000  # values per --param range, and configurations per sweep grid
+
+
+def parse_range(text: str) -> list[str]:
+    """'3..10' -> 3,4,...,10; '3..10:2' -> 3,5,7,9; '0.1,0.3,0.5' -> as listed."""
+    m = re.fullmatch(r"\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*(?::\s*(\d+))?\s*", text)
+    if m:
+        lo, hi, step = int(m[1]), int(m[2]), int(m[3] or 1)
+        if hi < lo or step < 1:
+            raise UsageError(f"range {text!r} is empty; write LOW..HIGH with LOW <= HIGH")
+        count = (hi - lo) // step + 1
+        if count > MAX_SWEEP_VALUES:
+            raise UsageError(f"range {text!r} has {count} values, more than the {MAX_SWEEP_VALUES} a sweep "
+                             "may run; narrow it or add a step (LOW..HIGH:STEP)")
+        return [str(v) for v in range(lo, hi + 1, step)]
+    values = split_list(text)
+    if not values:
+        raise UsageError(f"no values in {text!r}; write e.g. gamma=3..10 or tau=0.1,0.3,0.5")
+    return values
+
+
+def parse_sizes(text: str, option: str = "--sizes") -> list[int]:
+    try:
+        sizes = [int(s) for s in split_list(text)]
+    except ValueError:
+        raise UsageError(f"{option} expects integers like 1,2,4,8,16, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"{option} must be positive integers, got {text!r}")
+    return sizes
+
+
+COLUMN_SETS = ("speed", "energy")
+
+
+def check_columns(columns: str) -> str:
+    if columns not in COLUMN_SETS:
+        raise UsageError(f"--columns {columns!r}: choose {' or '.join(COLUMN_SETS)}")
+    return columns
+
+
+def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
+            seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep,
+            require_energy=False, compile=False, batch_size=1):
+    return RunConfig(
+        decoders=decoders, model=ModelSpec(pair_alias(model, target), target, draft, device, dtype),
+        datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+        seed=seed, repeats=repeats, chat=chat, ops=ops,
+        measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
+        allow_code_execution=allow_code_execution, sweep=sweep, compile=compile,
+        batch_size=batch_size)
+
+
+# shared options (typer reads the Annotated metadata)
+Model = Annotated[str, typer.Option(help="pair alias (`mtad-energy models`)")]
+
+
+Target = Annotated[str | None, typer.Option(help="target hub id or local dir (overrides the alias)")]
+
+
+Draft = Annotated[str | None, typer.Option(help="draft hub id, local dir or self:... (overrides)")]
+
+
+Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dailymail, chatalpaca, "
+                                           "chatgpt_prompts, NAME:PATH or FILE.jsonl (comma list)")]
+
+
+NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
+
+
+MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]
+
+
+Sets = Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                help="decoder param key=value or decoder.key=value")]
+
+
+Meter = Annotated[str, typer.Option(help="auto, nvml-counter, nvml-power, zeus, rapl, none or simulated "
+                                          "(simulated: a modelled GPU and sensor, not a measurement)")]
+
+
+Mitigate = Annotated[str, typer.Option(help="Yang et al. repetitions: auto (GPU meters that measure "
+                                            "energy here)|on|off")]
+
+
+RequireEnergy = Annotated[bool, typer.Option("--require-energy", help="exit 2 before loading any model "
+                                             "when the meter cannot measure energy here")]
+
+
+Output = Annotated[Path | None, typer.Option(help="results directory (default results/<command>)")]
+
+
+Json = Annotated[bool, typer.Option("--json", help="print JSON")]
+
+
+Dtype = Annotated[str | None, typer.Option(metavar="DTYPE", help="fp32|bf16|fp16 [default: bf16 on "
+                                                                 "a GPU, fp32 on the CPU]")]
+
+
+Chat = Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")]
+
+
+Ops = Annotated[bool, typer.Option("--ops", help="also profile FLOPs/bytes per decoder (for decompose)")]
+
+
+Workers = Annotated[int, typer.Option(min=1, help="split the work over N submitit jobs, one GPU each")]
+
+
+Cluster = Annotated[str, typer.Option(help="where --workers jobs run: local, slurm or debug")]
+
+
+Compile = Annotated[bool, typer.Option(
+    "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA); rows are "
+                      "stored under model '<model>+compile'")]
+
+
+BatchSize = Annotated[int, typer.Option(
+    min=1, help="prompts decoded together per set of forwards (each keeps its own row; the "
+                "batch's energy is split by tokens)")]
+
+
+AllowExec = Annotated[bool, typer.Option("--allow-code-execution",
+                                         help="run HumanEval tests on generated code (sandboxed)")]
+
+
+Columns = Annotated[str, typer.Option(
+    help="summary table: speed (tok/s, speed-up, quality, J/token) or energy (decode J/token by "
+         "phase, J per accepted draft token, rejected share: the energy model fitted on the "
+         "--output store's batch rows)")]
+
+
+Baseline = Annotated[str, typer.Option(help="also run this decoder beside the others, for "
+                                             "speed-ups ('none': run only the listed ones)")]
+
+
+# options of one study that the other ignores (`sweep batch-size` with and without --decoder)
+FORWARD_ONLY_OPTIONS = ("runs", "forwards_per_run", "context_len", "mitigate", "profile_ops")
+
+
+DECODING_ONLY_OPTIONS = ("draft", "dataset", "n_prompts", "max_new_tokens", "repeats", "set_",
+                         "compile")
+
+
+def given_options(ctx: typer.Context, names: typing.Iterable[str]) -> list[str]:
+    """The options among ``names`` typed on the command line (a default value typed out
+    counts), as the user spelled them (``--context-len``)."""
+    from typer._click.core import ParameterSource  # typer vendors click
+
+    params = {p.name: p for p in ctx.command.params}
+    return [params[n].opts[0] for n in names
+            if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]

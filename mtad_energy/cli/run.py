@@ -1,0 +1,186 @@
+"""Running a configuration into a results store: progress bar, one engine after the other (or
+submitit workers), resume on re-run, the summary printed or emitted as one JSON document.
+
+Heavy imports (torch, pandas) happen inside the functions so that `mtad-energy --help` stays fast
+and `import mtad_energy.cli` loads no torch.
+"""
+
+from __future__ import annotations
+
+import typing
+import warnings
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from mtad_energy.cli.engines import check_workers
+from mtad_energy.cli.options import ignored_draft_notes
+from mtad_energy.cli.output import console, emit, esc, fail, integer_records, quiet_libraries
+from mtad_energy.cli.store import compact_after
+from mtad_energy.cli.tables import short_reason, summary_table, with_attribution
+from mtad_energy.config import RunConfig
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[note]}", markup=False), TimeRemainingColumn(), console=console,
+                    transient=False)
+
+
+def _interrupted(out: Path) -> typing.NoReturn:
+    from mtad_energy.results import load_results
+
+    n = len(load_results(out)) if (out / "mtad-energy-store.json").exists() else 0
+    fail(f"interrupted: {n} finished row(s) are stored in {out}; re-run the same command to resume "
+         "where it stopped", code=130, label="[yellow]")
+
+
+# -- running a configuration -------------------------------------------------------------------
+def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
+               workers: int = 1, cluster: str = "local", columns: str = "speed",
+               baseline: str = "ar"):
+    """Run/resume ``config`` (or one per engine, side by side) into ``out`` with a progress bar
+    (or as ``workers`` submitit jobs); print the summary (``columns``: `summary_table`, speed-ups
+    over ``baseline``), return it."""
+    from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
+    from mtad_energy.measure.contention import machine_load
+
+    configs = config if isinstance(config, list) else [config]
+    config = configs[0]
+    try:
+        prompts = load_config_prompts(config)
+        check_batch_size(config, prompts)  # before loading any model
+        check_workers(configs, workers)
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
+    if load["warning"] and not as_json:
+        console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
+    if len(configs) > 1:
+        title = f"{title} · {', '.join(model_label(c) for c in configs)}"
+    else:
+        title = f"{title} · {model_label(config)}" + (
+            f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
+    if workers > 1:
+        return run_distributed(config, out, as_json, title, workers, cluster, columns, baseline)
+    import pandas as pd
+
+    from mtad_energy.bench.quality import pass_at_1_notes
+    from mtad_energy.bench.runner import summary_baseline
+    from mtad_energy.results.analysis import decoder_summary
+
+    quiet_libraries()
+    rows, ran, skipped = [], 0, 0
+    for config in configs:  # one engine after the other, each loaded once, freed after
+        runner, rep = _run_one(config, out, as_json, prompts)
+        rows, ran, skipped = rows + rep.rows, ran + rep.ran, skipped + rep.skipped
+    compact_after(out)
+    runs = pd.DataFrame(rows)
+    summary = decoder_summary(runs, summary_baseline(baseline))
+    notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
+    if as_json:
+        emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
+              "pair": runner.pair.describe(), "config": config.to_dict(),
+              **({"engines": [c.engine for c in configs]} if len(configs) > 1 else {}),
+              "summary": integer_records(summary), "notes": notes,
+              "machine_load": load})
+    else:
+        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+        console.print(summary_table(shown, title, columns))
+        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
+        for note in notes:
+            console.print(f"[yellow]note:[/] {esc(note)}")
+    return summary
+
+
+def _run_one(config: RunConfig, out: Path, as_json: bool, prompts):
+    """Load one configuration's runner (its engine) and run it into ``out`` with a progress bar."""
+    from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, work_units
+    from mtad_energy.results import ResultStore
+
+    try:
+        store = ResultStore(out)
+        with console.status(f"loading models ({config.engine})"):
+            runner = Runner(config, store, scorer=quality_scorer(config.allow_code_execution))
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    if not as_json:
+        pair = runner.pair
+        console.print("[bold]model[/] " + esc(f"{pair.name}: {pair.target_id} + "
+                                               f"{pair.draft_id or 'no draft'} on {runner.device} "
+                                               f"({runner.dtype}), loaded in {pair.load_time_s:.1f} s"))
+        console.print(runner.pair.draft_line(), markup=False, highlight=False)
+        console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(short_reason(runner.meter_reason))}")
+        if runner.engine is not None:
+            console.print(f"[bold]engine[/] {esc(runner.engine.name)} {esc(runner.engine.version)}: "
+                          f"{esc(runner.engine.config_json())}", highlight=False)
+    try:
+        with _progress() as bar:
+            task = bar.add_task(esc(config.sweep), total=len(runner.unique(work_units(config, prompts))),
+                                note="")
+
+            def step(row: dict | None, unit) -> None:
+                note = f"{unit.decoder.label} {unit.prompt.id}" + (
+                    " (stored)" if row is None else f" {row['tokens_per_s']:.1f} tok/s")
+                bar.update(task, advance=1, note=note)
+
+            rep = run_profile(config, store, runner=runner, prompts=prompts, progress=step)
+    except KeyboardInterrupt:
+        _interrupted(out)
+    except (ValueError, RuntimeError) as error:
+        fail(error)
+    finally:
+        if runner.engine is not None:
+            runner.engine.close()
+    return runner, rep
+
+
+def config_draft_notes(config: RunConfig) -> list[str]:
+    """`ignored_draft_notes` for a configuration's decoders and pair."""
+    m = config.model
+    return ignored_draft_notes([d.build() for d in config.decoders], m.alias, m.target, m.draft,
+                               m.device)
+
+
+def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
+                    columns: str = "speed", baseline: str = "ar"):
+    """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
+    from mtad_energy.bench.quality import pass_at_1_notes
+    from mtad_energy.bench.runner import summary_baseline
+    from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
+    from mtad_energy.results import load_results
+    from mtad_energy.results.analysis import decoder_summary
+
+    try:
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            jobs = submit_sweep(config, out, workers=workers, cluster=cluster)
+        for note in notes:  # e.g. fewer jobs than asked for, and why
+            console.print(f"[yellow]note:[/] {esc(note.message)}")
+        if not as_json:
+            ids = ", ".join(str(j.job_id) for j in jobs)
+            stop = "stops them" if cluster == "local" else "leaves them running"
+            console.print(esc(f"submitted {len(jobs)} {cluster} job(s): {ids}; waiting (Ctrl-C {stop})"))
+        results = wait(jobs)
+    except KeyboardInterrupt:
+        _interrupted(out)
+    except (ValueError, RuntimeError, OSError, SweepError) as error:
+        fail(error)
+    compact_after(out)
+    runs = load_results(out)
+    runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
+    summary = decoder_summary(runs, summary_baseline(baseline))
+    ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
+    notes = config_draft_notes(config) + pass_at_1_notes(runs.to_dict("records"),
+                                                         config.allow_code_execution)
+    if as_json:
+        emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
+              "summary": integer_records(summary), "notes": notes})
+    else:
+        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+        console.print(summary_table(shown, title, columns))
+        console.print(f"[dim]{ran} run(s) measured by {len(results)} job(s), {skipped} already stored; "
+                      f"results in {esc(out)}[/]")
+        for note in notes:
+            console.print(f"[yellow]note:[/] {esc(note)}")
+    return summary

@@ -1,0 +1,358 @@
+"""`sweep param` and `sweep batch-size`: ablations of a decoder's parameters, and the batch-size
+study (forward-only, the identifying design, or real decoding of B prompts at once).
+
+Heavy imports (torch, pandas) happen inside the functions so that `mtad-energy --help` stays fast
+and `import mtad_energy.cli` loads no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mtad_energy.cli.engines import EngineOption, each_engine, sweep_engines
+from mtad_energy.cli.options import (
+    DECODING_ONLY_OPTIONS,
+    FORWARD_ONLY_OPTIONS,
+    MAX_SWEEP_VALUES,
+    Baseline,
+    BatchSize,
+    Chat,
+    Cluster,
+    Columns,
+    Compile,
+    Dataset,
+    Draft,
+    Dtype,
+    Json,
+    MaxNew,
+    Meter,
+    Mitigate,
+    Model,
+    NPrompts,
+    Ops,
+    Output,
+    RequireEnergy,
+    Sets,
+    Target,
+    UsageError,
+    Workers,
+    _config,
+    check_columns,
+    decoder_specs,
+    given_options,
+    ignored_draft_notes,
+    pair_alias,
+    parse_range,
+    parse_sets,
+    parse_sizes,
+    split_list,
+)
+from mtad_energy.cli.output import (
+    console,
+    emit,
+    esc,
+    fail,
+    integer_records,
+    json_command,
+    quiet_libraries,
+    wrapping_table,
+)
+from mtad_energy.cli.run import _progress, run_config
+from mtad_energy.cli.store import compact_after
+from mtad_energy.cli.tables import SIMULATED_NOTE, energy_text, fmt, short_reason
+from mtad_energy.config import MeasureConfig, ModelSpec
+
+sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
+
+
+@json_command
+def sweep_param(
+    decoder: Annotated[str, typer.Option(help="the decoder to sweep")] = "mmtad",
+    param: Annotated[list[str] | None, typer.Option(metavar="NAME=VALUES",
+                                                    help="NAME=3..10 or NAME=0.1,0.3 (repeatable: "
+                                                          "the grid of all combinations)")] = None,
+    baseline: Baseline = "ar",
+    model: Model = "smollm2", target: Target = None, draft: Draft = None,
+    dataset: Dataset = "mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
+    set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Dtype = None, chat: Chat = None,
+    ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
+    require_energy: RequireEnergy = False, compile: Compile = False,
+    batch_size: BatchSize = 1, columns: Columns = "speed", as_json: Json = False,
+):
+    """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
+    import itertools
+
+    try:
+        if not param:
+            raise UsageError("give at least one --param NAME=VALUES, e.g. --param gamma=3..10")
+        grid = parse_sets(param)
+        fixed = parse_sets(set_)
+        axes = {k: parse_range(v) for k, v in grid.items()}
+        if math.prod(len(v) for v in axes.values()) > MAX_SWEEP_VALUES:
+            sizes = " x ".join(str(len(v)) for v in axes.values())
+            raise UsageError(f"the --param grid has {sizes} = {math.prod(len(v) for v in axes.values())} "
+                             f"configurations, more than the {MAX_SWEEP_VALUES} a sweep may run; narrow "
+                             "the ranges")
+        specs = [decoder_specs([decoder], {**fixed, **dict(zip(axes, combo, strict=True))})[0]
+                 for combo in itertools.product(*axes.values())]
+        if baseline != "none":
+            specs = list(decoder_specs([baseline], {})) + specs
+        config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
+                         repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
+                         require_energy, compile, batch_size)
+        check_columns(columns)
+    except ValueError as error:
+        fail(error)
+    run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
+               cluster, columns, baseline)
+
+
+@json_command
+def sweep_batch_size(
+    ctx: typer.Context,
+    model: Model = "smollm2", target: Target = None,
+    sizes: Annotated[str, typer.Option(help="batch sizes, comma separated")] = "1,2,4,8,16",
+    runs: Annotated[int, typer.Option(min=1, help="runs (target forward groups) per batch size")] = 10,
+    forwards_per_run: Annotated[int, typer.Option(min=1, help="decode forwards per run")] = 8,
+    context_len: Annotated[int, typer.Option(min=1, help="KV-cache length per row")] = 128,
+    contexts: Annotated[str, typer.Option(help="also decode at batch size 1 over these cache lengths "
+                                               "(e.g. 1024,4096,8192: KV bytes vary, for decompose)")] = "",
+    chunks: Annotated[str, typer.Option(help="also run one forward of these many new tokens over "
+                                             "--context-len (e.g. 128,1024,4096: FLOPs vary)")] = "",
+    meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
+    dtype: Dtype = None,
+    profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
+    seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
+    decoder: Annotated[str | None, typer.Option(
+        help="decode with these decoders (comma list, e.g. ar,spd) at each batch size: tokens/s, "
+             "J/token and the crossover with ar; without it, the forward-only study")] = None,
+    draft: Draft = None, dataset: Dataset = "mtbench",
+    n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
+    max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    set_: Sets = None, compile: Compile = False, engine: EngineOption = "hf",
+):
+    """The paper's batch-size study: energy and time per run and per input.
+
+    A fixed number of target runs at each batch size; prints and stores energy, energy/run,
+    energy/input, time, time/run, time/input. --contexts and --chunks add the points that make
+    the energy roofline identifiable (`mtad-energy decompose`). With --decoder: real decoding of
+    B prompts at once per decoder and batch size (--set gamma=1,2,3,5 sweeps variants), and the
+    batch size from which each decoder stops beating ar."""
+    from mtad_energy.bench.batch_sweep import batch_sweep, batch_table, design_points
+    from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
+    from mtad_energy.models import load_pair
+    from mtad_energy.results import ResultStore
+
+    quiet_libraries()
+    unused = given_options(ctx, FORWARD_ONLY_OPTIONS if decoder is not None else
+                           (*DECODING_ONLY_OPTIONS, "engine"))
+    if unused:
+        why = ("the decoding sweep (--decoder) decodes prompts: it has no fixed forward runs, "
+               "context length or Yang et al. repetitions" if decoder is not None else
+               "without --decoder, the forward-only study runs the target on a filled KV cache and "
+               "decodes no prompts")
+        fail(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used here: {why}; "
+             f"drop {'it' if len(unused) == 1 else 'them'}"
+             + ("" if decoder is not None else ", or add --decoder ar,spd,... to decode prompts"))
+    if decoder is not None:
+        _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
+                            max_new_tokens, repeats, set_, meter, device, dtype, seed,
+                            output or Path("results/batch-size-decode"), require_energy, as_json,
+                            compile, engine)
+        return
+    out = output or Path("results/batch-size")
+    try:
+        size_list = parse_sizes(sizes)
+        context_list = parse_sizes(contexts, "--contexts") if contexts else []
+        chunk_list = parse_sizes(chunks, "--chunks") if chunks else []
+        mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
+        if meter == "auto":
+            choice = select_meter()
+            m, why = choice.meter, choice.reason
+        else:
+            m, why = get_meter(meter), f"asked for {meter}"
+        mitigates = mcfg.mitigation_for(m)  # before loading: --require-energy, --mitigate on
+        store = ResultStore(out)
+        with console.status("loading the target"):
+            pair = load_pair(pair_alias(model, target), target=target, device=device, dtype=dtype,
+                             with_draft=False)
+        snap = snapshot()
+        store.write_env(snap.snapshot_id, snap.to_dict())
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    if not as_json:
+        console.print(f"[bold]target[/] {esc(pair.target_id)} on {esc(pair.describe()['device'])}; "
+                      f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
+    mitigation = MitigationConfig() if mitigates else None
+    try:
+        with _progress() as bar:
+            total = len(design_points(size_list, context_list, chunk_list, context_len, 1))
+            task = bar.add_task("batch-size", total=total, note="")
+
+            def step(batch_size: int, row: dict) -> None:
+                bar.update(task, advance=1, note=f"B={batch_size} c={row['context_len']} "
+                                                 f"n={row.get('new_tokens') or 1}: "
+                                                 f"{row['time_per_run_s']:.3f} s/run")
+
+            rows = batch_sweep(pair, size_list, runs, store, m, model=pair.name, context_len=context_len,
+                               forwards_per_run=forwards_per_run, seed=seed, mitigation=mitigation,
+                               profile=profile_ops, env_id=snap.snapshot_id, progress=step,
+                               contexts=context_list, chunks=chunk_list)
+    except KeyboardInterrupt:
+        from mtad_energy.results import load_results
+
+        n = len(load_results(out, "batch"))
+        fail(f"interrupted: {n} batch size(s) stored in {out}; re-run to resume", code=130,
+             label="[yellow]")
+    except (ValueError, RuntimeError) as error:  # e.g. --context-len beyond the model, disk full
+        fail(error)
+    compact_after(out)
+    table = batch_table(rows)
+    if as_json:
+        emit({"output": str(out), "meter": m.name, "rows": integer_records(table)})
+        return
+    t = wrapping_table([str(c) for c in table.columns],
+                       [[str(int(v)) if c == table.columns[0] else
+                         energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
+                         for c, v in r.items()] for _, r in table.iterrows()],
+                       title="batch size vs energy")
+    reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
+    captions = ["Energy " + "; ".join(sorted(reasons))] if reasons else []
+    if m.name == "simulated" and len(reasons) < len(rows):
+        t.title = "batch size vs energy (simulated)"
+        captions.insert(0, SIMULATED_NOTE.replace("J/tok", "Energy"))
+    if captions:
+        t.caption = esc("\n".join(captions))
+    console.print(t)
+    extra = len(rows) - len(table)
+    if extra:
+        console.print(f"[dim]+ {extra} context-length / prefill-chunk point(s) for the fit: "
+                      f"mtad-energy decompose {esc(out)}[/]")
+    console.print(f"[dim]results in {esc(out)}[/]")
+
+
+def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
+                        repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
+                        as_json, compile: bool = False, engine: str = "hf") -> None:
+    from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
+    from mtad_energy.bench.prompts import load_prompts
+    from mtad_energy.decoding.generate import encode_prompt
+    from mtad_energy.decoding.registry import head_kinds
+    from mtad_energy.measure import get_meter, select_meter, snapshot
+    from mtad_energy.measure.contention import machine_load
+    from mtad_energy.models import load_pair
+    from mtad_energy.results import ResultStore
+    from mtad_energy.results.analysis import (
+        batch_crossover,
+        crossover_display,
+        crossover_notes,
+        crossover_settings,
+        crossover_title,
+    )
+    from mtad_energy.results.report import plot_batch_crossover
+
+    try:
+        names = split_list(decoders)
+        if "ar" not in names:
+            names = ["ar", *names]  # the baseline of every speed-up
+        specs = expand_variants(decoder_specs(names, parse_sets(sets)))  # --set gamma=1,2,3,5
+        size_list = parse_sizes(sizes)
+        if meter == "auto":
+            choice = select_meter()
+            m, why = choice.meter, choice.reason
+        else:
+            m, why = get_meter(meter), f"asked for {meter}"
+        MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
+        engines = sweep_engines(engine, specs, size_list, compile)  # refusals before loading
+        needs_draft = "hf" in engines and any(s.build().needs_draft for s in specs)
+        with console.status("loading the models"):
+            pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
+                             dtype=dtype, with_draft=needs_draft,
+                             heads=head_kinds(s.build() for s in specs))
+        prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
+        model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
+        store = ResultStore(out)
+        snap = snapshot()
+        store.write_env(snap.snapshot_id, snap.to_dict())
+    except (ValueError, RuntimeError, OSError) as error:
+        fail(error)
+    load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
+    if load["warning"] and not as_json:
+        console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
+    total = len(specs) * len(size_list) * repeats * len(engines)
+    not_run: list[dict] = []  # sizes skipped for memory, with the reason
+    if not as_json:
+        console.print("[bold]model[/] " + esc(f"{pair.name}: {pair.target_id} + "
+                                               f"{pair.draft_id or 'no draft'} on "
+                                               f"{pair.describe()['device']}"))
+        console.print(f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
+    done = {"ran": 0, "skipped": 0}
+    try:
+        with _progress() as bar:
+            task = bar.add_task("decode batch sizes", total=total, note="")
+
+            def step(row: dict, ran: bool) -> None:
+                done["ran" if ran else "skipped"] += 1
+                bar.update(task, advance=1, note=f"{row['label']} B={row['batch_size']}: " + (
+                    f"{row['tokens_per_s']:.1f} tok/s" if ran else "(stored)"))
+
+            def skip(label: str, b: int, reason: str) -> None:
+                not_run.append({"decoder": label, "batch_size": b, "reason": reason})
+                bar.update(task, advance=repeats, note=f"{label} B={b}: does not fit")
+
+            rep = each_engine(engines, model_spec, lambda e: decode_batch_sweep(
+                pair, specs, size_list, prompts, store, m, model=pair.name, dataset=dataset,
+                max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
+                env_id=snap.snapshot_id, progress=step, compile=compile, on_skip=skip, engine=e))
+    except KeyboardInterrupt:
+        fail(f"interrupted: {done['ran']} row(s) measured and stored in {out} ({done['skipped']} "
+             f"were stored before), {total - done['ran'] - done['skipped']} left; re-run the same "
+             "command to resume where it stopped", code=130, label="[yellow]")
+    except (ValueError, RuntimeError) as error:
+        fail(error)
+    finally:
+        m.close()
+    compact_after(out)
+    table = batch_crossover(rep.rows)
+    notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
+                                draft, device) + crossover_notes(table)
+    out_dir = out.resolve()  # `--output .` has no name of its own
+    # beside the store (it holds only tables), named by setting: an eager sweep into the same
+    # store does not overwrite the compiled sweep's plot
+    png = out_dir.parent / f"{out_dir.name}-crossover{'-compile' if compile else ''}.png"
+    plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "
+                                f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "
+                                f"{pair.describe()['device']})").savefig(png, dpi=150)
+    if as_json:
+        emit({"output": str(out), "meter": m.name, "plot": str(png), "ran": rep.ran,
+              "skipped": rep.skipped, "not_run": not_run, "notes": notes, "machine_load": load,
+              "rows": integer_records(table)})
+        return
+    shown = crossover_display(table)
+    t = wrapping_table(list(shown.columns), [[esc(v) for v in r] for r in shown.to_numpy()],
+                       left=("decoder",), title=esc(crossover_title(table) + "".join(
+                           f"\n{name}" for name, _ in crossover_settings(table)[:1])))
+    reasons = sorted({short_reason(r) for r in table["energy_reason"].dropna()})
+    captions = [SIMULATED_NOTE] if m.name == "simulated" and len(reasons) == 0 else []
+    if reasons:
+        captions.append("J/tok n/a: " + "; ".join(reasons))
+    if captions:
+        t.caption = esc("\n".join(captions))
+    console.print(t)
+    for s in not_run:
+        console.print(f"[yellow]not run:[/] {esc(s['decoder'])} at B={s['batch_size']}: "
+                      f"{esc(s['reason'])}")
+    for note in notes:
+        console.print(f"[yellow]note:[/] {esc(note)}")
+    console.print(f"[dim]{rep.ran} row(s) measured, {rep.skipped} already stored; results in "
+                  f"{esc(out)}; plot {esc(png)}[/]")
+
+
+sweep_app.command("param")(sweep_param)
+sweep_app.command("batch-size")(sweep_batch_size)
