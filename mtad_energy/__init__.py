@@ -5,6 +5,13 @@ Public API (imported lazily so ``import mtad_energy.measure`` stays light)::
     pair = mtad_energy.load_pair("smollm2")           # or target=..., draft=...
     gen = mtad_energy.generate("mtad", pair, "Write a haiku", max_new_tokens=64, tau=0.5)
     gens = mtad_energy.generate("spd", pair, ["one", "two"], batch_size=2)  # 2 rows per forward
+
+The packages, one concept each (imports go one way; README "Layout", CONTRIBUTING.md):
+``decoding`` (the algorithms and the one decode loop), ``models`` (pairs and draft heads),
+``measure`` (meters, windows, the Yang et al. protocol, the environment), ``energy`` (the energy
+model: counted work, fits, attribution), ``engines`` (vLLM, llama.cpp under the same instrument),
+``bench`` (the runner and the sweeps: the only place decoding meets measure), ``results`` (the
+store and what reads it), ``cli`` (the command line).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Measurement core: energy meters, window(), error mitigation, FLOP/byte accounting.
+"""Measurement core: energy meters, window(), error mitigation, the ops profiler, contention, the
+environment snapshot and the calibration records it references.
 
 Typical use::
 
@@ -7,6 +8,10 @@ Typical use::
     with get_meter("auto") as meter, window(meter, "generate") as w:
         run()
     print(w.measurement.energy_j, w.measurement.flags)
+
+What a forward's FLOPs and bytes are, and how joules split over them, is the energy model
+(`mtad_energy.energy`), which this package imports (the simulated device charges its counts);
+the procedure that calibrates meters is `mtad_energy.bench.calibrate`.
 
 This package never imports `mtad_energy.decoding`; torch, pynvml, Zeus and scipy are imported
 only when a backend needs them.

@@ -1,0 +1,142 @@
+"""The layout the README draws: one-way imports, no circle between modules or packages.
+
+The graph is read from the source (every import statement, lazy ones inside functions included,
+except those under ``if TYPE_CHECKING:``, which never run), so it shows what can be imported at run
+time, not only what a module imports when it loads.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "mtad_energy"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _type_only(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports (``from pkg import module`` counts as the
+    module; ``from module import name`` as the module)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_only(tree)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_of(module: str) -> str:
+    """``mtad_energy.measure.nvml`` -> ``measure``; a top-level module is its own package."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = defaultdict(set)
+    for a, targets in graph.items():
+        for b in targets:
+            if package_of(a) != package_of(b):
+                out[package_of(a)].add(package_of(b))
+    return out
+
+
+def test_no_import_circle_between_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_no_import_circle_between_packages():
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_the_cycle_finder_sees_a_circle():
+    """The checks above can fail: a circle through three modules, and one through packages."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = {"mtad_energy.x.one": {"mtad_energy.y.two"}, "mtad_energy.y.two": {"mtad_energy.x.three"}}
+    assert cycles(package_graph(graph)) == [["x", "y"]]
+
+
+@pytest.mark.parametrize(("package", "never"), [
+    ("decoding", {"measure", "bench", "results", "cli"}),
+    ("measure", {"decoding", "bench", "results", "cli", "models"}),
+    ("energy", {"measure", "decoding", "bench", "results", "cli", "engines", "models", "config"}),
+    ("results", {"bench", "cli", "measure", "engines"}),
+    ("models", {"decoding", "measure", "bench", "results", "cli", "engines"}),
+])
+def test_imports_go_one_way(package, never):
+    """The arrows README's layout draws: the decoding core and the meters never import each other,
+    the energy model imports neither, results read stores without running anything."""
+    reached = package_graph(import_graph()).get(package, set())
+    assert not reached & never, f"{package} imports {sorted(reached & never)}"
+
+
+def test_command_line_modules_stay_short():
+    long = {p.name: n for p in (ROOT / "cli").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
