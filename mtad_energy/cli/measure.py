@@ -36,7 +36,7 @@ from mtad_energy.cli.options import (
     Sets,
     Target,
     Workers,
-    _config,
+    build_config,
     check_columns,
     decoder_specs,
     pair_head_kinds,
@@ -69,7 +69,7 @@ def profile(
 
     try:
         specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_))
-        config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
+        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
                          require_energy, compile, batch_size)
         check_columns(columns)
@@ -106,7 +106,7 @@ def compare(
         if decoders == ",".join(ALL_DECODERS):  # the default: every decoder the pair can run
             names += pair_head_kinds(model, target, draft, device)
         specs = decoder_specs(names, parse_sets(set_))
-        config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
+        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
                          require_energy, compile, batch_size)
         check_columns(columns)

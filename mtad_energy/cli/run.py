@@ -21,7 +21,7 @@ from mtad_energy.cli.tables import short_reason, summary_table, with_attribution
 from mtad_energy.config import RunConfig
 
 
-def _progress() -> Progress:
+def progress_bar() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[note]}", markup=False), TimeRemainingColumn(), console=console,
                     transient=False)
@@ -115,7 +115,7 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts):
             console.print(f"[bold]engine[/] {esc(runner.engine.name)} {esc(runner.engine.version)}: "
                           f"{esc(runner.engine.config_json())}", highlight=False)
     try:
-        with _progress() as bar:
+        with progress_bar() as bar:
             task = bar.add_task(esc(config.sweep), total=len(runner.unique(work_units(config, prompts))),
                                 note="")
 

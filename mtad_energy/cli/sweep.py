@@ -40,7 +40,7 @@ from mtad_energy.cli.options import (
     Target,
     UsageError,
     Workers,
-    _config,
+    build_config,
     check_columns,
     decoder_specs,
     given_options,
@@ -61,7 +61,7 @@ from mtad_energy.cli.output import (
     quiet_libraries,
     wrapping_table,
 )
-from mtad_energy.cli.run import _progress, run_config
+from mtad_energy.cli.run import progress_bar, run_config
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import SIMULATED_NOTE, energy_text, fmt, short_reason
 from mtad_energy.config import MeasureConfig, ModelSpec
@@ -103,7 +103,7 @@ def sweep_param(
                  for combo in itertools.product(*axes.values())]
         if baseline != "none":
             specs = list(decoder_specs([baseline], {})) + specs
-        config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
+        config = build_config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
                          repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
                          require_energy, compile, batch_size)
         check_columns(columns)
@@ -191,7 +191,7 @@ def sweep_batch_size(
                       f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
     mitigation = MitigationConfig() if mitigates else None
     try:
-        with _progress() as bar:
+        with progress_bar() as bar:
             total = len(design_points(size_list, context_list, chunk_list, context_len, 1))
             task = bar.add_task("batch-size", total=total, note="")
 
@@ -294,7 +294,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         console.print(f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
     done = {"ran": 0, "skipped": 0}
     try:
-        with _progress() as bar:
+        with progress_bar() as bar:
             task = bar.add_task("decode batch sizes", total=total, note="")
 
             def step(row: dict, ran: bool) -> None:
