@@ -79,8 +79,8 @@ def test_rows_an_older_store_holds_with_unseen_work_are_read_without_their_joule
     """A store written before the rule: its flagged rows' joules are n/a (with the reason) for
     every reader (tables, decompose's windows and attribution, the report); others keep theirs."""
     from mtad_energy.energy.attribution import attribute
-    from mtad_energy.results.analysis import batch_crossover
     from mtad_energy.results.breakdown import decode_windows
+    from mtad_energy.results.crossover import batch_crossover
 
     store = ResultStore(tmp_path / "old")
     store.write("decode_batch", "a" * 16, [_old_row("a" * 16, "ar", [FLAG_WORK_UNSEEN], 2.0)])
@@ -184,7 +184,7 @@ def _summary(n_decoders: int = 3) -> pd.DataFrame:
 def test_summary_tables_keep_every_header_word_whole_at_80_columns():
     from mtad_energy.cli.output import wrapping_table
     from mtad_energy.cli.tables import ENERGY_COLUMNS, stats_table, summary_table
-    from mtad_energy.results.analysis import CROSSOVER_COLUMNS
+    from mtad_energy.results.crossover import CROSSOVER_COLUMNS
 
     speed = ("decoder", "dataset", "runs", "tok/s", "speed-up", "blk eff", "accepted/depth", "ppl",
              "J/tok dec", "J/tok", "rouge-l", "pass-at-1")
@@ -400,12 +400,8 @@ def _runs(decoder: str, tok_s: float, block: float, accepted: int) -> dict:
 def test_a_speedup_with_nothing_accepted_is_flagged_implausible():
     """Medusa with random heads: 3.70x over ar with nothing accepted (block efficiency 1.00)."""
     from mtad_energy.cli.tables import summary_table
-    from mtad_energy.results.analysis import (
-        batch_crossover,
-        crossover_display,
-        crossover_notes,
-        decoder_summary,
-    )
+    from mtad_energy.results.analysis import decoder_summary
+    from mtad_energy.results.crossover import batch_crossover, crossover_display, crossover_notes
 
     runs = pd.DataFrame([_runs("ar", 10.0, 1.0, 0), _runs("medusa", 37.0, 1.0, 0),
                          _runs("spd", 15.0, 1.8, 3), _runs("mtad", 9.0, 1.0, 0)])

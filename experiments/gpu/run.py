@@ -262,7 +262,7 @@ def stage_batch(kit: Kit) -> None:
     from mtad_energy.energy.attribution import fit_columns
     from mtad_energy.energy.fit import FORMS, fit_form
     from mtad_energy.measure import get_meter, snapshot
-    from mtad_energy.results.analysis import batch_axis
+    from mtad_energy.results.crossover import batch_axis
     from mtad_energy.results.store import ResultStore
 
     plan = kit.plan

@@ -60,7 +60,7 @@ from mtad_energy.measure import (
 )
 from mtad_energy.measure.base import SyncFn
 from mtad_energy.models import ModelPair
-from mtad_energy.results.analysis import batch_axis
+from mtad_energy.results.crossover import batch_axis
 from mtad_energy.results.schema import stable_key
 from mtad_energy.results.store import ResultStore
 

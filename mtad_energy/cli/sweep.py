@@ -248,7 +248,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     from mtad_energy.measure.contention import machine_load
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
-    from mtad_energy.results.analysis import (
+    from mtad_energy.results.crossover import (
         batch_crossover,
         crossover_display,
         crossover_notes,

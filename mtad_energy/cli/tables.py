@@ -25,7 +25,7 @@ def fmt(x: Any, spec: str = "{:.2f}") -> str:
 
 
 def short_reason(reason: Any) -> str:
-    from mtad_energy.results.analysis import short_reason  # pandas: not at `--help` time
+    from mtad_energy.results.analysis import short_reason
 
     return short_reason(reason)
 
@@ -81,7 +81,7 @@ def with_attribution(summary, runs, store_dir: Path):
 def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     """The decoders' summary: ``columns`` "speed" (speed, quality and J/token) or "energy"
     (decode joules by phase from the energy model, `with_attribution`)."""
-    from mtad_energy.results.analysis import compile_note, contention_note  # pandas: not at `--help` time
+    from mtad_energy.results.analysis import compile_note, contention_note
 
     reasons: set[str] = set()
     simulated = implausible = False

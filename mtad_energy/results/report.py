@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 from matplotlib.transforms import Bbox
 
-from mtad_energy.results import analysis
+from mtad_energy.results import analysis, crossover
 from mtad_energy.results.store import load_results
 
 FIGURES = ("jpt_vs_speedup", "ppl_vs_block_efficiency", "batch_energy", "accepted_lengths")
@@ -311,7 +311,7 @@ def _simulated_note(rows: pd.DataFrame, what: str) -> list[str]:
 
 
 def plot_batch_crossover(table: pd.DataFrame, title: str = "", baseline: str = "ar") -> Figure:
-    """Speed-up over ``baseline`` and energy saving against batch size (`analysis.batch_crossover`
+    """Speed-up over ``baseline`` and energy saving against batch size (`crossover.batch_crossover`
     of one setting), one line per decoder configuration through the medians, bars from the
     smallest to the largest repeat; a ring marks the crossover. Without energy readings the
     right panel says why (the rows' recorded reason); with the baseline alone, the figure says
@@ -459,23 +459,23 @@ def _store_line(store_dir: Path, runs: pd.DataFrame, summary: pd.DataFrame, batc
 def _crossover_section(decode_batch: pd.DataFrame, baseline: str, fig_dir: Path) -> list[str]:
     """One subsection per setting (model, dataset, tokens, device: never pooled): the table the
     CLI prints, its notes, and the figure."""
-    cross = analysis.batch_crossover(decode_batch, baseline)
-    settings = analysis.crossover_settings(cross)
+    cross = crossover.batch_crossover(decode_batch, baseline)
+    settings = crossover.crossover_settings(cross)
     lines = ["## Decoders across batch sizes", "",
              f"B prompts decoded together per decoder and batch size (`sweep batch-size --decoder`): "
              f"tokens/s of all B rows and the speed-up and energy saving over `{baseline}` at the "
              f"same batch size (medians over the repeats; min-max: the speed-up's spread over "
              f"them). The last column is the crossover: "
-             f"{analysis.CROSSOVER_RULE.format(baseline=baseline)}.", "",
+             f"{crossover.CROSSOVER_RULE.format(baseline=baseline)}.", "",
              *_simulated_note(decode_batch, "decoding batch-size rows")]
     if len(settings) > 1:
         lines += [f"The store holds {len(settings)} settings (model, dataset, tokens, device); each "
                   "has its own table, never pooled with another.", ""]
     for i, (title, part) in enumerate(settings):
         name = "batch_crossover" if i == 0 else f"batch_crossover-{i + 1}"
-        shown = analysis.crossover_display(part, baseline)
-        notes = analysis.crossover_notes(part, baseline)[1:]  # the rule is stated above
-        lines += [f"### {title}", "", f"{analysis.crossover_title(part).capitalize()}.", "",
+        shown = crossover.crossover_display(part, baseline)
+        notes = crossover.crossover_notes(part, baseline)[1:]  # the rule is stated above
+        lines += [f"### {title}", "", f"{crossover.crossover_title(part).capitalize()}.", "",
                   analysis.to_markdown(shown.set_index(["decoder", "B"]), higher_is_better={}), ""]
         lines += [f"- {n}" for n in notes] + ([""] if notes else [])
         _save(plot_batch_crossover(part, f"{title}: decoders across batch sizes", baseline=baseline),
@@ -551,7 +551,7 @@ def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[s
              "it does not beat `ar`), with the measured speed-up or energy saving behind it; the "
              "config is vLLM's `speculative_config` (`num_speculative_tokens_per_batch_size`: "
              "inclusive `[start, end, k]` ranges; `mtad-energy schedule` writes it).", ""]
-    parts = analysis.crossover_settings(decode_batch) or [("", decode_batch)]
+    parts = crossover.crossover_settings(decode_batch) or [("", decode_batch)]
     for title, rows in parts:  # one schedule per setting: never pooled
         where = f" ({title})" if len(parts) > 1 else ""
         for objective in ("speed", "energy"):
@@ -589,7 +589,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     batch = load_results(store_dir, "batch")
     summary = analysis.decoder_summary(runs, baseline=baseline)
     hist = analysis.accepted_length_histogram(steps, runs)
-    curve = analysis.batch_curve(batch)
+    curve = crossover.batch_curve(batch)
     palette = label_palette(summary) if not summary.empty else None
 
     decode_batch = load_results(store_dir, "decode_batch")
@@ -633,7 +633,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     lines += energy_model_section(store_dir)
 
     if not curve.empty:
-        cols = [c for c in analysis.BATCH_COLUMNS if c != "batch_size"] + ["energy_per_run_rel"]
+        cols = [c for c in crossover.BATCH_COLUMNS if c != "batch_size"] + ["energy_per_run_rel"]
         index = ["model", "batch_size"] if curve["model"].nunique() > 1 else ["batch_size"]
         lines += ["## Batch size", "",
                   "A fixed number of target-model runs at each input batch size (the paper's batch-size "

@@ -177,7 +177,7 @@ def _no_chain_rows(decoder: str, have: str) -> str:
 
 
 def one_setting(rows: pd.DataFrame, model: str | None = None) -> tuple[str, pd.DataFrame]:
-    """The rows of one sweep setting (`analysis.CROSSOVER_SETTING`: model label, target, dataset,
+    """The rows of one sweep setting (`crossover.CROSSOVER_SETTING`: model label, target, dataset,
     tokens, device, dtype) and its title: rows of other settings (eager and ``+compile`` runs,
     other datasets or lengths) are other experiments, never pooled into one schedule. ``model``
     picks the model label.
@@ -185,7 +185,7 @@ def one_setting(rows: pd.DataFrame, model: str | None = None) -> tuple[str, pd.D
     Raises:
         ValueError: ``model`` matches no row, or the rows hold several settings (naming them).
     """
-    from mtad_energy.results.analysis import crossover_settings
+    from mtad_energy.results.crossover import crossover_settings
 
     if model is not None:
         have = sorted(set(rows["model"].astype(str))) if "model" in rows else []

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from mtad_energy.cli import app
 from mtad_energy.results import load_results
-from mtad_energy.results.analysis import batch_crossover
+from mtad_energy.results.crossover import batch_crossover
 
 runner = CliRunner()
 

@@ -51,7 +51,7 @@ def test_no_gpu_no_rapl_gives_none_with_the_reasons(no_nvml: None, tmp_path: Pat
     meter.begin_window("w")
     m = meter.end_window("w")
     assert m.energy_j is None and m.reason == choice.reason
-    from mtad_energy.results.analysis import short_reason  # what tables and footnotes show
+    from mtad_energy.results.analysis import short_reason
 
     assert short_reason(choice.reason) == choice.reason
     assert "not rapl: RAPL is not available" in choice.describe()

@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from mtad_energy.results import analysis, load_results
+from mtad_energy.results import analysis, crossover, load_results
 from tests.results.conftest import BATCH_RUNS, PAPER_BATCH
 
 
@@ -215,7 +215,7 @@ def test_histogram_fractions_sum_to_one(store_dir, runs):
 
 
 def test_batch_curve_is_the_papers_table(store_dir):
-    curve = analysis.batch_curve(load_results(store_dir, "batch"))
+    curve = crossover.batch_curve(load_results(store_dir, "batch"))
     assert list(curve["batch_size"]) == [b for b, _, _ in PAPER_BATCH]
     for col in ("energy_j", "energy_per_run_j", "energy_per_input_j", "time_s", "time_per_run_s",
                 "time_per_input_s"):
@@ -233,7 +233,7 @@ def test_batch_curve_sorts_and_averages_repeats():
                           "energy_per_run_j": [0.8, 0.1, 1.2], "energy_per_input_j": [0.2, 0.1, 0.3],
                           "time_s": 1.0, "time_per_run_s": 0.1, "time_per_input_s": 0.1,
                           "energy_reason": None})
-    curve = analysis.batch_curve(batch)
+    curve = crossover.batch_curve(batch)
     assert curve["batch_size"].tolist() == [1, 4]
     assert curve["energy_j"].tolist() == [1.0, 10.0]
     assert curve["n_rows"].tolist() == [1, 2]

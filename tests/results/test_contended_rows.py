@@ -7,7 +7,7 @@ import pandas as pd
 from rich.console import Console
 
 from mtad_energy.cli.tables import summary_table
-from mtad_energy.results import analysis, load_results
+from mtad_energy.results import analysis, crossover, load_results
 
 
 def _busy(frame: pd.DataFrame, mask: pd.Series, cores: float = 1.3) -> pd.DataFrame:
@@ -57,20 +57,20 @@ def test_rows_without_the_columns_count_as_not_flagged(store_dir):
 def test_a_crossover_point_with_contended_rows_or_baseline_is_marked(decode_only_store_dir):
     rows = load_results(decode_only_store_dir, "decode_batch")
     rows = rows[(rows["dataset"] == "mtbench")].reset_index(drop=True)
-    quiet = analysis.batch_crossover(rows)
-    assert not any("contended" in n for n in analysis.crossover_notes(quiet))
-    assert not analysis.crossover_display(quiet)["speed-up"].str.endswith("*").any()
+    quiet = crossover.batch_crossover(rows)
+    assert not any("contended" in n for n in crossover.crossover_notes(quiet))
+    assert not crossover.crossover_display(quiet)["speed-up"].str.endswith("*").any()
 
     # ar at B = 4 was measured on a busy machine: every speed-up at B = 4 is marked, ar's tok/s too
     busy_ar = (rows["decoder"] == "ar") & (rows["batch_size"] == 4)
-    table = analysis.batch_crossover(_busy(rows, busy_ar, cores=0.9))
-    shown = analysis.crossover_display(table)
+    table = crossover.batch_crossover(_busy(rows, busy_ar, cores=0.9))
+    shown = crossover.crossover_display(table)
     at4 = table["batch_size"] == 4
     assert shown.loc[at4 & (table["decoder"] == "spd"), "speed-up"].str.endswith("*").all()
     assert not shown.loc[~at4, "speed-up"].str.endswith("*").any()
     assert shown.loc[at4 & (table["decoder"] == "ar"), "tok/s"].str.endswith("*").all()
     assert not shown.loc[at4 & (table["decoder"] == "spd"), "tok/s"].str.endswith("*").any()
-    note = next(n for n in analysis.crossover_notes(table) if n.startswith("contended"))
+    note = next(n for n in crossover.crossover_notes(table) if n.startswith("contended"))
     assert "at B = 4" in note and "0.90 core(s)" in note
 
 

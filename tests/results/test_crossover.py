@@ -9,13 +9,13 @@ import math
 import pandas as pd
 import pytest
 
-from mtad_energy.results import analysis, load_results
+from mtad_energy.results import analysis, crossover, load_results
 from mtad_energy.results.report import plot_batch_crossover, write_report
 
 
 @pytest.fixture(scope="module")
 def table(decode_only_store_dir) -> pd.DataFrame:
-    return analysis.batch_crossover(load_results(decode_only_store_dir, "decode_batch"))
+    return crossover.batch_crossover(load_results(decode_only_store_dir, "decode_batch"))
 
 
 AR, SPD = "ar(temperature=1)", "spd(temperature=1)"  # the default warp, beside temperature 0
@@ -33,7 +33,7 @@ def test_sweeps_of_other_datasets_or_lengths_are_never_pooled(table):
     assert _at(table, "mtbench", AR, 1).tokens_per_s == 30.0
     assert _at(table, "humaneval", AR, 1).tokens_per_s == 15.0
     assert _at(table, "humaneval", AR, 1).repeats == 3 and _at(table, "mtbench", AR, 1).repeats == 1
-    settings = analysis.crossover_settings(table)
+    settings = crossover.crossover_settings(table)
     assert [title for title, _ in settings] == ["llama3-8b · humaneval · 64 tokens · cpu (float16)",
                                                 "llama3-8b · mtbench · 32 tokens · cpu (float16)"]
 
@@ -55,10 +55,10 @@ def test_the_crossover_uses_medians_shows_the_spread_and_the_baseline_has_none(t
     assert (spd["crossover_batch_size"] == 4).all()
     ar = table[table.decoder == "ar"]
     assert ar["crossover_batch_size"].isna().all()  # ar does not "stop beating ar at 1"
-    notes = analysis.crossover_notes(table[table.dataset == "humaneval"])
+    notes = crossover.crossover_notes(table[table.dataset == "humaneval"])
     assert any(f"{SPD}: the repeats disagree on beating ar at B = 4" in n for n in notes), notes
     assert not any("one repeat" in n for n in notes)
-    assert any("one repeat" in n for n in analysis.crossover_notes(table[table.dataset == "mtbench"]))
+    assert any("one repeat" in n for n in crossover.crossover_notes(table[table.dataset == "mtbench"]))
 
 
 def test_one_noisy_repeat_cannot_move_the_crossover():
@@ -69,15 +69,15 @@ def test_one_noisy_repeat_cannot_move_the_crossover():
             rows += [{"decoder": "ar", "batch_size": size, "repeat": rep, "tokens_per_s": ar},
                      {"decoder": "spd", "batch_size": size, "repeat": rep,
                       "tokens_per_s": spd * noise}]
-    t = analysis.batch_crossover(rows)
+    t = crossover.batch_crossover(rows)
     assert (t.loc[t.decoder == "spd", "crossover_batch_size"] == 2).all()
-    alone = analysis.batch_crossover([r for r in rows if r["repeat"] == 2])
+    alone = crossover.batch_crossover([r for r in rows if r["repeat"] == 2])
     assert alone.loc[alone.decoder == "spd", "crossover_batch_size"].isna().all()  # why repeats
 
 
 def test_every_view_prints_the_same_text(table):
     mt = table[table.dataset == "mtbench"]
-    shown = analysis.crossover_display(mt).set_index(["decoder", "B"])
+    shown = crossover.crossover_display(mt).set_index(["decoder", "B"])
     assert list(shown.columns) == ["tok/s", "speed-up", "block eff.", "stops beating ar at B"]
     assert shown.loc[(AR, "1"), "stops beating ar at B"] == "-"
     assert shown.loc[(SPD, "2"), "speed-up"] == "1.45x"
@@ -86,11 +86,11 @@ def test_every_view_prints_the_same_text(table):
     md = analysis.to_markdown(shown, higher_is_better={})
     assert "**" not in md and "<u>" not in md  # ar's constant 1.00x is not "best"
     assert "| 2 |" in md and "| 2.00 |" not in md and "crossover_batch_size" not in md
-    never = analysis.crossover_display(analysis.batch_crossover([
+    never = crossover.crossover_display(crossover.batch_crossover([
         {"decoder": "ar", "batch_size": 1, "repeat": 0, "tokens_per_s": 1.0},
         {"decoder": "spd", "batch_size": 1, "repeat": 0, "tokens_per_s": 2.0}]))
     assert never.iloc[1]["stops beating ar at B"] == "never"
-    he = analysis.crossover_display(table[table.dataset == "humaneval"])
+    he = crossover.crossover_display(table[table.dataset == "humaneval"])
     assert "min-max" in he.columns and he.iloc[-2]["min-max"] == "0.63-1.17"
 
 
@@ -132,7 +132,7 @@ def test_crossover_figure_labels_and_what_it_says_without_energy_or_decoders(tab
 
 
 def test_crossover_rule_has_no_crossover_when_the_baseline_is_missing():
-    t = analysis.batch_crossover([{"decoder": "spd", "batch_size": 1, "repeat": 0,
+    t = crossover.batch_crossover([{"decoder": "spd", "batch_size": 1, "repeat": 0,
                                    "tokens_per_s": 2.0}])
     assert math.isnan(t.iloc[0]["speedup"])
-    assert analysis.crossover_display(t).iloc[0]["stops beating ar at B"] == "n/a"
+    assert crossover.crossover_display(t).iloc[0]["stops beating ar at B"] == "n/a"
