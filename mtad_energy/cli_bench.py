@@ -1016,6 +1016,9 @@ def schedule(
     out: Annotated[Path | None, typer.Option(
         help="where to write the schedule (default: <results>-schedule-<objective>[-<model>].json)"
     )] = None,
+    validate: Annotated[bool, typer.Option(
+        "--validate", help="run vLLM with the schedule beside ar and each fixed gamma at the "
+                           "sweep's batch sizes (a vLLM sweep; rows go into the same store)")] = False,
     as_json: Json = False,
 ):
     """The speculation schedule: per batch-size range, the best decoder and gamma, and vLLM's
@@ -1035,8 +1038,18 @@ def schedule(
         write_schedule(plan, path)
     except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2
         fail(error)
+    check = None
+    if validate:  # the schedule measured in vLLM beside the fixed gammas (engines.schedule_check)
+        from mtad_energy.engines.schedule_check import run_validation, validation_table
+
+        try:
+            with console.status("measuring the schedule in vLLM beside ar and each fixed gamma"):
+                check = validation_table(run_validation(results, rows, plan, model), plan)
+        except (ValueError, RuntimeError, OSError) as error:
+            fail(error, code=1 if isinstance(error, RuntimeError) else 2)
     if as_json:
-        emit({**plan.to_dict(), "output": str(path)})
+        emit({**plan.to_dict(), "output": str(path),
+              **({"validation": integer_records(check)} if check is not None else {})})
         return
     table = schedule_table(plan)
     t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar is not beaten)"
@@ -1064,6 +1077,13 @@ def schedule(
     console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}, key speculative_config;"
                   " add the drafting method):")
     console.print(json.dumps(config), markup=False, highlight=False)
+    if check is not None:
+        from mtad_energy.engines.schedule_check import validation_display
+
+        columns, cells, caption = validation_display(check)
+        shown = wrapping_table(columns, cells, title="the schedule measured in vLLM")
+        shown.caption = esc(caption)
+        console.print(shown)
 
 
 @json_command

@@ -139,6 +139,19 @@ def _gamma(params: Any) -> int | None:
     return int(value) if value is not None else None
 
 
+SCHEDULED = "per_batch_size"  # the parameter of a row that ran a schedule (vLLM dynamic SD)
+
+
+def runs_a_schedule(params: Any) -> bool:
+    """Whether a row's ``params_json`` ran a schedule (``per_batch_size``, `mtad-energy schedule
+    --validate`): its draft length changes with the batch size, so it is no fixed-gamma
+    candidate."""
+    try:
+        return bool(isinstance(params, str) and params and json.loads(params).get(SCHEDULED))
+    except (ValueError, AttributeError):
+        return False
+
+
 def _medians(rows: pd.DataFrame) -> pd.DataFrame:
     """Per (label, decoder, params, batch size): median tokens/s and J/token, and ``repeats`` (the
     distinct repeats behind them)."""
@@ -225,6 +238,8 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
         raise ValueError("no decoding batch-size rows: run `mtad-energy sweep batch-size --decoder "
                          "ar,spd --set gamma=1,2,3,5 --output DIR` and pass that DIR")
     setting, df = one_setting(df, model)
+    if "params_json" in df:  # a schedule's own validation rows are no fixed draft length
+        df = df[~df["params_json"].map(runs_a_schedule)]
     med = _medians(df)
     base = med[med["decoder"] == BASELINE].groupby("batch_size").first()
     chain = med[(med["decoder"] == decoder) & med["gamma"].notna()]
