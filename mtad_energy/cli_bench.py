@@ -1047,6 +1047,7 @@ def schedule(
                 check = validation_table(run_validation(results, rows, plan, model), plan)
         except (ValueError, RuntimeError, OSError) as error:
             fail(error, code=1 if isinstance(error, RuntimeError) else 2)
+        compact_after(results)
     if as_json:
         emit({**plan.to_dict(), "output": str(path),
               **({"validation": integer_records(check)} if check is not None else {})})

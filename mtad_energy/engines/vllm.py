@@ -28,8 +28,10 @@ engine-wide counters (``llm.get_metrics()``) diffed around each call are kept in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -222,11 +224,13 @@ class VllmEngine(Engine):
             o = self._opts
             t0 = time.perf_counter()
             try:
-                self._llms[key] = LLM(
-                    model=self.target_dir, dtype=self.dtype, enforce_eager=bool(o["enforce_eager"]),
-                    max_model_len=int(o["max_model_len"]), max_num_seqs=int(o["max_num_seqs"]),
-                    seed=0, speculative_config=sc, disable_log_stats=False,
-                    **({"per_request_spec_decode_metrics": "detailed"} if sc else {}))
+                with _children_print_to_stderr():  # a vLLM process logs to the fd 1 it inherits
+                    self._llms[key] = LLM(
+                        model=self.target_dir, dtype=self.dtype,
+                        enforce_eager=bool(o["enforce_eager"]),
+                        max_model_len=int(o["max_model_len"]), max_num_seqs=int(o["max_num_seqs"]),
+                        seed=0, speculative_config=sc, disable_log_stats=False,
+                        **({"per_request_spec_decode_metrics": "detailed"} if sc else {}))
             except Exception as error:  # noqa: BLE001
                 raise EngineError(f"vLLM failed to start for {spec.name} ({sc}): {error}") from error
             self.start_s[key] = time.perf_counter() - t0  # beside the rows, not in their key
@@ -303,6 +307,21 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 (already gone)
                 pass
         self._llms.clear()
+
+
+@contextlib.contextmanager
+def _children_print_to_stderr():
+    """vLLM's engine and worker processes inherit file descriptor 1 and log to it: point it at
+    stderr while they start, so ``--json``'s one document is all that reaches stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _on_cuda() -> bool:

@@ -15,7 +15,12 @@ from mtad_energy.config import DecoderSpec
 from mtad_energy.engines import UnsupportedError, engine_kind
 from mtad_energy.engines import schedule_check as sc
 from mtad_energy.engines import vllm as ve
-from mtad_energy.results.schedule import Schedule, ScheduleRange, build_schedule
+from mtad_energy.results.schedule import (
+    DRAFT_AT_ZERO_NOTE,
+    Schedule,
+    ScheduleRange,
+    build_schedule,
+)
 
 TRIPLES = [[1, 1, 3], [2, 3, 1], [4, 16, 0]]
 SCHEDULED = {"gamma": 3, "per_batch_size": "1-1:3;2-3:1;4-16:0", "temperature": 0.0}
@@ -172,3 +177,14 @@ def test_cli_validate_refuses_a_sweep_that_is_not_vllms_in_one_json_document(tmp
     doc = json.loads(done.stdout)
     assert "--engine vllm" in doc["error"] and "hf" in doc["error"]
     assert (tmp_path / "s-schedule-speed.json").exists()
+
+
+def test_a_draft_model_schedule_with_k_0_says_what_k_0_costs_in_vllm():
+    """Measured: with a draft model, vLLM at k = 0 still runs a draft forward per step (0.48x of
+    ar); the schedule says so where it has a range with k = 0, and only there."""
+    plan = _plan()
+    assert plan.repeats == 1 and DRAFT_AT_ZERO_NOTE in plan.notes
+    pld = Schedule("speed", "pld", plan.ranges, plan.setting, 3)
+    assert pld.notes == []  # n-gram drafting has no model to keep in sync
+    on = Schedule("speed", "spd", plan.ranges[:2], plan.setting, 3)
+    assert on.notes == []
