@@ -188,3 +188,40 @@ def test_a_draft_model_schedule_with_k_0_says_what_k_0_costs_in_vllm():
     assert pld.notes == []  # n-gram drafting has no model to keep in sync
     on = Schedule("speed", "spd", plan.ranges[:2], plan.setting, 3)
     assert on.notes == []
+
+
+def test_a_vllm_that_fails_on_the_schedule_is_one_error_naming_its_version(tmp_path, monkeypatch):
+    """The error path only (what vLLM does is the engine test's and the committed run's): an
+    engine error during the validation names vLLM's version, the schedule and vLLM's error, and
+    the engine is closed."""
+    import mtad_energy.bench.decode_batch as db
+    import mtad_energy.engines as engines
+    import mtad_energy.models as models
+    from mtad_energy.engines import EngineError
+
+    common = {"model": "smollm2+vllm", "target_id": "t", "dataset": "mtbench",
+              "max_new_tokens": 8, "meter": "none", "device": "cpu", "dtype": "bfloat16",
+              "engine": "vllm"}
+    rows = pd.DataFrame([dict(r, prompts="p", seed=r["repeat"], **common)
+                         for r in validation_rows() if r["decoder"] != "pld"])
+    closed = []
+
+    class Engine:
+        version = "vllm 0.32.0"
+
+        def close(self):
+            closed.append(True)
+
+    def dies(*args, **kwargs):
+        raise EngineError("vLLM died during spd: worker crashed")
+
+    monkeypatch.setattr(models, "load_pair", lambda *a, **k: type("P", (), {
+        "target_id": "t", "name": "smollm2"})())
+    monkeypatch.setattr(sc, "the_prompts", lambda pair, setting: [[1, 2, 3]])
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: Engine())
+    monkeypatch.setattr(db, "decode_batch_sweep", dies)
+    with pytest.raises(EngineError) as error:
+        sc.run_validation(tmp_path / "s", rows, _plan())
+    text = str(error.value)
+    assert "vllm 0.32.0" in text and "[[1, 1, 3], [2, 3, 1], [4, 16, 0]]" in text
+    assert "worker crashed" in text and closed == [True]
