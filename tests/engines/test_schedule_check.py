@@ -185,7 +185,7 @@ def test_a_draft_model_schedule_with_k_0_says_what_k_0_costs_in_vllm():
     plan = _plan()
     assert plan.repeats == 1 and DRAFT_AT_ZERO_NOTE in plan.notes
     pld = Schedule("speed", "pld", plan.ranges, plan.setting, 3)
-    assert pld.notes == []  # n-gram at k = 0: 0.96-1.02x of ar (experiments/vllm_k0.py)
+    assert pld.notes == []  # n-gram at k = 0: 0.96-0.98x of ar (vllm_options.py k0)
     on = Schedule("speed", "spd", plan.ranges[:2], plan.setting, 3)
     assert on.notes == []
 
