@@ -263,7 +263,7 @@ DISPLAY = (("batch_size", "B"), ("schedule_k", "schedule k"),
 
 def validation_display(table: pd.DataFrame) -> tuple[list[str], list[list[str]], str]:
     """The validation table as text for the console: columns, cells (``*`` on a contended batch
-    size, k 0 shown as ar, J/token n/a) and a caption saying what was compared and why J/token
+    size, a fixed k 0 shown as ar, J/token n/a) and a caption saying what was compared and why J/token
     is n/a."""
     cells = []
     for _, r in table.iterrows():
@@ -272,8 +272,9 @@ def validation_display(table: pd.DataFrame) -> tuple[list[str], list[list[str]],
             v = r[col]
             if col == "batch_size":
                 row.append(f"{int(v)}{'*' if r['contended'] else ''}")
-            elif col in ("schedule_k", "best_fixed_k"):
-                row.append("ar" if int(v) == 0 else str(int(v)))
+            elif col in ("schedule_k", "best_fixed_k"):  # the schedule's k 0 is not ar: a
+                # draft model still runs at k 0 (DRAFT_AT_ZERO_NOTE); a fixed k 0 is ar itself
+                row.append("ar" if col == "best_fixed_k" and int(v) == 0 else str(int(v)))
             elif v is None or v != v:
                 row.append("n/a" if col == "schedule_j_per_token" else "-")
             else:

@@ -225,3 +225,12 @@ def test_a_vllm_that_fails_on_the_schedule_is_one_error_naming_its_version(tmp_p
     text = str(error.value)
     assert "vllm 0.32.0" in text and "[[1, 1, 3], [2, 3, 1], [4, 16, 0]]" in text
     assert "worker crashed" in text and closed == [True]
+
+
+def test_the_display_marks_contended_sizes_says_why_j_is_na_and_never_calls_k_0_ar():
+    columns, cells, caption = sc.validation_display(sc.validation_table(validation_rows(), _plan()))
+    by_b = {row[0]: dict(zip(columns, row, strict=True)) for row in cells}
+    assert set(by_b) == {"1*", "2", "4"}  # ar at B = 1 ran on a busy machine
+    assert by_b["4"]["schedule k"] == "0" and by_b["4"]["best fixed k"] == "ar"
+    assert by_b["1*"]["vs best fixed"] == "0.90x" and by_b["1*"]["J/token"] == "n/a"
+    assert "meter='none'" in caption and "other processes" in caption
