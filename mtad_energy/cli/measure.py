@@ -68,10 +68,10 @@ def profile(
     from mtad_energy.bench.runner import with_baseline
 
     try:
-        specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_))
-        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
-                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
-                         require_energy, compile, batch_size)
+        specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_), engine)
+        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
+                              seed, repeats, meter, mitigate, device, dtype, chat, ops,
+                              allow_code_execution, "profile", require_energy, compile, batch_size)
         check_columns(columns)
         configs = engine_configs(config, engine)
     except ValueError as error:
@@ -105,10 +105,10 @@ def compare(
         names = split_list(decoders)
         if decoders == ",".join(ALL_DECODERS):  # the default: every decoder the pair can run
             names += pair_head_kinds(model, target, draft, device)
-        specs = decoder_specs(names, parse_sets(set_))
-        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
-                         meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
-                         require_energy, compile, batch_size)
+        specs = decoder_specs(names, parse_sets(set_), engine)
+        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
+                              seed, repeats, meter, mitigate, device, dtype, chat, ops,
+                              allow_code_execution, "compare", require_energy, compile, batch_size)
         check_columns(columns)
         configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS))
     except ValueError as error:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -84,10 +84,18 @@ def split_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def decoder_specs(names: list[str], sets: dict[str, str]) -> tuple[DecoderSpec, ...]:
+def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
+                  ) -> tuple[DecoderSpec, ...]:
     """Decoders with their --set overrides. ``key=v`` goes to every listed decoder that has the
-    parameter; ``decoder.key=v`` to that decoder only. A key no listed decoder has is an error."""
+    parameter; ``decoder.key=v`` to that decoder only. A key no listed decoder has is an error.
+    A parameter only an engine of ``engines`` (``--engine``) has for the decoder (vLLM's
+    ``per_batch_size``) is taken here; an engine without it refuses it by name
+    (`mtad_energy.engines.check_engine_options`)."""
     from mtad_energy.decoding.registry import DECODERS
+
+    def has(decoder: str, name: str) -> bool:
+        return name in typing.get_type_hints(DECODERS[decoder].Params) or any(
+            name in params for params in engine_params(engines, decoder))
 
     unknown = [n for n in names if n not in DECODERS]
     if unknown:
@@ -98,13 +106,23 @@ def decoder_specs(names: list[str], sets: dict[str, str]) -> tuple[DecoderSpec, 
         targets = [scope] if dot else names
         if dot and scope not in params:
             raise UsageError(f"--set {key}: decoder {scope!r} is not among --decoder {','.join(names)}")
-        hit = [n for n in targets if name in typing.get_type_hints(DECODERS[n].Params)]
+        hit = [n for n in targets if has(n, name)]
         if not hit:
             raise UsageError(f"--set {key}: no selected decoder ({', '.join(targets)}) has a parameter "
                              f"{name!r}; `mtad-energy decoders` lists them")
         for n in hit:
             params[n][name] = value
     return tuple(DecoderSpec.of(n, **params[n]) for n in names)
+
+
+def engine_params(engines: str, decoder: str) -> list[Mapping[str, Any]]:
+    """The parameters each engine of ``engines`` other than hf honours for ``decoder``."""
+    if engines.strip() in ("", "hf"):
+        return []
+    from mtad_energy.engines.registry import ENGINES, HF, parse_engines
+
+    kinds = [ENGINES[e] for e in parse_engines(engines) if e != HF]
+    return [{**k.params.get(decoder, {}), **k.optional.get(decoder, {})} for k in kinds]
 
 
 MAX_SWEEP_VALUES = 1000  # values per --param range, and configurations per sweep grid

@@ -103,9 +103,9 @@ def sweep_param(
                  for combo in itertools.product(*axes.values())]
         if baseline != "none":
             specs = list(decoder_specs([baseline], {})) + specs
-        config = build_config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
-                         repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
-                         require_energy, compile, batch_size)
+        config = build_config(tuple(specs), model, target, draft, dataset, n_prompts,
+                              max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat,
+                              ops, False, f"param-{decoder}", require_energy, compile, batch_size)
         check_columns(columns)
     except ValueError as error:
         fail(error)
@@ -261,7 +261,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         names = split_list(decoders)
         if "ar" not in names:
             names = ["ar", *names]  # the baseline of every speed-up
-        specs = expand_variants(decoder_specs(names, parse_sets(sets)))  # --set gamma=1,2,3,5
+        specs = expand_variants(decoder_specs(names, parse_sets(sets), engine))  # --set gamma=1,2,3,5
         size_list = parse_sizes(sizes)
         if meter == "auto":
             choice = select_meter()

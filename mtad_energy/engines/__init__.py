@@ -86,6 +86,7 @@ def check_engine_options(name: str, decoders: list[str] | tuple = (), batch_size
     whether it is installed. Returns its `EngineKind`."""
     kind = engine_kind(name)
     if name == HF:
+        _check_project_params(params or {})
         return kind
     kind.check_compile(compile)
     kind.check_batch_size(batch_size)
@@ -93,6 +94,29 @@ def check_engine_options(name: str, decoders: list[str] | tuple = (), batch_size
         kind.decoder_params(d, (params or {}).get(d, {}))
     kind.require_installed()
     return kind
+
+
+def _check_project_params(params: Mapping[str, Mapping[str, Any]]) -> None:
+    """hf runs the project's decoders: a parameter only an engine has (``--set per_batch_size``
+    beside ``--engine hf,vllm``) is refused by name, not passed to a decoder that lacks it."""
+    import typing
+
+    from mtad_energy.decoding.registry import DECODERS
+
+    for decoder, given in params.items():
+        if decoder not in DECODERS:
+            continue  # unknown decoders are refused where the specs are parsed
+        own = typing.get_type_hints(DECODERS[decoder].Params)
+        extra = [k for k in given if k not in own]
+        if extra:
+            others = [e for e, k in ENGINES.items() if e != HF and
+                      set(extra) <= {*k.params.get(decoder, {}), *k.optional.get(decoder, {})}]
+            raise UnsupportedError(
+                f"engine 'hf' (the project's decoders): {decoder} has no parameter "
+                f"{', '.join(map(repr, extra))}" + (f" (a parameter of {' and '.join(others)}'s "
+                                                    f"{decoder})" if others else "")
+                + f"; drop --set {extra[0]} or run --engine {others[0] if others else 'hf'} "
+                "without hf")
 
 
 def load_engine(name: str, model: ModelSpec, options: Mapping[str, Any] | None = None

@@ -11,9 +11,9 @@ import math
 import pandas as pd
 import pytest
 
+from mtad_energy.bench import schedule_check as sc
 from mtad_energy.config import DecoderSpec
 from mtad_energy.engines import UnsupportedError, engine_kind
-from mtad_energy.bench import schedule_check as sc
 from mtad_energy.engines import vllm as ve
 from mtad_energy.results.schedule import (
     DRAFT_AT_ZERO_NOTE,

@@ -145,3 +145,34 @@ def test_a_table_of_several_engines_names_each_rows_model():
     console = Console(width=120, record=True)
     console.print(summary_table(summary[summary["model"] == "smollm2"], "profile"))
     assert "model" not in console.export_text().split("\n")[1]  # one model: no column for it
+
+
+def test_a_parameter_only_an_engine_has_is_taken_for_it_and_refused_for_hf():
+    """vLLM's ``per_batch_size`` (its dynamic schedule) reaches vLLM's spd and pld through --set;
+    the project's decoders (hf) lack it: refused by name, before anything loads."""
+    from mtad_energy.cli.options import UsageError, decoder_specs
+
+    specs = decoder_specs(["ar", "spd", "pld"], {"per_batch_size": "1-1:3;2-16:0"}, "vllm")
+    assert {s.name: s.param_dict.get("per_batch_size") for s in specs} == {
+        "ar": None, "spd": "1-1:3;2-16:0", "pld": "1-1:3;2-16:0"}
+    with pytest.raises(UsageError, match="no selected decoder .* has a parameter 'per_batch_size'"):
+        decoder_specs(["ar", "spd"], {"per_batch_size": "1-1:3"}, "hf")
+    with pytest.raises(UsageError, match="no selected decoder"):  # llama.cpp has no schedule
+        decoder_specs(["ar", "spd"], {"per_batch_size": "1-1:3"}, "llamacpp")
+    with pytest.raises(UnsupportedError, match=r"engine 'hf' \(the project's decoders\): spd has no "
+                       r"parameter 'per_batch_size' \(a parameter of vllm's spd\); drop --set "
+                       r"per_batch_size or run --engine vllm without hf"):
+        check_engine_options("hf", ["spd"], params={"spd": {"per_batch_size": "1-1:3"}})
+
+
+def test_the_cli_refuses_an_engine_parameter_beside_hf(tmp_path):
+    from typer.testing import CliRunner
+
+    from mtad_energy.cli import app
+
+    res = CliRunner().invoke(app, ["profile", "--decoder", "spd", "--engine", "hf,vllm", "--set",
+                                   "per_batch_size=1-1:3", "--meter", "none", "--output",
+                                   str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 2
+    assert "spd has no parameter 'per_batch_size'" in json.loads(res.output)["error"]
+    assert not (tmp_path / "out").exists()
