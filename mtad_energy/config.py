@@ -52,7 +52,11 @@ class ModelSpec:
 
     @property
     def label(self) -> str:
-        return self.alias or "custom"
+        """The alias; a ``random:SHAPE`` target without one is named by its shape (random
+        weights are never pooled with a real model's rows), any other "custom"."""
+        if self.alias:
+            return self.alias
+        return self.target if self.target and self.target.startswith("random:") else "custom"
 
 
 class NoEnergyError(ValueError):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mtad_energy.bench.floor import decode_forward_time, weight_bytes
-from mtad_energy.bench.shapes import SHAPES, config_for, random_model, random_pair
+from mtad_energy.models import random_pair
+from mtad_energy.models.shapes import SHAPES, config_for, random_model
 from tests.limits import hang_limit_s
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -395,7 +395,7 @@ METER_CHOICES = ("auto", "simulated")
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    """What `run_calibration` does. ``model``: a shape of `bench.shapes` (random weights, nothing
+    """What `run_calibration` does. ``model``: a shape of `models.shapes` (random weights, nothing
     downloaded) or a model alias, hub id or directory; default ``llama3.1-8b`` on a GPU and
     ``tiny-llama`` on the CPU."""
 
@@ -529,8 +529,8 @@ def measure_floor(model, name: str, bandwidth_bytes_per_s: float, modes: Sequenc
 
 
 def _load_model(name: str, device: torch.device):
-    """A shape of `bench.shapes` with random weights, else a model alias, hub id or directory."""
-    from mtad_energy.bench.shapes import SHAPES, random_model
+    """A shape of `models.shapes` with random weights, else a model alias, hub id or directory."""
+    from mtad_energy.models.shapes import SHAPES, random_model
     from mtad_energy.models import ALIASES, load_pair
 
     if name in SHAPES:

@@ -61,6 +61,15 @@ def ignored_draft_notes(decoders: Sequence[Any], alias: str | None, target: str 
                " and not loaded")]
 
 
+RANDOM_NOTE = ("random weights at real shapes (random:SHAPE): time and energy per forward are "
+               "real; acceptance, block efficiency and quality are not")
+
+
+def random_weight_notes(target: str | None, draft: str | None = None) -> list[str]:
+    """`RANDOM_NOTE` when the target or the draft is a ``random:SHAPE`` model."""
+    return [RANDOM_NOTE] if any(m and "random:" in m for m in (target, draft)) else []
+
+
 ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
                 "typical", "pld")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mtad_energy.cli.engines import check_workers
-from mtad_energy.cli.options import ignored_draft_notes
+from mtad_energy.cli.options import ignored_draft_notes, random_weight_notes
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, quiet_libraries
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import short_reason, summary_table, with_attribution
@@ -139,7 +139,7 @@ def config_draft_notes(config: RunConfig) -> list[str]:
     """`ignored_draft_notes` for a configuration's decoders and pair."""
     m = config.model
     return ignored_draft_notes([d.build() for d in config.decoders], m.alias, m.target, m.draft,
-                               m.device)
+                               m.device) + random_weight_notes(m.target, m.draft)
 
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,

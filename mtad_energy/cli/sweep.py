@@ -46,6 +46,7 @@ from mtad_energy.cli.options import (
     given_options,
     ignored_draft_notes,
     pair_alias,
+    random_weight_notes,
     parse_range,
     parse_sets,
     parse_sizes,
@@ -321,7 +322,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     compact_after(out)
     table = batch_crossover(rep.rows)
     notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
-                                draft, device) + crossover_notes(table)
+                                draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
     out_dir = out.resolve()  # `--output .` has no name of its own
     # beside the store (it holds only tables), named by setting: an eager sweep into the same
     # store does not overwrite the compiled sweep's plot
