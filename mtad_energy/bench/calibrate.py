@@ -530,8 +530,8 @@ def measure_floor(model, name: str, bandwidth_bytes_per_s: float, modes: Sequenc
 
 def _load_model(name: str, device: torch.device):
     """A shape of `models.shapes` with random weights, else a model alias, hub id or directory."""
-    from mtad_energy.models.shapes import SHAPES, random_model
     from mtad_energy.models import ALIASES, load_pair
+    from mtad_energy.models.shapes import SHAPES, random_model
 
     if name in SHAPES:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -46,10 +46,10 @@ from mtad_energy.cli.options import (
     given_options,
     ignored_draft_notes,
     pair_alias,
-    random_weight_notes,
     parse_range,
     parse_sets,
     parse_sizes,
+    random_weight_notes,
     split_list,
 )
 from mtad_energy.cli.output import (

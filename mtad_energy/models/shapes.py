@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 
-
 @dataclass(frozen=True)
 class Shape:
     """An architecture at the size of a published checkpoint (config fields only)."""
