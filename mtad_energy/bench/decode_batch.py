@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.runner import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
 from mtad_energy.config import DecoderSpec
 from mtad_energy.decoding.base import Decoder
@@ -95,6 +96,7 @@ def decode_batch_sweep(
     compile: bool = False,
     on_skip: Callable[[str, int, str], object] | None = None,
     engine: Engine | None = None,
+    budget: Budget | None = None,
 ) -> DecodeBatchReport:
     """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
     decoders interleaved within each repeat (so drift and load hit them alike); rows the
@@ -103,7 +105,8 @@ def decode_batch_sweep(
     (``ran``: measured now, not found stored); ``on_skip(label, batch size, reason)`` hears of
     every size skipped for memory. ``engine``: decode with a loaded engine (`mtad_energy.engines`)
     instead of the project's decoders (``pair`` then gives the prompts' perplexity only); its rows
-    are stored under model ``<model>+<engine>`` with the engine columns in their key."""
+    are stored under model ``<model>+<engine>`` with the engine columns in their key. Once
+    ``budget`` is spent no new row starts (`bench.budget`: counted in ``budget.left``)."""
     decoders = expand_variants(decoders)
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
@@ -152,6 +155,8 @@ def decode_batch_sweep(
                 }
                 key = stable_key(identity)
                 row, measured = _stored_row(store, stored, key), False
+                if row is None and budget is not None and budget.skip():
+                    continue
                 if row is None:
                     why, warm_gens = None, []
                     if spec not in warm:

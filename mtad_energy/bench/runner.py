@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.prompts import Prompt, load_prompts
 from mtad_energy.config import DecoderSpec, RunConfig
 from mtad_energy.decoding.base import Decoder
@@ -261,6 +262,7 @@ class Runner:
                                else hf_columns(config.compile))
         self._decoders: dict[DecoderSpec, Decoder] = dict(zip(config.decoders, built, strict=False))
         self._warm: set[tuple] = set()  # `warm_key`s warmed up
+        self.budget: Budget | None = None  # once spent, `iter_run` starts no new batch
 
     @property
     def model_label(self) -> str:
@@ -540,6 +542,8 @@ class Runner:
 
     def _run_batch_rows(self, batch: list[WorkUnit], done: set[str], fill: Sequence[WorkUnit] = ()
                         ) -> Iterator[tuple[dict[str, Any] | None, WorkUnit]]:
+        if self.budget is not None and self.budget.skip(len(batch)):
+            return  # not run, not yielded: a re-run measures them
         try:
             rows: list[dict[str, Any] | None] = list(self.run_batch(batch, fill))
         except RowExistsError:  # another worker finished the same row first
@@ -582,8 +586,9 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
                 pair: ModelPair | None = None, meter: EnergyMeter | None = None,
                 prompts: Sequence[Prompt] | None = None, scorer: Scorer | None = None,
                 progress: Progress | None = None, shard_index: int = 0,
-                shard_count: int = 1) -> RunReport:
-    """Run (or resume) a configuration into ``store``; returns every row it asked for.
+                shard_count: int = 1, budget: Budget | None = None) -> RunReport:
+    """Run (or resume) a configuration into ``store``; returns every row it asked for (those
+    stored: once ``budget`` is spent no new batch starts, `bench.budget`).
 
     ``runner`` is an already built `Runner` for ``config`` and ``store`` (the CLI builds it first
     to show the model and meter); otherwise one is built from ``pair``, ``meter`` and ``scorer``."""
@@ -592,6 +597,7 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     check_batch_size(config, prompts)
     units = shard(runner.unique(work_units(config, prompts)), shard_index, shard_count)
     check_prompt_lengths(runner, units)
+    runner.budget = budget
     ran = skipped = 0
     for row, unit in runner.iter_run(units):
         ran, skipped = ran + (row is not None), skipped + (row is None)

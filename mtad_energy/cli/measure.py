@@ -17,6 +17,7 @@ from mtad_energy.cli.options import (
     AllowExec,
     Baseline,
     BatchSize,
+    BudgetS,
     Chat,
     Cluster,
     Columns,
@@ -60,7 +61,7 @@ def profile(
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    engine: EngineOption = "hf", as_json: Json = False,
+    engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -77,7 +78,7 @@ def profile(
     except ValueError as error:
         fail(error)
     run_config(configs, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
-               baseline)
+               baseline, budget_s)
 
 
 @json_command
@@ -94,7 +95,7 @@ def compare(
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    engine: EngineOption = "hf", as_json: Json = False,
+    engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -114,7 +115,8 @@ def compare(
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
-    summary = run_config(configs, out, as_json, "compare", workers, cluster, columns)
+    summary = run_config(configs, out, as_json, "compare", workers, cluster, columns,
+                         budget_s=budget_s)
     table = main_table(summary)
     md = to_markdown(table)
     if "meter" in summary and summary["meter"].map(is_simulated).any():

@@ -246,6 +246,12 @@ Columns = Annotated[str, typer.Option(
          "--output store's batch rows)")]
 
 
+BudgetS = Annotated[float | None, typer.Option(
+    "--budget-s", min=0, help="start no new measurement after this many seconds (model loading "
+                              "included): every row measured is stored, and re-running the same "
+                              "command goes on from there (for time-limited GPU leases)")]
+
+
 Baseline = Annotated[str, typer.Option(help="also run this decoder beside the others, for "
                                              "speed-ups ('none': run only the listed ones)")]
 
