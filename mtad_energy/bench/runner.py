@@ -20,7 +20,7 @@ import torch
 
 from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.prompts import Prompt, load_prompts
-from mtad_energy.config import DecoderSpec, RunConfig
+from mtad_energy.config import DecoderSpec, RunConfig, compile_identity
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import (
     Generation,
@@ -142,7 +142,7 @@ def model_label(config: RunConfig) -> str:
     joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
     ``<model>+batch<B>``; every row stored under ``+batch<B>`` was decoded with B rows."""
     return (config.model.label + (f"+{config.engine}" if config.engine != HF else "")
-            + ("+compile" if config.compile else "")
+            + config.compile_label
             + (f"+batch{config.batch_size}" if config.batch_size > 1 else ""))
 
 
@@ -295,7 +295,8 @@ class Runner:
             "max_new_tokens": c.max_new_tokens, "seed": c.seed + unit.repeat, "repeat": unit.repeat,
             "meter": self.meter.name, "mitigated": self.mitigate,
             "device": self.device, "dtype": self.dtype, "chat": c.chat,
-            **({"compile": True} if c.compile else {}),  # eager rows keep their old keys
+            # eager rows keep their old keys, and compiled rows with the defaults theirs
+            **(compile_identity(c.compile_backend, c.compile_dynamic) if c.compile else {}),
             **({"batch_size": c.batch_size} if c.batch_size > 1 else {}),
             **({"engine": self.engine_columns} if self.engine is not None else {}),  # hf: old keys
         })
@@ -320,7 +321,7 @@ class Runner:
             return []
         gens = generate_rows(self._decoders[spec], self.pair, list(prompts),
                              c.max_new_tokens if c.compile else min(8, c.max_new_tokens),
-                             seed=c.seed, compute_perplexity=False, compile=c.compile)
+                             seed=c.seed, compute_perplexity=False, compile=c.compile_arg)
         self._warm.add(key)
         return gens
 
@@ -411,7 +412,7 @@ class Runner:
         with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
                       compiled=bool(c.compile)):
             return generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                 compute_perplexity=False, on_phase=on_phase, compile=c.compile)
+                                 compute_perplexity=False, on_phase=on_phase, compile=c.compile_arg)
 
     def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
                    energy: dict[str, Any], mitigation: dict[str, Any], share: float,

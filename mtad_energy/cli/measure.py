@@ -22,9 +22,11 @@ from mtad_energy.cli.options import (
     Cluster,
     Columns,
     Compile,
+    CompileBackend,
     Dataset,
     Draft,
     Dtype,
+    DynamicShapes,
     Json,
     MaxNew,
     Meter,
@@ -60,7 +62,8 @@ def profile(
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    compile: Compile = False, compile_backend: CompileBackend = None,
+    dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
     engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
@@ -72,7 +75,7 @@ def profile(
         specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "profile",
-                         require_energy, compile, batch_size)
+                         require_energy, compile, batch_size, compile_backend, dynamic_shapes)
         check_columns(columns)
         configs = engine_configs(config, engine)
     except ValueError as error:
@@ -94,7 +97,8 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    compile: Compile = False, compile_backend: CompileBackend = None,
+    dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
     engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
@@ -109,7 +113,7 @@ def compare(
         specs = decoder_specs(names, parse_sets(set_))
         config = _config(specs, model, target, draft, dataset, n_prompts, max_new_tokens, seed, repeats,
                          meter, mitigate, device, dtype, chat, ops, allow_code_execution, "compare",
-                         require_energy, compile, batch_size)
+                         require_energy, compile, batch_size, compile_backend, dynamic_shapes)
         check_columns(columns)
         configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS))
     except ValueError as error:

@@ -158,14 +158,15 @@ def check_columns(columns: str) -> str:
 
 def _config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts, max_new_tokens,
             seed, repeats, meter, mitigate, device, dtype, chat, ops, allow_code_execution, sweep,
-            require_energy=False, compile=False, batch_size=1):
+            require_energy=False, compile=False, batch_size=1, compile_backend=None,
+            dynamic_shapes=False):
     return RunConfig(
         decoders=decoders, model=ModelSpec(pair_alias(model, target), target, draft, device, dtype),
         datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
         seed=seed, repeats=repeats, chat=chat, ops=ops,
         measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
         allow_code_execution=allow_code_execution, sweep=sweep, compile=compile,
-        batch_size=batch_size)
+        batch_size=batch_size, compile_backend=compile_backend, compile_dynamic=dynamic_shapes)
 
 
 # shared options (typer reads the Annotated metadata)
@@ -231,6 +232,18 @@ Compile = Annotated[bool, typer.Option(
                       "stored under model '<model>+compile'")]
 
 
+CompileBackend = Annotated[str | None, typer.Option(
+    "--compile-backend", metavar="NAME",
+    help="torch.compile backend of --compile (default inductor: CUDA graphs on CUDA; e.g. eager, "
+         "aot_eager, cudagraphs); rows are stored under '<model>+compile-NAME', never pooled")]
+
+
+DynamicShapes = Annotated[bool, typer.Option(
+    "--dynamic-shapes", help="--compile with dynamo's automatic dynamic shapes: one symbolic graph "
+                             "reused across batch sizes and widths (far fewer compiles, kernels of "
+                             "symbolic sizes); rows stored under '<model>+compile[-NAME]-dynamic'")]
+
+
 BatchSize = Annotated[int, typer.Option(
     min=1, help="prompts decoded together per set of forwards (each keeps its own row; the "
                 "batch's energy is split by tokens)")]
@@ -261,7 +274,7 @@ FORWARD_ONLY_OPTIONS = ("runs", "forwards_per_run", "context_len", "mitigate", "
 
 
 DECODING_ONLY_OPTIONS = ("draft", "dataset", "n_prompts", "max_new_tokens", "repeats", "set_",
-                         "compile")
+                         "compile", "compile_backend", "dynamic_shapes")
 
 
 def given_options(ctx: typer.Context, names: typing.Iterable[str]) -> list[str]:

@@ -25,9 +25,11 @@ from mtad_energy.cli.options import (
     Cluster,
     Columns,
     Compile,
+    CompileBackend,
     Dataset,
     Draft,
     Dtype,
+    DynamicShapes,
     Json,
     MaxNew,
     Meter,
@@ -66,7 +68,7 @@ from mtad_energy.cli.output import (
 from mtad_energy.cli.run import _progress, run_config
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import SIMULATED_NOTE, energy_text, fmt, short_reason
-from mtad_energy.config import MeasureConfig, ModelSpec
+from mtad_energy.config import MeasureConfig, ModelSpec, compile_arg, compile_label
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
 
@@ -85,6 +87,7 @@ def sweep_param(
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
     require_energy: RequireEnergy = False, compile: Compile = False,
+    compile_backend: CompileBackend = None, dynamic_shapes: DynamicShapes = False,
     batch_size: BatchSize = 1, columns: Columns = "speed", budget_s: BudgetS = None,
     as_json: Json = False,
 ):
@@ -108,7 +111,7 @@ def sweep_param(
             specs = list(decoder_specs([baseline], {})) + specs
         config = _config(tuple(specs), model, target, draft, dataset, n_prompts, max_new_tokens, seed,
                          repeats, meter, mitigate, device, dtype, chat, ops, False, f"param-{decoder}",
-                         require_energy, compile, batch_size)
+                         require_energy, compile, batch_size, compile_backend, dynamic_shapes)
         check_columns(columns)
     except ValueError as error:
         fail(error)
@@ -138,8 +141,8 @@ def sweep_batch_size(
     draft: Draft = None, dataset: Dataset = "mtbench",
     n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
     max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
-    set_: Sets = None, compile: Compile = False, engine: EngineOption = "hf",
-    budget_s: BudgetS = None,
+    set_: Sets = None, compile: Compile = False, compile_backend: CompileBackend = None,
+    dynamic_shapes: DynamicShapes = False, engine: EngineOption = "hf", budget_s: BudgetS = None,
 ):
     """The paper's batch-size study: energy and time per run and per input.
 
@@ -170,7 +173,7 @@ def sweep_batch_size(
         _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
                             max_new_tokens, repeats, set_, meter, device, dtype, seed,
                             output or Path("results/batch-size-decode"), require_energy, as_json,
-                            compile, engine, budget)
+                            compile, engine, budget, compile_backend, dynamic_shapes)
         return
     out = output or Path("results/batch-size")
     try:
@@ -254,7 +257,8 @@ def sweep_batch_size(
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
                         repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
-                        as_json, compile: bool = False, engine: str = "hf", budget=None) -> None:
+                        as_json, compile: bool = False, engine: str = "hf", budget=None,
+                        compile_backend: str | None = None, dynamic_shapes: bool = False) -> None:
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
@@ -278,6 +282,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
             names = ["ar", *names]  # the baseline of every speed-up
         specs = expand_variants(decoder_specs(names, parse_sets(sets)))  # --set gamma=1,2,3,5
         size_list = parse_sizes(sizes)
+        compile_arg(compile, compile_backend, dynamic_shapes)  # refused without --compile
         if meter == "auto":
             choice = select_meter()
             m, why = choice.meter, choice.reason
@@ -325,7 +330,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
                 pair, specs, size_list, prompts, store, m, model=pair.name, dataset=dataset,
                 max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
                 env_id=snap.snapshot_id, progress=step, compile=compile, on_skip=skip, engine=e,
-                budget=budget))
+                budget=budget, compile_backend=compile_backend, compile_dynamic=dynamic_shapes))
     except KeyboardInterrupt:
         fail(f"interrupted: {done['ran']} row(s) measured and stored in {out} ({done['skipped']} "
              f"were stored before), {total - done['ran'] - done['skipped']} left; re-run the same "
@@ -342,7 +347,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     out_dir = out.resolve()  # `--output .` has no name of its own
     # beside the store (it holds only tables), named by setting: an eager sweep into the same
     # store does not overwrite the compiled sweep's plot
-    png = out_dir.parent / f"{out_dir.name}-crossover{'-compile' if compile else ''}.png"
+    setting = compile_label(compile_backend, dynamic_shapes)[1:] if compile else ""
+    png = out_dir.parent / f"{out_dir.name}-crossover{'-' + setting if setting else ''}.png"
     plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "
                                 f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "
                                 f"{pair.describe()['device']})").savefig(png, dpi=150)
