@@ -544,16 +544,21 @@ def _floor_part(cfg: CalibrateConfig, device: torch.device, log: Callable[[str],
                 ) -> tuple[float, list[dict[str, Any]]]:
     quick = cfg.quick or device.type != "cuda"
     bandwidth = copy_bandwidth(device, (1 << 31) if device.type == "cuda" else (1 << 26))
-    name = cfg.model or ("llama3.1-8b" if device.type == "cuda" else "tiny-llama")
-    model = _load_model(name, device)
-    try:
-        rows = measure_floor(model, name, bandwidth, ("eager", "compiled") if cfg.compile else ("eager",),
-                             context_len=128, forwards=8 if quick else 32, repeats=3 if quick else 5,
-                             backend="inductor" if device.type == "cuda" else "eager", log=log)
-    finally:
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    names = [n.strip() for n in (cfg.model or ("llama3.1-8b" if device.type == "cuda"
+                                               else "tiny-llama")).split(",") if n.strip()]
+    rows: list[dict[str, Any]] = []
+    for name in names:  # one model at a time on the device
+        model = _load_model(name, device)
+        try:
+            rows += measure_floor(model, name, bandwidth,
+                                  ("eager", "compiled") if cfg.compile else ("eager",),
+                                  context_len=128, forwards=8 if quick else 32,
+                                  repeats=3 if quick else 5,
+                                  backend="inductor" if device.type == "cuda" else "eager", log=log)
+        finally:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return bandwidth, rows
 
 
