@@ -50,3 +50,19 @@ def test_decoding_sweep_keeps_each_setting_apart(tmp_path, llama_pair):
     with pytest.raises(ValueError, match="add --compile"):
         decode_batch_sweep(llama_pair, [DecoderSpec("ar")], [1], [[5, 9, 4]], store, NoneMeter(),
                            compile_backend="eager")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "--compile-backend", "eager"], "add --compile, or drop them"),
+    (["sweep", "batch-size", "--decoder", "spd", "--dynamic-shapes"], "add --compile, or drop them"),
+    (["sweep", "batch-size", "--dynamic-shapes"], "--dynamic-shapes is not used here"),
+])
+def test_the_cli_refuses_them_without_compile_before_loading(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from mtad_energy.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--target", "random:tiny-llama", "--output",
+                                      str(tmp_path / "out")])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "out").exists()  # refused before anything ran

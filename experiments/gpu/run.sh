@@ -68,6 +68,9 @@ gpu=${gpu:-cpu}
 R=${out:-experiments/results/gpu/{gpu\}}
 R=${R//\{gpu\}/$gpu}
 mkdir -p "$R"
+# calibrate stores this card's record here, and every later command (this call's or the next
+# lease's: the folder travels with the results) references it and flags windows too short for it
+export MTAD_ENERGY_CALIBRATION=$R/calibration
 # --budget-s: what is left of it when a command starts (it counts from this script's start)
 budget() { [[ -n $budget_s ]] && echo --budget-s $(( budget_s > SECONDS ? budget_s - SECONDS : 0 )); }
 log() { echo "$(date '+%F %T') $*" | tee -a "$R/run.log" >&2; }  # stdout: the commands' JSON
@@ -91,7 +94,9 @@ else
   opt_design=(--sizes 1,2,4,8,16 --runs 12 --context-len 128)
   llama_design=(--sizes 1,2,4,8,16,32,64,128,256,512 --runs 12 --context-len 128
                 --contexts 1024,2048,4096,8192 --chunks 128,512,1024,2048,4096)
-  decode=(--dataset humaneval --n-prompts 1 --max-new-tokens 48 --repeats 2)
+  # plain windows, as round 1 (the protocol would repeat each generation for >= 5 s: past a
+  # lease); calibrate says the shortest window worth reading, and shorter ones are flagged
+  decode=(--dataset humaneval --n-prompts 1 --max-new-tokens 48 --repeats 2 --mitigate off)
   compiled_decoders=ar,spd,mtad,specinfer,mmtad,pld,medusa,eagle
   batched_decoders=ar,spd,typical,mtad,mmtad,specinfer,spectr; batched_sizes=1,2,4,8,16,32,64,128
   batched_prompts=(--dataset humaneval --n-prompts 4 --max-new-tokens 48 --repeats 2)
@@ -112,7 +117,7 @@ stage_tests() {
   local rc=$?; log "tests: $(grep -v '^\s*$' "$R/gpu_tests.log" | tail -1)"; return $rc
 }
 stage_calibrate() {
-  me calibrate "${cal[@]}" --compile --record-dir "$R/calibration" --json > "$R/calibration.json"
+  me calibrate "${cal[@]}" --compile --json > "$R/calibration.json"
 }
 stage_batch() {
   me sweep batch-size --target "$opt" "${opt_design[@]}" "${meter[@]}" $(budget) \
