@@ -99,6 +99,13 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     # every eager decoder, the draft heads' too (their work counted from their weights)
     assert sorted(validation.decoder) == sorted(DECODERS)
     assert validation.error.abs().median() < 0.05
+    # every command says what random weights measure, and references the call's calibration
+    eager_doc = json.loads((out / "decoders-eager.json").read_text())
+    assert any(n.startswith("random weights at real shapes") for n in eager_doc["notes"])
+    from mtad_energy.results.store import ResultStore
+
+    assert (out / "calibration" / "simulated-a100-h100.json").is_file()  # travels with the results
+    assert "below-calibrated-min" in ResultStore(out / "decoders").load("runs").energy_flags.iloc[0]
     decoders = pd.read_csv(out / "decoders.csv")
     # the smoke compiles with dynamo's eager backend (inductor's C++ compile is minutes on a CPU)
     assert list(zip(decoders.decoder, decoders["mode"], strict=True)) == [
@@ -132,8 +139,6 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert env["meter"]["name"] in METER_NAMES
 
     # re-running a stage resumes through the stores: the batch rows are not measured again
-    from mtad_energy.results.store import ResultStore
-
     kit("batch", "--smoke", "--out", str(out))
     assert len(ResultStore(out / "batch-opt").load("batch")) == 3
     assert len(ResultStore(out / "batch-llama").load("batch")) == 5
