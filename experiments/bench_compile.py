@@ -104,7 +104,7 @@ def decoder_table(args) -> tuple[pd.DataFrame, pd.DataFrame, str]:
 def floor_table(args) -> pd.DataFrame:
     """Target forward at a real shape vs its memory floor (CUDA only)."""
     from mtad_energy.bench.floor import copy_bandwidth, decode_forward_time, weight_bytes
-    from mtad_energy.bench.shapes import random_model
+    from mtad_energy.models.shapes import random_model
 
     bw = copy_bandwidth("cuda")
     rows = []

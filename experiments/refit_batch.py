@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 def count_work(batch: pd.DataFrame, elem_bytes: int = 2) -> pd.DataFrame:
     """``counted_flops`` / ``counted_bytes`` of every row's window, from its model shape, batch
     size, context, new tokens and forwards (the kit's run definition)."""
-    from mtad_energy.bench.shapes import config_for
     from mtad_energy.energy.work import ModelDims, shapes_work
+    from mtad_energy.models.shapes import config_for
 
     flops, nbytes = [], []
     for _, r in batch.iterrows():

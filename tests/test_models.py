@@ -230,3 +230,40 @@ def test_explicit_int8_self_draft_on_cuda_is_refused_clearly(model_dirs, monkeyp
         load_pair(target=model_dirs["llama"], draft="self:int8", device="cuda")
     with pytest.raises(ValueError, match="runs on CPU only"):
         load_pair("smollm2", target=model_dirs["llama"], device="cuda")  # custom target: no swap
+
+
+def test_random_specs_build_the_named_shapes_and_heads_without_a_checkpoint():
+    """``random:SHAPE`` target and draft, ``eagle:random-v1`` / ``medusa:random`` heads: the GPU
+    kit's real-shape models through the tool's own options."""
+    from mtad_energy.config import ModelSpec
+    from mtad_energy.models.shapes import config_for
+
+    pair = me.models.load_pair(None, target="random:tiny-llama",
+                               draft="random:tiny-llama-draft,eagle:random-v1,medusa:random",
+                               heads=("eagle", "medusa"))
+    for model, shape in ((pair.target, "tiny-llama"), (pair.draft, "tiny-llama-draft")):
+        want = config_for(shape)
+        assert (model.config.hidden_size, model.config.num_hidden_layers, model.config.vocab_size) == (
+            want.hidden_size, want.num_hidden_layers, want.vocab_size)
+    assert (pair.name, pair.target_id, pair.draft_id) == (
+        "random:tiny-llama", "random:tiny-llama", "random:tiny-llama-draft")
+    assert pair.heads["eagle"].version == 1 and pair.heads["medusa"].num_heads == 4
+    assert len(pair.tokenizer) == 256 and pair.eos_token_id is None  # runs to max_new_tokens
+    assert ModelSpec(None, "random:tiny-llama").label == "random:tiny-llama"  # never "custom"
+    assert ModelSpec(None, "some/hub-id").label == "custom"
+
+
+@pytest.mark.parametrize("target, draft, message", [
+    ("random:nope", None, "unknown shape 'nope'; write random:SHAPE with one of"),
+    ("random:tiny-llama", "eagle:random", "use eagle:random-v1"),  # 2 layers: no EAGLE-3 taps
+    ("random:tiny-llama", "medusa:random-v1", "random medusa heads are medusa:random"),
+    ("random:tiny-llama", "random:tiny-opt", None),  # another family, same vocabulary: loads
+])
+def test_bad_random_specs_say_what_to_write(target, draft, message):
+    load = lambda: me.models.load_pair(None, target=target, draft=draft,  # noqa: E731
+                                       heads=("eagle", "medusa"))
+    if message is None:
+        assert load().draft is not None
+        return
+    with pytest.raises(ValueError, match=message):
+        load()

@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mtad_energy.bench.budget import Budget
 from mtad_energy.decoding.cache import cache_len, crop, new_cache
 from mtad_energy.energy.work import ModelDims, shapes_work
 from mtad_energy.hf_cache import cache_kwargs
@@ -207,6 +208,7 @@ def batch_sweep(
     peaks: DevicePeaks | None = None,
     contexts: Sequence[int] = (),
     chunks: Sequence[int] = (),
+    budget: Budget | None = None,
 ) -> list[dict[str, Any]]:
     """Measure `runs` runs of the target at each point of the design; one ``batch`` row per point:
     every batch size in `sizes` at `context_len` (axis ``batch``), batch size 1 at every cache
@@ -229,6 +231,7 @@ def batch_sweep(
         progress: called as progress(batch_size, row) after each point (also for resumed rows).
         peaks: roofline peaks for the profile (default: measured once per device, then cached).
         contexts / chunks: the context-length and prefill-chunk axes (module docstring).
+        budget: once spent, no new point starts (`bench.budget`; counted in ``budget.left``).
 
     Returns:
         One row dict per point, batch axis first. A point whose row the store already holds is
@@ -274,6 +277,8 @@ def batch_sweep(
                 stored = store.load("batch")  # once, or again if another process added the row
             match = stored[stored["row_key"] == row_key]
             row = {k: _plain(v) for k, v in match.iloc[0].items()}
+        elif budget is not None and budget.skip():
+            continue
         else:
             try:
                 with work_tap(meter, pair.target):

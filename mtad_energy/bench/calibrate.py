@@ -395,7 +395,7 @@ METER_CHOICES = ("auto", "simulated")
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    """What `run_calibration` does. ``model``: a shape of `bench.shapes` (random weights, nothing
+    """What `run_calibration` does. ``model``: a shape of `models.shapes` (random weights, nothing
     downloaded) or a model alias, hub id or directory; default ``llama3.1-8b`` on a GPU and
     ``tiny-llama`` on the CPU."""
 
@@ -529,9 +529,9 @@ def measure_floor(model, name: str, bandwidth_bytes_per_s: float, modes: Sequenc
 
 
 def _load_model(name: str, device: torch.device):
-    """A shape of `bench.shapes` with random weights, else a model alias, hub id or directory."""
-    from mtad_energy.bench.shapes import SHAPES, random_model
+    """A shape of `models.shapes` with random weights, else a model alias, hub id or directory."""
     from mtad_energy.models import ALIASES, load_pair
+    from mtad_energy.models.shapes import SHAPES, random_model
 
     if name in SHAPES:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -544,16 +544,21 @@ def _floor_part(cfg: CalibrateConfig, device: torch.device, log: Callable[[str],
                 ) -> tuple[float, list[dict[str, Any]]]:
     quick = cfg.quick or device.type != "cuda"
     bandwidth = copy_bandwidth(device, (1 << 31) if device.type == "cuda" else (1 << 26))
-    name = cfg.model or ("llama3.1-8b" if device.type == "cuda" else "tiny-llama")
-    model = _load_model(name, device)
-    try:
-        rows = measure_floor(model, name, bandwidth, ("eager", "compiled") if cfg.compile else ("eager",),
-                             context_len=128, forwards=8 if quick else 32, repeats=3 if quick else 5,
-                             backend="inductor" if device.type == "cuda" else "eager", log=log)
-    finally:
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    names = [n.strip() for n in (cfg.model or ("llama3.1-8b" if device.type == "cuda"
+                                               else "tiny-llama")).split(",") if n.strip()]
+    rows: list[dict[str, Any]] = []
+    for name in names:  # one model at a time on the device
+        model = _load_model(name, device)
+        try:
+            rows += measure_floor(model, name, bandwidth,
+                                  ("eager", "compiled") if cfg.compile else ("eager",),
+                                  context_len=128, forwards=8 if quick else 32,
+                                  repeats=3 if quick else 5,
+                                  backend="inductor" if device.type == "cuda" else "eager", log=log)
+        finally:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return bandwidth, rows
 
 

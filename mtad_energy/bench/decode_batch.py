@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.runner import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
-from mtad_energy.config import DecoderSpec
+from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import Generation, generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
@@ -96,6 +97,9 @@ def decode_batch_sweep(
     on_skip: Callable[[str, int, str], object] | None = None,
     engine: Engine | None = None,
     first_repeat: int = 0,
+    budget: Budget | None = None,
+    compile_backend: str | None = None,
+    compile_dynamic: bool = False,
 ) -> DecodeBatchReport:
     """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
     decoders interleaved within each repeat (so drift and load hit them alike); rows the
@@ -104,9 +108,13 @@ def decode_batch_sweep(
     (``ran``: measured now, not found stored); ``on_skip(label, batch size, reason)`` hears of
     every size skipped for memory. ``engine``: decode with a loaded engine (`mtad_energy.engines`)
     instead of the project's decoders (``pair`` then gives the prompts' perplexity only); its rows
-    are stored under model ``<model>+<engine>`` with the engine columns in their key.
+    are stored under model ``<model>+<engine>`` with the engine columns in their key. Once
+    ``budget`` is spent no new row starts (`bench.budget`: counted in ``budget.left``).
+    ``compile_backend`` / ``compile_dynamic``: how ``compile`` compiles (`config.compile_arg`);
+    such rows are stored under ``<model>+compile-<backend>[-dynamic]``.
     ``first_repeat``: the repeats are numbered from it (new repeats of configurations the store
     holds, measured beside new ones: `bench.schedule_check`)."""
+    compiling = compile_arg(compile, compile_backend, compile_dynamic)  # refuses them without it
     decoders = expand_variants(decoders)
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
@@ -126,7 +134,8 @@ def decode_batch_sweep(
     columns = engine.columns() if engine is not None else hf_columns(compile)
     probe = ContentionProbe(gpu_pids=gpu_processes(desc["device"]))  # others' share per window
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
-    label = model + (f"+{engine.name}" if engine is not None else "") + ("+compile" if compile else "")
+    label = model + (f"+{engine.name}" if engine is not None else "") + (
+        compile_label(compile_backend, compile_dynamic) if compile else "")
     out, ran = [], 0
     params = {spec: {k: v for k, v in d.config().items() if k != "decoder"}
               for spec, d in built.items()}
@@ -150,11 +159,14 @@ def decode_batch_sweep(
                     "batch_size": b, "dataset": dataset, "prompts": stable_key({"ids": rows}),
                     "max_new_tokens": max_new_tokens, "seed": seed + rep, "repeat": rep,
                     "meter": meter.name, "device": desc["device"], "dtype": desc["dtype"],
-                    **({"compile": True} if compile else {}),  # eager rows keep their keys
+                    # eager rows keep their keys, compiled rows with the defaults theirs
+                    **(compile_identity(compile_backend, compile_dynamic) if compile else {}),
                     **({"engine": columns} if engine is not None else {}),  # hf: old keys
                 }
                 key = stable_key(identity)
                 row, measured = _stored_row(store, stored, key), False
+                if row is None and budget is not None and budget.skip():
+                    continue
                 if row is None:
                     why, warm_gens = None, []
                     if spec not in warm:
@@ -168,14 +180,14 @@ def decode_batch_sweep(
                                     _release()
                                     released = True
                                 warm_gens = _warm_up(decoder, pair, rows, max_new_tokens, seed,
-                                                     compile)
+                                                     compiling)
                         except torch.OutOfMemoryError as error:
                             why = _out_of_memory(b, error)
                     if why is None:
                         warm.add(spec)
                         try:  # the warm-up's compile cost goes to the row measured right after it
                             row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
-                                           key, compile, warm_gens, probe)
+                                           key, compiling, warm_gens, probe)
                         except torch.OutOfMemoryError as error:
                             why = _out_of_memory(b, error)
                     if why is not None:

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.prompts import Prompt, load_prompts
-from mtad_energy.config import DecoderSpec, RunConfig
+from mtad_energy.config import DecoderSpec, RunConfig, compile_identity
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import (
     Generation,
@@ -141,7 +142,7 @@ def model_label(config: RunConfig) -> str:
     joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
     ``<model>+batch<B>``; every row stored under ``+batch<B>`` was decoded with B rows."""
     return (config.model.label + (f"+{config.engine}" if config.engine != HF else "")
-            + ("+compile" if config.compile else "")
+            + config.compile_label
             + (f"+batch{config.batch_size}" if config.batch_size > 1 else ""))
 
 
@@ -261,6 +262,7 @@ class Runner:
                                else hf_columns(config.compile))
         self._decoders: dict[DecoderSpec, Decoder] = dict(zip(config.decoders, built, strict=False))
         self._warm: set[tuple] = set()  # `warm_key`s warmed up
+        self.budget: Budget | None = None  # once spent, `iter_run` starts no new batch
 
     @property
     def model_label(self) -> str:
@@ -293,7 +295,8 @@ class Runner:
             "max_new_tokens": c.max_new_tokens, "seed": c.seed + unit.repeat, "repeat": unit.repeat,
             "meter": self.meter.name, "mitigated": self.mitigate,
             "device": self.device, "dtype": self.dtype, "chat": c.chat,
-            **({"compile": True} if c.compile else {}),  # eager rows keep their old keys
+            # eager rows keep their old keys, and compiled rows with the defaults theirs
+            **(compile_identity(c.compile_backend, c.compile_dynamic) if c.compile else {}),
             **({"batch_size": c.batch_size} if c.batch_size > 1 else {}),
             **({"engine": self.engine_columns} if self.engine is not None else {}),  # hf: old keys
         })
@@ -318,7 +321,7 @@ class Runner:
             return []
         gens = generate_rows(self._decoders[spec], self.pair, list(prompts),
                              c.max_new_tokens if c.compile else min(8, c.max_new_tokens),
-                             seed=c.seed, compute_perplexity=False, compile=c.compile)
+                             seed=c.seed, compute_perplexity=False, compile=c.compile_arg)
         self._warm.add(key)
         return gens
 
@@ -409,7 +412,7 @@ class Runner:
         with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
                       compiled=bool(c.compile)):
             return generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                 compute_perplexity=False, on_phase=on_phase, compile=c.compile)
+                                 compute_perplexity=False, on_phase=on_phase, compile=c.compile_arg)
 
     def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
                    energy: dict[str, Any], mitigation: dict[str, Any], share: float,
@@ -540,6 +543,8 @@ class Runner:
 
     def _run_batch_rows(self, batch: list[WorkUnit], done: set[str], fill: Sequence[WorkUnit] = ()
                         ) -> Iterator[tuple[dict[str, Any] | None, WorkUnit]]:
+        if self.budget is not None and self.budget.skip(len(batch)):
+            return  # not run, not yielded: a re-run measures them
         try:
             rows: list[dict[str, Any] | None] = list(self.run_batch(batch, fill))
         except RowExistsError:  # another worker finished the same row first
@@ -582,8 +587,9 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
                 pair: ModelPair | None = None, meter: EnergyMeter | None = None,
                 prompts: Sequence[Prompt] | None = None, scorer: Scorer | None = None,
                 progress: Progress | None = None, shard_index: int = 0,
-                shard_count: int = 1) -> RunReport:
-    """Run (or resume) a configuration into ``store``; returns every row it asked for.
+                shard_count: int = 1, budget: Budget | None = None) -> RunReport:
+    """Run (or resume) a configuration into ``store``; returns every row it asked for (those
+    stored: once ``budget`` is spent no new batch starts, `bench.budget`).
 
     ``runner`` is an already built `Runner` for ``config`` and ``store`` (the CLI builds it first
     to show the model and meter); otherwise one is built from ``pair``, ``meter`` and ``scorer``."""
@@ -592,6 +598,7 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     check_batch_size(config, prompts)
     units = shard(runner.unique(work_units(config, prompts)), shard_index, shard_count)
     check_prompt_lengths(runner, units)
+    runner.budget = budget
     ran = skipped = 0
     for row, unit in runner.iter_run(units):
         ran, skipped = ran + (row is not None), skipped + (row is None)

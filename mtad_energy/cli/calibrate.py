@@ -61,11 +61,11 @@ def calibrate(
                                             "simulated GPU on simulated time (a rehearsal)")] = "auto",
     preset: Annotated[str, typer.Option(help="sensor preset of --meter simulated "
                                              "(a100-h100, ampere-ada, v100)")] = "a100-h100",
-    model: Annotated[str | None, typer.Option(help="model whose batch-1 forward floor is timed: a "
-                                                   "shape (llama3.1-8b, opt-13b, ...; random "
-                                                   "weights) or an alias, hub id or directory "
-                                                   "[default: llama3.1-8b on a GPU, tiny-llama "
-                                                   "on the CPU]")] = None,
+    model: Annotated[str | None, typer.Option(help="model(s) whose batch-1 forward floor is "
+                                                   "timed, comma separated: a shape (llama3.1-8b, "
+                                                   "opt-13b, ...; random weights) or an alias, hub "
+                                                   "id or directory [default: llama3.1-8b on a "
+                                                   "GPU, tiny-llama on the CPU]")] = None,
     quick: Annotated[bool, typer.Option(help="about a minute: shorter windows, a lighter "
                                              "protocol")] = False,
     compile: Annotated[bool, typer.Option(help="also time the compiled forward")] = False,

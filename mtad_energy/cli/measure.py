@@ -17,13 +17,16 @@ from mtad_energy.cli.options import (
     AllowExec,
     Baseline,
     BatchSize,
+    BudgetS,
     Chat,
     Cluster,
     Columns,
     Compile,
+    CompileBackend,
     Dataset,
     Draft,
     Dtype,
+    DynamicShapes,
     Json,
     MaxNew,
     Meter,
@@ -59,8 +62,9 @@ def profile(
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    engine: EngineOption = "hf", as_json: Json = False,
+    compile: Compile = False, compile_backend: CompileBackend = None,
+    dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -71,13 +75,14 @@ def profile(
         specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_), engine)
         config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
                               seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "profile", require_energy, compile, batch_size)
+                              allow_code_execution, "profile", require_energy, compile, batch_size,
+                              compile_backend, dynamic_shapes)
         check_columns(columns)
         configs = engine_configs(config, engine)
     except ValueError as error:
         fail(error)
     run_config(configs, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
-               baseline)
+               baseline, budget_s)
 
 
 @json_command
@@ -93,8 +98,9 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    engine: EngineOption = "hf", as_json: Json = False,
+    compile: Compile = False, compile_backend: CompileBackend = None,
+    dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
+    engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -108,13 +114,15 @@ def compare(
         specs = decoder_specs(names, parse_sets(set_), engine)
         config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
                               seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "compare", require_energy, compile, batch_size)
+                              allow_code_execution, "compare", require_energy, compile, batch_size,
+                              compile_backend, dynamic_shapes)
         check_columns(columns)
         configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS))
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")
-    summary = run_config(configs, out, as_json, "compare", workers, cluster, columns)
+    summary = run_config(configs, out, as_json, "compare", workers, cluster, columns,
+                         budget_s=budget_s)
     table = main_table(summary)
     md = to_markdown(table)
     if "meter" in summary and summary["meter"].map(is_simulated).any():

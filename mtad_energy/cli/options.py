@@ -61,6 +61,15 @@ def ignored_draft_notes(decoders: Sequence[Any], alias: str | None, target: str 
                " and not loaded")]
 
 
+RANDOM_NOTE = ("random weights at real shapes (random:SHAPE): time and energy per forward are "
+               "real; acceptance, block efficiency and quality are not")
+
+
+def random_weight_notes(target: str | None, draft: str | None = None) -> list[str]:
+    """`RANDOM_NOTE` when the target or the draft is a ``random:SHAPE`` model."""
+    return [RANDOM_NOTE] if any(m and "random:" in m for m in (target, draft)) else []
+
+
 ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
                 "typical", "pld")
 
@@ -167,7 +176,8 @@ def check_columns(columns: str) -> str:
 
 def build_config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts,
                  max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                 allow_code_execution, sweep, require_energy=False, compile=False, batch_size=1):
+                 allow_code_execution, sweep, require_energy=False, compile=False, batch_size=1,
+                 compile_backend=None, dynamic_shapes=False):
     """The `RunConfig` of a measuring command's options (validated by its constructor)."""
     return RunConfig(
         decoders=decoders, model=ModelSpec(pair_alias(model, target), target, draft, device, dtype),
@@ -175,7 +185,7 @@ def build_config(decoders: tuple[DecoderSpec, ...], model, target, draft, datase
         seed=seed, repeats=repeats, chat=chat, ops=ops,
         measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
         allow_code_execution=allow_code_execution, sweep=sweep, compile=compile,
-        batch_size=batch_size)
+        batch_size=batch_size, compile_backend=compile_backend, compile_dynamic=dynamic_shapes)
 
 
 # shared options (typer reads the Annotated metadata)
@@ -241,6 +251,18 @@ Compile = Annotated[bool, typer.Option(
                       "stored under model '<model>+compile'")]
 
 
+CompileBackend = Annotated[str | None, typer.Option(
+    "--compile-backend", metavar="NAME",
+    help="torch.compile backend of --compile (default inductor: CUDA graphs on CUDA; e.g. eager, "
+         "aot_eager, cudagraphs); rows are stored under '<model>+compile-NAME', never pooled")]
+
+
+DynamicShapes = Annotated[bool, typer.Option(
+    "--dynamic-shapes", help="--compile with dynamo's automatic dynamic shapes: one symbolic graph "
+                             "reused across batch sizes and widths (far fewer compiles, kernels of "
+                             "symbolic sizes); rows stored under '<model>+compile[-NAME]-dynamic'")]
+
+
 BatchSize = Annotated[int, typer.Option(
     min=1, help="prompts decoded together per set of forwards (each keeps its own row; the "
                 "batch's energy is split by tokens)")]
@@ -256,6 +278,12 @@ Columns = Annotated[str, typer.Option(
          "--output store's batch rows)")]
 
 
+BudgetS = Annotated[float | None, typer.Option(
+    "--budget-s", min=0, help="start no new measurement after this many seconds (model loading "
+                              "included): every row measured is stored, and re-running the same "
+                              "command goes on from there (for time-limited GPU leases)")]
+
+
 Baseline = Annotated[str, typer.Option(help="also run this decoder beside the others, for "
                                              "speed-ups ('none': run only the listed ones)")]
 
@@ -265,7 +293,7 @@ FORWARD_ONLY_OPTIONS = ("runs", "forwards_per_run", "context_len", "mitigate", "
 
 
 DECODING_ONLY_OPTIONS = ("draft", "dataset", "n_prompts", "max_new_tokens", "repeats", "set_",
-                         "compile")
+                         "compile", "compile_backend", "dynamic_shapes")
 
 
 def given_options(ctx: typer.Context, names: typing.Iterable[str]) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mtad_energy.cli.engines import check_workers
-from mtad_energy.cli.options import ignored_draft_notes
+from mtad_energy.cli.options import ignored_draft_notes, random_weight_notes
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, quiet_libraries
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import short_reason, summary_table, with_attribution
@@ -38,16 +38,21 @@ def _interrupted(out: Path) -> typing.NoReturn:
 # -- running a configuration -------------------------------------------------------------------
 def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
                workers: int = 1, cluster: str = "local", columns: str = "speed",
-               baseline: str = "ar"):
+               baseline: str = "ar", budget_s: float | None = None):
     """Run/resume ``config`` (or one per engine, side by side) into ``out`` with a progress bar
     (or as ``workers`` submitit jobs); print the summary (``columns``: `summary_table`, speed-ups
-    over ``baseline``), return it."""
+    over ``baseline``), return it. ``budget_s``: no new row starts after it (`bench.budget`)."""
+    from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
     from mtad_energy.measure.contention import machine_load
 
+    budget = Budget(budget_s)  # counts from here: loading the models is part of the lease
     configs = config if isinstance(config, list) else [config]
     config = configs[0]
     try:
+        if budget_s is not None and workers > 1:
+            raise ValueError("--budget-s stops one process; with --workers each job runs its share "
+                             "to the end: drop one of them")
         prompts = load_config_prompts(config)
         check_batch_size(config, prompts)  # before loading any model
         check_workers(configs, workers)
@@ -72,14 +77,16 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     quiet_libraries()
     rows, ran, skipped = [], 0, 0
     for config in configs:  # one engine after the other, each loaded once, freed after
-        runner, rep = _run_one(config, out, as_json, prompts)
+        runner, rep = _run_one(config, out, as_json, prompts, budget)
         rows, ran, skipped = rows + rep.rows, ran + rep.ran, skipped + rep.skipped
     compact_after(out)
     runs = pd.DataFrame(rows)
     summary = decoder_summary(runs, summary_baseline(baseline))
     notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
+    notes += [budget.note()] if budget.note() else []
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
+              **({"budget": budget.to_dict()} if budget_s is not None else {}),
               "pair": runner.pair.describe(), "config": config.to_dict(),
               **({"engines": [c.engine for c in configs]} if len(configs) > 1 else {}),
               "summary": integer_records(summary), "notes": notes,
@@ -93,7 +100,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     return summary
 
 
-def _run_one(config: RunConfig, out: Path, as_json: bool, prompts):
+def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
     """Load one configuration's runner (its engine) and run it into ``out`` with a progress bar."""
     from mtad_energy.bench.runner import Runner, quality_scorer, run_profile, work_units
     from mtad_energy.results import ResultStore
@@ -124,7 +131,8 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts):
                     " (stored)" if row is None else f" {row['tokens_per_s']:.1f} tok/s")
                 bar.update(task, advance=1, note=note)
 
-            rep = run_profile(config, store, runner=runner, prompts=prompts, progress=step)
+            rep = run_profile(config, store, runner=runner, prompts=prompts, progress=step,
+                              budget=budget)
     except KeyboardInterrupt:
         _interrupted(out)
     except (ValueError, RuntimeError) as error:
@@ -139,7 +147,7 @@ def config_draft_notes(config: RunConfig) -> list[str]:
     """`ignored_draft_notes` for a configuration's decoders and pair."""
     m = config.model
     return ignored_draft_notes([d.build() for d in config.decoders], m.alias, m.target, m.draft,
-                               m.device)
+                               m.device) + random_weight_notes(m.target, m.draft)
 
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,

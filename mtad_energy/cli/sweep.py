@@ -20,13 +20,16 @@ from mtad_energy.cli.options import (
     MAX_SWEEP_VALUES,
     Baseline,
     BatchSize,
+    BudgetS,
     Chat,
     Cluster,
     Columns,
     Compile,
+    CompileBackend,
     Dataset,
     Draft,
     Dtype,
+    DynamicShapes,
     Json,
     MaxNew,
     Meter,
@@ -49,6 +52,7 @@ from mtad_energy.cli.options import (
     parse_range,
     parse_sets,
     parse_sizes,
+    random_weight_notes,
     split_list,
 )
 from mtad_energy.cli.output import (
@@ -64,7 +68,7 @@ from mtad_energy.cli.output import (
 from mtad_energy.cli.run import progress_bar, run_config
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import SIMULATED_NOTE, energy_text, fmt, short_reason
-from mtad_energy.config import MeasureConfig, ModelSpec
+from mtad_energy.config import MeasureConfig, ModelSpec, compile_arg, compile_label
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
 
@@ -83,7 +87,9 @@ def sweep_param(
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
     require_energy: RequireEnergy = False, compile: Compile = False,
-    batch_size: BatchSize = 1, columns: Columns = "speed", as_json: Json = False,
+    compile_backend: CompileBackend = None, dynamic_shapes: DynamicShapes = False,
+    batch_size: BatchSize = 1, columns: Columns = "speed", budget_s: BudgetS = None,
+    as_json: Json = False,
 ):
     """Ablations: one decoder over a grid of parameter values (e.g. --param gamma=3..10)."""
     import itertools
@@ -105,12 +111,13 @@ def sweep_param(
             specs = list(decoder_specs([baseline], {})) + specs
         config = build_config(tuple(specs), model, target, draft, dataset, n_prompts,
                               max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat,
-                              ops, False, f"param-{decoder}", require_energy, compile, batch_size)
+                              ops, False, f"param-{decoder}", require_energy, compile, batch_size,
+                              compile_backend, dynamic_shapes)
         check_columns(columns)
     except ValueError as error:
         fail(error)
     run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
-               cluster, columns, baseline)
+               cluster, columns, baseline, budget_s)
 
 
 @json_command
@@ -135,7 +142,8 @@ def sweep_batch_size(
     draft: Draft = None, dataset: Dataset = "mtbench",
     n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
     max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
-    set_: Sets = None, compile: Compile = False, engine: EngineOption = "hf",
+    set_: Sets = None, compile: Compile = False, compile_backend: CompileBackend = None,
+    dynamic_shapes: DynamicShapes = False, engine: EngineOption = "hf", budget_s: BudgetS = None,
 ):
     """The paper's batch-size study: energy and time per run and per input.
 
@@ -145,10 +153,12 @@ def sweep_batch_size(
     B prompts at once per decoder and batch size (--set gamma=1,2,3,5 sweeps variants), and the
     batch size from which each decoder stops beating ar."""
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table, design_points
+    from mtad_energy.bench.budget import Budget
     from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
 
+    budget = Budget(budget_s)  # from the command's start: loading is part of the lease
     quiet_libraries()
     unused = given_options(ctx, FORWARD_ONLY_OPTIONS if decoder is not None else
                            (*DECODING_ONLY_OPTIONS, "engine"))
@@ -164,7 +174,7 @@ def sweep_batch_size(
         _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
                             max_new_tokens, repeats, set_, meter, device, dtype, seed,
                             output or Path("results/batch-size-decode"), require_energy, as_json,
-                            compile, engine)
+                            compile, engine, budget, compile_backend, dynamic_shapes)
         return
     out = output or Path("results/batch-size")
     try:
@@ -203,7 +213,7 @@ def sweep_batch_size(
             rows = batch_sweep(pair, size_list, runs, store, m, model=pair.name, context_len=context_len,
                                forwards_per_run=forwards_per_run, seed=seed, mitigation=mitigation,
                                profile=profile_ops, env_id=snap.snapshot_id, progress=step,
-                               contexts=context_list, chunks=chunk_list)
+                               contexts=context_list, chunks=chunk_list, budget=budget)
     except KeyboardInterrupt:
         from mtad_energy.results import load_results
 
@@ -213,9 +223,16 @@ def sweep_batch_size(
     except (ValueError, RuntimeError) as error:  # e.g. --context-len beyond the model, disk full
         fail(error)
     compact_after(out)
+    if not rows:  # the budget was spent before the first point
+        if as_json:
+            emit({"output": str(out), "meter": m.name, "rows": [], "budget": budget.to_dict()})
+        else:
+            console.print(f"[yellow]note:[/] {esc(budget.note())}")
+        return
     table = batch_table(rows)
     if as_json:
-        emit({"output": str(out), "meter": m.name, "rows": integer_records(table)})
+        emit({"output": str(out), "meter": m.name, "rows": integer_records(table),
+              **({"budget": budget.to_dict()} if budget_s is not None else {})})
         return
     t = wrapping_table([str(c) for c in table.columns],
                        [[str(int(v)) if c == table.columns[0] else
@@ -234,12 +251,15 @@ def sweep_batch_size(
     if extra:
         console.print(f"[dim]+ {extra} context-length / prefill-chunk point(s) for the fit: "
                       f"mtad-energy decompose {esc(out)}[/]")
+    if budget.note():
+        console.print(f"[yellow]note:[/] {esc(budget.note())}")
     console.print(f"[dim]results in {esc(out)}[/]")
 
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
                         repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
-                        as_json, compile: bool = False, engine: str = "hf") -> None:
+                        as_json, compile: bool = False, engine: str = "hf", budget=None,
+                        compile_backend: str | None = None, dynamic_shapes: bool = False) -> None:
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
@@ -263,6 +283,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
             names = ["ar", *names]  # the baseline of every speed-up
         specs = expand_variants(decoder_specs(names, parse_sets(sets), engine))  # --set gamma=1,2,3,5
         size_list = parse_sizes(sizes)
+        compile_arg(compile, compile_backend, dynamic_shapes)  # refused without --compile
         if meter == "auto":
             choice = select_meter()
             m, why = choice.meter, choice.reason
@@ -309,7 +330,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
             rep = each_engine(engines, model_spec, lambda e: decode_batch_sweep(
                 pair, specs, size_list, prompts, store, m, model=pair.name, dataset=dataset,
                 max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
-                env_id=snap.snapshot_id, progress=step, compile=compile, on_skip=skip, engine=e))
+                env_id=snap.snapshot_id, progress=step, compile=compile, on_skip=skip, engine=e,
+                budget=budget, compile_backend=compile_backend, compile_dynamic=dynamic_shapes))
     except KeyboardInterrupt:
         fail(f"interrupted: {done['ran']} row(s) measured and stored in {out} ({done['skipped']} "
              f"were stored before), {total - done['ran'] - done['skipped']} left; re-run the same "
@@ -321,17 +343,21 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     compact_after(out)
     table = batch_crossover(rep.rows)
     notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
-                                draft, device) + crossover_notes(table)
+                                draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
+    notes += [budget.note()] if budget is not None and budget.note() else []
     out_dir = out.resolve()  # `--output .` has no name of its own
     # beside the store (it holds only tables), named by setting: an eager sweep into the same
     # store does not overwrite the compiled sweep's plot
-    png = out_dir.parent / f"{out_dir.name}-crossover{'-compile' if compile else ''}.png"
+    setting = compile_label(compile_backend, dynamic_shapes)[1:] if compile else ""
+    png = out_dir.parent / f"{out_dir.name}-crossover{'-' + setting if setting else ''}.png"
     plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "
                                 f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "
                                 f"{pair.describe()['device']})").savefig(png, dpi=150)
     if as_json:
         emit({"output": str(out), "meter": m.name, "plot": str(png), "ran": rep.ran,
               "skipped": rep.skipped, "not_run": not_run, "notes": notes, "machine_load": load,
+              **({"budget": budget.to_dict()} if budget is not None and budget.seconds is not None
+                 else {}),
               "rows": integer_records(table)})
         return
     shown = crossover_display(table)

@@ -28,6 +28,7 @@ from mtad_energy.models.pair import (
     load_model,
     load_pair,
     load_tokenizer,
+    random_pair,
     resolve_device,
     resolve_pair_spec,
     self_draft,
@@ -38,5 +39,5 @@ from mtad_energy.models.pair import (
 __all__ = ["ALIASES", "SMOLLM2_GGUF", "SMOLLM2_GPU_DRAFT", "SMOLLM2_ID", "ModelNotAvailableError",
            "ModelPair", "PairSpec", "TokenizerMismatchError", "cache_dir", "check_device",
            "check_tokenizers", "default_dtype", "int8_draft", "layer_subset", "load_model", "load_pair",
-           "load_tokenizer", "resolve_device", "resolve_pair_spec", "self_draft", "smollm2_dir",
-           "smollm2_gguf_path"]
+           "load_tokenizer", "random_pair", "resolve_device", "resolve_pair_spec", "self_draft",
+           "smollm2_dir", "smollm2_gguf_path"]

@@ -409,8 +409,38 @@ def _place(module: nn.Module, target) -> nn.Module:
     return module.to(device=param.device, dtype=param.dtype).eval().requires_grad_(False)
 
 
+# head sources that build random weights at the target's shapes instead of loading a checkpoint
+# (timing at real shapes, as `--target random:SHAPE`): ``eagle:random`` an EAGLE-3 head whose
+# draft vocabulary has 32000 tokens (as yuhuili/EAGLE3-LLaMA3.1-Instruct-8B; the target's if
+# smaller), ``eagle:random-v1`` an EAGLE-1 head, ``medusa:random`` four Medusa-1 heads
+RANDOM_HEADS = {"eagle": ("random", "random-v1"), "medusa": ("random",)}
+EAGLE3_DRAFT_VOCAB = 32000
+
+
+def random_head(kind: str, source: str, target) -> nn.Module:
+    """The random-weight head a ``random`` source names (`RANDOM_HEADS`)."""
+    if source not in RANDOM_HEADS[kind]:
+        raise ValueError(f"{kind}:{source}: random {kind} heads are "
+                         f"{', '.join(f'{kind}:{s}' for s in RANDOM_HEADS[kind])}")
+    if kind == "medusa":
+        return random_medusa(target, 4, seed=3)
+    if source == "random-v1":
+        return random_eagle(target, 1, seed=2)
+    layers = target.config.num_hidden_layers
+    taps = {2, layers // 2, layers - 3}
+    if len(taps) < 3 or min(taps) < 0:
+        raise ValueError(f"eagle:random is an EAGLE-3 head, which reads layers 2, L // 2 and L - 3: "
+                         f"the target has {layers} layers; use eagle:random-v1 (EAGLE-1) for it")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    return random_eagle(target, 3, seed=2, draft_vocab=EAGLE3_DRAFT_VOCAB if vocab > EAGLE3_DRAFT_VOCAB
+                        else None)
+
+
 def load_head(kind: str, source: str, target) -> nn.Module:
-    """A ``kind`` ("eagle" / "medusa") head from a directory or a cached hub id."""
+    """A ``kind`` ("eagle" / "medusa") head from a directory or a cached hub id, or a random
+    one (`RANDOM_HEADS`)."""
+    if source.startswith("random"):
+        return random_head(kind, source, target)
     directory = head_dir(source, kind)
     return load_eagle(directory, target) if kind == "eagle" else load_medusa(directory, target)
 

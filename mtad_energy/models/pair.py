@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mtad_energy.models.shapes import SHAPES, get_shape, random_model, synthetic_tokenizer
 from mtad_energy.paths import cache_dir
 
 SMOLLM2_ID = "smollm2-135m-instruct"
@@ -292,7 +293,12 @@ def _from_pretrained(cls, model_id: str, **kwargs):
 
 
 def load_tokenizer(model_id: str):
+    """The model's tokenizer; a ``random:SHAPE`` model's is a word-level one over its vocabulary
+    (`models.shapes.synthetic_tokenizer`: text becomes unknown tokens, nothing ends a generation)."""
     from transformers import AutoTokenizer
+
+    if is_random(model_id):
+        return synthetic_tokenizer(_random_shape(model_id).vocab)
 
     return _from_pretrained(AutoTokenizer, model_id)
 
@@ -309,14 +315,39 @@ def _fits_one_gpu(model_id: str, dtype: torch.dtype) -> bool:
     return weight_bytes < 0.9 * torch.cuda.get_device_properties(0).total_memory
 
 
+RANDOM = "random:"  # a model spec ``random:SHAPE``: random weights at a shape of `models.shapes`
+
+
+def is_random(model_id: str | None) -> bool:
+    return bool(model_id) and model_id.startswith(RANDOM)
+
+
+def _random_shape(model_id: str):
+    name = model_id.removeprefix(RANDOM)
+    if name not in SHAPES:
+        raise ValueError(f"{model_id!r}: unknown shape {name!r}; write random:SHAPE with one of "
+                         f"{', '.join(SHAPES)}")
+    return get_shape(name)
+
+
+def random_positions(model_id: str) -> int:
+    """Positions a ``random:SHAPE`` model takes: OPT's learned table at its published 2048, Llama
+    (rotary, no table) 16384: the identifying design's longest point (8192 cached tokens, or a
+    4096-token chunk) fits."""
+    return 2048 if _random_shape(model_id).family == "opt" else 16384
+
+
 def load_model(model_id: str, device: str | torch.device = "auto",
-               dtype: str | torch.dtype | None = None):
-    """A causal LM in eval mode on ``device`` (bf16 on GPU, fp32 on CPU unless dtype is given)."""
+               dtype: str | torch.dtype | None = None, seed: int = 0):
+    """A causal LM in eval mode on ``device`` (bf16 on GPU, fp32 on CPU unless dtype is given);
+    ``random:SHAPE`` builds random weights at that shape (``seed``) on the device."""
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
     check_device(dev)
     dt = _dtype(dtype, dev)
+    if is_random(model_id):
+        return random_model(_random_shape(model_id), dev, dt, seed, random_positions(model_id))
     if dev.type == "cuda" and model_id != SMOLLM2_ID and not _fits_one_gpu(model_id, dt):
         model = _from_pretrained(AutoModelForCausalLM, model_id, dtype=dt, device_map="auto")
     else:
@@ -523,6 +554,8 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
     if with_draft and spec.draft:
         if spec.draft.startswith("self"):
             draft_model = self_draft(target_model, spec.draft)
+        elif is_random(spec.draft):  # its vocabulary is checked below; it has no text to compare
+            draft_model = load_model(spec.draft, dev, target_model.dtype, seed=1)
         else:
             check_tokenizers(tokenizer, load_tokenizer(spec.draft), spec.target, spec.draft)
             draft_model = load_model(spec.draft, dev, dtype)
@@ -531,9 +564,38 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
     head_ids = {kind: spec.head(kind) for kind in ("eagle", "medusa")
                 if spec.head(kind) and (kind in named or kind in heads)}
     loaded = {kind: load_head(kind, source, target_model) for kind, source in head_ids.items()}
-    return ModelPair(target_model, draft_model, tokenizer, name=alias or "custom",
+    return ModelPair(target_model, draft_model, tokenizer,
+                     name=alias or (spec.target if is_random(spec.target) else "custom"),
                      target_id=spec.target,
                      draft_id=spec.draft if draft_model is not None else None,
                      load_time_s=time.perf_counter() - t0,
                      draft_note=spec.draft_note if draft_model is not None else "",
                      heads=loaded, head_ids=head_ids)
+
+
+def random_pair(target: str, draft: str | None = None, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, seed: int = 0,
+                max_positions: int = 4096, eagle: int | None = None,
+                eagle_draft_vocab: int | None = None, medusa_heads: int = 0) -> ModelPair:
+    """A `ModelPair` of random-weight models at real shapes (target ``p``, optional draft ``q``)
+    and, optionally, random-weight draft heads at the target's shapes: an EAGLE-``eagle`` head
+    (EAGLE-3 with a draft vocabulary of ``eagle_draft_vocab`` tokens, the full one if None) and
+    ``medusa_heads`` Medusa-1 heads."""
+    from mtad_energy.models.heads import random_eagle, random_medusa
+
+    t, d = get_shape(target), get_shape(draft) if draft else None
+    if d is not None and d.vocab != t.vocab:
+        raise ValueError(f"shapes {target!r} and {draft!r} have different vocabularies "
+                         f"({t.vocab} vs {d.vocab}); a draft must share the target's")
+    p = random_model(t, device, dtype, seed, max_positions)
+    q = random_model(d, device, dtype, seed + 1, max_positions) if d else None
+    heads, ids = {}, {}
+    if eagle:
+        heads["eagle"] = random_eagle(p, eagle, seed + 2, draft_vocab=eagle_draft_vocab)
+        ids["eagle"] = f"random:eagle{eagle}"
+    if medusa_heads:
+        heads["medusa"] = random_medusa(p, medusa_heads, seed + 3)
+        ids["medusa"] = f"random:medusa{medusa_heads}"
+    return ModelPair(p, q, synthetic_tokenizer(t.vocab), name=f"random:{target}",
+                     target_id=f"random:{target}", draft_id=f"random:{draft}" if draft else None,
+                     heads=heads, head_ids=ids)

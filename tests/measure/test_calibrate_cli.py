@@ -96,3 +96,15 @@ def test_bad_options_are_one_json_error():
                                       "exit_code": 2}
     res = runner.invoke(app, ["calibrate", "--meter", "simulated", "--preset", "p100", "--json"])
     assert res.exit_code == 2 and "unknown sensor preset 'p100'" in json.loads(res.stdout)["error"]
+
+
+def test_the_floor_of_each_named_model_one_after_the_other(calibration_records):
+    """--model A,B times each model's floor (the GPU kit: the 8B target and the 1B draft)."""
+    res = runner.invoke(app, ["calibrate", "--quick", "--meter", "simulated", "--model",
+                              "tiny-llama,tiny-llama-draft", "--compile", "--json"])
+    assert res.exit_code == 0, res.output
+    floor = json.loads(res.stdout)["floor"]
+    assert [(r["model"], r["mode"]) for r in floor] == [
+        ("tiny-llama", "eager"), ("tiny-llama", "compiled"), ("tiny-llama-draft", "eager"),
+        ("tiny-llama-draft", "compiled")]
+    assert all(r["error"] is None for r in floor)

@@ -5,7 +5,9 @@ randomly initialised Llama-3.1-8B costs what the real one costs per forward; its
 noise, so acceptance rates, block efficiencies and quality measured on it mean nothing. Combine
 per-iteration costs measured here with block efficiencies measured on real pairs (DESIGN.md 7).
 
-Shapes are written out (no hub access needed); ``tiny-*`` shapes serve CPU smoke runs.
+Shapes are written out (no hub access needed); ``tiny-*`` shapes serve CPU smoke runs. A model
+spec ``random:SHAPE`` (``--target random:llama3.1-8b --draft random:llama3.2-1b``) loads one
+through `models.load_pair`, which also builds `random_pair`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from mtad_energy.models import ModelPair
 
 
 @dataclass(frozen=True)
@@ -115,31 +115,3 @@ def synthetic_tokenizer(vocab: int):
     tk = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
-
-
-def random_pair(target: str, draft: str | None = None, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, seed: int = 0,
-                max_positions: int = 4096, eagle: int | None = None,
-                eagle_draft_vocab: int | None = None, medusa_heads: int = 0) -> ModelPair:
-    """A `ModelPair` of random-weight models at real shapes (target ``p``, optional draft ``q``)
-    and, optionally, random-weight draft heads at the target's shapes: an EAGLE-``eagle`` head
-    (EAGLE-3 with a draft vocabulary of ``eagle_draft_vocab`` tokens, the full one if None) and
-    ``medusa_heads`` Medusa-1 heads."""
-    from mtad_energy.models.heads import random_eagle, random_medusa
-
-    t, d = get_shape(target), get_shape(draft) if draft else None
-    if d is not None and d.vocab != t.vocab:
-        raise ValueError(f"shapes {target!r} and {draft!r} have different vocabularies "
-                         f"({t.vocab} vs {d.vocab}); a draft must share the target's")
-    p = random_model(t, device, dtype, seed, max_positions)
-    q = random_model(d, device, dtype, seed + 1, max_positions) if d else None
-    heads, ids = {}, {}
-    if eagle:
-        heads["eagle"] = random_eagle(p, eagle, seed + 2, draft_vocab=eagle_draft_vocab)
-        ids["eagle"] = f"random:eagle{eagle}"
-    if medusa_heads:
-        heads["medusa"] = random_medusa(p, medusa_heads, seed + 3)
-        ids["medusa"] = f"random:medusa{medusa_heads}"
-    return ModelPair(p, q, synthetic_tokenizer(t.vocab), name=f"random:{target}",
-                     target_id=f"random:{target}", draft_id=f"random:{draft}" if draft else None,
-                     heads=heads, head_ids=ids)
