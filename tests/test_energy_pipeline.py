@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -166,7 +167,12 @@ def test_the_summary_table_shows_joules_per_phase_on_request(tmp_path, model_dir
     assert res.exit_code == 0, res.output
     text = res.output
     assert "J/acc." in text and "rejected" in text and "speed-up" not in text  # a choice, not wider
-    assert "measured / predicted by the energy model: 1.000 to 1.000" in " ".join(text.split())
+    # the fit recovers the simulated device, so measured / predicted is 1 up to the host time
+    # between the meter's window and the loop's phase timers (0.1 % on a loaded machine): a
+    # missing or doubled term would be off by far more
+    low, high = map(float, re.search(r"measured / predicted by the energy model: ([\d.]+) to "
+                                      r"([\d.]+)", " ".join(text.split())).groups())
+    assert 0.99 <= low <= high <= 1.01, (low, high)
     assert max(len(line) for line in text.splitlines()) <= 80
     res = CliRunner().invoke(app, [*run, "--meter", "none", "--output", str(tmp_path / "none"),
                                    "--columns", "energy"])

@@ -194,7 +194,7 @@ def calibration_tables(out: Out) -> None:
 
 
 def batch_tables(out: Out) -> None:
-    from mtad_energy.results.analysis import batch_axis
+    from mtad_energy.results.crossover import batch_axis
 
     axes = {"batch": 0, "context": 1, "chunk": 2}
     stores = [out.store(name, "batch") for name in ("batch-opt", "batch-llama")]
