@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -103,8 +103,8 @@ def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
     from mtad_energy.decoding.registry import DECODERS
 
     def has(decoder: str, name: str) -> bool:
-        return name in typing.get_type_hints(DECODERS[decoder].Params) or any(
-            name in params for params in engine_params(engines, decoder))
+        return name in typing.get_type_hints(DECODERS[decoder].Params) or \
+            name in engine_params(engines, decoder)
 
     unknown = [n for n in names if n not in DECODERS]
     if unknown:
@@ -124,14 +124,14 @@ def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
     return tuple(DecoderSpec.of(n, **params[n]) for n in names)
 
 
-def engine_params(engines: str, decoder: str) -> list[Mapping[str, Any]]:
-    """The parameters each engine of ``engines`` other than hf honours for ``decoder``."""
+def engine_params(engines: str, decoder: str) -> frozenset[str]:
+    """The parameters any engine of ``engines`` other than hf honours for ``decoder``."""
     if engines.strip() in ("", "hf"):
-        return []
+        return frozenset()
     from mtad_energy.engines.registry import ENGINES, HF, parse_engines
 
-    kinds = [ENGINES[e] for e in parse_engines(engines) if e != HF]
-    return [{**k.params.get(decoder, {}), **k.optional.get(decoder, {})} for k in kinds]
+    return frozenset().union(*(ENGINES[e].param_names(decoder) for e in parse_engines(engines)
+                               if e != HF))
 
 
 MAX_SWEEP_VALUES = 1000  # values per --param range, and configurations per sweep grid

@@ -109,8 +109,7 @@ def _check_project_params(params: Mapping[str, Mapping[str, Any]]) -> None:
         own = typing.get_type_hints(DECODERS[decoder].Params)
         extra = [k for k in given if k not in own]
         if extra:
-            others = [e for e, k in ENGINES.items() if e != HF and
-                      set(extra) <= {*k.params.get(decoder, {}), *k.optional.get(decoder, {})}]
+            others = [e for e, k in ENGINES.items() if e != HF and set(extra) <= k.param_names(decoder)]
             raise UnsupportedError(
                 f"engine 'hf' (the project's decoders): {decoder} has no parameter "
                 f"{', '.join(map(repr, extra))}" + (f" (a parameter of {' and '.join(others)}'s "

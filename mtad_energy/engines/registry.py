@@ -56,6 +56,11 @@ class EngineKind:
                 f"{', '.join(self.methods)} (mtad-energy decoders: --engine hf)")
         return self.methods[decoder]
 
+    def param_names(self, decoder: str) -> frozenset[str]:
+        """Every parameter this engine takes for ``decoder`` (defaults, fixed and optional ones)."""
+        return frozenset({*self.params.get(decoder, {}), *self.fixed.get(decoder, {}),
+                          *self.optional.get(decoder, {})})
+
     def decoder_params(self, decoder: str, given: Mapping[str, Any]) -> dict[str, Any]:
         """Every parameter of ``decoder`` on this engine: the defaults, overridden by ``given``
         (CLI strings coerced to the default's type). A parameter the engine lacks, or a value of
