@@ -43,11 +43,10 @@ from mtad_energy.measure import (
     EnergyMeter,
     Measurement,
     MitigationConfig,
-    get_meter,
     measure_mitigated,
+    meter_for,
     peak_memory,
     profile_ops,
-    select_meter,
     snapshot,
     work_tap,
 )
@@ -233,12 +232,7 @@ class Runner:
                  if config.engine == HF else [])
         needs_draft = any(d.needs_draft for d in built)
         if meter is None:
-            if config.measure.meter == "auto":
-                choice = select_meter()
-                meter, meter_reason = choice.meter, choice.reason
-            else:
-                meter = get_meter(config.measure.meter)
-                meter_reason = f"asked for {config.measure.meter}"
+            meter, meter_reason = meter_for(config.measure.meter)
         self.meter, self.meter_reason = meter, meter_reason
         # before loading anything: refuses --require-energy / --mitigate on without energy readings
         self.mitigate = config.measure.mitigation_for(meter)

@@ -35,6 +35,17 @@ def _interrupted(out: Path) -> typing.NoReturn:
          "where it stopped", code=130, label="[yellow]")
 
 
+def warn_if_busy(as_json: bool) -> dict:
+    """A moment's look before a long sweep: is the machine already busy? Warns on the console
+    (``--json`` carries it as ``machine_load``); returns what it saw."""
+    from mtad_energy.measure.contention import machine_load
+
+    load = machine_load()
+    if load["warning"] and not as_json:
+        console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
+    return load
+
+
 # -- running a configuration -------------------------------------------------------------------
 def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
                workers: int = 1, cluster: str = "local", columns: str = "speed",
@@ -44,7 +55,6 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     over ``baseline``), return it. ``budget_s``: no new row starts after it (`bench.budget`)."""
     from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
-    from mtad_energy.measure.contention import machine_load
 
     budget = Budget(budget_s)  # counts from here: loading the models is part of the lease
     configs = config if isinstance(config, list) else [config]
@@ -58,9 +68,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         check_workers(configs, workers)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
-    load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
-    if load["warning"] and not as_json:
-        console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
+    load = warn_if_busy(as_json)
     if len(configs) > 1:
         title = f"{title} · {', '.join(model_label(c) for c in configs)}"
     else:

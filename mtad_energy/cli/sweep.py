@@ -65,7 +65,7 @@ from mtad_energy.cli.output import (
     quiet_libraries,
     wrapping_table,
 )
-from mtad_energy.cli.run import progress_bar, run_config
+from mtad_energy.cli.run import progress_bar, run_config, warn_if_busy
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import SIMULATED_NOTE, energy_text, fmt, short_reason
 from mtad_energy.config import MeasureConfig, ModelSpec, compile_arg, compile_label
@@ -154,7 +154,7 @@ def sweep_batch_size(
     batch size from which each decoder stops beating ar."""
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table, design_points
     from mtad_energy.bench.budget import Budget
-    from mtad_energy.measure import MitigationConfig, get_meter, select_meter, snapshot
+    from mtad_energy.measure import MitigationConfig, meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
 
@@ -182,11 +182,7 @@ def sweep_batch_size(
         context_list = parse_sizes(contexts, "--contexts") if contexts else []
         chunk_list = parse_sizes(chunks, "--chunks") if chunks else []
         mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
-        if meter == "auto":
-            choice = select_meter()
-            m, why = choice.meter, choice.reason
-        else:
-            m, why = get_meter(meter), f"asked for {meter}"
+        m, why = meter_for(meter)
         mitigates = mcfg.mitigation_for(m)  # before loading: --require-energy, --mitigate on
         store = ResultStore(out)
         with console.status("loading the target"):
@@ -264,8 +260,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
     from mtad_energy.decoding.registry import head_kinds
-    from mtad_energy.measure import get_meter, select_meter, snapshot
-    from mtad_energy.measure.contention import machine_load
+    from mtad_energy.measure import meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
     from mtad_energy.results.crossover import (
@@ -284,11 +279,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         specs = expand_variants(decoder_specs(names, parse_sets(sets), engine))  # --set gamma=1,2,3,5
         size_list = parse_sizes(sizes)
         compile_arg(compile, compile_backend, dynamic_shapes)  # refused without --compile
-        if meter == "auto":
-            choice = select_meter()
-            m, why = choice.meter, choice.reason
-        else:
-            m, why = get_meter(meter), f"asked for {meter}"
+        m, why = meter_for(meter)
         MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
         engines = sweep_engines(engine, specs, size_list, compile)  # refusals before loading
         needs_draft = "hf" in engines and any(s.build().needs_draft for s in specs)
@@ -303,9 +294,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         store.write_env(snap.snapshot_id, snap.to_dict())
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
-    load = machine_load()  # a moment's look: is the machine already busy before a long sweep?
-    if load["warning"] and not as_json:
-        console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
+    load = warn_if_busy(as_json)
     total = len(specs) * len(size_list) * repeats * len(engines)
     not_run: list[dict] = []  # sizes skipped for memory, with the reason
     if not as_json:

@@ -61,7 +61,7 @@ from mtad_energy.measure.profiler import (
     profile_ops,
 )
 from mtad_energy.measure.rapl import RaplMeter
-from mtad_energy.measure.select import METER_NAMES, MeterChoice, get_meter, select_meter
+from mtad_energy.measure.select import METER_NAMES, MeterChoice, get_meter, meter_for, select_meter
 from mtad_energy.measure.sensor import (
     PRESETS,
     PowerProfile,
@@ -131,6 +131,7 @@ __all__ = [
     "default_sync",
     "export_trace",
     "get_meter",
+    "meter_for",
     "get_peaks",
     "get_preset",
     "measure_mitigated",

@@ -156,3 +156,11 @@ def get_meter(name: str = "auto", **kwargs: Any) -> EnergyMeter:
     if name == "auto":
         return select_meter(**kwargs).meter
     return _build(name, kwargs)
+
+
+def meter_for(name: str) -> tuple[EnergyMeter, str]:
+    """The meter ``--meter NAME`` gives and why it is that one (``auto``: `select_meter`'s reason)."""
+    if name == "auto":
+        choice = select_meter()
+        return choice.meter, choice.reason
+    return get_meter(name), f"asked for {name}"
