@@ -3,8 +3,10 @@ the batch size from which a drafting decoder stops beating ``ar``.
 
 One ``decode_batch`` row per (decoder, parameters, batch size, repeat): B prompts (the dataset's,
 cycled to fill B) decoded together by `generate_rows`, the decode phase inside one meter window.
-Per row: tokens (all B rows), decode time, tokens/s = tokens / decode time, decode energy and
-J/token (or n/a with the reason), block efficiency (tokens per target forward of a row while it
+Per row: tokens (all B rows), ``decode_tokens`` (those the decode window holds: all of them for
+the project's decoders; an engine's first tokens stream out of the prefill window), decode time,
+tokens/s = decode_tokens / decode time, decode energy and J/token = decode energy / decode_tokens
+(or n/a with the reason), block efficiency (tokens per target forward of a row while it
 decodes; rows done early ride along in the forwards, which tokens/s counts),
 acceptance rate and the rows' mean perplexity under the unwarped target (outside the window),
 and what the energy attribution reads (`results.breakdown`): the batch's draft / target / other
@@ -336,6 +338,9 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
     flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if compiling["compile_in_window_s"] > 0
                                  else set())
     tokens = sum(g.stats.tokens_emitted for g in gens)
+    # the decode window's tokens (a streaming engine's first tokens are the prefill window's)
+    # over its seconds: each row's decode time runs from the window's start to its last token
+    in_window = sum(g.stats.decode_tokens for g in gens)
     decode_s = max(g.stats.decode_time_s for g in gens)
     target_fw = max(g.stats.target_forwards for g in gens)
     depth = sum(g.stats.draft_depth for g in gens)
@@ -343,7 +348,8 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
     energy = m.energy_j
     last = max((g.stats for g in gens), key=lambda s: s.iterations)
     return {
-        "tokens": tokens, "decode_time_s": decode_s, "tokens_per_s": tokens / decode_s,
+        "tokens": tokens, "decode_tokens": in_window, "decode_time_s": decode_s,
+        "tokens_per_s": in_window / decode_s if decode_s > 0 else float("inf"),
         "iterations": max(g.stats.iterations for g in gens), "target_forwards": target_fw,
         "draft_forwards": max(g.stats.draft_forwards for g in gens),
         # per row: its tokens per target forward while it was decoding (a row done early rides
@@ -351,7 +357,8 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         "block_efficiency": tokens / max(1, sum(g.stats.target_forwards for g in gens)),
         "acceptance_rate": (sum(g.stats.draft_accepted for g in gens) / depth) if depth else None,
         "perplexity": sum(ppl) / len(ppl) if ppl else None,
-        "energy_j": energy, "energy_per_token_j": energy / tokens if energy is not None else None,
+        "energy_j": energy,
+        "energy_per_token_j": energy / in_window if energy is not None and in_window else None,
         "energy_reason": m.reason if energy is None else None,
         "energy_flags": json.dumps(sorted(flags)),
         "peak_memory_bytes": peak.bytes, **compiling,

@@ -60,6 +60,10 @@ class StepStats:
 class GenerationStats:
     iterations: int
     tokens_emitted: int
+    # tokens emitted inside the caller's decode window, the basis of tokens/s and decode J/token:
+    # all of them in this loop (the forward that gives the first token is the decode window's);
+    # an engine that streams its first token out of the prefill window counts fewer (`engines`)
+    decode_tokens: int
     draft_proposed: int
     draft_accepted: int
     draft_forwards: int
@@ -488,6 +492,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             prefill_time_s=t_prefill - t0, decode_time_s=decode_s, time_draft_s=draft_s,
             time_target_s=target_s, time_other_s=max(0.0, decode_s - draft_s - target_s),
             tokens_per_s=len(tokens) / decode_s if decode_s > 0 else float("inf"),
+            decode_tokens=len(tokens),
             block_efficiency=len(tokens) / target_fw if target_fw else 0.0,
             acceptance_rate=accepted / depth if depth else None,
             perplexity=ppl, stop_reason=stop[b], draft_depth=depth, compile_s=compile_s,

@@ -43,8 +43,9 @@ def build_generation(token_ids: list[int], text: str, prompt_len: int,
                      ) -> Generation:
     """A `Generation` from an engine's per-iteration counts, aggregated as the generate loop
     aggregates its own: tokens/s = tokens emitted inside the decode window / its seconds
-    (``decode_tokens``: all of them by default, as in the loop; a streamed engine's first token
-    comes out of the prefill window, so it passes len(tokens) - 1), block efficiency = tokens per
+    (``decode_tokens``, kept as ``stats.decode_tokens``: all of them by default, as in the loop; a
+    streamed engine's first token comes out of the prefill window, so it passes len(tokens) - 1),
+    block efficiency = tokens per
     target forward, acceptance = accepted / draft depth. Unknown counts stay None in the totals
     they enter."""
     steps = [StepStats(emitted=i.emitted, proposed=i.proposed, accepted=i.accepted,  # type: ignore[arg-type]
@@ -53,6 +54,7 @@ def build_generation(token_ids: list[int], text: str, prompt_len: int,
                        time_other_s=i.time_other_s, draft_depth=i.draft_depth,  # type: ignore[arg-type]
                        draft_flops=None, draft_bytes=None) for i in iterations]
     n = len(token_ids)
+    in_window = n if decode_tokens is None else decode_tokens
     target_fw = _sum([i.target_forwards for i in iterations])
     accepted, depth = _sum([i.accepted for i in iterations]), _sum([i.draft_depth for i in iterations])
     drafting = sum(1 for i in iterations if i.draft_depth)
@@ -66,8 +68,8 @@ def build_generation(token_ids: list[int], text: str, prompt_len: int,
         time_draft_s=t_draft, time_target_s=t_target,
         time_other_s=(max(0.0, decode_s - t_draft - t_target)
                       if t_draft is not None and t_target is not None else None),
-        tokens_per_s=(n if decode_tokens is None else decode_tokens) / decode_s
-        if decode_s > 0 else float("inf"),
+        tokens_per_s=in_window / decode_s if decode_s > 0 else float("inf"),
+        decode_tokens=in_window,
         block_efficiency=n / target_fw if target_fw else None,
         acceptance_rate=accepted / depth if depth and accepted is not None else None,
         perplexity=None, stop_reason=stop_reason, draft_depth=depth,
@@ -120,9 +122,13 @@ class Engine(abc.ABC):
                  seed: int = 0, on_phase: PhaseHook | None = None) -> list[Generation]:
         """Decode ``prompts`` (token ids; len = the batch size, refused above
         ``kind.max_batch_size``) and return one `Generation` per prompt, calling ``on_phase``
-        with "prefill", "decode" and "end" at the same boundaries as the generate loop (B = 1:
-        decode opens before the forward that gives the first token). Raises `EngineError` when
-        the engine dies; nothing is stored by the engine."""
+        with "prefill", "decode" and "end". Each generation's ``stats.decode_time_s`` is its time
+        inside the decode window (from the window's start to its last token) and
+        ``stats.decode_tokens`` the tokens it emitted there: a streaming engine's decode window
+        opens once every request has its first token, so those first tokens are the prefill
+        window's (the generate loop's decode window holds the forward that gives the first
+        token, and all its tokens). Raises `EngineError` when the engine dies; nothing is stored
+        by the engine."""
 
     def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
                 seed: int = 0) -> None:

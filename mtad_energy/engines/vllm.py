@@ -17,8 +17,10 @@ every request has its first token (B = 1: the streamed request's first token, so
 prompt forward and the first token, decode the other n - 1); "end" when all have finished. At
 B > 1 vLLM's chunked prefill schedules prefill and decode tokens in the same steps: the prefill
 window ends with the last request's first token, so it also holds early requests' first decode
-steps; each row's own prefill_s / decode_s are its first-token and last-token times.
-Tokens/s = (n - 1) / decode_s (the decode window holds n - 1 tokens).
+steps. `BatchClock` keeps each row to the windows: its prefill_s is the call's prefill window,
+its decode_s runs from the decode window's start to its last token, and its ``decode_tokens``
+are the tokens it emitted after the decode window opened (n - 1 at B = 1). Tokens/s =
+decode_tokens / decode_s.
 
 Statistics: vLLM's per-request ``per_step_accepted`` / ``per_step_drafted``
 (``per_request_spec_decode_metrics="detailed"``) give one `Iteration` per verify step; the
@@ -172,6 +174,54 @@ def iterations_of(n_tokens: int, per_step_accepted: Sequence[int], per_step_draf
     return its
 
 
+@dataclasses.dataclass
+class BatchClock:
+    """The host clock of one call through vLLM's step loop. Per request: when its first token
+    came, when it finished, and how many tokens it held when the decode window opened (the step
+    after which every request had its first token). From them, each row's part of the call's two
+    windows (`row`), so that a row's tokens/s and a batch's joules per token count exactly the
+    tokens the decode window holds: at B = 1 all but the first; at B > 1 chunked prefill mixes
+    the phases, and the tokens early requests emitted before the last one's first token are the
+    prefill window's."""
+
+    n: int
+    t0_s: float  # when the prefill window opened (before the requests were added)
+    first_s: list[float | None] = dataclasses.field(default_factory=list)
+    done_s: list[float | None] = dataclasses.field(default_factory=list)
+    held: list[int] = dataclasses.field(default_factory=list)  # tokens per request so far
+    t_decode: float | None = None  # when the decode window opened
+    held_at_decode: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.first_s, self.done_s, self.held = [None] * self.n, [None] * self.n, [0] * self.n
+
+    def saw(self, i: int, tokens: int, finished: bool, now_s: float) -> None:
+        """Request ``i``'s output at ``now_s``: it holds ``tokens`` (vLLM's outputs are
+        cumulative), finished or not."""
+        self.held[i] = tokens
+        if tokens and self.first_s[i] is None:
+            self.first_s[i] = now_s
+        if finished:
+            self.done_s[i] = now_s
+            if self.first_s[i] is None:  # finished without a token (max_tokens reached at 0)
+                self.first_s[i] = now_s
+
+    def all_started(self) -> bool:
+        return all(t is not None for t in self.first_s)
+
+    def open_decode(self, now_s: float) -> None:
+        self.t_decode, self.held_at_decode = now_s, list(self.held)
+
+    def row(self, i: int, tokens: int) -> tuple[float, float, int]:
+        """Request ``i``'s (prefill seconds, decode seconds, tokens in the decode window): the
+        prefill window is the call's; its decode seconds run from the decode window's start to
+        its last token (0 when it finished before the window opened)."""
+        if self.t_decode is None or self.done_s[i] is None:
+            raise ValueError(f"request {i} has no decode window or never finished")
+        return (self.t_decode - self.t0_s, max(0.0, self.done_s[i] - self.t_decode),
+                tokens - self.held_at_decode[i])
+
+
 class VllmEngine(Engine):
     name = "vllm"
 
@@ -250,34 +300,31 @@ class VllmEngine(Engine):
         engine = llm.llm_engine
         before = counters_of(llm.get_metrics())
         n = len(prompts)
-        first: list[float | None] = [None] * n
-        done: list[float | None] = [None] * n
         outs: list[Any] = [None] * n
         ids = [f"mtad-{time.monotonic_ns()}-{i}" for i in range(n)]
         index = {r: i for i, r in enumerate(ids)}
         hook("prefill")
-        t0 = time.perf_counter()
+        clock = BatchClock(n, time.perf_counter())
         try:
             for i, p in enumerate(prompts):
                 internal = engine.add_request(
                     ids[i], {"prompt_token_ids": list(p)},
                     SamplingParams(**sampling_kwargs(params, max_new_tokens, seed + i)))
                 index[internal] = i  # vLLM may suffix the id it was given
-            decoding = False
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     i = index.get(out.request_id)
                     if i is None:
                         continue
-                    now = time.perf_counter()
-                    if first[i] is None and out.outputs and len(out.outputs[0].token_ids):
-                        first[i] = now
+                    held = len(out.outputs[0].token_ids) if out.outputs else 0
+                    clock.saw(i, held, out.finished, time.perf_counter())
                     if out.finished:
-                        done[i], outs[i] = now, out
-                if not decoding and all(f is not None for f in first):
+                        outs[i] = out
+                if clock.t_decode is None and clock.all_started():
+                    clock.open_decode(time.perf_counter())
                     hook("decode")
-                    decoding = True
-            if not decoding:
+            if clock.t_decode is None:
+                clock.open_decode(time.perf_counter())
                 hook("decode")
             hook("end")
         except Exception as error:  # noqa: BLE001
@@ -291,17 +338,13 @@ class VllmEngine(Engine):
             m = getattr(out, "spec_decode_metrics", None)
             accepted = list(getattr(m, "per_step_accepted", []) or [])
             drafted = list(getattr(m, "per_step_drafted", []) or [])
-            t_first = first[i] if first[i] is not None else done[i]
-            prefill_s, decode_s = t_first - t0, done[i] - t_first
+            prefill_s, decode_s, in_window = clock.row(i, len(toks))
             stop = "eos" if out.finish_reason == "stop" else "max_new_tokens"
-            gen = build_generation(toks, out.text or "", len(prompts[i]),
-                                   iterations_of(len(toks), accepted, drafted, per_token), prefill_s,
-                                   decode_s, stop, {"engine": self.name, "speculative_config": sc,
-                                                    "engine_counters": counters,
-                                                    "engine_start_s": round(self.start_s[key], 1)})
-            tps = (len(toks) - 1) / decode_s if decode_s > 0 else float("inf")
-            gens.append(dataclasses.replace(gen, stats=dataclasses.replace(gen.stats,
-                                                                            tokens_per_s=tps)))
+            gens.append(build_generation(
+                toks, out.text or "", len(prompts[i]),
+                iterations_of(len(toks), accepted, drafted, per_token), prefill_s, decode_s, stop,
+                {"engine": self.name, "speculative_config": sc, "engine_counters": counters,
+                 "engine_start_s": round(self.start_s[key], 1)}, decode_tokens=in_window))
         return gens
 
     def close(self) -> None:

@@ -215,12 +215,23 @@ def join_reasons(values: pd.Series) -> str | None:
     return "; ".join(reasons) if reasons else None
 
 
+def decode_window_tokens(frame: pd.DataFrame, total: str = "tokens_emitted") -> pd.Series:
+    """Per stored row, the tokens its decode window holds (``decode_tokens``: an engine's first
+    token streams out of the prefill window); rows stored before the column count all of
+    ``total`` (the project's decoders: the same number)."""
+    all_tokens = pd.to_numeric(frame[total], errors="coerce").astype(float)
+    if "decode_tokens" not in frame:
+        return all_tokens
+    return pd.to_numeric(frame["decode_tokens"], errors="coerce").astype(float).fillna(all_tokens)
+
+
 def _decode_jpt(g: pd.DataFrame) -> float:
-    """Decode-phase energy / tokens over the runs with a decode energy reading."""
+    """Decode-phase energy / the decode window's tokens over the runs with a decode energy
+    reading."""
     if "decode_energy_j" not in g:
         return math.nan
     ok = g["decode_energy_j"].notna()
-    tokens = float(g.loc[ok, "tokens_emitted"].sum())
+    tokens = float(decode_window_tokens(g.loc[ok]).sum())
     return float(g.loc[ok, "decode_energy_j"].sum()) / tokens if tokens > 0 else math.nan
 
 
@@ -271,7 +282,8 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
         "total_decode_time_s": total_decode_s,
         "tokens_per_s": g["tokens_per_s"].mean(),
         "tokens_per_s_std": g["tokens_per_s"].std(ddof=1) if len(g) > 1 else math.nan,
-        "tokens_per_s_pooled": total_tokens / total_decode_s if total_decode_s > 0 else math.nan,
+        "tokens_per_s_pooled": (float(decode_window_tokens(g).sum()) / total_decode_s
+                                if total_decode_s > 0 else math.nan),
         "block_efficiency": g["block_efficiency"].mean(),
         "acceptance_rate": g["acceptance_rate"].mean(),
         "perplexity": g["perplexity"].mean(),

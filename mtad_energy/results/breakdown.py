@@ -31,7 +31,7 @@ from mtad_energy.energy.attribution import (
     numeric,
 )
 from mtad_energy.energy.fit import FORMS, EnergyFit, fit_form
-from mtad_energy.results.analysis import config_labels
+from mtad_energy.results.analysis import config_labels, decode_window_tokens
 from mtad_energy.results.store import load_results
 
 
@@ -103,7 +103,7 @@ def windows_from(runs: pd.DataFrame | None, decode_batch: pd.DataFrame | None = 
             "batch_size": numeric(df, "batch_size").fillna(1.0),
             "meter": df.get("meter"), "decode_energy_j": energy,
             "decode_time_s": numeric(df, "decode_time_s"),
-            "tokens": numeric(df, "tokens_emitted" if table == "runs" else "tokens"),
+            "tokens": decode_window_tokens(df, "tokens_emitted" if table == "runs" else "tokens"),
             "share": numeric(df, "energy_share").fillna(1.0),
             "energy_reason": df.get("energy_reason"),
             **{c: numeric(df, c) for c in WINDOW_COLUMNS}}))

@@ -55,6 +55,7 @@ def test_sweep_decodes_each_size_stores_rows_and_resumes(tmp_path, model_dirs):
     assert (stored.energy_per_token_j > 0).all()
     ar = stored[stored.decoder == "ar"]
     assert (ar.block_efficiency == 1.0).all()
+    assert (stored.decode_tokens == stored.tokens).all()  # the loop's decode window holds all
     assert (tmp_path / "sweep-crossover.png").is_file()
     again = runner.invoke(app, args)
     assert again.exit_code == 0, again.output

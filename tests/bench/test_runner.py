@@ -87,6 +87,7 @@ def test_prefill_and_decode_get_their_own_windows_and_energy_adds_up(tmp_path, l
     assert [w.rsplit("/", 1)[1] for w in meter.windows] == ["prefill", "decode"]
     assert row["energy_j"] == pytest.approx(row["prefill_energy_j"] + row["decode_energy_j"])
     assert row["energy_per_token_j"] == pytest.approx(row["energy_j"] / row["tokens_emitted"])
+    assert row["decode_tokens"] == row["tokens_emitted"]  # the loop's decode window holds all
     # the decode window covers the decode loop, whose time generate() reports
     assert row["decode_energy_j"] / 100.0 == pytest.approx(row["decode_time_s"], rel=0.2, abs=2e-3)
     assert row["meter"] == "fake-watt" and json.loads(row["energy_flags"]) == []

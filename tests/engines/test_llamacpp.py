@@ -80,6 +80,8 @@ def test_ar_greedy_is_llamacpps_own_plain_generation(engine, prompt_ids):
     same_as_ar_up_to_a_near_tie(engine, prompt_ids, own, gen.token_ids)
     s, n = gen.stats, len(gen.token_ids)
     assert s.tokens_emitted == n and s.iterations == n
+    assert s.decode_tokens == n - 1  # the first token streams out of the prefill window
+    assert s.tokens_per_s == pytest.approx((n - 1) / s.decode_time_s)
     assert s.target_forwards == n and s.block_efficiency == 1.0  # one forward per token
     assert s.draft_proposed == 0 and s.acceptance_rate is None
     assert all(st.emitted == 1 and st.target_forwards == 1 for st in gen.steps)
@@ -149,6 +151,7 @@ def test_rows_in_the_store_carry_the_engine(tmp_path, engine, monkeypatch):
     cfg = json.loads(runs["engine_config"].iloc[0])
     assert cfg["n_threads"] == 1 and cfg["use_extra_bufts"] is False
     assert runs["perplexity"].notna().all()  # under the HF target, outside the windows
+    assert (runs["decode_tokens"] == runs["tokens_emitted"] - 1).all()
     steps = store.load("steps")
     assert len(steps) == int(runs["iterations"].sum())
     assert run_profile(config, store).skipped == 2  # the same command resumes

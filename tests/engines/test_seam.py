@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from mtad_energy.config import DecoderSpec, RunConfig
+from mtad_energy.config import DecoderSpec, ModelSpec, RunConfig
 from mtad_energy.engines import (
+    Engine,
     EngineNotInstalledError,
     Iteration,
     UnsupportedError,
@@ -176,3 +177,49 @@ def test_the_cli_refuses_an_engine_parameter_beside_hf(tmp_path):
     assert res.exit_code == 2
     assert "spd has no parameter 'per_batch_size'" in json.loads(res.output)["error"]
     assert not (tmp_path / "out").exists()
+
+
+class _ScriptedEngine(Engine):
+    """An engine whose steps are a script on a simulated clock: each call's prefill window takes
+    1 s and streams every row's first token, its decode window 2 s and the other tokens."""
+
+    name = "vllm"  # an engine kind that batches
+
+    def __init__(self, gpu):
+        super().__init__(ModelSpec())
+        self.gpu = gpu
+
+    def draft_id(self, spec):
+        return None
+
+    def generate(self, spec, prompts, max_new_tokens, seed=0, on_phase=None):
+        hook = on_phase or (lambda _phase: None)
+        hook("prefill")
+        self.gpu.clock.advance(1.0)
+        hook("decode")
+        self.gpu.clock.advance(2.0)
+        hook("end")
+        n = max_new_tokens
+        return [build_generation([5] * n, "", len(p), [Iteration(emitted=1)] * n, 1.0, 2.0,
+                                 "max_new_tokens", {}, decode_tokens=n - 1) for p in prompts]
+
+
+def test_an_engine_rows_tokens_and_joules_per_token_count_only_the_decode_windows_tokens(
+        tmp_path, llama_pair):
+    """B rows whose first tokens stream out of the prefill window: the decoding sweep's tokens/s
+    and decode J/token divide by the tokens the decode window holds (B x (n - 1)), never by all
+    of them."""
+    from mtad_energy.bench.decode_batch import decode_batch_sweep
+    from mtad_energy.measure.simulated import SimClock, SimulatedGPU, SimulatedMeter
+    from mtad_energy.results import ResultStore
+
+    gpu = SimulatedGPU(idle_power_w=100.0, clock=SimClock())
+    engine = _ScriptedEngine(gpu)
+    decode_batch_sweep(llama_pair, [DecoderSpec("ar")], [2], [[5, 9, 4], [7, 3, 11]],
+                       ResultStore(tmp_path), SimulatedMeter(gpu), max_new_tokens=5,
+                       engine=engine)
+    (row,) = ResultStore(tmp_path).load("decode_batch").to_dict("records")
+    assert (row["tokens"], row["decode_tokens"], row["decode_time_s"]) == (10, 8, 2.0)
+    assert row["tokens_per_s"] == pytest.approx(8 / 2.0)
+    assert row["energy_j"] == pytest.approx(100.0 * 2.0, rel=1e-6)  # the decode window's
+    assert row["energy_per_token_j"] == pytest.approx(200.0 / 8, rel=1e-6)

@@ -40,6 +40,33 @@ def test_iterations_add_up_to_the_tokens_kept():
     assert ve.iterations_of(0, [], [], 0) == []
 
 
+def test_the_batch_clock_gives_each_row_the_tokens_and_seconds_of_the_decode_window():
+    """Two requests under chunked prefill: the first streams two tokens before the second has
+    its first; the decode window opens then, so those tokens and both first ones are the prefill
+    window's. A request done before the window opens has no decode tokens or seconds."""
+    clock = ve.BatchClock(3, t0_s=10.0)
+    clock.saw(0, 1, False, 11.0)
+    clock.saw(2, 1, True, 11.0)  # max_tokens = 1: finished in the prefill window
+    assert not clock.all_started()
+    clock.saw(0, 3, False, 12.0)
+    clock.saw(1, 1, False, 12.0)
+    assert clock.all_started()
+    clock.open_decode(12.5)
+    clock.saw(0, 5, True, 13.0)
+    clock.saw(1, 4, False, 13.0)
+    clock.saw(1, 6, True, 14.5)
+    assert clock.row(0, 5) == (2.5, 0.5, 2)
+    assert clock.row(1, 6) == (2.5, 2.0, 5)
+    assert clock.row(2, 1) == (2.5, 0.0, 0)
+    one = ve.BatchClock(1, t0_s=0.0)  # B = 1: the streamed first token opens the window
+    one.saw(0, 1, False, 1.0)
+    one.open_decode(1.0)
+    one.saw(0, 9, True, 3.0)
+    assert one.row(0, 9) == (1.0, 2.0, 8)
+    with pytest.raises(ValueError, match="never finished"):
+        ve.BatchClock(1, t0_s=0.0).row(0, 0)
+
+
 def test_counters_are_diffed_per_call():
     before = {"vllm:spec_decode_num_drafts": 5, "vllm:spec_decode_num_draft_tokens": 15,
               "vllm:spec_decode_num_accepted_tokens": 9, ve.PER_POS: [4, 3]}
@@ -90,6 +117,11 @@ def test_vllm_engine_one_real_load(capfd):
     assert phases == ["prefill", "decode", "end"]
     s = gen.stats
     assert s.tokens_emitted == len(gen.token_ids) == sum(step.emitted for step in gen.steps)
+    # the decode window holds all but the streamed first token, at B = 1 and per row at B = 2
+    assert s.decode_tokens == s.tokens_emitted - 1
+    assert s.tokens_per_s == pytest.approx(s.decode_tokens / s.decode_time_s)
+    assert all(0 <= g.stats.decode_tokens <= g.stats.tokens_emitted - 1 for g in two)
+    assert len({g.stats.prefill_time_s for g in two}) == 1  # the call's one prefill window
     c = gen.config["engine_counters"]
     assert s.draft_proposed == c["draft_tokens"] > 0 and s.draft_accepted == c["accepted_tokens"]
     assert s.block_efficiency > 2.0  # its own greedy drafts: most accepted (bf16 both sides)

@@ -254,3 +254,16 @@ def test_each_ratio_is_taken_on_one_basis():
     assert s.loc["spd", "decode_energy_per_token_j"] == 5.0 and s.loc["spd", "energy_per_token_j"] == 15.0
     assert s.loc["spd", "speedup_total"] == pytest.approx(2.0 / 1.5)
     assert s.loc["spd", "energy_saving_total"] == pytest.approx(0.25)
+
+
+def test_decode_rates_count_the_tokens_the_decode_window_holds():
+    """An engine streams its first token out of the prefill window (``decode_tokens`` = n - 1):
+    the decode J/token and the pooled tokens/s divide by those; rows stored before the column
+    count all their tokens."""
+    row = {"decoder": "ar", "tokens_emitted": 11, "decode_time_s": 2.0, "prefill_time_s": 1.0,
+           "tokens_per_s": 5.0, "decode_energy_j": 100.0, "energy_j": 150.0}
+    engine = analysis.decoder_summary(_runs([{**row, "decode_tokens": 10}])).iloc[0]
+    assert engine["decode_energy_per_token_j"] == 10.0 and engine["tokens_per_s_pooled"] == 5.0
+    old = analysis.decoder_summary(_runs([row])).iloc[0]
+    assert old["decode_energy_per_token_j"] == pytest.approx(100 / 11)
+    assert old["tokens_per_s_pooled"] == pytest.approx(11 / 2.0)

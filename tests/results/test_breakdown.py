@@ -163,3 +163,19 @@ def test_no_batch_rows_is_a_clear_error(tmp_path):
         fit_stores([tmp_path / "empty"])
     res = CliRunner().invoke(app, ["decompose", str(tmp_path / "empty"), "--json"])
     assert res.exit_code == 2 and "no batch-sweep rows" in json.loads(res.stdout)["error"]
+
+
+def test_a_window_counts_the_tokens_its_decode_window_holds():
+    """An engine's first token streams out of the prefill window: a `runs` window's (and a
+    decoding sweep's) tokens are its ``decode_tokens``; rows stored before the column count all."""
+    import pandas as pd
+
+    from mtad_energy.results.breakdown import windows_from
+
+    runs = pd.DataFrame({"run_key": ["a", "b"], "decoder": "ar", "params_json": "{}",
+                         "tokens_emitted": [11, 11], "decode_tokens": [10, None],
+                         "decode_energy_j": [1.0, 1.0], "decode_time_s": [1.0, 1.0]})
+    batch = pd.DataFrame({"row_key": ["c"], "decoder": "ar", "label": "ar", "tokens": [22],
+                          "decode_tokens": [20], "energy_j": [2.0], "decode_time_s": [1.0]})
+    w = windows_from(runs, batch)
+    assert w["tokens"].tolist() == [10.0, 11.0, 20.0]
