@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -261,3 +262,34 @@ def test_compiled_forward_agrees_with_eager_and_weight_bytes():
     assert eager.forward_ms > 0 and compiled.forward_ms > 0 and compiled.compile_s is not None
     with pytest.raises(ValueError, match="mode must be"):
         decode_forward_time(model, "graph")
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_the_compiled_floor_feeds_itself_the_eager_tokens(family):
+    """The compiled floor of an OPT model compiles (OPT derived its positions from a mask as long
+    as the static cache's length, a device tensor: a data-dependent shape fullgraph refused),
+    into one graph with no shape read off device data (on CUDA: a host sync a forward); and on
+    either family its forwards feed themselves the same argmax chain as the eager ones, row by
+    row (weights at init 0.5, so the chain moves and a wrong position changes it)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from tests import tiny
+
+    graphs = []
+
+    def keep(gm, example_inputs):  # backend "eager" that keeps the graphs
+        graphs.append(gm)
+        return gm.forward
+
+    model = getattr(tiny, family)(64, seed=0, init=0.5)
+    kw = {"context_len": 8, "forwards": 6, "repeats": 1, "batch_size": 2}
+    eager = decode_forward_time(model, "eager", **kw)
+    compiled = decode_forward_time(model, "compiled", backend=keep, **kw)
+    assert math.isfinite(compiled.forward_ms) and compiled.forward_ms > 0
+    assert compiled.compile_s is not None and compiled.forwards == 6
+    assert len(graphs) == 1, "one graph for every position: no recompiles"
+    assert not [n.name for n in graphs[0].graph.nodes
+                if free_unbacked_symbols(n.meta.get("example_value"))]
+    assert compiled.tokens == eager.tokens
+    assert [len(row) for row in compiled.tokens] == [6, 6]
+    assert all(len(set(row)) > 2 for row in compiled.tokens)  # a moving chain, not one token

@@ -9,7 +9,9 @@ the device (no host sync inside the timed loop), in two ways:
 * ``eager``: a `DynamicCache` and the plain Hugging Face forward (what the decoders run today);
 * ``compiled``: a transformers `StaticCache` and ``torch.compile`` of the forward; on CUDA with
   ``mode="reduce-overhead"`` (CUDA graphs), the way gpt-fast and serving engines remove launch
-  overhead. The static cache is what lets the graph be captured once and replayed.
+  overhead. The static cache is what lets the graph be captured once and replayed; each forward
+  is told its position and given a padding mask the cache's length (`static_step_kwargs`), so
+  no model derives a shape from the cache's length.
 """
 
 from __future__ import annotations
@@ -108,6 +110,28 @@ def _cuda_kernels(block: Callable[[], Any]) -> list[tuple[str, float]]:
             if e.device_type == DeviceType.CUDA]
 
 
+def static_step_kwargs(rows: int, start: int, end: int, device: torch.device
+                       ) -> list[dict[str, torch.Tensor]]:
+    """The keyword arguments of the one-token forwards at positions ``start .. end - 1`` on a
+    `StaticCache` of ``end`` slots, one dict a forward, all made before any is timed (no
+    host-to-device copy inside the loop): ``cache_position`` ``[1]`` (where to write, for the
+    transformers versions that read it), ``position_ids [rows, 1]`` and one 2-D
+    ``attention_mask [rows, end]`` of ones (bool) shared by all.
+
+    The rule: a compiled forward is told its positions and its mask's length, never left to
+    derive them from the cache's length, which a `StaticCache` keeps as a 0-d device tensor
+    (transformers 5.24; it ignores ``cache_position``). Llama derives ``arange + length``, fixed
+    shapes; OPT, given neither mask nor positions, builds a ones mask of ``length + 1`` columns
+    to count positions from: a shape read off device data, which ``fullgraph`` compilation
+    refuses ("Could not guard on data-dependent expression") and which would cost a host sync
+    and an allocation every forward. The ones do not unmask unwritten slots: the causal mask,
+    from the cache's own write position, hides them."""
+    mask = torch.ones(rows, end, dtype=torch.bool, device=device)
+    return [{"cache_position": torch.tensor([p], device=device),
+             "position_ids": torch.full((rows, 1), p, dtype=torch.long, device=device),
+             "attention_mask": mask} for p in range(start, end)]
+
+
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     """Seconds of ``fn()`` on ``device``: CUDA events on a GPU, perf_counter on the CPU."""
     if device.type == "cuda":
@@ -152,6 +176,9 @@ class ForwardTiming:
     compile_s: float | None  # warm-up incl. compilation / graph capture (compiled only)
     detail: str = ""
     kernels: KernelProfile | None = None  # CUDA only (`profile_kernels`)
+    # the argmax chain of the first warm-up block, a row a batch row: the tokens the forwards fed
+    # themselves from the same cached context in either mode, so eager and compiled must agree
+    tokens: tuple[tuple[int, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,13 +186,15 @@ class ForwardTiming:
 
 @torch.no_grad()
 def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forwards: int = 32,
-                        repeats: int = 5, batch_size: int = 1, backend: str = "inductor",
+                        repeats: int = 5, batch_size: int = 1,
+                        backend: str | Callable = "inductor",
                         compile_mode: str | None = None, seed: int = 0,
                         profile_kernels: bool = False) -> ForwardTiming:
     """Median time of one decode forward (``batch_size`` rows, one new token each) over a cache
     of ``context_len`` tokens, from ``repeats`` timed blocks of ``forwards`` consecutive forwards.
 
-    ``compile_mode`` defaults to ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``None`` on CPU.
+    ``backend``: torch.compile's, a name or a callable. ``compile_mode`` defaults to
+    ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``None`` on CPU.
     ``profile_kernels`` (CUDA): one more block under torch's profiler, after the timed ones, into
     `ForwardTiming.kernels`.
     """
@@ -197,32 +226,37 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
     first = logits[:, -1:].argmax(-1)
     # compiled: the static cache only ever moves forward here. Rewinding cache_position to an
     # earlier position made the compiled forward write past the cache's end (transformers 5.23,
-    # torch 2.13): a compiled decoder path must own its write position (issue 11). One small
-    # position tensor per step, made before timing: no host-to-device copy inside the loop.
-    positions = iter([torch.tensor([p], device=device) for p in range(context_len, total)])
+    # torch 2.13): a compiled decoder path must own its write position (issue 11). Each step's
+    # inputs made before timing: no host-to-device copy inside the loop.
+    steps = iter(static_step_kwargs(batch_size, context_len, total, device)
+                 if mode == "compiled" else ())
 
-    def block():
-        """``forwards`` decode steps. Eager: always from the same cached context, so every block
-        reuses the same cache sizes (a cache that grows to new sizes pays the caching
-        allocator's growth, 2-3x the forward on an H100). Compiled: the next ``forwards``
-        positions of the static cache (fixed shapes whatever the position)."""
+    def block(chain: list[torch.Tensor] | None = None):
+        """``forwards`` decode steps (each step's tokens appended to ``chain`` if given).
+        Eager: always from the same cached context, so every block reuses the same cache sizes
+        (a cache that grows to new sizes pays the caching allocator's growth, 2-3x the forward
+        on an H100). Compiled: the next ``forwards`` positions of the static cache (fixed shapes
+        whatever the position)."""
         ids = first
         for _ in range(forwards):
             if mode == "eager":  # what the decoders run: the cache knows its own length
                 out = step(input_ids=ids, **cache_kwargs(cache), use_cache=True)
-            else:  # a static cache is told where to write
-                out = step(input_ids=ids, **cache_kwargs(cache), use_cache=True,
-                           cache_position=next(positions))
+            else:  # a static cache: told its position and mask (`static_step_kwargs`)
+                out = step(input_ids=ids, **cache_kwargs(cache), use_cache=True, **next(steps))
             ids = out.logits[:, -1:].argmax(-1)
+            if chain is not None:
+                chain.append(ids)
         if mode == "eager":
             crop(cache, context_len)  # roll back to the same context for the next block
 
+    chain: list[torch.Tensor] = []
     t0 = time.perf_counter()
-    for _ in range(2):  # warm-up: compilation, graph capture, allocator, clocks
-        block()
+    for i in range(2):  # warm-up: compilation, graph capture, allocator, clocks
+        block(chain if i == 0 else None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     warm_s = time.perf_counter() - t0
+    tokens = tuple(map(tuple, torch.cat(chain, 1).tolist()))
     times = [time_of(block) / forwards for _ in range(repeats)]
     detail = f"backend={backend}, mode={compile_mode}" if mode == "compiled" else ""
     kernels = None
@@ -236,4 +270,4 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
         if why:
             detail += f"{'; ' if detail else ''}{why}"
     return ForwardTiming(mode, statistics.median(times) * 1e3, min(times) * 1e3, forwards * repeats,
-                         warm_s if mode == "compiled" else None, detail, kernels)
+                         warm_s if mode == "compiled" else None, detail, kernels, tokens)
