@@ -153,6 +153,8 @@ class RunConfig:
     compile_backend: str | None = None  # torch.compile's backend under compile (None: inductor)
     compile_dynamic: bool = False  # compile with dynamo's automatic dynamic shapes
     engine: str = "hf"  # what generates (`mtad_energy.engines`): hf = the project's own decoders
+    # the engine's own settings (``--engine-option``; `EngineKind.settings`), sorted (key, value)
+    engine_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.decoders:
@@ -175,11 +177,17 @@ class RunConfig:
             kind.check_batch_size(self.batch_size)
             for d in self.decoders:
                 kind.decoder_params(d.name, d.param_dict)
+            kind.options(dict(self.engine_options))
             if self.ops:
                 from mtad_energy.engines.registry import UnsupportedError
 
                 raise UnsupportedError(f"--ops profiles the project's own forwards; engine "
                                        f"{self.engine!r} runs its own: drop --ops for it")
+        elif self.engine_options:
+            from mtad_energy.engines.registry import UnsupportedError
+
+            raise UnsupportedError("--engine-option sets an engine's own settings; hf (the "
+                                   "project's own decoders) has none: drop it or add --engine")
         elif self.batch_size > 1:
             from mtad_energy.decoding.registry import DECODERS, check_batched
 
@@ -210,6 +218,7 @@ class RunConfig:
         data["model"] = ModelSpec(**data["model"])
         data["measure"] = MeasureConfig(**data["measure"])
         data["datasets"] = tuple(data["datasets"])
+        data["engine_options"] = tuple(tuple(kv) for kv in data.get("engine_options", ()))
         return cls(**data)
 
     @classmethod

@@ -242,7 +242,7 @@ class Runner:
                                       heads=head_kinds(built))
         # the engine loads once per configuration, outside every window; the HF pair above
         # gives every engine the same prompt ids and scores perplexity outside the windows
-        self.engine = load_engine(config.engine, m)
+        self.engine = load_engine(config.engine, m, dict(config.engine_options))
         # a calibrated device: its record in the snapshot, windows below its minimum flagged
         self.meter, snap = calibrated(self.meter, snapshot())
         self.env_id = snap.snapshot_id

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,8 @@ class SweepSetting:
     meter: str
     seed: int  # the sweep's base seed (a row's seed is seed + repeat)
     next_repeat: int  # the first repeat number the store does not hold
+    # vLLM's own settings the sweep ran under (`--engine-option`), from its rows' engine_config
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def spec_of_label(label: str) -> DecoderSpec:
@@ -86,6 +88,11 @@ def sweep_setting(rows: pd.DataFrame, plan: Schedule, model: str | None = None) 
                          f"{', '.join(engines) or 'hf'}'s): sweep batch-size --engine vllm --decoder "
                          f"ar,{plan.decoder} --set gamma=1,2,3, then schedule that store")
     next_repeat = int(df["repeat"].max()) + 1  # after every stored repeat, a schedule's too
+    settings = {json.dumps(sweep_engine_options(c), sort_keys=True)
+                for c in df["engine_config"].dropna()} if "engine_config" in df else set()
+    if len(settings) > 1:
+        raise ValueError("the sweep's rows ran under several vLLM settings (--engine-option): "
+                         + " vs ".join(sorted(settings)) + "; validate a store of one setting")
     df = df[~df["params_json"].map(runs_a_schedule)]
     base = sorted(set(df.loc[df["decoder"] == BASELINE, "label"]))
     chain = df[df["decoder"] == plan.decoder]
@@ -103,7 +110,22 @@ def sweep_setting(rows: pd.DataFrame, plan: Schedule, model: str | None = None) 
         max_new_tokens=int(one["max_new_tokens"]), sizes=sizes,
         prompt_keys={b: keys[b] for b in sizes}, baseline=spec_of_label(base[0]),
         fixed=tuple(sorted(variants, key=_k_of)), meter=str(one["meter"]),
-        seed=int(one["seed"]) - int(one["repeat"]), next_repeat=next_repeat)
+        seed=int(one["seed"]) - int(one["repeat"]), next_repeat=next_repeat,
+        engine_options=json.loads(settings.pop()) if settings else {})
+
+
+def sweep_engine_options(engine_config: str) -> dict[str, Any]:
+    """The vLLM settings (`EngineKind.settings`) a row's ``engine_config`` JSON records, so the
+    validation starts vLLM as the sweep did (compiled or eager, its memory share, ...); the CPU's
+    KV cache space is read from the environment it recorded."""
+    from mtad_energy.engines.registry import engine_kind
+
+    config = json.loads(engine_config)
+    out = {k: v for k, v in config.items() if k in engine_kind(ENGINE).settings}
+    space = (config.get("env") or {}).get("VLLM_CPU_KVCACHE_SPACE")
+    if space is not None:
+        out["kv_cache_space_gib"] = int(space)
+    return out
 
 
 def schedule_spec(setting: SweepSetting, plan: Schedule) -> DecoderSpec:
@@ -172,7 +194,7 @@ def run_validation(results: Path, rows: pd.DataFrame, plan: Schedule, model: str
     snap = snapshot()
     store.write_env(snap.snapshot_id, snap.to_dict())
     meter = get_meter(setting.meter)
-    engine = load_engine(ENGINE, ModelSpec(alias, target))
+    engine = load_engine(ENGINE, ModelSpec(alias, target), setting.engine_options)
     try:
         report = decode_batch_sweep(
             pair, specs, list(setting.sizes), prompts, store, meter, model=pair.name,

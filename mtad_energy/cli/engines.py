@@ -19,8 +19,45 @@ EngineOption = Annotated[str, typer.Option(
                      "llamacpp, vllm; a comma list runs them side by side into one store (rows "
                      "never pooled: model '<model>+<engine>')")]
 
+EngineOptions = Annotated[list[str] | None, typer.Option(
+    "--engine-option", metavar="KEY=VALUE",
+    help="an engine's own setting, KEY=VALUE (repeat it, or a comma list): vllm: dtype, "
+         "enforce_eager, max_model_len, max_num_seqs, gpu_memory_utilization, "
+         "kv_cache_space_gib; llamacpp: n_threads, n_threads_batch, n_ctx, n_batch, draft_path. "
+         "It goes to each engine of --engine that has it, and into its rows' engine "
+         "configuration")]
 
-def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False) -> list[RunConfig]:
+
+def engine_options(items: list[str] | None, engines: str) -> dict[str, dict[str, str]]:
+    """``--engine-option`` per engine of ``engines``: each KEY=VALUE goes to every engine that has
+    the setting; one no engine has, a malformed item or a value of the wrong type is refused
+    before anything loads (`EngineKind.options`)."""
+    from mtad_energy.engines import HF, UnsupportedError, engine_kind, parse_engines
+
+    pairs = [item.strip() for text in items or [] for item in text.split(",") if item.strip()]
+    names = [n for n in parse_engines(engines) if n != HF]
+    out: dict[str, dict[str, str]] = {n: {} for n in names}
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not value.strip():
+            raise UnsupportedError(f"--engine-option expects KEY=VALUE, got {item!r} (e.g. "
+                                   "enforce_eager=false)")
+        takers = [n for n in names if key in engine_kind(n).settings]
+        if not takers:
+            has = "; ".join(f"{n}: {', '.join(engine_kind(n).settings)}" for n in names)
+            raise UnsupportedError(
+                f"no engine of --engine {engines} has an option {key!r}"
+                + (f" ({has})" if has else " (hf, the project's own decoders, takes none)"))
+        for n in takers:
+            out[n][key] = value.strip()
+    for n, given in out.items():
+        engine_kind(n).options(given)  # types checked now, not after a model loads
+    return out
+
+
+def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False,
+                   options: dict[str, dict[str, str]] | None = None) -> list[RunConfig]:
     """One configuration per engine of ``engines`` (``--engine``), each checked: a decoder,
     parameter, batch size, ``--compile`` or ``--ops`` an engine cannot honour is refused by name,
     and an engine not installed names its extra. ``all_decoders`` (compare's default list): each
@@ -35,7 +72,9 @@ def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False) 
             decoders = tuple(d for d in decoders if d.name in kind.methods)
         check_engine_options(name, [d.name for d in decoders], config.batch_size, config.compile,
                              {d.name: d.param_dict for d in decoders})
-        out.append(dataclasses.replace(config, decoders=decoders, engine=name))
+        given = tuple(sorted((options or {}).get(name, {}).items()))
+        out.append(dataclasses.replace(config, decoders=decoders, engine=name,
+                                       engine_options=given))
     return out
 
 
@@ -57,15 +96,16 @@ def sweep_engines(engines: str, specs, sizes: list[int], compile: bool) -> list[
     return names
 
 
-def each_engine(names: list[str], model, run):
-    """``run(engine)`` for each engine in turn (None for hf), loaded once and closed after; the
-    reports' rows joined (``rows``, ``ran``, ``skipped``)."""
+def each_engine(names: list[str], model, run, options: dict[str, dict[str, str]] | None = None):
+    """``run(engine)`` for each engine in turn (None for hf), loaded once (with its
+    ``--engine-option`` settings) and closed after; the reports' rows joined (``rows``, ``ran``,
+    ``skipped``)."""
     from mtad_energy.bench.decode_batch import DecodeBatchReport
     from mtad_energy.engines import load_engine
 
     total = DecodeBatchReport([], 0, 0)
     for name in names:
-        engine = load_engine(name, model)
+        engine = load_engine(name, model, (options or {}).get(name))
         try:
             rep = run(engine)
         finally:

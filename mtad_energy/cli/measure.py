@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from mtad_energy.cli.engines import EngineOption, engine_configs
+from mtad_energy.cli.engines import EngineOption, EngineOptions, engine_configs, engine_options
 from mtad_energy.cli.options import (
     ALL_DECODERS,
     AllowExec,
@@ -64,7 +64,8 @@ def profile(
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, compile_backend: CompileBackend = None,
     dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
+    engine: EngineOption = "hf", engine_option: EngineOptions = None, budget_s: BudgetS = None,
+    as_json: Json = False,
 ):
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
@@ -78,7 +79,7 @@ def profile(
                               allow_code_execution, "profile", require_energy, compile, batch_size,
                               compile_backend, dynamic_shapes)
         check_columns(columns)
-        configs = engine_configs(config, engine)
+        configs = engine_configs(config, engine, options=engine_options(engine_option, engine))
     except ValueError as error:
         fail(error)
     run_config(configs, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
@@ -100,7 +101,8 @@ def compare(
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, compile_backend: CompileBackend = None,
     dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    engine: EngineOption = "hf", budget_s: BudgetS = None, as_json: Json = False,
+    engine: EngineOption = "hf", engine_option: EngineOptions = None, budget_s: BudgetS = None,
+    as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
@@ -117,7 +119,8 @@ def compare(
                               allow_code_execution, "compare", require_energy, compile, batch_size,
                               compile_backend, dynamic_shapes)
         check_columns(columns)
-        configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS))
+        configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS),
+                                 options=engine_options(engine_option, engine))
     except ValueError as error:
         fail(error)
     out = output or Path("results/compare")

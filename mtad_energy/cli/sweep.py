@@ -13,7 +13,13 @@ from typing import Annotated
 
 import typer
 
-from mtad_energy.cli.engines import EngineOption, each_engine, sweep_engines
+from mtad_energy.cli.engines import (
+    EngineOption,
+    EngineOptions,
+    each_engine,
+    engine_options,
+    sweep_engines,
+)
 from mtad_energy.cli.options import (
     DECODING_ONLY_OPTIONS,
     FORWARD_ONLY_OPTIONS,
@@ -143,7 +149,8 @@ def sweep_batch_size(
     n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
     max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
     set_: Sets = None, compile: Compile = False, compile_backend: CompileBackend = None,
-    dynamic_shapes: DynamicShapes = False, engine: EngineOption = "hf", budget_s: BudgetS = None,
+    dynamic_shapes: DynamicShapes = False, engine: EngineOption = "hf",
+    engine_option: EngineOptions = None, budget_s: BudgetS = None,
 ):
     """The paper's batch-size study: energy and time per run and per input.
 
@@ -161,7 +168,7 @@ def sweep_batch_size(
     budget = Budget(budget_s)  # from the command's start: loading is part of the lease
     quiet_libraries()
     unused = given_options(ctx, FORWARD_ONLY_OPTIONS if decoder is not None else
-                           (*DECODING_ONLY_OPTIONS, "engine"))
+                           (*DECODING_ONLY_OPTIONS, "engine", "engine_option"))
     if unused:
         why = ("the decoding sweep (--decoder) decodes prompts: it has no fixed forward runs, "
                "context length or Yang et al. repetitions" if decoder is not None else
@@ -174,7 +181,8 @@ def sweep_batch_size(
         _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
                             max_new_tokens, repeats, set_, meter, device, dtype, seed,
                             output or Path("results/batch-size-decode"), require_energy, as_json,
-                            compile, engine, budget, compile_backend, dynamic_shapes)
+                            compile, engine, budget, compile_backend, dynamic_shapes,
+                            engine_option)
         return
     out = output or Path("results/batch-size")
     try:
@@ -255,7 +263,8 @@ def sweep_batch_size(
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
                         repeats, sets, meter, device, dtype, seed, out: Path, require_energy,
                         as_json, compile: bool = False, engine: str = "hf", budget=None,
-                        compile_backend: str | None = None, dynamic_shapes: bool = False) -> None:
+                        compile_backend: str | None = None, dynamic_shapes: bool = False,
+                        engine_option: list[str] | None = None) -> None:
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.decoding.generate import encode_prompt
@@ -282,6 +291,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         m, why = meter_for(meter)
         MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
         engines = sweep_engines(engine, specs, size_list, compile)  # refusals before loading
+        settings = engine_options(engine_option, engine)
         needs_draft = "hf" in engines and any(s.build().needs_draft for s in specs)
         with console.status("loading the models"):
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
@@ -320,7 +330,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
                 pair, specs, size_list, prompts, store, m, model=pair.name, dataset=dataset,
                 max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
                 env_id=snap.snapshot_id, progress=step, compile=compile, on_skip=skip, engine=e,
-                budget=budget, compile_backend=compile_backend, compile_dynamic=dynamic_shapes))
+                budget=budget, compile_backend=compile_backend, compile_dynamic=dynamic_shapes),
+                settings)
     except KeyboardInterrupt:
         fail(f"interrupted: {done['ran']} row(s) measured and stored in {out} ({done['skipped']} "
              f"were stored before), {total - done['ran'] - done['skipped']} left; re-run the same "

@@ -91,7 +91,8 @@ class Engine(abc.ABC):
 
     def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
         self.kind: EngineKind = engine_kind(self.name)
-        self.model, self.options = model, dict(options or {})
+        # every setting (`EngineKind.settings`): the defaults, with ``options`` checked over them
+        self.model, self.options = model, self.kind.options(options or {})
         self.config: dict[str, Any] = {}
 
     # -- identity -------------------------------------------------------------------------

@@ -27,6 +27,28 @@ class EngineError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class EngineSetting:
+    """One of an engine's own settings (``--engine-option KEY=VALUE``): how the engine is started,
+    not a decoder parameter. ``default`` None: the engine's own default, not passed on, and the
+    setting stays out of the engine's configuration (so rows stored before it keep their keys)
+    unless given."""
+
+    type: type
+    default: Any
+    help: str
+
+    def coerce(self, key: str, value: Any, engine: str) -> Any:
+        if not isinstance(value, str):
+            return value
+        if self.type is bool:
+            if value.lower() not in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+                raise UnsupportedError(f"--engine-option {key}={value!r} is not true or false "
+                                       f"(engine {engine!r})")
+            return value.lower() in {"1", "true", "yes", "on"}
+        return _coerce(value, self.type(), key, engine)
+
+
+@dataclass(frozen=True)
 class EngineKind:
     """One engine's capabilities. ``methods`` maps a project decoder name to the engine's own name
     for it (``pld`` -> vLLM ``ngram``); ``params`` per decoder name: every parameter the engine
@@ -47,6 +69,19 @@ class EngineKind:
     optional: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     max_batch_size: int | None = None
     compiles: bool = False  # honours --compile (the project's static-cache compiled path)
+    settings: Mapping[str, EngineSetting] = field(default_factory=dict)  # --engine-option
+
+    def options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Every setting of the engine: its defaults, overridden by ``given`` (CLI strings coerced
+        to the setting's type); a setting the engine lacks is refused with those it has."""
+        out = {k: s.default for k, s in self.settings.items()}
+        for key, value in given.items():
+            if key not in self.settings:
+                has = ", ".join(sorted(self.settings)) or "none"
+                raise UnsupportedError(f"engine {self.name!r} has no option {key!r} (it has: "
+                                       f"{has}); drop --engine-option {key}")
+            out[key] = self.settings[key].coerce(key, value, self.name)
+        return out
 
     def method(self, decoder: str) -> str:
         """The engine's name for ``decoder``; refuses a pairing the engine lacks, by name."""
@@ -116,8 +151,8 @@ def _coerce(value: Any, default: Any, key: str, engine: str) -> Any:
             return value.lower() in {"1", "true", "yes", "on"}
         return type(default)(value)
     except ValueError:
-        raise UnsupportedError(f"{key}={value!r} is not a {type(default).__name__} "
-                               f"(engine {engine!r})") from None
+        what = {int: "an integer", float: "a number"}.get(type(default), type(default).__name__)
+        raise UnsupportedError(f"{key}={value!r} is not {what} (engine {engine!r})") from None
 
 
 ENGINES: dict[str, EngineKind] = {
@@ -129,7 +164,15 @@ ENGINES: dict[str, EngineKind] = {
         params={"ar": WARP, "pld": {**WARP, "gamma": 10, "max_ngram": 3},
                 "spd": {**WARP, "gamma": 4}},
         fixed={"pld": {"min_ngram": 1}},  # llama.cpp looks n-grams up from max_ngram down to 1
-        max_batch_size=1),
+        max_batch_size=1,
+        settings={
+            "n_threads": EngineSetting(int, None, "decode threads (default: the pinned "
+                                                   "OMP_NUM_THREADS, else the cores)"),
+            "n_threads_batch": EngineSetting(int, None, "prompt threads (default: n_threads)"),
+            "n_ctx": EngineSetting(int, 1024, "context positions"),
+            "n_batch": EngineSetting(int, 512, "prompt tokens per eval"),
+            "draft_path": EngineSetting(str, None, "spd's draft GGUF (default: the model's own)"),
+        }),
     "vllm": EngineKind(
         "vllm", "vllm", "vllm", "mtad_energy.engines.vllm:VllmEngine",
         methods={"ar": "none", "pld": "ngram", "spd": "draft_model", "eagle": "eagle",
@@ -138,7 +181,19 @@ ENGINES: dict[str, EngineKind] = {
                 "spd": {**WARP, "gamma": 4}, "eagle": {**WARP, "gamma": 4},
                 "medusa": {**WARP, "gamma": 4}},
         # vLLM's dynamic speculative decoding (`vllm.per_batch_size_text`): "1-1:3;2-16:1"
-        optional={"pld": {"per_batch_size": ""}, "spd": {"per_batch_size": ""}}),
+        optional={"pld": {"per_batch_size": ""}, "spd": {"per_batch_size": ""}},
+        settings={
+            "dtype": EngineSetting(str, "bfloat16", "weights and activations"),
+            "enforce_eager": EngineSetting(bool, True, "false: vLLM's torch.compile and CUDA "
+                                                       "graphs (started outside every window)"),
+            "max_model_len": EngineSetting(int, 2048, "context positions"),
+            "max_num_seqs": EngineSetting(int, 16, "requests per engine step"),
+            "gpu_memory_utilization": EngineSetting(
+                float, None, "share of the GPU one engine takes (vLLM: 0.92); one engine runs "
+                             "per speculative configuration, so N of them need <= 0.9 / N"),
+            "kv_cache_space_gib": EngineSetting(int, 1, "KV cache on a CPU "
+                                                        "(VLLM_CPU_KVCACHE_SPACE)"),
+        }),
 }
 
 

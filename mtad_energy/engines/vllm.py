@@ -51,9 +51,6 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 ENV_KEYS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
             "LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_TARGET_DEVICE")
-DEFAULTS = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 2048, "max_num_seqs": 16,
-            "kv_cache_space_gib": 1}
-
 
 def engine_env() -> dict[str, str | None]:
     """The environment vLLM reads for threads, KV cache space and preloads (recorded per row)."""
@@ -174,6 +171,21 @@ def iterations_of(n_tokens: int, per_step_accepted: Sequence[int], per_step_draf
     return its
 
 
+def start_failure_hint(device: str, live: int, memory: Mapping[str, Any]) -> str:
+    """What to do when a vLLM engine fails to start while ``live`` others run in this process
+    (one per speculative configuration): on a GPU each asks for vLLM's default share of the
+    memory (0.92, per instance), so a second cannot fit unless the share is split."""
+    if device != "cuda" or not live:
+        return ""
+    share = 0.9 / (live + 1)
+    have = (f"each takes gpu_memory_utilization={memory['gpu_memory_utilization']}" if memory
+            else "each asks for vLLM's default share of the GPU, 0.92")
+    return (f"; {live} vLLM engine(s) of this run already hold GPU memory (one per speculative "
+            f"configuration; {have}): split it with --engine-option "
+            f"gpu_memory_utilization={share:.2f}, or run one configuration per command "
+            "(same --output)")
+
+
 @dataclasses.dataclass
 class BatchClock:
     """The host clock of one call through vLLM's step loop. Per request: when its first token
@@ -240,18 +252,25 @@ class VllmEngine(Engine):
         # a self-draft (self:int8, layers) is the project's own: vLLM drafts with the target itself
         self.draft_dir = (None if not spec.draft or spec.draft.startswith("self")
                           else self._local(spec.draft))
-        opts = {**DEFAULTS, **self.options}
+        opts = self.options  # `registry.ENGINES["vllm"].settings`, checked
         self.dtype = str(opts["dtype"])
         self.device = "cuda" if _on_cuda() else "cpu"
         if self.device == "cpu":
+            space, given = os.environ.get("VLLM_CPU_KVCACHE_SPACE"), (options or {}).get(
+                "kv_cache_space_gib")
+            if space is not None and given is not None and space != str(opts["kv_cache_space_gib"]):
+                raise UnsupportedError(
+                    f"--engine-option kv_cache_space_gib={given} disagrees with "
+                    f"VLLM_CPU_KVCACHE_SPACE={space} in the environment: give one of them")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts["kv_cache_space_gib"]))
-        self._opts = opts
         self._llms: dict[str, Any] = {}
         self.config = {"model_dir": self.target_dir, "draft_dir": self.draft_dir, "dtype": self.dtype,
                        "enforce_eager": bool(opts["enforce_eager"]),
                        "max_model_len": int(opts["max_model_len"]),
                        "max_num_seqs": int(opts["max_num_seqs"]), "env": engine_env(),
                        **thread_settings()}
+        if opts["gpu_memory_utilization"] is not None:  # else vLLM's default, keys kept
+            self.config["gpu_memory_utilization"] = float(opts["gpu_memory_utilization"])
         self.start_s: dict[str, float] = {}
 
     @staticmethod
@@ -275,18 +294,21 @@ class VllmEngine(Engine):
         if key not in self._llms:
             from vllm import LLM
 
-            o = self._opts
+            c = self.config
+            memory = ({"gpu_memory_utilization": c["gpu_memory_utilization"]}
+                      if "gpu_memory_utilization" in c else {})
             t0 = time.perf_counter()
             try:
                 with _children_print_to_stderr():  # a vLLM process logs to the fd 1 it inherits
                     self._llms[key] = LLM(
-                        model=self.target_dir, dtype=self.dtype,
-                        enforce_eager=bool(o["enforce_eager"]),
-                        max_model_len=int(o["max_model_len"]), max_num_seqs=int(o["max_num_seqs"]),
-                        seed=0, speculative_config=sc, disable_log_stats=False,
+                        model=self.target_dir, dtype=self.dtype, enforce_eager=c["enforce_eager"],
+                        max_model_len=c["max_model_len"], max_num_seqs=c["max_num_seqs"],
+                        seed=0, speculative_config=sc, disable_log_stats=False, **memory,
                         **({"per_request_spec_decode_metrics": "detailed"} if sc else {}))
             except Exception as error:  # noqa: BLE001
-                raise EngineError(f"vLLM failed to start for {spec.name} ({sc}): {error}") from error
+                raise EngineError(f"vLLM failed to start for {spec.name} ({sc}): {error}"
+                                  + start_failure_hint(self.device, len(self._llms), memory)
+                                  ) from error
             self.start_s[key] = time.perf_counter() - t0  # beside the rows, not in their key
         return self._llms[key], sc, key
 

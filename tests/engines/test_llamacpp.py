@@ -138,7 +138,7 @@ def test_rows_in_the_store_carry_the_engine(tmp_path, engine, monkeypatch):
     from mtad_energy.config import MeasureConfig, RunConfig
     from mtad_energy.results import ResultStore
 
-    monkeypatch.setattr(runner_mod, "load_engine", lambda name, model: engine)
+    monkeypatch.setattr(runner_mod, "load_engine", lambda name, model, options: engine)
     config = RunConfig(decoders=(DecoderSpec.of("ar", **GREEDY), DecoderSpec.of("spd", **GREEDY)),
                        n_prompts=1, max_new_tokens=8, engine="llamacpp",
                        measure=MeasureConfig(meter="none"))

@@ -145,6 +145,27 @@ def test_the_sweep_setting_is_read_back_from_its_rows():
         sc.sweep_setting(pd.DataFrame([dict(r, engine="hf") for r in rows]), _plan())
 
 
+def test_the_validation_starts_vllm_with_the_settings_the_sweep_ran_under():
+    """A sweep run with --engine-option (compiled vLLM, a memory share): the validation's engine
+    gets the same settings, read from the rows' engine_config; rows of two settings are refused."""
+    common = {"model": "smollm2+vllm", "target_id": "t", "dataset": "mtbench",
+              "max_new_tokens": 64, "meter": "none", "engine": "vllm"}
+    config = {"model_dir": "/m", "dtype": "bfloat16", "enforce_eager": False,
+              "max_model_len": 2048, "max_num_seqs": 16, "gpu_memory_utilization": 0.45,
+              "env": {"VLLM_CPU_KVCACHE_SPACE": "4"}, "threads": 1}
+    rows = [dict(r, prompts=f"p{r['batch_size']}", seed=r["repeat"], **common,
+                 engine_config=json.dumps(config)) for r in validation_rows()
+            if r["decoder"] != "pld"]
+    s = sc.sweep_setting(pd.DataFrame(rows), _plan())
+    assert s.engine_options == {"dtype": "bfloat16", "enforce_eager": False,
+                                "max_model_len": 2048, "max_num_seqs": 16,
+                                "gpu_memory_utilization": 0.45, "kv_cache_space_gib": 4}
+    engine_kind("vllm").options(s.engine_options)  # every one a vLLM setting
+    rows[0]["engine_config"] = json.dumps({**config, "enforce_eager": True})
+    with pytest.raises(ValueError, match="several vLLM settings"):
+        sc.sweep_setting(pd.DataFrame(rows), _plan())
+
+
 def ve_k(spec: DecoderSpec) -> int:
     return int(spec.param_dict["gamma"])
 
@@ -201,10 +222,10 @@ def test_a_vllm_that_fails_on_the_schedule_is_one_error_naming_its_version(tmp_p
 
     common = {"model": "smollm2+vllm", "target_id": "t", "dataset": "mtbench",
               "max_new_tokens": 8, "meter": "none", "device": "cpu", "dtype": "bfloat16",
-              "engine": "vllm"}
+              "engine": "vllm", "engine_config": json.dumps({"enforce_eager": False})}
     rows = pd.DataFrame([dict(r, prompts="p", seed=r["repeat"], **common)
                          for r in validation_rows() if r["decoder"] != "pld"])
-    closed = []
+    closed, loaded = [], []
 
     class Engine:
         version = "vllm 0.32.0"
@@ -218,13 +239,14 @@ def test_a_vllm_that_fails_on_the_schedule_is_one_error_naming_its_version(tmp_p
     monkeypatch.setattr(models, "load_pair", lambda *a, **k: type("P", (), {
         "target_id": "t", "name": "smollm2"})())
     monkeypatch.setattr(sc, "the_prompts", lambda pair, setting: [[1, 2, 3]])
-    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: Engine())
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: loaded.append(a) or Engine())
     monkeypatch.setattr(db, "decode_batch_sweep", dies)
     with pytest.raises(EngineError) as error:
         sc.run_validation(tmp_path / "s", rows, _plan())
     text = str(error.value)
     assert "vllm 0.32.0" in text and "[[1, 1, 3], [2, 3, 1], [4, 16, 0]]" in text
     assert "worker crashed" in text and closed == [True]
+    assert loaded[0][2] == {"enforce_eager": False}  # vLLM started as the sweep ran it
 
 
 def test_the_display_marks_contended_sizes_says_why_j_is_na_and_never_calls_k_0_ar():

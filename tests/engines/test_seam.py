@@ -223,3 +223,96 @@ def test_an_engine_rows_tokens_and_joules_per_token_count_only_the_decode_window
     assert row["tokens_per_s"] == pytest.approx(8 / 2.0)
     assert row["energy_j"] == pytest.approx(100.0 * 2.0, rel=1e-6)  # the decode window's
     assert row["energy_per_token_j"] == pytest.approx(200.0 / 8, rel=1e-6)
+
+
+def test_an_engines_own_settings_are_checked_and_typed_before_anything_loads():
+    vllm, llamacpp = engine_kind("vllm"), engine_kind("llamacpp")
+    opts = vllm.options({"enforce_eager": "false", "gpu_memory_utilization": "0.45"})
+    assert opts["enforce_eager"] is False and opts["gpu_memory_utilization"] == 0.45
+    assert opts["max_num_seqs"] == 16  # the defaults fill the rest
+    assert vllm.options({})["gpu_memory_utilization"] is None  # vLLM's own, not passed on
+    assert llamacpp.options({"n_ctx": "512"})["n_ctx"] == 512
+    with pytest.raises(UnsupportedError, match="no option 'n_ctx' .*it has: dtype, enforce_eager"):
+        vllm.options({"n_ctx": "512"})
+    with pytest.raises(UnsupportedError, match="enforce_eager='maybe' is not true or false"):
+        vllm.options({"enforce_eager": "maybe"})
+    with pytest.raises(UnsupportedError, match="max_num_seqs='lots' is not an integer"):
+        vllm.options({"max_num_seqs": "lots"})
+
+
+def test_engine_options_go_to_each_engine_that_has_them_and_into_its_configuration():
+    from mtad_energy.cli.engines import EngineOptions, engine_options
+
+    both = engine_options(["n_ctx=512,enforce_eager=false", "dtype=float16"], "hf,vllm,llamacpp")
+    assert both == {"vllm": {"enforce_eager": "false", "dtype": "float16"},
+                    "llamacpp": {"n_ctx": "512"}}
+    assert engine_options(None, "vllm") == {"vllm": {}}
+    with pytest.raises(UnsupportedError, match="no engine of --engine llamacpp has an option "
+                                               "'enforce_eager' \\(llamacpp: n_threads"):
+        engine_options(["enforce_eager=false"], "llamacpp")
+    with pytest.raises(UnsupportedError, match="hf, the project's own decoders, takes none"):
+        engine_options(["n_ctx=5"], "hf")
+    with pytest.raises(UnsupportedError, match="expects KEY=VALUE, got 'n_ctx'"):
+        engine_options(["n_ctx"], "llamacpp")
+    with pytest.raises(UnsupportedError, match="n_ctx='big' is not an integer"):
+        engine_options(["n_ctx=big"], "llamacpp")
+    help_text = " ".join(EngineOptions.__metadata__[0].help.split())  # written out, kept true
+    for name in ("vllm", "llamacpp"):
+        assert f"{name}: {', '.join(engine_kind(name).settings)}" in help_text
+    config = RunConfig(decoders=(DecoderSpec("ar"),), engine="vllm",
+                       engine_options=(("enforce_eager", "false"),))
+    assert RunConfig.from_json(config.to_json()) == config  # a worker gets them too
+    with pytest.raises(UnsupportedError, match="hf .* has none"):
+        RunConfig(decoders=(DecoderSpec("ar"),), engine_options=(("n_ctx", "5"),))
+    with pytest.raises(UnsupportedError, match="no option 'n_ctx'"):
+        RunConfig(decoders=(DecoderSpec("ar"),), engine="vllm", engine_options=(("n_ctx", "5"),))
+
+
+def test_the_runner_starts_the_engine_with_its_settings(tmp_path, llama_pair, monkeypatch):
+    from mtad_energy.bench import runner as runner_mod
+    from mtad_energy.config import MeasureConfig
+    from mtad_energy.measure.simulated import SimClock, SimulatedGPU
+    from mtad_energy.results import ResultStore
+
+    started = []
+
+    def load(name, model, options=None):
+        started.append((name, options))
+        return _ScriptedEngine(SimulatedGPU(clock=SimClock()))
+
+    monkeypatch.setattr(runner_mod, "load_engine", load)
+    monkeypatch.setattr(type(engine_kind("vllm")), "installed", lambda self: True)
+    config = RunConfig(decoders=(DecoderSpec("ar"),), n_prompts=1, max_new_tokens=4,
+                       engine="vllm", engine_options=(("max_num_seqs", "4"),),
+                       measure=MeasureConfig(meter="none"), warmup=False)
+    runner_mod.run_profile(config, ResultStore(tmp_path), pair=llama_pair)
+    assert started == [("vllm", {"max_num_seqs": "4"})]
+
+
+def test_a_second_vllm_that_cannot_start_on_a_gpu_says_how_to_split_the_memory():
+    from mtad_energy.engines.vllm import start_failure_hint
+
+    assert start_failure_hint("cpu", 2, {}) == "" and start_failure_hint("cuda", 0, {}) == ""
+    hint = start_failure_hint("cuda", 2, {})
+    assert "2 vLLM engine(s)" in hint and "default share of the GPU, 0.92" in hint
+    assert "--engine-option gpu_memory_utilization=0.30" in hint
+    assert "gpu_memory_utilization=0.5)" in start_failure_hint(
+        "cuda", 1, {"gpu_memory_utilization": 0.5})
+
+
+def test_the_decoding_sweep_loads_each_engine_with_its_own_settings(monkeypatch):
+    import mtad_energy.engines as engines
+    from mtad_energy.bench.decode_batch import DecodeBatchReport
+    from mtad_energy.cli.engines import each_engine
+
+    loaded = []
+
+    class Loaded:
+        def close(self):
+            loaded.append("closed")
+
+    monkeypatch.setattr(engines, "load_engine",
+                        lambda name, model, options=None: loaded.append((name, options)) or Loaded())
+    each_engine(["vllm", "llamacpp"], ModelSpec(), lambda e: DecodeBatchReport([], 0, 0),
+                {"vllm": {"enforce_eager": "false"}, "llamacpp": {}})
+    assert loaded == [("vllm", {"enforce_eager": "false"}), "closed", ("llamacpp", {}), "closed"]

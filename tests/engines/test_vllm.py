@@ -97,7 +97,8 @@ def test_vllm_engine_one_real_load(capfd):
 
     from mtad_energy.models import load_model, smollm2_dir
 
-    eng = ve.VllmEngine(ModelSpec(), {"max_model_len": 512, "max_num_seqs": 2})
+    eng = ve.VllmEngine(ModelSpec(), {"max_model_len": "512", "max_num_seqs": 2,
+                                      "gpu_memory_utilization": "0.5"})  # as --engine-option
     spec = DecoderSpec.of("spd", gamma="3", temperature="0", per_batch_size="1-1:3;2-2:1")
     prompt = AutoTokenizer.from_pretrained(smollm2_dir())("The capital of France is")["input_ids"]
     try:
@@ -130,6 +131,8 @@ def test_vllm_engine_one_real_load(capfd):
         hf_first = int(target(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())
     assert gen.token_ids[0] == hf_first
     assert "vllm" in eng.version and eng.config["enforce_eager"] is True
+    assert (eng.config["max_model_len"], eng.config["gpu_memory_utilization"]) == (512, 0.5)
+    assert "gpu_memory_utilization" not in ve.VllmEngine(ModelSpec()).config  # old rows' keys
     assert "VLLM_CPU_KVCACHE_SPACE" in eng.config["env"]
     assert gen.config["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
         [1, 1, 3], [2, 2, 1]]
