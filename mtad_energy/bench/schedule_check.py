@@ -240,8 +240,10 @@ def validation_table(rows: pd.DataFrame | Sequence[Mapping[str, Any]], plan: Sch
         raise ValueError("no rows of the schedule (per_batch_size) to compare: run schedule --validate")
     df = df.assign(scheduled=df["params_json"].map(runs_a_schedule))
     df = df[df["scheduled"] | df["decoder"].isin([BASELINE, plan.decoder])]
-    df = df.assign(k=[0 if d == BASELINE else int(json.loads(p).get("gamma", 0))
-                      for d, p in zip(df["decoder"], df["params_json"], strict=True)])
+    # a fixed configuration: ar, or the chain decoder at one k (k = 0 where the sweep measured
+    # the speculating engine at k = 0, which is not ar)
+    df = df.assign(fixed=[BASELINE if d == BASELINE else f"k={int(json.loads(p).get('gamma', 0))}"
+                          for d, p in zip(df["decoder"], df["params_json"], strict=True)])
     out = []
     for b, at in df.groupby("batch_size", sort=True):
         mine, fixed = at[at["scheduled"]], at[~at["scheduled"]]
@@ -249,21 +251,23 @@ def validation_table(rows: pd.DataFrame | Sequence[Mapping[str, Any]], plan: Sch
             continue
         if fixed.empty:
             raise ValueError(f"no fixed-gamma or {BASELINE} rows at batch size {b} beside the schedule")
-        per_k = {int(k): _median(g, "tokens_per_s") for k, g in fixed.groupby("k")}
-        best_k = max(per_k, key=lambda k: per_k[k])
+        per = {name: _median(g, "tokens_per_s") for name, g in fixed.groupby("fixed")}
+        best = max(per, key=lambda name: per[name])
         k = k_at(plan.triples, int(b))
+        # the schedule's k measured alone; an unmeasured k = 0 is compared with ar
+        same = f"k={k}" if f"k={k}" in per or k else BASELINE
         tps = _median(mine, "tokens_per_s")
         out.append({
             "batch_size": int(b), "schedule_k": k, "schedule_tokens_per_s": tps,
             "schedule_block_efficiency": _median(mine, "block_efficiency"),
             "schedule_acceptance": _median(mine, "acceptance_rate"),
-            "best_fixed_k": best_k, "best_fixed_tokens_per_s": per_k[best_k],
-            "vs_best_fixed": tps / per_k[best_k],
-            "same_k_tokens_per_s": per_k.get(k, math.nan),
-            "vs_same_k": tps / per_k[k] if k in per_k else math.nan,
-            "ar_tokens_per_s": per_k.get(0, math.nan),
+            "best_fixed": best, "best_fixed_k": 0 if best == BASELINE else int(best[2:]),
+            "best_fixed_tokens_per_s": per[best], "vs_best_fixed": tps / per[best],
+            "same_k_tokens_per_s": per.get(same, math.nan),
+            "vs_same_k": tps / per[same] if same in per else math.nan,
+            "ar_tokens_per_s": per.get(BASELINE, math.nan),
             "schedule_j_per_token": _median(mine, "energy_per_token_j"),
-            "best_fixed_j_per_token": _median(fixed[fixed["k"] == best_k], "energy_per_token_j"),
+            "best_fixed_j_per_token": _median(fixed[fixed["fixed"] == best], "energy_per_token_j"),
             "energy_reason": next(iter(at["energy_reason"].dropna()), None)
             if "energy_reason" in at else None,
             "contended": bool(at["contended"].fillna(False).astype(bool).any())
@@ -294,9 +298,10 @@ def validation_display(table: pd.DataFrame) -> tuple[list[str], list[list[str]],
             v = r[col]
             if col == "batch_size":
                 row.append(f"{int(v)}{'*' if r['contended'] else ''}")
-            elif col in ("schedule_k", "best_fixed_k"):  # the schedule's k 0 is not ar: a
-                # draft model still runs at k 0 (DRAFT_AT_ZERO_NOTE); a fixed k 0 is ar itself
-                row.append("ar" if col == "best_fixed_k" and int(v) == 0 else str(int(v)))
+            elif col == "schedule_k":  # the schedule's k 0 is not ar: a draft model still
+                row.append(str(int(v)))  # runs at k 0 (DRAFT_AT_ZERO_NOTE)
+            elif col == "best_fixed_k":  # ar, or the chain decoder at one k (k 0 measured)
+                row.append(BASELINE if r["best_fixed"] == BASELINE else str(int(v)))
             elif v is None or v != v:
                 row.append("n/a" if col == "schedule_j_per_token" else "-")
             else:

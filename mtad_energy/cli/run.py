@@ -152,10 +152,12 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
 
 
 def config_draft_notes(config: RunConfig) -> list[str]:
-    """`ignored_draft_notes` for a configuration's decoders and pair."""
+    """`ignored_draft_notes` for a configuration's decoders and pair (the project's decoders
+    only: an engine's parameter values, such as vLLM's gamma=0, are not theirs to check)."""
     m = config.model
-    return ignored_draft_notes([d.build() for d in config.decoders], m.alias, m.target, m.draft,
-                               m.device) + random_weight_notes(m.target, m.draft)
+    built = [d.build() for d in config.decoders] if config.engine == "hf" else []
+    return ignored_draft_notes(built, m.alias, m.target, m.draft, m.device) + random_weight_notes(
+        m.target, m.draft)
 
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,

@@ -292,11 +292,14 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
         engines = sweep_engines(engine, specs, size_list, compile)  # refusals before loading
         settings = engine_options(engine_option, engine)
-        needs_draft = "hf" in engines and any(s.build().needs_draft for s in specs)
+        # the project's decoders, built (their parameters checked) only where hf runs them: an
+        # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
+        built = [s.build() for s in specs] if "hf" in engines else []
+        needs_draft = any(d.needs_draft for d in built)
         with console.status("loading the models"):
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
                              dtype=dtype, with_draft=needs_draft,
-                             heads=head_kinds(s.build() for s in specs))
+                             heads=head_kinds(built))
         prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
         model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
         store = ResultStore(out)
@@ -342,7 +345,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         m.close()
     compact_after(out)
     table = batch_crossover(rep.rows)
-    notes = ignored_draft_notes([s.build() for s in specs], pair_alias(model, target), target,
+    notes = ignored_draft_notes(built, pair_alias(model, target), target,
                                 draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
     notes += [budget.note()] if budget is not None and budget.note() else []
     out_dir = out.resolve()  # `--output .` has no name of its own

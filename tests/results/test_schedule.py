@@ -18,7 +18,13 @@ from mtad_energy.bench.decode_batch import expand_variants
 from mtad_energy.cli import app
 from mtad_energy.config import DecoderSpec
 from mtad_energy.results import ResultStore, stable_key
-from mtad_energy.results.schedule import ONE_REPEAT_NOTE, Schedule, build_schedule, schedule_table
+from mtad_energy.results.schedule import (
+    DRAFT_AT_ZERO_NOTE,
+    ONE_REPEAT_NOTE,
+    Schedule,
+    build_schedule,
+    schedule_table,
+)
 from mtad_energy.results.schema import DECODE_BATCH
 
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -121,6 +127,33 @@ def test_the_speed_schedule_picks_the_best_gamma_per_range_and_0_where_ar_wins()
     wide = build_schedule(sweep_rows(), "speed", max_batch_size=4096)
     assert wide.triples[-1] == [16, 4096, 0]
     check_vllm_form(wide, 4096)
+
+
+def test_k_0_measured_in_the_speculating_engine_is_a_candidate_not_ar():
+    """vLLM at gamma=0 runs the draft model at k = 0 (not ar). Where it is measured and nothing
+    beats ar, the range takes the speculating engine's best measured k and a note gives the
+    figures; where k = 0 beats every k >= 1 it stays 0; unmeasured k = 0 ranges keep the note."""
+    k0 = {1: 0.95, 16: 0.5, 32: 0.85}  # the draft's forwards at k = 0: 0.5x at B = 16
+    rows = sweep_rows() + [_row("spd", {"gamma": 0}, b, AR_TPS[b] * g, None) for b, g in k0.items()]
+    plan = build_schedule(rows, "speed")
+    assert [(r.low, r.gamma, r.zero_gain) for r in plan.ranges] == [
+        (1, 5, pytest.approx(0.95)), (2, 3, None), (4, 3, None), (8, 1, None),
+        (16, 1, pytest.approx(0.5)),  # k = 1 (0.9x) loses less than k = 0 (0.5x)
+        (32, 0, pytest.approx(0.85))]  # k = 0 (0.85x) loses less than k = 1 (0.8x)
+    assert plan.triples == [[1, 1, 5], [2, 7, 3], [8, 31, 1], [32, 32, 0]]
+    check_vllm_form(plan, 32)
+    assert not plan.never_pays
+    (losing,) = [n for n in plan.notes if "whatever k" in n]
+    assert "B = 16-31: k = 1 (0.90x of ar, k = 0 measured 0.50x)" in losing
+    assert "B = 32-32: k = 0 (0.85x of ar" in losing and "B = 8" not in losing  # 8 pays
+    assert DRAFT_AT_ZERO_NOTE not in plan.notes  # every k = 0 range was measured
+    table = schedule_table(plan)
+    assert table["spd k=0 speed-up"].tolist()[4] == pytest.approx(0.5)
+    unmeasured = build_schedule([r for r in rows if not (r["batch_size"] == 32 and
+                                                         r["params_json"] == '{"gamma": 0}')])
+    assert unmeasured.ranges[-1].gamma == 0 and DRAFT_AT_ZERO_NOTE in unmeasured.notes
+    never = build_schedule([r for r in rows if r["decoder"] == "ar" or r["batch_size"] >= 16])
+    assert never.never_pays and never.vllm_config() is None  # k = 1 at 16 still loses to ar
 
 
 def test_the_energy_schedule_minimises_joules_per_token():
@@ -259,6 +292,15 @@ def test_vllms_speculative_config_takes_the_emitted_config():
         assert config.uses_dynamic_speculative_decoding()
         assert config.num_speculative_tokens_per_batch_size == [tuple(t) for t in plan.triples]
         assert config.num_speculative_tokens == max(r.gamma for r in plan.ranges)
+    # gamma=0 (k = 0 in the speculating engine, measured as a configuration of its own)
+    from mtad_energy.engines.vllm import speculative_config
+
+    zero = spec.SpeculativeConfig(**speculative_config(
+        "pld", {"gamma": 0, "min_ngram": 1, "max_ngram": 3}, "/m", None))
+    assert zero.uses_dynamic_speculative_decoding() and zero.num_speculative_tokens == 1
+    utils = pytest.importorskip("vllm.v1.spec_decode.dynamic.utils", reason=VLLM_SKIP)
+    assert set(utils.build_dynamic_sd_schedule_lookup(
+        zero.num_speculative_tokens_per_batch_size, 64, 1)[1:]) == {0}  # k = 0 at every size
     with pytest.raises(ValueError, match="valid list"):
         spec.SpeculativeConfig(method="ngram", num_speculative_tokens=3,
                                num_speculative_tokens_per_batch_size={"1-7": 2})
