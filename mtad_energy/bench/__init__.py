@@ -3,4 +3,4 @@ and the meters; its measurement windows `phase_windows.py`, what a configuration
 `work_units.py`), the sweeps (`batch_sweep.py` forward-only and the identifying design,
 `decode_batch.py` decoders across batch sizes, `scaleout.py` submitit workers), the prompts and
 quality scores, the random-weight shapes, the memory-bandwidth floor and the calibration
-procedure (`calibrate.py`)."""
+procedure (`calibrate.py`; the GPU it measures, `gpu_probe.py`)."""
