@@ -10,7 +10,7 @@ from mtad_energy.models import (
     check_tokenizers,
     load_pair,
 )
-from mtad_energy.models.pair import _parse_layers
+from mtad_energy.models.self_drafts import _parse_layers
 from tests import tiny
 
 

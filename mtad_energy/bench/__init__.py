@@ -1,5 +1,6 @@
 """Running measurements: the runner (`runner.py`, the only module that imports both the decoders
-and the meters), the sweeps (`batch_sweep.py` forward-only and the identifying design,
+and the meters; its measurement windows `phase_windows.py`, what a configuration asks for
+`work_units.py`), the sweeps (`batch_sweep.py` forward-only and the identifying design,
 `decode_batch.py` decoders across batch sizes, `scaleout.py` submitit workers), the prompts and
 quality scores, the random-weight shapes, the memory-bandwidth floor and the calibration
-procedure (`calibrate.py`)."""
+procedure (`calibrate.py`; the GPU it measures, `gpu_probe.py`)."""

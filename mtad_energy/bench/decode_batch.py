@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from mtad_energy.bench.budget import Budget
-from mtad_energy.bench.runner import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
+from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
 from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import Generation, generate_rows, slots_needed

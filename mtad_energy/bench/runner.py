@@ -5,7 +5,8 @@ For each (dataset prompt, decoder, repeat) not yet in the store: decode inside m
 the device is synced), optionally repeat the whole generation under the Yang et al. protocol,
 then, outside any window, compute perplexity and quality scores, and store the run row and its
 per-iteration rows at once. The pair is loaded once and every decoder is warmed up before the
-first measured row.
+first measured row. The windows and the columns they give a row are `phase_windows`'s; what a
+configuration asks for (its work units, shard, model label) is `work_units`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,21 @@ from typing import Any
 import torch
 
 from mtad_energy.bench.budget import Budget
-from mtad_energy.bench.prompts import Prompt, load_prompts
+from mtad_energy.bench.phase_windows import (
+    FLAG_COMPILED_IN_WINDOW,
+    PhaseWindows,
+    compile_columns,
+    energy_columns,
+)
+from mtad_energy.bench.prompts import Prompt
+from mtad_energy.bench.work_units import (
+    WorkUnit,
+    check_batch_size,
+    load_config_prompts,
+    model_label,
+    shard,
+    work_units,
+)
 from mtad_energy.config import DecoderSpec, RunConfig, compile_identity
 from mtad_energy.decoding.base import Decoder
 from mtad_energy.decoding.generate import (
@@ -41,7 +56,6 @@ from mtad_energy.engines import (
 )
 from mtad_energy.measure import (
     EnergyMeter,
-    Measurement,
     MitigationConfig,
     measure_mitigated,
     meter_for,
@@ -50,45 +64,17 @@ from mtad_energy.measure import (
     snapshot,
     work_tap,
 )
-from mtad_energy.measure.contention import (
-    Contention,
-    ContentionProbe,
-    gpu_processes,
-    row_contention,
-)
+from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.measure.env import calibrated
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
-
-# a compiled run that still compiled a shape inside its measurement windows: its time excludes
-# the compilation (`compile_in_window_s`), its joules do not
-FLAG_COMPILED_IN_WINDOW = "compiled_in_window"
-
-
-def compile_columns(warm: Sequence[Generation], gens: Sequence[Generation]) -> dict[str, Any]:
-    """What compiling cost a stored row (one generation of B rows: every row gets its batch's
-    figures, as it gets its batch's decode time): ``compile_s`` the seconds compiling before and
-    inside its windows (the warm-up that ran for it, when its shapes were new, plus its own
-    generation's), ``graphs_compiled`` the graphs compiled then, ``compile_in_window_s`` the part
-    inside its windows (the row is flagged `FLAG_COMPILED_IN_WINDOW`). Eager: 0, 0, 0."""
-    stats = [g.stats for g in (*warm[:1], *gens[:1])]  # rows of one call share these figures
-    return {"compile_s": sum(s.compile_s for s in stats),
-            "graphs_compiled": sum(s.graphs_compiled for s in stats),
-            "compile_in_window_s": max(g.stats.compile_in_window_s for g in gens)}
 
 Progress = Callable[[dict[str, Any] | None, "WorkUnit"], None]
 """Called once per work unit with its new row, or None when it was already stored (skipped)."""
 
 Scorer = Callable[[Prompt, Generation], dict[str, Any]]
 """Quality columns of one generation (e.g. rouge_l, passed); runs outside every window."""
-
-
-@dataclass(frozen=True)
-class WorkUnit:
-    prompt: Prompt
-    decoder: DecoderSpec
-    repeat: int
 
 
 @dataclass
@@ -100,120 +86,6 @@ class RunReport:
     meter_reason: str
     env_id: str
 
-
-def work_units(config: RunConfig, prompts: Sequence[Prompt]) -> list[WorkUnit]:
-    """Every row a configuration asks for, in a fixed order (decoders interleaved per prompt so an
-    interrupted sweep has covered every decoder on the first prompts). A unit asked for twice (a
-    decoder or a dataset listed twice) is listed once."""
-    units = [WorkUnit(p, d, r) for p in prompts for r in range(config.repeats) for d in config.decoders]
-    return list(dict.fromkeys(units))
-
-
-def with_baseline(names: Sequence[str], baseline: str) -> list[str]:
-    """The decoders to run: ``names`` with ``baseline`` first when it is not among them, so every
-    speed-up has its denominator measured beside it in the same store ("none": ``names`` as
-    given). The baseline's rows are ordinary rows (interleaved per prompt like the others)."""
-    from mtad_energy.decoding.registry import DECODERS
-
-    if baseline == "none":
-        return list(names)
-    if baseline not in DECODERS:
-        raise ValueError(f"--baseline {baseline!r} is not a decoder; give one of "
-                         f"{', '.join(DECODERS)}, or none to run only --decoder")
-    return list(names) if baseline in names or not names else [baseline, *names]
-
-
-def summary_baseline(baseline: str) -> str:
-    """The decoder speed-ups are taken over: ``baseline``, or ``ar`` with ``--baseline none`` (an
-    ``ar`` listed in --decoder still gives them)."""
-    return "ar" if baseline == "none" else baseline
-
-
-def shard(units: Sequence[WorkUnit], index: int, count: int) -> list[WorkUnit]:
-    """The units worker ``index`` of ``count`` owns (round-robin, so shards are balanced)."""
-    if not 0 <= index < count:
-        raise ValueError(f"shard index {index} is outside 0..{count - 1}")
-    return list(units[index::count])
-
-
-def model_label(config: RunConfig) -> str:
-    """The stored ``model``: compiled or batched runs are another system (other times, other
-    joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
-    ``<model>+batch<B>``; every row stored under ``+batch<B>`` was decoded with B rows."""
-    return (config.model.label + (f"+{config.engine}" if config.engine != HF else "")
-            + config.compile_label
-            + (f"+batch{config.batch_size}" if config.batch_size > 1 else ""))
-
-
-def check_batch_size(config: RunConfig, prompts: Sequence[Prompt]) -> None:
-    """Refuse a batch larger than the prompts of a decoder and repeat: its rows could never all
-    be this configuration's own prompts (they would be stored as ``+batch<B>`` while fewer rows
-    were decoded together)."""
-    n = len(dict.fromkeys(prompts))
-    if config.batch_size > n:
-        raise ValueError(f"--batch-size {config.batch_size} is more than the {n} prompt(s) per "
-                         f"decoder and repeat; nothing was run. Give at least {config.batch_size} "
-                         f"prompts (--n-prompts, or more datasets) or --batch-size {n} or less")
-
-
-def load_config_prompts(config: RunConfig) -> list[Prompt]:
-    prompts: list[Prompt] = []
-    for name in config.datasets:
-        prompts += load_prompts(name, config.n_prompts)
-    return prompts
-
-
-class PhaseWindows:
-    """Opens a "prefill" and a "decode" window at the generate loop's phase hooks; closes whatever
-    is still open in `close()` (called from a finally), so an exception never leaks a window.
-    With a ``probe``, each window also records what other processes took meanwhile
-    (``contention``: `measure.contention`), the probe opened outside the meter's window."""
-
-    def __init__(self, meter: EnergyMeter, key: str, probe: ContentionProbe | None = None):
-        self.meter, self.key, self.probe = meter, key, probe
-        self.open: str | None = None
-        self.measurements: dict[str, Measurement] = {}
-        self.contention: dict[str, Contention | None] = {}
-
-    def __call__(self, phase: str) -> None:
-        if self.open is not None:
-            self._end()
-        if phase in ("prefill", "decode"):
-            if self.probe is not None:
-                self.probe.begin(f"{self.key}/{phase}")
-            self.meter.begin_window(f"{self.key}/{phase}")
-            self.open = phase
-
-    def _end(self) -> None:
-        name, self.open = f"{self.key}/{self.open}", self.open
-        self.measurements[self.open] = self.meter.end_window(name)
-        if self.probe is not None:
-            self.contention[self.open] = self.probe.end(name)
-        self.open = None
-
-    def close(self) -> None:
-        if self.open is not None:
-            self._end()
-
-    def contention_columns(self, phases: Sequence[str] = ("prefill", "decode")) -> dict[str, Any]:
-        """The row's contention columns over ``phases`` (`row_contention`)."""
-        return row_contention(self.contention.get(p) for p in phases)
-
-
-def _energy_columns(windows: dict[str, Measurement]) -> dict[str, Any]:
-    pre, dec = windows.get("prefill"), windows.get("decode")
-    flags = sorted({f.code for m in (pre, dec) if m for f in m.flags})
-    reasons = [m.reason for m in (pre, dec) if m and m.reason]
-    total = None
-    if pre and dec and pre.energy_j is not None and dec.energy_j is not None:
-        total = pre.energy_j + dec.energy_j
-    return {
-        "prefill_energy_j": pre.energy_j if pre else None,
-        "decode_energy_j": dec.energy_j if dec else None,
-        "energy_j": total,
-        "energy_reason": reasons[0] if total is None and reasons else None,
-        "energy_flags": json.dumps(flags),
-    }
 
 
 class Runner:
@@ -358,7 +230,7 @@ class Runner:
                 gens = self._generate(spec, prompts, seed, windows)
             finally:
                 windows.close()
-        energy = _energy_columns(windows.measurements)
+        energy = energy_columns(windows.measurements)
         compiling = compile_columns(warm, gens)
         if compiling["compile_in_window_s"] > 0:  # a shape the warm-up did not cover
             energy["energy_flags"] = json.dumps(

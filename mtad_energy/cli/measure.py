@@ -70,7 +70,7 @@ def profile(
     """Measure decoders on a dataset: tokens/s, block efficiency, acceptance, perplexity, J/token.
 
     Re-running the same command resumes: rows already in --output are not measured again."""
-    from mtad_energy.bench.runner import with_baseline
+    from mtad_energy.bench.work_units import with_baseline
 
     try:
         specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_), engine)

@@ -79,7 +79,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.runner import summary_baseline
+    from mtad_energy.bench.work_units import summary_baseline
     from mtad_energy.results.analysis import decoder_summary
 
     quiet_libraries()
@@ -164,8 +164,8 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
                     columns: str = "speed", baseline: str = "ar"):
     """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.runner import summary_baseline
     from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
+    from mtad_energy.bench.work_units import summary_baseline
     from mtad_energy.results import load_results
     from mtad_energy.results.analysis import decoder_summary
 

@@ -279,7 +279,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         crossover_settings,
         crossover_title,
     )
-    from mtad_energy.results.report import plot_batch_crossover
+    from mtad_energy.results.figures import plot_batch_crossover
 
     try:
         names = split_list(decoders)

