@@ -1,4 +1,4 @@
-"""The profile runner: the only module that knows both the decoders and the meters.
+"""The profile runner: where the decoders and the meters meet (beside `decode_batch.py`).
 
 For each (dataset prompt, decoder, repeat) not yet in the store: decode inside measurement windows
 (prefill and decode each get their own window, opened at the generate loop's phase hooks, after

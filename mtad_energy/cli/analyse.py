@@ -152,7 +152,9 @@ def schedule(
               **({"validation": integer_records(check)} if check is not None else {})})
         return
     table = schedule_table(plan)
-    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar is not beaten)"
+    measured = any(r.zero_gain is not None for r in plan.ranges)
+    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar is not beaten"
+                    + (", or the best k where k = 0 was measured" if measured else "") + ")"
                     + (f"\n{plan.setting}" if plan.setting else ""),
               title_justify="left", show_edge=False, caption_justify="left")
     for col in table.columns:

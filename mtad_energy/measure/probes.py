@@ -1,4 +1,4 @@
-"""The devices a calibration runs on (`calibrate.Probe`): a real NVIDIA GPU through NVML, or a
+"""The devices a calibration runs on (`Probe`): a real NVIDIA GPU through NVML, or a
 simulated GPU seen through simulated sensors on simulated time."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def nvml_probe(env: Mapping[str, str] | None = None, clock: Clock | None = None,
                sleep: Callable[[float], object] = time.sleep, sync: SyncFn = no_sync,
                zeus_monitor: Any | None = None) -> Iterator[Probe]:
     """The first GPU visible to this process (CUDA_VISIBLE_DEVICES picks another), measured by
-    the four meters of `calibrate.ROLES`; NVML stays started while the probe is open. Raises
+    the four meters of `ROLES`; NVML stays started while the probe is open. Raises
     `MeterUnavailableError` (with NVML's reason) where there is no usable GPU."""
     from mtad_energy.measure.nvml import NvmlCounterMeter, NvmlPowerMeter
     from mtad_energy.measure.zeus_meter import ZeusMeter

@@ -324,15 +324,16 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
 def schedule_table(schedule: Schedule) -> pd.DataFrame:
     """One row per range: the range, the best configuration and its gain, the chain decoder's
     best gamma and its gain (also where it loses), its gain at k = 0 where measured, and the
-    schedule's gamma; gains are speed-ups or energy savings over ``ar`` measured at batch size
-    ``at B``."""
+    schedule's gamma (None where speculation never pays: vLLM gets no config); gains are
+    speed-ups or energy savings over ``ar`` measured at batch size ``at B``."""
     what = "speed-up" if schedule.objective == "speed" else "saving"
     d = schedule.decoder
     zero = any(r.zero_gain is not None for r in schedule.ranges)  # a column where measured
     return pd.DataFrame([{
         "batch sizes": f"{r.low}-{r.high}", "at B": r.measured_batch_size, "best": r.best_label,
         what: r.best_gain, f"best {d} gamma": r.chain_gamma, f"{d} {what}": r.chain_gain,
-        **({f"{d} k=0 {what}": r.zero_gain} if zero else {}), "vLLM gamma": r.gamma,
+        **({f"{d} k=0 {what}": r.zero_gain} if zero else {}),
+        "vLLM gamma": None if schedule.never_pays else r.gamma,  # off: no config to give vLLM
     } for r in schedule.ranges])
 
 
