@@ -320,7 +320,9 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
              meter: EnergyMeter, key: str, compile: bool = False,
              warm: Sequence[Generation] = (),
              probe: ContentionProbe | None = None) -> dict[str, Any]:
-    windows = PhaseWindows(meter, key, probe)
+    windows = PhaseWindows(meter, key, probe,  # an engine's processes are the window's own
+                           decoder.engine.processes(decoder.spec)
+                           if isinstance(decoder, EngineDecoder) else ())
     with peak_memory(pair.describe()["device"]) as peak:
         try:
             if isinstance(decoder, EngineDecoder):

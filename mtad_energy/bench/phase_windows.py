@@ -38,10 +38,13 @@ class PhaseWindows:
     """Opens a "prefill" and a "decode" window at the generate loop's phase hooks; closes whatever
     is still open in `close()` (called from a finally), so an exception never leaks a window.
     With a ``probe``, each window also records what other processes took meanwhile
-    (``contention``: `measure.contention`), the probe opened outside the meter's window."""
+    (``contention``: `measure.contention`), the probe opened outside the meter's window;
+    ``own``: the processes doing the generation's work besides this one (an engine's,
+    `Engine.processes`), which the probe counts as this process, not as others."""
 
-    def __init__(self, meter: EnergyMeter, key: str, probe: ContentionProbe | None = None):
-        self.meter, self.key, self.probe = meter, key, probe
+    def __init__(self, meter: EnergyMeter, key: str, probe: ContentionProbe | None = None,
+                 own: Sequence[int] = ()):
+        self.meter, self.key, self.probe, self.own = meter, key, probe, tuple(own)
         self.open: str | None = None
         self.measurements: dict[str, Measurement] = {}
         self.contention: dict[str, Contention | None] = {}
@@ -51,7 +54,7 @@ class PhaseWindows:
             self._end()
         if phase in ("prefill", "decode"):
             if self.probe is not None:
-                self.probe.begin(f"{self.key}/{phase}")
+                self.probe.begin(f"{self.key}/{phase}", self.own)
             self.meter.begin_window(f"{self.key}/{phase}")
             self.open = phase
 

@@ -224,7 +224,8 @@ class Runner:
         warm = self.warm_up(spec, prompts) if c.warmup else []
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
-        windows = PhaseWindows(self.meter, batch_key, self.probe)
+        windows = PhaseWindows(self.meter, batch_key, self.probe,  # an engine's processes: own
+                               self.engine.processes(spec) if self.engine is not None else ())
         with peak_memory(self.device) as peak:
             try:
                 gens = self._generate(spec, prompts, seed, windows)

@@ -131,6 +131,12 @@ class Engine(abc.ABC):
         token, and all its tokens). Raises `EngineError` when the engine dies; nothing is stored
         by the engine."""
 
+    def processes(self, spec: DecoderSpec) -> tuple[int, ...]:
+        """The pids of the processes (besides this one) that decode ``spec`` once started: the
+        windows count them and their descendants as the measurement's own work, not as another
+        process's load (`measure.contention`). None of its own: ()."""
+        return ()
+
     def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
                 seed: int = 0) -> None:
         """One unmeasured generation (first-call allocations), as the project's decoders get."""

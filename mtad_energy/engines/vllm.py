@@ -9,7 +9,11 @@ request's ``SamplingParams`` (top_k 0 = off), so one started engine serves every
 Engines: one ``vllm.LLM`` per speculative configuration (vLLM fixes it at start), started on the
 first call that needs it (the runner's unmeasured warm-up, outside every window) and kept for the
 run; its start time is in each Generation's ``config["engine_start_s"]`` (not in the
-engine configuration: that identifies rows).
+engine configuration: that identifies rows). Its engine-core process and worker do the decoding:
+the windows count them as the measurement's own (`VllmEngine.processes`), never as another
+process's load. A worker busy-loops a second after it decoded (`SPIN_S`), so a call waits until
+every other engine of the run is past that second (`settle_s`, outside the windows): sibling
+configurations never load each other's windows.
 
 Windows (`generate`): the requests go through the engine's own step loop (``LLMEngine.add_request``
 / ``step``), timed on the host: "prefill" opens before the requests are added; "decode" opens when
@@ -183,6 +187,31 @@ def iterations_of(n_tokens: int, per_step_accepted: Sequence[int], per_step_draf
     return its
 
 
+# vLLM's workers busy-loop on their shared-memory queue this long after their last read before
+# they sleep (vllm 0.32 `shm_broadcast.SpinCondition`, ``busy_loop_s=1``): measured here, the worker
+# of the engine that just decoded takes a whole core for that second
+SPIN_S = 1.0
+
+
+def settle_s(now_s: float, last_end_s: Mapping[str, float], key: str) -> float:
+    """Seconds to wait before engine ``key`` starts a measured call, so that no other engine of
+    this run is still busy-looping (`SPIN_S`, plus 0.1 s) since it last decoded: on shared cores
+    that spin would be another configuration's load inside this one's window."""
+    others = [t for k, t in last_end_s.items() if k != key]
+    return max([0.0, *(t + SPIN_S + 0.1 - now_s for t in others)])
+
+
+def engine_core_pids(llm: Any) -> tuple[int, ...]:
+    """The pids of the engine-core processes of a started ``vllm.LLM`` (its workers are their
+    children): ``llm_engine.engine_core.resources.engine_manager.processes`` in vllm 0.32; ()
+    where vLLM runs in this process or the path moved (its windows then count those processes as
+    others' load, and flag the rows contended rather than hide anything)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return tuple(int(p.pid) for p in getattr(manager, "processes", None) or []
+                 if getattr(p, "pid", None))
+
+
 def start_failure_hint(device: str, live: int, memory: Mapping[str, Any]) -> str:
     """What to do when a vLLM engine fails to start while ``live`` others run in this process
     (one per speculative configuration): on a GPU each asks for vLLM's default share of the
@@ -284,6 +313,7 @@ class VllmEngine(Engine):
         if opts["gpu_memory_utilization"] is not None:  # else vLLM's default, keys kept
             self.config["gpu_memory_utilization"] = float(opts["gpu_memory_utilization"])
         self.start_s: dict[str, float] = {}
+        self.last_end_s: dict[str, float] = {}  # per engine: when it last decoded (`settle_s`)
 
     @staticmethod
     def _local(model_id: str) -> str:
@@ -299,10 +329,18 @@ class VllmEngine(Engine):
             return None
         return f"vllm:{sc['method']}" + (f":{sc['model']}" if "model" in sc else "")
 
+    def processes(self, spec: DecoderSpec) -> tuple[int, ...]:
+        """The engine-core processes decoding ``spec`` (`engine_core_pids`), () before it starts."""
+        llm = self._llms.get(self._key(spec)[1])
+        return engine_core_pids(llm) if llm is not None else ()
+
+    def _key(self, spec: DecoderSpec) -> tuple[dict[str, Any] | None, str]:
+        sc = speculative_config(spec.name, self.params(spec), self.target_dir, self.draft_dir)
+        return sc, repr(sorted((sc or {}).items()))
+
     def _llm(self, spec: DecoderSpec):
         """The started engine for ``spec``'s speculative configuration (started once)."""
-        sc = speculative_config(spec.name, self.params(spec), self.target_dir, self.draft_dir)
-        key = repr(sorted((sc or {}).items()))
+        sc, key = self._key(spec)
         if key not in self._llms:
             from vllm import LLM
 
@@ -329,6 +367,7 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
 
         llm, sc, key = self._llm(spec)  # starts outside the windows
+        time.sleep(settle_s(time.perf_counter(), self.last_end_s, key))  # others stop spinning
         hook = on_phase or (lambda _phase: None)
         params = self.params(spec)
         engine = llm.llm_engine
@@ -363,6 +402,8 @@ class VllmEngine(Engine):
             hook("end")
         except Exception as error:  # noqa: BLE001
             raise EngineError(f"vLLM died during {spec.name}: {error}") from error
+        finally:
+            self.last_end_s[key] = time.perf_counter()
         counters = counters_diff(counters_of(llm.get_metrics()), before) if sc else None
         gens = []
         per_token = 1 if sc and sc["method"] == "draft_model" else 0

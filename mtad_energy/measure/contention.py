@@ -8,7 +8,11 @@ window also records, from Linux's own counters (no psutil):
   all CPUs in ``/proc/stat`` (user, nice, system, irq, softirq, steal; not idle or iowait) minus
   this process's own (``/proc/self/stat``: utime + stime of all its threads, and cutime + cstime
   of the children it reaped). A child still running (a spinning helper, a compile worker) counts
-  as "other": it competes for the same cores.
+  as "other": it competes for the same cores. The exception is a window's **own processes**
+  (``begin(key, own=pids)``): an engine that decodes in processes of its own (vLLM's engine core
+  and its workers) does the window's work there, so those processes and their descendants count
+  as this process (`process_tree`), on the CPU and on the GPU; a sibling engine that is not this
+  window's (an idle vLLM of another configuration, still spinning) stays "other".
 - ``others_cores``: that over the window's wall time, in core-equivalents (1.0: one core busy
   with other work the whole window).
 - ``gpu_other_pids``: on a GPU, the other processes NVML lists on the measured device
@@ -87,14 +91,36 @@ def parse_self_stat(text: str) -> int:
     return utime + stime + cutime + cstime
 
 
+def process_tree(roots: Iterable[int], proc: Path = Path("/proc")) -> dict[int, int]:
+    """pid -> CPU ticks (`parse_self_stat`: its own and its reaped children's) of each live
+    process of ``roots`` and every live descendant, read from ``proc``. A live child's ticks are
+    not in its parent's (only reaped ones are), so the values add up without counting twice."""
+    parent, ticks = {}, {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            pid, ppid = int(stat.parent.name), int(text[text.rindex(")") + 2:].split()[1])
+            ticks[pid], parent[pid] = parse_self_stat(text), ppid
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not a process
+            continue
+    tree = {r for r in roots if r in ticks}
+    grew = True
+    while grew:
+        more = {pid for pid, pp in parent.items() if pp in tree and pid not in tree}
+        tree |= more
+        grew = bool(more)
+    return {pid: ticks[pid] for pid in tree}
+
+
 @dataclass(frozen=True)
 class CpuSample:
     """The counters at one instant."""
 
     busy_ticks: int  # all CPUs
-    own_ticks: int  # this process
+    own_ticks: int  # this process (and the window's own processes, `process_tree`)
     cpus: int
     time_s: float  # monotonic clock
+    own_pids: frozenset[int] = frozenset()  # the window's own processes' trees, as read
 
 
 @dataclass(frozen=True)
@@ -204,33 +230,40 @@ class ContentionProbe:
 
     def __init__(self, *, proc_stat: Reader = PROC_STAT, self_stat: Reader = SELF_STAT,
                  clock: Callable[[], float] = time.perf_counter, hz: int | None = None,
-                 gpu_pids: Callable[[], set[int]] | None = None):
+                 gpu_pids: Callable[[], set[int]] | None = None,
+                 tree: Callable[[Iterable[int]], dict[int, int]] = process_tree):
         self.proc_stat, self.self_stat, self.clock = proc_stat, self_stat, clock
         self.hz = hz or clock_ticks_per_s()
-        self.gpu_pids = gpu_pids
-        self._open: dict[str, tuple[CpuSample, set[int]]] = {}
+        self.gpu_pids, self.tree = gpu_pids, tree
+        self._open: dict[str, tuple[CpuSample, set[int], tuple[int, ...]]] = {}
 
-    def sample(self) -> CpuSample | None:
+    def sample(self, own: Sequence[int] = ()) -> CpuSample | None:
+        """The counters now; ``own``: the roots of processes whose ticks count as this one's."""
         try:
             busy, cpus = parse_proc_stat(self.proc_stat())
-            own = parse_self_stat(self.self_stat())
+            mine = parse_self_stat(self.self_stat())
         except (OSError, ValueError, IndexError):
             return None
-        return CpuSample(busy, own, cpus, self.clock())
+        theirs = self.tree(own) if own else {}
+        return CpuSample(busy, mine + sum(theirs.values()), cpus, self.clock(), frozenset(theirs))
 
-    def begin(self, key: str) -> None:
-        start = self.sample()
+    def begin(self, key: str, own: Sequence[int] = ()) -> None:
+        """Open window ``key``; ``own``: pids of processes doing this window's work (an engine's),
+        counted with their descendants as this process."""
+        start = self.sample(own)
         if start is not None:
-            self._open[key] = (start, self.gpu_pids() if self.gpu_pids else set())
+            self._open[key] = (start, self.gpu_pids() if self.gpu_pids else set(), tuple(own))
 
     def end(self, key: str) -> Contention | None:
         opened = self._open.pop(key, None)
-        end = self.sample()
-        if opened is None or end is None:
+        if opened is None:
             return None
-        start, pids = opened
+        start, pids, own = opened
+        end = self.sample(own)
+        if end is None:
+            return None
         pids |= self.gpu_pids() if self.gpu_pids else set()
-        return between(start, end, self.hz, pids)
+        return between(start, end, self.hz, pids - start.own_pids - end.own_pids)
 
 
 def sample_load(seconds: float = LOAD_SAMPLE_S, probe: ContentionProbe | None = None,

@@ -192,6 +192,9 @@ class _ScriptedEngine(Engine):
     def draft_id(self, spec):
         return None
 
+    def processes(self, spec):
+        return (424242,)  # where it would decode, were it a real engine
+
     def generate(self, spec, prompts, max_new_tokens, seed=0, on_phase=None):
         hook = on_phase or (lambda _phase: None)
         hook("prefill")
@@ -205,14 +208,19 @@ class _ScriptedEngine(Engine):
 
 
 def test_an_engine_rows_tokens_and_joules_per_token_count_only_the_decode_windows_tokens(
-        tmp_path, llama_pair):
+        tmp_path, llama_pair, monkeypatch):
     """B rows whose first tokens stream out of the prefill window: the decoding sweep's tokens/s
     and decode J/token divide by the tokens the decode window holds (B x (n - 1)), never by all
     of them."""
     from mtad_energy.bench.decode_batch import decode_batch_sweep
+    from mtad_energy.measure.contention import ContentionProbe
     from mtad_energy.measure.simulated import SimClock, SimulatedGPU, SimulatedMeter
     from mtad_energy.results import ResultStore
 
+    owns = []
+    real_begin = ContentionProbe.begin
+    monkeypatch.setattr(ContentionProbe, "begin", lambda self, key, own=(): owns.append(own)
+                        or real_begin(self, key, own))
     gpu = SimulatedGPU(idle_power_w=100.0, clock=SimClock())
     engine = _ScriptedEngine(gpu)
     decode_batch_sweep(llama_pair, [DecoderSpec("ar")], [2], [[5, 9, 4], [7, 3, 11]],
@@ -223,6 +231,7 @@ def test_an_engine_rows_tokens_and_joules_per_token_count_only_the_decode_window
     assert row["tokens_per_s"] == pytest.approx(8 / 2.0)
     assert row["energy_j"] == pytest.approx(100.0 * 2.0, rel=1e-6)  # the decode window's
     assert row["energy_per_token_j"] == pytest.approx(200.0 / 8, rel=1e-6)
+    assert owns == [(424242,), (424242,)]  # both windows count the engine's processes as own
 
 
 def test_an_engines_own_settings_are_checked_and_typed_before_anything_loads():
@@ -282,11 +291,18 @@ def test_the_runner_starts_the_engine_with_its_settings(tmp_path, llama_pair, mo
 
     monkeypatch.setattr(runner_mod, "load_engine", load)
     monkeypatch.setattr(type(engine_kind("vllm")), "installed", lambda self: True)
+    from mtad_energy.measure.contention import ContentionProbe
+
+    owns = []
+    real_begin = ContentionProbe.begin
+    monkeypatch.setattr(ContentionProbe, "begin", lambda self, key, own=(): owns.append(own)
+                        or real_begin(self, key, own))
     config = RunConfig(decoders=(DecoderSpec("ar"),), n_prompts=1, max_new_tokens=4,
                        engine="vllm", engine_options=(("max_num_seqs", "4"),),
                        measure=MeasureConfig(meter="none"), warmup=False)
     runner_mod.run_profile(config, ResultStore(tmp_path), pair=llama_pair)
     assert started == [("vllm", {"max_num_seqs": "4"})]
+    assert owns == [(424242,), (424242,)]  # its windows count the engine's processes as own
 
 
 def test_a_second_vllm_that_cannot_start_on_a_gpu_says_how_to_split_the_memory():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mtad_energy.config import DecoderSpec, ModelSpec
@@ -77,6 +79,24 @@ def test_the_batch_clock_gives_each_row_the_tokens_and_seconds_of_the_decode_win
         ve.BatchClock(1, t0_s=0.0).row(0, 0)
 
 
+def test_an_engine_waits_until_the_other_engines_stop_spinning():
+    """vLLM's worker busy-loops 1 s after it decoded: another configuration's engine starts a
+    measured call only once every other engine of the run is past that second."""
+    assert ve.settle_s(10.0, {}, "a") == 0.0
+    assert ve.settle_s(10.0, {"a": 9.9}, "a") == 0.0  # its own spin is its own work
+    assert ve.settle_s(10.0, {"a": 9.9, "b": 9.5}, "a") == pytest.approx(0.6)
+    assert ve.settle_s(10.0, {"b": 8.0}, "a") == 0.0
+
+
+def test_the_engine_core_pids_come_from_the_started_llm():
+    from types import SimpleNamespace as NS
+
+    llm = NS(llm_engine=NS(engine_core=NS(resources=NS(engine_manager=NS(
+        processes=[NS(pid=4242), NS(pid=None)])))))
+    assert ve.engine_core_pids(llm) == (4242,)
+    assert ve.engine_core_pids(NS(llm_engine=NS())) == ()  # in-process, or the path moved
+
+
 def test_counters_are_diffed_per_call():
     before = {"vllm:spec_decode_num_drafts": 5, "vllm:spec_decode_num_draft_tokens": 15,
               "vllm:spec_decode_num_accepted_tokens": 9, ve.PER_POS: [4, 3]}
@@ -116,6 +136,12 @@ def test_vllm_engine_one_real_load(capfd):
         eng.warm_up(spec, [prompt], 16)
         (gen,) = eng.generate(spec, [prompt], 16, on_phase=phases.append)
         two = eng.generate(spec, [prompt, prompt], 16)
+        # the windows count the engine's own processes (its core and worker) as the work's own
+        from mtad_energy.measure.contention import process_tree
+
+        own = eng.processes(spec)
+        assert own and len(process_tree(own)) >= 2
+        assert set(process_tree(own)) <= set(process_tree([os.getpid()]))
     finally:
         eng.close()
     printed = capfd.readouterr().out

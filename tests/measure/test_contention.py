@@ -21,6 +21,7 @@ from mtad_energy.measure.contention import (
     parse_proc_stat,
     parse_self_stat,
     passive_openmp_default,
+    process_tree,
     row_contention,
 )
 from mtad_energy.measure.env import snapshot
@@ -144,6 +145,55 @@ def test_a_spinning_process_during_a_window_gets_it_flagged() -> None:
         spinner.wait()
     assert c is not None and c.contended, c
     assert c.others_cpu_s >= CONTENDED_CORES * c.wall_s
+
+
+def test_a_windows_own_processes_count_as_this_one_not_as_others() -> None:
+    """Real /proc: the same spinner in two windows open at once; where it is the window's own
+    (an engine decoding in a process of its own), its ticks leave the others' share."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        probe = ContentionProbe()
+        probe.begin("plain")
+        probe.begin("mine", own=(spinner.pid,))
+        time.sleep(1.5)
+        mine, plain = probe.end("mine"), probe.end("plain")
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert plain.others_cpu_s - mine.others_cpu_s >= CONTENDED_CORES * plain.wall_s, (plain, mine)
+
+
+def test_a_process_tree_is_the_roots_and_every_live_descendant() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable,"
+         " '-c', 'import time; time.sleep(30)']); print(p.pid, flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        assert set(process_tree([child.pid])) == {child.pid, grandchild}
+        assert {os.getpid(), child.pid, grandchild} <= set(process_tree([os.getpid()]))
+        assert all(t >= 0 for t in process_tree([child.pid]).values())
+    finally:
+        child.kill()
+        child.wait()
+        os.kill(grandchild, 9)
+    assert process_tree([child.pid]) == {}  # gone: nothing of it is counted
+
+
+def test_an_engines_processes_leave_the_gpu_list_and_the_cpu_share() -> None:
+    fake, clock = FakeProc(), StepClock(0.0)
+    ticks = {7: 10, 8: 5}  # an engine core (7) and its worker (8)
+    probe = ContentionProbe(proc_stat=lambda: fake.stat, self_stat=lambda: fake.own, clock=clock,
+                            hz=HZ, gpu_pids=lambda: {8, 99}, tree=lambda roots: dict(ticks))
+    probe.begin("w", own=(7,))
+    # 1 s: 150 busy ticks: this process 60, the engine's two processes 80 -> others 10
+    ticks.update({7: 40, 8: 55})
+    fake.stat, fake.own, clock.now_s = proc_stat(1100, 550, 9050), self_stat(140, 70), 1.0
+    c = probe.end("w")
+    assert c.others_cpu_s == pytest.approx(0.10)  # 0.1 core: not contended on the CPU
+    assert c.gpu_other_pids == (99,)  # its worker on the GPU is the window's own; 99 is not
+    assert c.contended
 
 
 def test_nvml_listing_another_process_flags_the_window(fake_nvml: FakeNvml) -> None:
