@@ -3,6 +3,7 @@
     export PYTHONPATH=$PWD OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
     python experiments/vllm_options.py compiled [--sizes 1,16]   # -> results/engines/vllm_compiled.*
     python experiments/vllm_options.py k0 [--sizes 1,8]          # -> results/engines/vllm_k0.*
+    python experiments/vllm_options.py settle [--sizes 1,2,4]    # -> results/engines/vllm_settle.*
 
 `compiled`: one engine per mode (`enforce_eager` True / False: vLLM's default compilation on the
 CPU, its torch.compile cache in ~/.cache/vllm, cold or warm as found and recorded), started one
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 OUT = Path(__file__).parent / "results" / "engines"
@@ -134,15 +136,83 @@ def k0(args) -> None:
            "`ar` (the first: 'vs the first' is vs ar); `python experiments/vllm_options.py k0`."])
 
 
+def decode_probe(own: tuple[int, ...], sink: list):
+    """A phase hook that appends the decode window's others' cores (``own`` counted as ours)."""
+    from mtad_energy.measure.contention import ContentionProbe
+
+    probe = ContentionProbe()
+
+    def hook(phase: str) -> None:
+        if phase == "decode":
+            probe.begin("decode", own)
+        elif phase == "end":
+            sink.append(probe.end("decode").others_cores)
+    return hook
+
+
+SPIN_S = 1.0  # vLLM 0.32's worker busy-loops this long after it decoded (`shm_broadcast`)
+
+
+def settle(args) -> None:
+    """Whether the engine that just decoded disturbs the next configuration's engine: its worker
+    busy-loops `SPIN_S` after its last step. In one process, per repeat, every configuration once
+    after waiting that out (``settled``: SPIN_S + 0.1 s, outside the windows) and once straight
+    after the previous one (the two modes' order alternating); tokens/s = decode_tokens / the
+    decode window; per mode, each configuration's median and its ratio to ar's."""
+    from mtad_energy.config import DecoderSpec, ModelSpec
+    from mtad_energy.engines import vllm
+
+    prompts = mtbench_ids()
+    specs = {"ar": DecoderSpec.of("ar", temperature="0"),
+             "spd k=1": DecoderSpec.of("spd", gamma="1", temperature="0"),
+             "spd k=2": DecoderSpec.of("spd", gamma="2", temperature="0")}
+    load = [os.getloadavg()]
+    engine = vllm.VllmEngine(ModelSpec(), {"max_num_seqs": 16})
+    rows = []
+    try:
+        for spec in specs.values():
+            engine.warm_up(spec, prompts[:1], args.tokens)
+        for b in (int(s) for s in args.sizes.split(",")):
+            batch = [prompts[i % len(prompts)] for i in range(b)]
+            got = {(m, n): [] for m in ("settled", "unsettled") for n in specs}
+            others = {key: [] for key in got}
+            for rep in range(args.repeats):
+                for mode in (("settled", "unsettled") if rep % 2 == 0 else ("unsettled", "settled")):
+                    for name, spec in specs.items():
+                        if mode == "settled":
+                            time.sleep(SPIN_S + 0.1)
+                        hook = decode_probe(engine.processes(spec), others[(mode, name)])
+                        gens = engine.generate(spec, batch, args.tokens, seed=rep, on_phase=hook)
+                        got[(mode, name)].append(sum(g.stats.decode_tokens for g in gens)
+                                                 / max(g.stats.decode_time_s for g in gens))
+            for (mode, name), values in got.items():
+                ar = statistics.median(got[(mode, "ar")])
+                rows.append({"batch_size": b, "config": f"{name} ({mode})",
+                             "tok_per_s": round(statistics.median(values), 1),
+                             "vs_first": statistics.median(values) / ar, "draft_tokens": "-",
+                             "others_cores": round(statistics.median(others[(mode, name)]), 2)})
+    finally:
+        engine.close()
+    write("vllm_settle", {"version": engine.version, "tokens": args.tokens, "spin_s": SPIN_S,
+                          "rows": rows, "_load": [*load, os.getloadavg()]},
+          f"vLLM engines of one run waiting out each other's busy-loop, or not ({engine.version}, "
+          f"enforce_eager, greedy, {args.tokens} tokens, median of {args.repeats})",
+          ["Per repeat every configuration once with the wait (`settled`) and once without, the "
+           "two modes' order alternating; 'vs the first' is vs ar in the same mode. The others' "
+           "cores of each decode window (the engine's own processes excluded) are in the JSON. "
+           "`python experiments/vllm_options.py settle`."])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("compiled", "k0"))
-    ap.add_argument("--sizes", default=None, help="default: 1,16 (compiled), 1,8 (k0)")
+    ap.add_argument("stage", choices=("compiled", "k0", "settle"))
+    ap.add_argument("--sizes", default=None, help="default: 1,16 (compiled), 1,8 (k0), 1,2,4 "
+                                                  "(settle)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    args.sizes = args.sizes or ("1,16" if args.stage == "compiled" else "1,8")
-    (compiled if args.stage == "compiled" else k0)(args)
+    args.sizes = args.sizes or {"compiled": "1,16", "k0": "1,8", "settle": "1,2,4"}[args.stage]
+    {"compiled": compiled, "k0": k0, "settle": settle}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -351,9 +351,12 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     out_dir = out.resolve()  # `--output .` has no name of its own
     # beside the store (it holds only tables), named by setting: an eager sweep into the same
     # store does not overwrite the compiled sweep's plot
-    setting = compile_label(compile_backend, dynamic_shapes)[1:] if compile else ""
+    # (an engine's sweep is named by its engines: an hf sweep into the same store keeps its own)
+    setting = "-".join([*(e for e in engines if e != "hf"),
+                        *([compile_label(compile_backend, dynamic_shapes)[1:]] if compile else [])])
     png = out_dir.parent / f"{out_dir.name}-crossover{'-' + setting if setting else ''}.png"
-    plot_batch_crossover(table, f"{pair.name}: decoders at batch sizes "
+    who = pair.name if engines == ["hf"] else f"{pair.name} ({', '.join(engines)})"
+    plot_batch_crossover(table, f"{who}: decoders at batch sizes "
                                 f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "
                                 f"{pair.describe()['device']})").savefig(png, dpi=150)
     if as_json:

@@ -11,9 +11,9 @@ first call that needs it (the runner's unmeasured warm-up, outside every window)
 run; its start time is in each Generation's ``config["engine_start_s"]`` (not in the
 engine configuration: that identifies rows). Its engine-core process and worker do the decoding:
 the windows count them as the measurement's own (`VllmEngine.processes`), never as another
-process's load. A worker busy-loops a second after it decoded (`SPIN_S`), so a call waits until
-every other engine of the run is past that second (`settle_s`, outside the windows): sibling
-configurations never load each other's windows.
+process's load; the other configurations' engines stay "other" (a worker busy-loops for a second
+after it decoded: `experiments/vllm_options.py settle` found no effect of that on the next
+configuration's speed on this CPU, and the contention columns would flag it where there is).
 
 Windows (`generate`): the requests go through the engine's own step loop (``LLMEngine.add_request``
 / ``step``), timed on the host: "prefill" opens before the requests are added; "decode" opens when
@@ -187,20 +187,6 @@ def iterations_of(n_tokens: int, per_step_accepted: Sequence[int], per_step_draf
     return its
 
 
-# vLLM's workers busy-loop on their shared-memory queue this long after their last read before
-# they sleep (vllm 0.32 `shm_broadcast.SpinCondition`, ``busy_loop_s=1``): measured here, the worker
-# of the engine that just decoded takes a whole core for that second
-SPIN_S = 1.0
-
-
-def settle_s(now_s: float, last_end_s: Mapping[str, float], key: str) -> float:
-    """Seconds to wait before engine ``key`` starts a measured call, so that no other engine of
-    this run is still busy-looping (`SPIN_S`, plus 0.1 s) since it last decoded: on shared cores
-    that spin would be another configuration's load inside this one's window."""
-    others = [t for k, t in last_end_s.items() if k != key]
-    return max([0.0, *(t + SPIN_S + 0.1 - now_s for t in others)])
-
-
 def engine_core_pids(llm: Any) -> tuple[int, ...]:
     """The pids of the engine-core processes of a started ``vllm.LLM`` (its workers are their
     children): ``llm_engine.engine_core.resources.engine_manager.processes`` in vllm 0.32; ()
@@ -313,7 +299,6 @@ class VllmEngine(Engine):
         if opts["gpu_memory_utilization"] is not None:  # else vLLM's default, keys kept
             self.config["gpu_memory_utilization"] = float(opts["gpu_memory_utilization"])
         self.start_s: dict[str, float] = {}
-        self.last_end_s: dict[str, float] = {}  # per engine: when it last decoded (`settle_s`)
 
     @staticmethod
     def _local(model_id: str) -> str:
@@ -367,7 +352,6 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
 
         llm, sc, key = self._llm(spec)  # starts outside the windows
-        time.sleep(settle_s(time.perf_counter(), self.last_end_s, key))  # others stop spinning
         hook = on_phase or (lambda _phase: None)
         params = self.params(spec)
         engine = llm.llm_engine
@@ -402,8 +386,6 @@ class VllmEngine(Engine):
             hook("end")
         except Exception as error:  # noqa: BLE001
             raise EngineError(f"vLLM died during {spec.name}: {error}") from error
-        finally:
-            self.last_end_s[key] = time.perf_counter()
         counters = counters_diff(counters_of(llm.get_metrics()), before) if sc else None
         gens = []
         per_token = 1 if sc and sc["method"] == "draft_model" else 0

@@ -360,6 +360,9 @@ def test_an_engine_sweep_takes_parameter_values_only_the_engine_has(tmp_path, mo
     assert sorted(set(rows["label"])) == ["ar", "spd(gamma=0)", "spd(gamma=1)"]
     assert len(rows) == 6 and loaded == [{"max_num_seqs": "4"}]
     assert (rows["decode_tokens"] == rows["batch_size"] * 3).all()  # n - 1 per row in the window
+    # the plot is named by its engine: an hf sweep into the same store keeps its own
+    assert json.loads(out.stdout)["plot"] == str(tmp_path / "s-crossover-vllm.png")
+    assert (tmp_path / "s-crossover-vllm.png").is_file()
     with pytest.raises(ValueError, match="gamma must be >= 1"):  # hf's own rule, where hf runs
         DecoderSpec.of("spd", gamma="0").build()
 

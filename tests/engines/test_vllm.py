@@ -79,15 +79,6 @@ def test_the_batch_clock_gives_each_row_the_tokens_and_seconds_of_the_decode_win
         ve.BatchClock(1, t0_s=0.0).row(0, 0)
 
 
-def test_an_engine_waits_until_the_other_engines_stop_spinning():
-    """vLLM's worker busy-loops 1 s after it decoded: another configuration's engine starts a
-    measured call only once every other engine of the run is past that second."""
-    assert ve.settle_s(10.0, {}, "a") == 0.0
-    assert ve.settle_s(10.0, {"a": 9.9}, "a") == 0.0  # its own spin is its own work
-    assert ve.settle_s(10.0, {"a": 9.9, "b": 9.5}, "a") == pytest.approx(0.6)
-    assert ve.settle_s(10.0, {"b": 8.0}, "a") == 0.0
-
-
 def test_the_engine_core_pids_come_from_the_started_llm():
     from types import SimpleNamespace as NS
 
