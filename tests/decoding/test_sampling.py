@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mtad_energy.decoding.sampling import Warp, gumbel_topk, residual, sample, warp_probs
@@ -39,13 +39,17 @@ def test_temperature_scales_logits_and_zero_is_greedy():
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.floats(-5, 5), min_size=2, max_size=30), st.integers(0, 12),
        st.floats(0.05, 1.0), st.floats(0.3, 2.0))
+# a denormal logit that the temperature rounds to 0 ties with the logit 0 at the cut (found by
+# hypothesis under transformers 5.17's CI step): ties are counted on what the warp ranks
+@example(logits=[0.0, 1.0, 1.0, 1.401298464324817e-45], k=3, p=1.0, t=2.0)
 def test_warp_is_a_distribution_on_a_subset_of_the_top_k(logits, k, p, t):
     logits = torch.tensor(logits)
     out = warp_probs(logits, t, k, p)
     assert math.isclose(out.sum().item(), 1.0, rel_tol=1e-5)
     assert out[logits == logits.max()].sum() > 0  # a most likely token (ties: any) is kept
     if 0 < k < len(logits):
-        assert (out > 0).sum() <= k + (logits == logits.topk(k).values[-1]).sum() - 1
+        ranked = logits.float() / t  # the warp's top-k ranks the scaled logits
+        assert (out > 0).sum() <= k + (ranked == ranked.topk(k).values[-1]).sum() - 1
 
 
 @pytest.mark.parametrize("kwargs, message", [
