@@ -255,7 +255,7 @@ def validation_table(rows: pd.DataFrame | Sequence[Mapping[str, Any]], plan: Sch
         best = max(per, key=lambda name: per[name])
         k = k_at(plan.triples, int(b))
         # the schedule's k measured alone; an unmeasured k = 0 is compared with ar
-        same = f"k={k}" if f"k={k}" in per or k else BASELINE
+        same = BASELINE if k == 0 and "k=0" not in per else f"k={k}"
         tps = _median(mine, "tokens_per_s")
         out.append({
             "batch_size": int(b), "schedule_k": k, "schedule_tokens_per_s": tps,

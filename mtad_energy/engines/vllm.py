@@ -110,8 +110,8 @@ def speculative_config(spec_name: str, params: Mapping[str, Any], target_dir: st
         return None
     if gamma < 0 or (gamma == 0 and spec_name not in ("pld", "spd")):
         raise UnsupportedError(f"vLLM needs gamma >= 1 for {spec_name} (num_speculative_tokens)"
-                               + ("" if gamma < 0 or spec_name not in ("eagle", "medusa") else
-                                  "; gamma=0 (k = 0 under a schedule) is for pld and spd"))
+                               + ("; gamma=0 (k = 0 under a schedule) is for pld and spd"
+                                  if gamma == 0 else ""))
     if gamma == 0 and params.get("per_batch_size"):
         raise UnsupportedError("gamma=0 is k = 0 at every batch size; drop per_batch_size, or give "
                                "gamma the schedule's largest k")
@@ -309,7 +309,7 @@ class VllmEngine(Engine):
         return str(smollm2_dir()) if model_id == SMOLLM2_ID else model_id
 
     def draft_id(self, spec: DecoderSpec) -> str | None:
-        sc = speculative_config(spec.name, self.params(spec), self.target_dir, self.draft_dir)
+        sc, _ = self._key(spec)
         if sc is None:
             return None
         return f"vllm:{sc['method']}" + (f":{sc['model']}" if "model" in sc else "")

@@ -179,6 +179,17 @@ def test_the_cli_refuses_an_engine_parameter_beside_hf(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def recorded_owns(monkeypatch) -> list:
+    """The ``own`` processes each contention window is opened with, in order."""
+    from mtad_energy.measure.contention import ContentionProbe
+
+    owns: list = []
+    begin = ContentionProbe.begin
+    monkeypatch.setattr(ContentionProbe, "begin",
+                        lambda self, key, own=(): owns.append(own) or begin(self, key, own))
+    return owns
+
+
 class _ScriptedEngine(Engine):
     """An engine whose steps are a script on a simulated clock: each call's prefill window takes
     1 s and streams every row's first token, its decode window 2 s and the other tokens."""
@@ -213,14 +224,10 @@ def test_an_engine_rows_tokens_and_joules_per_token_count_only_the_decode_window
     and decode J/token divide by the tokens the decode window holds (B x (n - 1)), never by all
     of them."""
     from mtad_energy.bench.decode_batch import decode_batch_sweep
-    from mtad_energy.measure.contention import ContentionProbe
     from mtad_energy.measure.simulated import SimClock, SimulatedGPU, SimulatedMeter
     from mtad_energy.results import ResultStore
 
-    owns = []
-    real_begin = ContentionProbe.begin
-    monkeypatch.setattr(ContentionProbe, "begin", lambda self, key, own=(): owns.append(own)
-                        or real_begin(self, key, own))
+    owns = recorded_owns(monkeypatch)
     gpu = SimulatedGPU(idle_power_w=100.0, clock=SimClock())
     engine = _ScriptedEngine(gpu)
     decode_batch_sweep(llama_pair, [DecoderSpec("ar")], [2], [[5, 9, 4], [7, 3, 11]],
@@ -291,12 +298,7 @@ def test_the_runner_starts_the_engine_with_its_settings(tmp_path, llama_pair, mo
 
     monkeypatch.setattr(runner_mod, "load_engine", load)
     monkeypatch.setattr(type(engine_kind("vllm")), "installed", lambda self: True)
-    from mtad_energy.measure.contention import ContentionProbe
-
-    owns = []
-    real_begin = ContentionProbe.begin
-    monkeypatch.setattr(ContentionProbe, "begin", lambda self, key, own=(): owns.append(own)
-                        or real_begin(self, key, own))
+    owns = recorded_owns(monkeypatch)
     config = RunConfig(decoders=(DecoderSpec("ar"),), n_prompts=1, max_new_tokens=4,
                        engine="vllm", engine_options=(("max_num_seqs", "4"),),
                        measure=MeasureConfig(meter="none"), warmup=False)
