@@ -37,16 +37,6 @@ class EngineSetting:
     default: Any
     help: str
 
-    def coerce(self, key: str, value: Any, engine: str) -> Any:
-        if not isinstance(value, str):
-            return value
-        if self.type is bool:
-            if value.lower() not in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
-                raise UnsupportedError(f"--engine-option {key}={value!r} is not true or false "
-                                       f"(engine {engine!r})")
-            return value.lower() in {"1", "true", "yes", "on"}
-        return _coerce(value, self.type(), key, engine)
-
 
 @dataclass(frozen=True)
 class EngineKind:
@@ -80,7 +70,7 @@ class EngineKind:
                 has = ", ".join(sorted(self.settings)) or "none"
                 raise UnsupportedError(f"engine {self.name!r} has no option {key!r} (it has: "
                                        f"{has}); drop --engine-option {key}")
-            out[key] = self.settings[key].coerce(key, value, self.name)
+            out[key] = _coerce(value, self.settings[key].type(), key, self.name)
         return out
 
     def method(self, decoder: str) -> str:
@@ -143,12 +133,19 @@ class EngineKind:
                 f"engine {self.name!r} is not installed: pip install -e \".[{self.extra}]\"")
 
 
+TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
 def _coerce(value: Any, default: Any, key: str, engine: str) -> Any:
+    """A CLI string as ``default``'s type (a decoder parameter's or an engine setting's); a value
+    of another type, or a boolean that is neither true nor false, is refused by name."""
     if not isinstance(value, str):
         return value
+    if isinstance(default, bool):
+        if value.lower() not in TRUE | FALSE:
+            raise UnsupportedError(f"{key}={value!r} is not true or false (engine {engine!r})")
+        return value.lower() in TRUE
     try:
-        if isinstance(default, bool):
-            return value.lower() in {"1", "true", "yes", "on"}
         return type(default)(value)
     except ValueError:
         what = {int: "an integer", float: "a number"}.get(type(default), type(default).__name__)
