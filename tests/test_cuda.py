@@ -150,6 +150,30 @@ def test_compiled_path_with_cuda_graphs_matches_eager_greedy_output(model_dirs, 
         ["target", "draft"] if decoder.draft_model(pair) is not None else ["target"])
 
 
+@pytest.mark.parametrize("name", ["ar", "spd", "mtad"])
+def test_host_work_on_cuda_is_what_the_cpu_counts(model_dirs, name):
+    """Compiled on CUDA (inductor, CUDA graphs), the host-work counter finds one host read per
+    iteration (the read-back) and the ops the CPU budget allows, plus what only CUDA adds: a
+    clone per CUDA-graph output and a pinned copy per host list sent to the device (two per
+    forward at most)."""
+    from mtad_energy.bench.host_count import counted_generation
+    from mtad_energy.measure.host_work import HostWorkSites
+    from tests.decoding.host_reads import site_at_read_back
+    from tests.decoding.test_host_syncs import OPS_BUDGET
+
+    pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device=DEVICE,
+                     dtype="fp32")
+    decoder = me.get_decoder(name, top_k=0, top_p=1.0)
+    counted_generation(decoder, pair, [PROMPT], 16, compile=True)  # compiles every shape
+    counter = HostWorkSites()
+    gens, work = counted_generation(decoder, pair, [PROMPT], 16, compile=True, counter=counter)
+    s = gens[0].stats
+    assert work.reads == s.iterations and all(site_at_read_back(x) for x in counter.read_sites)
+    forwards = (s.draft_forwards + s.target_forwards) / s.iterations
+    assert work.columns()["host_ops_per_iter"] <= OPS_BUDGET[name] + 2 * forwards, (
+        dict(counter.sites.most_common(15)))
+
+
 def test_calibrate_on_the_gpu_stores_a_record_later_runs_reference(calibration_records):
     """`mtad-energy calibrate --quick` on the real GPU: every meter side by side, a verdict, and a
     record under the GPU's UUID that the next snapshot references."""

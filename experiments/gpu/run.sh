@@ -33,14 +33,15 @@
 # nvidia-h100-80gb-hbm3), --smoke, --budget-s N (batch, decoders, batched: no new row once N s
 # have passed since this script started; every row measured is stored, a re-run goes on),
 # --decoders LIST, --sizes LIST (batched), --modes eager,compiled, --backend NAME and
-# --dynamic-shapes (the compiled modes: rows of their own), --pack FILE.tgz (tar the results
-# folder at the end). Random weights (random:SHAPE) are valid for time and energy, not for
+# --dynamic-shapes (the compiled modes: rows of their own), --tests-timeout N (the tests stage's
+# limit, default 330 s), --pack FILE.tgz (tar the results folder at the end). Random weights (random:SHAPE) are valid for time and energy, not for
 # acceptance or quality. The kit only reads the card's state: never clocks, limits or modes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 STAGES_ALL=(env tests calibrate batch decoders batched real tables)
 smoke=0 out="" budget_s="" only_decoders="" sizes="" modes="eager,compiled" backend="" dynamic=0 pack=""
+tests_timeout=330
 stages=()
 while (($#)); do
   case "$1" in
@@ -54,10 +55,13 @@ while (($#)); do
     --backend) backend=$2; shift ;;
     --dynamic-shapes) dynamic=1 ;;
     --pack) pack=$2; shift ;;
+    --tests-timeout) [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "run.sh: --tests-timeout takes whole" \
+                       "seconds, got '${2:-}'" >&2; exit 2; }; tests_timeout=$2; shift ;;
     all) stages+=("${STAGES_ALL[@]}") ;;
     env|tests|calibrate|batch|decoders|batched|real|tables) stages+=("$1") ;;
     *) echo "run.sh: unknown argument '$1': stages are ${STAGES_ALL[*]} or all; options --smoke" \
-         "--out --budget-s --decoders --sizes --modes --backend --dynamic-shapes --pack" >&2; exit 2 ;;
+         "--out --budget-s --decoders --sizes --modes --backend --dynamic-shapes --tests-timeout" \
+         "--pack" >&2; exit 2 ;;
   esac
   shift
 done
@@ -113,7 +117,7 @@ stage_tests() {
   local args=(-m pytest -m gpu -q -rfEs -p no:cacheprovider tests)
   if ((smoke)); then args+=(--collect-only); else args+=("--junitxml=$R/gpu_tests.xml"); fi
   log "pytest -m gpu $( ((smoke)) && echo '--collect-only (smoke: they need CUDA)')"
-  timeout 330 "$PY" "${args[@]}" > "$R/gpu_tests.log" 2>&1
+  timeout "$tests_timeout" "$PY" "${args[@]}" > "$R/gpu_tests.log" 2>&1
   local rc=$?; log "tests: $(grep -v '^\s*$' "$R/gpu_tests.log" | tail -1)"; return $rc
 }
 stage_calibrate() {

@@ -128,6 +128,8 @@ def per_iteration(rows: pd.DataFrame, energy: str) -> pd.DataFrame:
         "j_per_iter": pd.to_numeric(rows[energy]) / it,
         "compile_s": rows.get("compile_s", 0.0), "graphs_compiled": rows.get("graphs_compiled", 0),
         "random_weights_block_eff": rows.block_efficiency})
+    for c in ("host_ops_per_iter", "graph_calls_per_iter", "host_reads_per_iter"):  # counted
+        out[c] = pd.to_numeric(rows[c]) if c in rows else float("nan")  # (rows before: none)
     if "batch_size" in rows:
         out.insert(2, "batch_size", rows.batch_size)
         out["peak_memory_gb"] = pd.to_numeric(rows.get("peak_memory_bytes")) / 1e9

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from mtad_energy.bench.budget import Budget
+from mtad_energy.bench.host_count import counted_generation, warm_up_tokens
 from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
 from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
 from mtad_energy.decoding.base import Decoder
@@ -48,6 +49,7 @@ from mtad_energy.engines import Engine, hf_columns
 from mtad_energy.engines.base import EngineDecoder, with_perplexity
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
+from mtad_energy.measure.host_work import NO_HOST_WORK
 from mtad_energy.models import ModelPair
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -144,6 +146,7 @@ def decode_batch_sweep(
     for b in dict.fromkeys(int(s) for s in sizes):
         rows = [list(prompts[i % len(prompts)]) for i in range(b)]
         warm: set[DecoderSpec] = set()  # warmed up at this size
+        host: dict[DecoderSpec, dict[str, Any]] = {}  # host work per iteration, counted then
         skipped: set[DecoderSpec] = set()
         released = False
         # decoders interleaved per repeat (drift and load hit them alike), each warmed up once
@@ -181,8 +184,10 @@ def decode_batch_sweep(
                                 if compile and not released:
                                     _release()
                                     released = True
-                                warm_gens = _warm_up(decoder, pair, rows, max_new_tokens, seed,
-                                                     compiling)
+                                warm_gens, work = counted_generation(  # its host work
+                                    decoder, pair, rows, warm_up_tokens(max_new_tokens, compiling),
+                                    seed, compiling)
+                                host[spec] = work.columns()
                         except torch.OutOfMemoryError as error:
                             why = _out_of_memory(b, error)
                     if why is None:
@@ -199,7 +204,8 @@ def decode_batch_sweep(
                         continue
                     row = without_unseen_energy({  # compiled + simulated: static joules alone
                         "row_key": key, "created_unix_s": time.time(), "env_id": env_id,
-                        **identity, **columns, "label": spec.label, "compile": compile, **row})
+                        **identity, **columns, "label": spec.label, "compile": compile, **row,
+                        **host.get(spec, NO_HOST_WORK)})
                     try:
                         store.write("decode_batch", key, [row])
                         measured = True
@@ -228,16 +234,6 @@ def _release() -> None:
     from mtad_energy.decoding.static import release_engines
 
     release_engines()
-
-
-def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int,
-             seed: int, compile: bool) -> list[Generation]:
-    """Eager: first-call allocations (a few tokens). Compiled: a full-length generation (the
-    caller has freed the static caches of other batch sizes, `_release`), so every shape this
-    batch size uses is compiled (and on CUDA recorded) here, not inside the measured window."""
-    return generate_rows(decoder, pair, rows,
-                         max_new_tokens if compile else min(8, max_new_tokens),
-                         seed=seed, compute_perplexity=False, compile=compile)
 
 
 def _out_of_memory(b: int, error: BaseException) -> str:

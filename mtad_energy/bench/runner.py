@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mtad_energy.bench.budget import Budget
+from mtad_energy.bench.host_count import counted_generation, warm_up_tokens
 from mtad_energy.bench.phase_windows import (
     FLAG_COMPILED_IN_WINDOW,
     PhaseWindows,
@@ -66,6 +67,7 @@ from mtad_energy.measure import (
 )
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.measure.env import calibrated
+from mtad_energy.measure.host_work import NO_HOST_WORK
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -128,6 +130,7 @@ class Runner:
                                else hf_columns(config.compile))
         self._decoders: dict[DecoderSpec, Decoder] = dict(zip(config.decoders, built, strict=False))
         self._warm: set[tuple] = set()  # `warm_key`s warmed up
+        self._host: dict[tuple, dict[str, Any]] = {}  # host work per iteration, per `warm_key`
         self.budget: Budget | None = None  # once spent, `iter_run` starts no new batch
 
     @property
@@ -185,10 +188,11 @@ class Runner:
             self.engine.warm_up(spec, prompts, c.max_new_tokens, seed=c.seed)
             self._warm.add(key)
             return []
-        gens = generate_rows(self._decoders[spec], self.pair, list(prompts),
-                             c.max_new_tokens if c.compile else min(8, c.max_new_tokens),
-                             seed=c.seed, compute_perplexity=False, compile=c.compile_arg)
+        gens, work = counted_generation(self._decoders[spec], self.pair, prompts,
+                                        warm_up_tokens(c.max_new_tokens, c.compile), c.seed,
+                                        c.compile_arg)
         self._warm.add(key)
+        self._host[key] = work.columns()  # the rows measured with these shapes carry it
         return gens
 
     def warm_key(self, spec: DecoderSpec, prompts: Sequence[list[int]]) -> tuple:
@@ -264,8 +268,9 @@ class Runner:
         for unit, key, ids, gen in zip(units, keys, prompts, gens, strict=False):  # not the fill
             share = 1.0 if len(gens) == 1 else (
                 gen.stats.tokens_emitted / total_tokens if total_tokens else 1.0 / len(gens))
-            rows.append(self._store_row(unit, key, ids, gen, seed, {**energy, **measured},
-                                        mitigation, share, len(gens)))
+            rows.append(self._store_row(unit, key, ids, gen, seed, {
+                **energy, **measured, **self._host.get(self.warm_key(spec, prompts), NO_HOST_WORK)},
+                mitigation, share, len(gens)))
         return rows
 
     def _generate(self, spec: DecoderSpec, prompts: list[list[int]], seed: int,

@@ -11,7 +11,13 @@ from typing import Annotated
 
 import typer
 
-from mtad_energy.cli.options import ignored_draft_notes, pair_alias, parse_sets
+from mtad_energy.cli.options import (
+    Eager,
+    ignored_draft_notes,
+    pair_alias,
+    parse_sets,
+    resolve_compile,
+)
 from mtad_energy.cli.output import console, emit, esc, fail, json_command, quiet_libraries, wrapping_table
 from mtad_energy.cli.tables import stats_table
 
@@ -106,7 +112,9 @@ def generate(
     chat: Annotated[bool | None, typer.Option(
         "--chat/--no-chat", help="apply the chat template (default: when the tokenizer has one)")] = None,
     compile: Annotated[bool, typer.Option(
-        "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA)")] = False,
+        "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA; the "
+                          "default there)")] = False,
+    eager: Eager = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ):
     """Decode one prompt and print the text and its statistics."""
@@ -116,11 +124,12 @@ def generate(
 
     quiet_libraries()
     try:
+        compiled = resolve_compile(compile, eager, device)  # refused before anything loads
         dec = get_decoder(decoder, **parse_sets(set_))
         pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
                          dtype=dtype, with_draft=dec.needs_draft, heads=head_kinds([dec]))
         gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat,
-                  compile=compile)
+                  compile=compiled)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     notes = ignored_draft_notes([dec], pair_alias(model, target), target, draft, device)

@@ -27,6 +27,7 @@ from mtad_energy.cli.options import (
     Draft,
     Dtype,
     DynamicShapes,
+    Eager,
     Json,
     MaxNew,
     Meter,
@@ -44,6 +45,7 @@ from mtad_energy.cli.options import (
     decoder_specs,
     pair_head_kinds,
     parse_sets,
+    resolve_compile,
     split_list,
 )
 from mtad_energy.cli.output import console, esc, fail, json_command
@@ -62,7 +64,7 @@ def profile(
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, compile_backend: CompileBackend = None,
+    compile: Compile = False, eager: Eager = False, compile_backend: CompileBackend = None,
     dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
     engine: EngineOption = "hf", engine_option: EngineOptions = None, budget_s: BudgetS = None,
     as_json: Json = False,
@@ -76,7 +78,8 @@ def profile(
         specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_), engine)
         config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
                               seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "profile", require_energy, compile, batch_size,
+                              allow_code_execution, "profile", require_energy,
+                              resolve_compile(compile, eager, device, engine), batch_size,
                               compile_backend, dynamic_shapes)
         check_columns(columns)
         configs = engine_configs(config, engine, options=engine_options(engine_option, engine))
@@ -99,7 +102,7 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="markdown table file "
                                                        "(default: <output>.md)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
-    compile: Compile = False, compile_backend: CompileBackend = None,
+    compile: Compile = False, eager: Eager = False, compile_backend: CompileBackend = None,
     dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
     engine: EngineOption = "hf", engine_option: EngineOptions = None, budget_s: BudgetS = None,
     as_json: Json = False,
@@ -116,7 +119,8 @@ def compare(
         specs = decoder_specs(names, parse_sets(set_), engine)
         config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
                               seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "compare", require_energy, compile, batch_size,
+                              allow_code_execution, "compare", require_energy,
+                              resolve_compile(compile, eager, device, engine), batch_size,
                               compile_backend, dynamic_shapes)
         check_columns(columns)
         configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS),

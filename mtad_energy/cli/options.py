@@ -251,6 +251,28 @@ Compile = Annotated[bool, typer.Option(
                       "stored under model '<model>+compile'")]
 
 
+Eager = Annotated[bool, typer.Option(
+    "--eager", help="eager forwards on a dynamic cache (the default on the CPU; on CUDA the "
+                    "default is --compile: eager rows there measure kernel launches, not the "
+                    "algorithm, and are labelled launch-bound)")]
+
+
+def resolve_compile(compile: bool, eager: bool, device: str, engine: str = "hf") -> bool:
+    """Whether a measuring command runs the compiled path: ``--compile`` or ``--eager`` as given
+    (both: refused), else compiled where the project's decoders (engine hf) run on CUDA, eager
+    elsewhere (the CPU; an engine runs its own forwards)."""
+    if compile and eager:
+        raise UsageError("--compile and --eager contradict each other: keep one (without either, "
+                         "the project's decoders run compiled on CUDA and eager on the CPU)")
+    if compile or eager:
+        return compile
+    if engine != "hf":
+        return False
+    from mtad_energy.models.pair import resolve_device
+
+    return resolve_device(device).type == "cuda"
+
+
 CompileBackend = Annotated[str | None, typer.Option(
     "--compile-backend", metavar="NAME",
     help="torch.compile backend of --compile (default inductor: CUDA graphs on CUDA; e.g. eager, "
@@ -293,7 +315,7 @@ FORWARD_ONLY_OPTIONS = ("runs", "forwards_per_run", "context_len", "mitigate", "
 
 
 DECODING_ONLY_OPTIONS = ("draft", "dataset", "n_prompts", "max_new_tokens", "repeats", "set_",
-                         "compile", "compile_backend", "dynamic_shapes")
+                         "compile", "eager", "compile_backend", "dynamic_shapes")
 
 
 def given_options(ctx: typer.Context, names: typing.Iterable[str]) -> list[str]:

@@ -36,6 +36,7 @@ from mtad_energy.cli.options import (
     Draft,
     Dtype,
     DynamicShapes,
+    Eager,
     Json,
     MaxNew,
     Meter,
@@ -59,6 +60,7 @@ from mtad_energy.cli.options import (
     parse_sets,
     parse_sizes,
     random_weight_notes,
+    resolve_compile,
     split_list,
 )
 from mtad_energy.cli.output import (
@@ -92,7 +94,7 @@ def sweep_param(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
-    require_energy: RequireEnergy = False, compile: Compile = False,
+    require_energy: RequireEnergy = False, compile: Compile = False, eager: Eager = False,
     compile_backend: CompileBackend = None, dynamic_shapes: DynamicShapes = False,
     batch_size: BatchSize = 1, columns: Columns = "speed", budget_s: BudgetS = None,
     as_json: Json = False,
@@ -117,7 +119,8 @@ def sweep_param(
             specs = list(decoder_specs([baseline], {})) + specs
         config = build_config(tuple(specs), model, target, draft, dataset, n_prompts,
                               max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat,
-                              ops, False, f"param-{decoder}", require_energy, compile, batch_size,
+                              ops, False, f"param-{decoder}", require_energy,
+                              resolve_compile(compile, eager, device), batch_size,
                               compile_backend, dynamic_shapes)
         check_columns(columns)
     except ValueError as error:
@@ -148,8 +151,9 @@ def sweep_batch_size(
     draft: Draft = None, dataset: Dataset = "mtbench",
     n_prompts: Annotated[int, typer.Option(min=1, help="prompts (cycled to fill a batch)")] = 4,
     max_new_tokens: MaxNew = 32, repeats: Annotated[int, typer.Option(min=1)] = 1,
-    set_: Sets = None, compile: Compile = False, compile_backend: CompileBackend = None,
-    dynamic_shapes: DynamicShapes = False, engine: EngineOption = "hf",
+    set_: Sets = None, compile: Compile = False, eager: Eager = False,
+    compile_backend: CompileBackend = None, dynamic_shapes: DynamicShapes = False,
+    engine: EngineOption = "hf",
     engine_option: EngineOptions = None, budget_s: BudgetS = None,
 ):
     """The paper's batch-size study: energy and time per run and per input.
@@ -178,6 +182,10 @@ def sweep_batch_size(
              f"drop {'it' if len(unused) == 1 else 'them'}"
              + ("" if decoder is not None else ", or add --decoder ar,spd,... to decode prompts"))
     if decoder is not None:
+        try:
+            compile = resolve_compile(compile, eager, device, engine)
+        except ValueError as error:
+            fail(error)
         _decode_batch_sweep(decoder, model, target, draft, sizes, dataset, n_prompts,
                             max_new_tokens, repeats, set_, meter, device, dtype, seed,
                             output or Path("results/batch-size-decode"), require_energy, as_json,
@@ -272,6 +280,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     from mtad_energy.measure import meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
+    from mtad_energy.results.analysis import LAUNCH_BOUND_NOTE
     from mtad_energy.results.crossover import (
         batch_crossover,
         crossover_display,
@@ -348,6 +357,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     notes = ignored_draft_notes(built, pair_alias(model, target), target,
                                 draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
     notes += [budget.note()] if budget is not None and budget.note() else []
+    if not compile and "hf" in engines and pair.describe()["device"].startswith("cuda"):
+        notes.append(LAUNCH_BOUND_NOTE)  # eager on a GPU: launches, not the algorithm
     out_dir = out.resolve()  # `--output .` has no name of its own
     # beside the store (it holds only tables), named by setting: an eager sweep into the same
     # store does not overwrite the compiled sweep's plot

@@ -50,6 +50,17 @@ ENERGY_COLUMNS = [("J/tok dec", "decode_energy_per_token_j"), ("draft", "draft_j
                   ("J/acc. draft", "j_per_accepted_draft_token"), ("rejected", "rejected_share")]
 
 
+# beside speed: what an iteration cost over its forwards, and the host work that explains it
+HOST_TABLE_COLUMNS = [("cost/fwd", "host_overhead"), ("host ops/it", "host_ops_per_iter"),
+                      ("graphs/it", "graph_calls_per_iter"), ("reads/it", "host_reads_per_iter")]
+
+HOST_NOTE = ("cost/fwd: decode time over the forwards' own time; host ops/it: aten ops the host "
+             "dispatched outside compiled graphs per iteration, graphs/it: compiled calls, reads/it: "
+             "host reads of device values (counted in the warm-up; on a GPU each op costs ~6-8 us "
+             "of host time; eager on the CPU, the warp's top-k shortcut reads too, which is free "
+             "there and never taken on a GPU)")
+
+
 ATTRIBUTED = {c for _, c in ENERGY_COLUMNS[1:]}  # from the energy model: n/a with its own reason
 
 
@@ -84,7 +95,7 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     from mtad_energy.results.analysis import compile_note, contention_note
 
     reasons: set[str] = set()
-    simulated = implausible = False
+    simulated = implausible = launch_bound = False
     if columns == "energy":
         cols = [("decoder", "label"), ("dataset", "dataset"), *ENERGY_COLUMNS]
     else:
@@ -94,6 +105,8 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
                 ("J/tok dec", "decode_energy_per_token_j"), ("J/tok", "energy_per_token_j")]
         extra = [c for c in ("rouge_l", "pass_at_1") if c in summary and summary[c].notna().any()]
         cols += [(c.replace("_", "-"), c) for c in extra]
+        cols += [(name, c) for name, c in HOST_TABLE_COLUMNS
+                 if c in summary and summary[c].notna().any()]
     if "model" in summary and summary["model"].nunique() > 1:  # engines side by side, say
         cols.insert(0, ("model", "model"))
     rows = []
@@ -111,7 +124,9 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
                         cells[-1] += " (simulated)"
             elif col in ("label", "dataset", "model"):
                 busy = col == "label" and columns == "energy" and r.get("n_contended")
-                cells.append(esc(v) + ("*" if busy else ""))
+                eager = col == "label" and bool(r.get("launch_bound"))
+                launch_bound |= eager
+                cells.append(esc(v) + ("*" if busy else "") + (" (launch-bound)" if eager else ""))
             elif col == "n_runs":  # "*": some were measured on a busy machine (caption)
                 cells.append(str(int(v)) + ("*" if r.get("n_contended") else ""))
             elif col in ATTRIBUTED:
@@ -122,7 +137,8 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
                 else:
                     cells.append(f"{v:.1%}" if col == "rejected_share" else f"{v:.3g}")
             else:
-                cells.append(fmt(v, "{:.1f}" if col == "tokens_per_s" else
+                cells.append(fmt(v, "{:.1f}" if col in ("tokens_per_s", "host_ops_per_iter",
+                                                        "graph_calls_per_iter") else
                                  "{:.3f}" if col == "perplexity" else "{:.2f}"))
                 if col == "speedup" and str(r.get("implausible")) == "True":
                     cells[-1] += " !"
@@ -141,10 +157,17 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
                                        f"{min(scale):.3f} to {max(scale):.3f}" if len(scale) else ""))
     elif not reasons:
         captions.append("tok/s, speed-up and J/tok dec: decode phase; J/tok: prefill + decode")
+    if columns != "energy" and any(c in summary and summary[c].notna().any()
+                                   for _, c in HOST_TABLE_COLUMNS):
+        captions.append(HOST_NOTE)
     if reasons:
         captions.append(("n/a: " if columns == "energy" else "J/tok n/a: ") + "; ".join(sorted(reasons)))
     if compiling := compile_note(summary):
         captions.append(compiling)
+    if launch_bound:
+        from mtad_energy.results.analysis import LAUNCH_BOUND_NOTE
+
+        captions.append(LAUNCH_BOUND_NOTE)
     captions += [n for n in [contention_note(summary)] if n]
     if captions:
         table.caption = esc("\n".join(captions))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mtad_energy.decoding.sampling import residual, sample
+from mtad_energy.decoding.sampling import residual, sample, sample_shape, sample_u, uniforms
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
@@ -22,17 +22,25 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     tokens are accepted and next_token is drawn from the residual at the first rejection, or
     from p[gamma] if none.
     """
+    u = uniforms(draft.shape, generator, p.device)
+    return speculative_accept_u(p, q, draft, u, uniforms(sample_shape(p[..., 0, :]), generator,
+                                                          p.device))
+
+
+def speculative_accept_u(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,
+                         u_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`speculative_accept` with its uniforms given: ``u`` (draft's shape) for the tests,
+    ``u_next`` for the next token's draw (`sample_u`'s)."""
     gamma = draft.shape[-1]
     p_x = p[..., :gamma, :].gather(-1, draft[..., None]).squeeze(-1)  # [..., gamma]
     q_x = q.gather(-1, draft[..., None]).squeeze(-1)
-    u = torch.rand(draft.shape, generator=generator, device=p.device)
     # accept while u * q(x) <= p(x), i.e. u <= min(1, p/q); q(x) > 0 because x was drawn from q
     accepted = (u * q_x <= p_x) & (p_x > 0)
     n = accepted.long().cumprod(-1).sum(-1)  # [...]
     q_pad = torch.cat([q, torch.zeros_like(p[..., :1, :])], -2)  # bonus row: residual == p
     at_n = n[..., None, None].expand(*n.shape, 1, p.shape[-1])
     next_dist = residual(p.gather(-2, at_n).squeeze(-2), q_pad.gather(-2, at_n).squeeze(-2))
-    return n, sample(next_dist, generator)
+    return n, sample_u(next_dist, u_next)
 
 
 def lookup_accept(p: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor,
@@ -46,15 +54,22 @@ def lookup_accept(p: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor,
     at the first rejection sample from norm(max(0, p_i - onehot(x_i))) (p without x_i); when all
     lens[b] are accepted, from p after them. Returns ``(n_accepted [B], next_token [B])``.
     """
+    u = uniforms(draft.shape, generator, p.device)
+    return lookup_accept_u(p, draft, lens, u, uniforms((draft.shape[0], 1), generator, p.device))
+
+
+def lookup_accept_u(p: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor, u: torch.Tensor,
+                    u_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookup_accept` with its uniforms given: ``u [B, gamma]`` for the tests, ``u_next [B, 1]``
+    for the next token's draw."""
     gamma = draft.shape[-1]
     p_x = p[:, :gamma].gather(-1, draft[..., None])[..., 0]  # [B, gamma]
-    u = torch.rand(draft.shape, generator=generator, device=p.device)
     real = torch.arange(gamma, device=p.device) < lens[:, None]
     n = ((u <= p_x) & (p_x > 0) & real).long().cumprod(-1).sum(-1)  # [B]
     p_n = p.gather(1, n[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V]
     x_n = torch.cat([draft, draft[:, :1]], 1).gather(1, n[:, None])[:, 0]  # [B]
     q_n = torch.nn.functional.one_hot(x_n, p.shape[-1]).to(p.dtype) * (n < lens)[:, None]
-    return n, sample(residual(p_n, q_n), generator)
+    return n, sample_u(residual(p_n, q_n), u_next)
 
 
 def joint_accept_length(log_p: torch.Tensor, log_q: torch.Tensor, log_tau: float) -> torch.Tensor:

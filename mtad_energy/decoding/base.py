@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 import torch
 
 from mtad_energy.decoding import cache as kv
-from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.decoding.kernels import Kernels
+from mtad_energy.decoding.sampling import Warp, sample_u, uniforms, warp_probs
 from mtad_energy.energy.work import Forward
 from mtad_energy.hf_cache import cache_kwargs
 
@@ -108,10 +109,17 @@ class StepResult:
         ``draft`` with ``nxt`` written at index n, of which n + 1 count. One sequence: draft
         ``[gamma]``, n and nxt 0-d; B rows: draft ``[B, gamma]``, n and nxt ``[B]``. ``depth``
         (default: the draft's length) may be per row (`Decoder.draft_lens`)."""
-        n1, nxt1 = n[..., None], nxt[..., None]
-        buf = torch.cat([draft, nxt1], -1).scatter(-1, n1, nxt1)
-        return cls(buf, proposed, n, n + 1, draft_cache_len,
+        buf, length = block_tokens(draft, n, nxt)
+        return cls(buf, proposed, n, length, draft_cache_len,
                    depth=draft.shape[-1] if depth is None else depth)
+
+
+def block_tokens(draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`StepResult.block`'s buffer as a pure function (a kernel's last step): ``draft[..., :n]``
+    then ``nxt`` in a buffer of gamma + 1, and its length n + 1."""
+    n1, nxt1 = n[..., None], nxt[..., None]
+    return torch.cat([draft, nxt1], -1).scatter(-1, n1, nxt1), n + 1
 
 
 class PhaseTimer:
@@ -382,7 +390,7 @@ class DecodeState:
     (EOS or max_new_tokens) are no longer `active`: they still ride along in the forwards, their
     output ignored."""
 
-    ids: torch.Tensor  # [B, capacity] on the model device
+    ids: torch.Tensor  # [B, `ids_width`] on the model device
     lengths: list[int]
     prompt_lens: list[int]
     max_new_tokens: int
@@ -397,6 +405,8 @@ class DecodeState:
     # what a decoder keeps from one iteration to the next of this generation (a head's input
     # features); decoders are reused across generations, so it lives here, not on them
     carry: dict[str, Any] = field(default_factory=dict)
+    # where the step's pure tensor functions run: eagerly, or compiled (`kernels`)
+    kernels: Kernels = field(default_factory=Kernels)
 
     def __post_init__(self) -> None:
         self.active = self.active or [True] * len(self.lengths)
@@ -413,6 +423,11 @@ class DecodeState:
             raise ValueError("DecodeState.n is for one sequence; this state holds "
                              f"{self.batch} rows (use lengths)")
         return self.lengths[0]
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        """Uniforms in [0, 1) of ``shape`` on the model device, from the generation's generator:
+        a kernel's draws (`kernels`)."""
+        return uniforms(shape, self.generator, self.ids.device)
 
     def row_remaining(self, b: int) -> int:
         return self.prompt_lens[b] + self.max_new_tokens - self.lengths[b]
@@ -457,14 +472,28 @@ class DecodeState:
         idx = self.lengths_on_device()[:, None] - k + torch.arange(k, device=self.ids.device)
         return self.ids.gather(1, idx.clamp_min(0)), counts
 
-    def append(self, b: int, tokens: torch.Tensor, host: list[int]) -> None:
-        """Append ``tokens [m]`` (on the device; ``host``: the same m tokens read back) to row b."""
-        n, m = self.lengths[b], tokens.shape[0]
-        self.ids[b, n:n + m] = tokens
-        self.lengths[b] = n + m
+    def append_rows(self, block: torch.Tensor, host: list[list[int]]) -> None:
+        """Append to each row b the first len(host[b]) tokens of ``block [B, M]`` (on the device;
+        ``host[b]``: those tokens read back, [] for a row that takes none). One copy for all
+        rows: the whole block lands after each row's tokens (``ids`` has M - 1 columns to spare,
+        `ids_width`), and only the first len(host[b]) count."""
+        m = block.shape[1]
+        if self.batch == 1:
+            self.ids[:, self.lengths[0]:self.lengths[0] + m].copy_(block)
+        else:
+            at = self.lengths_on_device()[:, None] + torch.arange(m, device=block.device)
+            self.ids.scatter_(1, at, block)
+        for b, tokens in enumerate(host):
+            self.lengths[b] += len(tokens)
+            if self.tokens:
+                self.tokens[b].extend(tokens)
         self._lengths_dev = None
-        if self.tokens:
-            self.tokens[b].extend(host)
+
+
+def ids_width(prompt_lens: list[int], max_new_tokens: int, lookahead: int) -> int:
+    """Columns of `DecodeState.ids`: the longest row, and room for a whole block of lookahead +
+    1 tokens after any row's last (`DecodeState.append_rows` writes blocks whole)."""
+    return max(prompt_lens) + max_new_tokens + lookahead + 1
 
 
 def cap_per_row(n: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -474,10 +503,18 @@ def cap_per_row(n: torch.Tensor, lens: list[int]) -> torch.Tensor:
     return torch.minimum(n, to_device(lens, n.device))
 
 
+def next_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
+               top_p: float) -> torch.Tensor:
+    """``[B, 1]``: one token per row from warped p at the last position of ``logits [B, k, V]``
+    (uniforms ``u [B, 1]``): a kernel."""
+    return sample_u(warp_probs(logits[:, -1], temperature, top_k, top_p), u)[:, None]
+
+
 def target_step(s: DecodeState, warp: Warp) -> StepResult:
     """One token per row sampled from warped p after the sequence: ``ar``'s step, and what a
     drafting decoder does when only one token is left (drafting would be wasted)."""
-    return StepResult(sample(warp.probs(s.target(s.last_token)[:, -1]), s.generator)[:, None])
+    logits = s.target(s.last_token)  # [B, 1, V]
+    return StepResult(s.kernels(next_token, logits, s.uniform(s.batch, 1), *warp.args))
 
 
 class Decoder:

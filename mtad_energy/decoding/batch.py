@@ -67,6 +67,9 @@ class RowLayout:
         self.cols = [[] for _ in range(seqs)]
         self.width = 1
         self.pad = pad
+        # whether `cols` names each sequence's columns exactly (False after a tree keep, which
+        # records an upper bound; compaction makes them exact again)
+        self._exact = True
 
     # -- storage (subclasses) ------------------------------------------------------------------
     def _valid(self) -> torch.Tensor:
@@ -104,14 +107,31 @@ class RowLayout:
         """Keep the first lengths[b] tokens of row b; cut the columns no row holds; compact when
         too many dead columns have piled up (`_should_compact`)."""
         if any(len(c) > n for c, n in zip(self.cols, lengths, strict=True)):
+            dropped = [c[n:] for c, n in zip(self.cols, lengths, strict=True)]
             self.cols = [c[:n] for c, n in zip(self.cols, lengths, strict=True)]
-            valid = self._valid()
-            self._set_valid(valid & (valid.long().cumsum(1) <= self._per_row(lengths)[:, None]))
             end = max((c[-1] + 1 for c in self.cols if c), default=0)
+            if not self._exact:  # which columns a sequence holds is known on the device only
+                valid = self._valid()
+                self._set_valid(valid & (valid.long().cumsum(1)
+                                         <= self._per_row(lengths)[:, None]))
+            else:  # the dropped columns before the new end (one sequence has none: a cut does)
+                holes = [(b, col) for b, cols in enumerate(dropped) for col in cols if col < end]
+                if holes:
+                    self._invalidate(holes)
             if end < len(self):
                 self._cut(end)
         if self._should_compact():
             self.compact()
+
+    def _invalidate(self, holes: list[tuple[int, int]]) -> None:
+        """Mark the columns ``(sequence, column)`` invalid in each of the sequence's rows, in one
+        indexed write."""
+        w = self.width
+        rows = [b * w + j for b, _ in holes for j in range(w)]
+        cols = [col for _, col in holes for _ in range(w)]
+        at = to_device(rows + cols, self._valid().device).view(2, -1)
+        self._valid().index_put_((at[0], at[1]), torch.zeros((), dtype=torch.bool,
+                                                             device=at.device))
 
     def _should_compact(self) -> bool:
         return False
@@ -122,6 +142,7 @@ class RowLayout:
         keep = max(self.row_lengths, default=0)
         self._gather_columns(compaction_order(self._valid(), keep))
         self.cols = [list(range(keep - len(c), keep)) for c in self.cols]
+        self._exact = True
 
     def crop(self, length: int) -> None:
         self.crop_rows([length] * len(self.cols))
@@ -138,6 +159,7 @@ class RowLayout:
         self._set_valid(torch.cat([valid[:, :t - n_tree], keep], 1))
         m = nodes.shape[1]
         self.cols = [c[:len(c) - n_tree] + [t - 1] * m for c in self.cols]  # columns: bound
+        self._exact = False
 
     def _tree_prefix(self, m: int) -> list[int]:
         """Per sequence: its columns before the tree's M earlier nodes."""

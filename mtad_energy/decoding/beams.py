@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from mtad_energy.decoding.base import ModelRunner
-from mtad_energy.decoding.sampling import Warp, gumbel_topk, log_probs, take
+from mtad_energy.decoding.kernels import Kernels
+from mtad_energy.decoding.sampling import Warp, gumbel_topk_u, log_probs, take, uniforms
 
 
 @dataclass(frozen=True)
@@ -44,43 +45,59 @@ class BeamDraft:
         return _pick(self.path_log_q, self.best)
 
     def best_at(self, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence, the beam a search of ``depth[b]`` steps would end with (the highest
-        joint log-prob among the W beams after that step, traced through its ancestors; beam
-        search is sequential, so those are exactly the beams it would hold):
-        ``(tokens [B, D], cumulative log ~q [B, D])``, entries past depth[b] meaningless.
-        ``depth [B]`` in 1..D; all D gives `best_seq` and `best_path_log_q`."""
-        width, full = self.tokens.shape[-1], self.tokens.shape[-2]
-        d = (depth - 1)[:, None, None]  # [B, 1, 1]
-        at_d = self.log_q.gather(1, d.expand(-1, 1, width))[:, 0]  # [B, W]
-        w = at_d.argmax(-1)  # [B]: first index on ties, as `best`
-        lin = lineage(self.parents)  # [B, D, W, D]
-        path = lin.gather(1, d[..., None].expand(-1, 1, width, full))[:, 0]  # [B, W, D]
-        path = path.gather(1, w[:, None, None].expand(-1, 1, full))[:, 0]  # [B, D]: node per depth
-        return (self.tokens.gather(2, path[..., None])[..., 0],
-                self.log_q.gather(2, path[..., None])[..., 0])
+        """`best_at` of this tree (B sequences)."""
+        return best_at(self.tokens, self.parents, self.log_q, depth)
 
     def keep_closest(self, runner: ModelRunner, tokens: torch.Tensor, n: torch.Tensor
                      ) -> torch.Tensor:
         """Keep, per sequence, the final beam sharing the longest prefix with ``tokens[b, :n[b]]``
         (``tokens [B, D]``, the emitted draft) in the runner's rows, and return that common
         prefix's length ``[B]``: the draft cache is valid up to the sequence plus that many."""
-        valid = torch.arange(tokens.shape[-1], device=n.device)[None] < n[:, None]  # [B, D]
-        lcp = ((self.seqs == tokens[:, None]) & valid[:, None]).long().cumprod(2).sum(2)  # [B, W]
-        row = lcp.argmax(1)  # [B]
+        row, lcp = closest_beam(self.seqs, tokens, n)
         self.keep(runner, row)
-        return lcp.gather(1, row[:, None])[:, 0]
+        return lcp
 
     def keep(self, runner: ModelRunner, beam: torch.Tensor) -> None:
         """Shrink the runner's W rows per sequence back to final beam ``beam [(B,)]``."""
         if self.tokens.shape[-2] > 1:  # depth 1 never expanded the cache
-            beam = beam.reshape(-1)  # [B]
-            width = self.tokens.shape[-1]
-            runner.select_rows(torch.arange(beam.shape[0], device=beam.device) * width + beam)
+            runner.select_rows(beam_rows(beam.reshape(-1), self.tokens.shape[-1]))
 
     def squeeze(self) -> BeamDraft:
         """The one sequence of a batch of 1, without the batch dim."""
         return BeamDraft(*(x[0] for x in (self.tokens, self.parents, self.log_q, self.seqs,
                                           self.path_log_q, self.best)))
+
+
+def beam_rows(beam: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B]``: the cache row of sequence b's beam ``beam[b]`` (rows b*W + w)."""
+    return torch.arange(beam.shape[0], device=beam.device) * width + beam
+
+
+def best_at(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
+            depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence of a beam tree (`BeamDraft`'s ``tokens, parents, log_q [B, D, W]``), the beam
+    a search of ``depth[b]`` steps would end with (the highest joint log-prob among the W beams
+    after that step, traced through its ancestors; beam search is sequential, so those are
+    exactly the beams it would hold): ``(tokens [B, D], cumulative log ~q [B, D])``, entries
+    past depth[b] meaningless. ``depth [B]`` in 1..D. A kernel."""
+    width, full = tokens.shape[-1], tokens.shape[-2]
+    d = (depth - 1)[:, None, None]  # [B, 1, 1]
+    at_d = log_q.gather(1, d.expand(-1, 1, width))[:, 0]  # [B, W]
+    w = at_d.argmax(-1)  # [B]: first index on ties, as `best`
+    lin = lineage(parents)  # [B, D, W, D]
+    path = lin.gather(1, d[..., None].expand(-1, 1, width, full))[:, 0]  # [B, W, D]
+    path = path.gather(1, w[:, None, None].expand(-1, 1, full))[:, 0]  # [B, D]: node per depth
+    return tokens.gather(2, path[..., None])[..., 0], log_q.gather(2, path[..., None])[..., 0]
+
+
+def closest_beam(seqs: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the final beam (of ``seqs [B, W, D]``) sharing the longest prefix with
+    ``tokens[b, :n[b]]`` and that prefix's length: ``(beam [B], length [B])``. A kernel."""
+    valid = torch.arange(tokens.shape[-1], device=n.device)[None] < n[:, None]  # [B, D]
+    lcp = ((seqs == tokens[:, None]) & valid[:, None]).long().cumprod(2).sum(2)  # [B, W]
+    row = lcp.argmax(1)  # [B]
+    return row, lcp.gather(1, row[:, None])[:, 0]
 
 
 def lineage(parents: torch.Tensor) -> torch.Tensor:
@@ -108,7 +125,7 @@ def candidates(warp: Warp, logits: torch.Tensor, stochastic: bool, least: int = 
                ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The tokens a beam step draws from, per row of ``logits [R, V]``: ``(tokens [R, C],
     log ~q [R, C])`` holding every token of positive warped probability (`Warp.support`: the
-    top-k candidates on the CPU), or ``(None, log ~q [R, V])`` for the whole vocabulary.
+    top-k candidates on the CPU, eagerly), or ``(None, log ~q [R, V])`` for the whole vocabulary.
     Gumbel-top-k over every positive-probability entry draws the same law whether the zeros
     are there or not; so a stochastic beam step draws from the C candidates only (keys for W x k
     joint entries instead of W x V). A deterministic one (beam search) keeps the vocabulary:
@@ -118,6 +135,66 @@ def candidates(warp: Warp, logits: torch.Tensor, stochastic: bool, least: int = 
     if tokens is not None and tokens.shape[-1] < least:
         tokens, q = None, warp.probs(logits)
     return tokens, log_probs(q)
+
+
+def first_scores(logits: torch.Tensor, width: int, temperature: float, top_k: int, top_p: float,
+                 stochastic: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Kernel: a beam search's first step's candidates and their log ~q after the last position
+    of ``logits [B, k, V]``: `candidates` (at least W of them)."""
+    return candidates(Warp(temperature, top_k, top_p), logits[:, -1], stochastic, width)
+
+
+def first_select(cand: torch.Tensor | None, log_q: torch.Tensor, u: torch.Tensor | None,
+                 width: int) -> tuple[torch.Tensor, ...]:
+    """Kernel: W distinct first tokens by Gumbel-top-k (``u`` None: the W largest):
+    ``(tok, parent, cum [B, W], seqs, paths [B, W, 1])``."""
+    pick = gumbel_topk_u(log_q, width, u)  # [B, W] distinct tokens
+    tok = pick if cand is None else cand.gather(1, pick)
+    cum = log_q.gather(1, pick)  # [B, W]
+    return tok, torch.zeros_like(tok), cum, tok[..., None], cum[..., None]
+
+
+def step_scores(logits: torch.Tensor, cum: torch.Tensor, tok: torch.Tensor, temperature: float,
+                top_k: int, top_p: float, stochastic: bool, eos_token_id: int | None
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Kernel: a later beam step's candidates ``[B, W, C]`` (or None: the vocabulary) and the
+    joint log ~q of every (beam, candidate) ``[B, W*C]``, from the W beams' forward ``logits
+    [B*W, 1, V]``, their cumulative log ~q and last tokens ``cum, tok [B, W]``. A beam that
+    emitted ``eos_token_id`` is frozen: its one continuation is EOS, at no cost."""
+    rows, width = tok.shape
+    cand, log_q = candidates(Warp(temperature, top_k, top_p), logits[:, -1], stochastic)
+    n_cand = log_q.shape[-1]
+    log_q = log_q.view(rows, width, n_cand)
+    if cand is not None:
+        cand = cand.view(rows, width, n_cand)
+    if eos_token_id is not None:
+        done = (tok == eos_token_id)[..., None]  # [B, W, 1]
+        if cand is None:  # built with a comparison: no host-to-device copy
+            frozen = torch.where(torch.arange(n_cand, device=tok.device) == eos_token_id, 0.0,
+                                 float("-inf"))  # [V]
+            log_q = torch.where(done, frozen.to(log_q.dtype), log_q)
+        else:  # a finished beam's one candidate: EOS, at no cost
+            only = torch.arange(n_cand, device=tok.device) == 0
+            log_q = torch.where(done, torch.where(only, 0.0, float("-inf")), log_q)
+            cand = torch.where(done, eos_token_id, cand)
+    return cand, (cum[..., None] + log_q).reshape(rows, width * n_cand)
+
+
+def step_select(cand: torch.Tensor | None, joint: torch.Tensor, u: torch.Tensor | None,
+                seqs: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Kernel: W (beam, token) pairs of ``joint [B, W*C]`` by Gumbel-top-k (``u`` None: the W
+    largest), and the beams they extend: ``(tok, parent, cum [B, W], seqs, paths [B, W, d+1],
+    rows [B*W])``, rows: the cache rows to keep (`beam_rows` of each parent)."""
+    rows, width = seqs.shape[:2]
+    n_cand = joint.shape[-1] // width
+    idx = gumbel_topk_u(joint, width, u)  # [B, W]
+    parent, cum = idx // n_cand, joint.gather(1, idx)
+    tok = idx % n_cand if cand is None else cand.reshape(rows, -1).gather(1, idx)
+    at = parent[..., None]
+    seqs = torch.cat([seqs.gather(1, at.expand(-1, -1, seqs.shape[-1])), tok[..., None]], -1)
+    paths = torch.cat([paths.gather(1, at.expand(-1, -1, paths.shape[-1])), cum[..., None]], -1)
+    base = torch.arange(rows, device=joint.device)[:, None] * width
+    return tok, parent, cum, seqs, paths, (base + parent).reshape(-1)
 
 
 def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width: int, warp: Warp,
@@ -130,53 +207,34 @@ def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width:
 
 def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width: int,
                      warp: Warp, generator: torch.Generator, stochastic: bool = True,
-                     eos_token_id: int | None = None, counts: list[int] | None = None
-                     ) -> BeamDraft:
+                     eos_token_id: int | None = None, counts: list[int] | None = None,
+                     kernels: Kernels | None = None) -> BeamDraft:
     """Run ``depth`` beam steps of ``runner``'s model for B sequences after feeding ``first_ids
-    [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`).
+    [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`); the steps'
+    arithmetic runs as ``kernels`` (`DecodeState.kernels`; default eager), their uniforms drawn
+    from ``generator``.
 
     The runner's B-row cache is expanded to W rows per sequence (row b*W + w); on return row
     b*W + w holds sequence b's prefix plus the first depth-1 tokens of its final beam w (the last
     token is not fed). Beams that emitted ``eos_token_id`` are frozen: they repeat EOS at no cost.
     """
-    logits = runner(first_ids, counts)[:, -1]  # [B, V]
-    rows, vocab = logits.shape
-    cand, log_q = candidates(warp, logits, stochastic, width)  # [B, C]
-    pick = gumbel_topk(log_q, width, generator, stochastic)  # [B, W] distinct tokens
-    tok = pick if cand is None else cand.gather(1, pick)
-    cum = log_q.gather(1, pick)  # [B, W]
-    parent = torch.zeros_like(tok)
+    run = kernels or Kernels()
+    warp_args = (*warp.args, stochastic)
+
+    def draws(joint: torch.Tensor) -> torch.Tensor | None:
+        return uniforms(joint.shape, generator, joint.device) if stochastic else None
+
+    cand, log_q = run(first_scores, runner(first_ids, counts), width, *warp_args)  # [B, C]
+    tok, parent, cum, seqs, paths = run(first_select, cand, log_q, draws(log_q), width)
     tokens, parents, cums = [tok], [parent], [cum]
-    seqs, paths = tok[..., None], cum[..., None]  # [B, W, 1]
     if depth > 1:
         runner.repeat_rows(width)
-    if eos_token_id is not None:  # a finished beam can only repeat EOS, at no cost
-        # built with a comparison, not `frozen[eos] = 0.0`: no host-to-device copy per call
-        frozen = torch.where(torch.arange(vocab, device=logits.device) == eos_token_id, 0.0,
-                             float("-inf"))  # [V]
-    base = torch.arange(rows, device=logits.device)[:, None] * width  # [B, 1]
     for _ in range(1, depth):
-        out = runner(tok.reshape(rows * width, 1))[:, -1]  # [B*W, V]
-        cand, log_q = candidates(warp, out, stochastic)  # [B*W, C]
-        n_cand = log_q.shape[-1]
-        log_q = log_q.view(rows, width, n_cand)
-        if eos_token_id is not None:
-            done = (tok == eos_token_id)[..., None]  # [B, W, 1]
-            if cand is None:
-                log_q = torch.where(done, frozen.to(log_q.dtype), log_q)
-            else:  # a finished beam's one candidate: EOS, at no cost
-                only = torch.arange(n_cand, device=out.device) == 0
-                log_q = torch.where(done, torch.where(only, 0.0, float("-inf")), log_q)
-                cand = torch.where(done, eos_token_id, cand.view(rows, width, n_cand))
-        joint = (cum[..., None] + log_q).reshape(rows, width * n_cand)  # [B, W*C]
-        idx = gumbel_topk(joint, width, generator, stochastic)  # [B, W]
-        parent, cum = idx // n_cand, joint.gather(1, idx)
-        tok = idx % n_cand if cand is None else cand.reshape(rows, -1).gather(1, idx)
-        runner.select_rows((base + parent).reshape(-1))
-        at = parent[..., None]
-        seqs = torch.cat([seqs.gather(1, at.expand(-1, -1, seqs.shape[-1])), tok[..., None]], -1)
-        paths = torch.cat([paths.gather(1, at.expand(-1, -1, paths.shape[-1])), cum[..., None]],
-                          -1)
+        logits = runner(tok.reshape(-1, 1))  # [B*W, 1, V]
+        cand, joint = run(step_scores, logits, cum, tok, *warp_args, eos_token_id)
+        tok, parent, cum, seqs, paths, rows = run(step_select, cand, joint, draws(joint), seqs,
+                                                  paths)
+        runner.select_rows(rows)
         tokens.append(tok), parents.append(parent), cums.append(cum)
     return BeamDraft(torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), seqs,
                      paths, cum.argmax(-1))

@@ -17,8 +17,10 @@ from mtad_energy.decoding.base import (
     ModelRunner,
     PhaseTimer,
     StepResult,
+    ids_width,
     to_device,
 )
+from mtad_energy.decoding.kernels import Kernels
 from mtad_energy.energy.work import Work, dims_of, shapes_work
 from mtad_energy.models import ModelPair
 
@@ -185,16 +187,20 @@ def _split(wall_s: float, before: tuple[float, float], after: tuple[float, float
     return draft_s, target_s, max(0.0, wall_s - draft_s - target_s)
 
 
-def _read_back(result: StepResult, rows: int) -> list[tuple[list[int], int, float, int]]:
+def _read_back(result: StepResult, tokens: torch.Tensor
+               ) -> list[tuple[list[int], int, float, int]]:
     """Per row: (emitted tokens, accepted count, valid draft-cache length, draft depth) on the
-    host, in one device-to-host copy of the tokens and whatever counts the decoder left on the
-    device (a depth known only on the device: EAGLE's dynamic tree)."""
-    tokens = result.tokens.reshape(rows, -1)  # [B, m]
+    host, in one device-to-host copy of the tokens (``result.tokens`` as ``[B, m]``) and whatever
+    counts the decoder left on the device (a depth known only on the device: EAGLE's dynamic
+    tree)."""
+    rows = tokens.shape[0]
     depth = result.depth if isinstance(result.depth, torch.Tensor) else None
     fields = (result.accepted, result.length, result.draft_cache_len, depth)
-    on_device = [x.reshape(rows, 1).to(tokens.dtype) for x in fields
-                 if isinstance(x, torch.Tensor)]
-    values = (torch.cat([*on_device, tokens], 1) if on_device else tokens).tolist()
+    on_device = [x if x.dtype == tokens.dtype else x.to(tokens.dtype)
+                 for x in fields if isinstance(x, torch.Tensor)]
+    if on_device:  # [B, F + m]: the counts, then the tokens (one op each, whatever F)
+        tokens = torch.cat([torch.stack(on_device, -1).reshape(rows, -1), tokens], 1)
+    values = tokens.tolist()
     out = []
     for row in values:
         host = []
@@ -298,6 +304,15 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     return runners[0], (runners[1] if len(runners) > 1 else None)
 
 
+def _kernels(compile: bool | CompileOptions) -> Kernels:
+    """Where the decoder's pure tensor functions run: compiled under ``compile``, else eagerly."""
+    if not compile:
+        return Kernels()
+    from mtad_energy.decoding.static import CompiledKernels  # the compiler stack
+
+    return CompiledKernels(None if isinstance(compile, bool) else compile)
+
+
 def _graphs_compiled(compile: bool | CompileOptions) -> int:
     """Dynamo's count of graphs compiled in this process (0 when eager: nothing compiles)."""
     if not compile:
@@ -354,15 +369,18 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
         _check_lengths(pair, decoder, n, max_new_tokens)
     device = pair.device
     timer = PhaseTimer.for_device(device)
-    ids = torch.zeros(rows, max(prompt_lens) + max_new_tokens, dtype=torch.long, device=device)
+    ids = torch.zeros(rows, ids_width(prompt_lens, max_new_tokens, decoder.lookahead),
+                      dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
     generator = torch.Generator(device=device).manual_seed(seed)
     graphs_before = _graphs_compiled(compile)
     target, draft = _runners(decoder, pair, timer, rows,
                              slots_needed(decoder, prompt_lens, max_new_tokens), compile)
+    kernels = _kernels(compile)
     state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
-                        generator, pair.eos_token_id, tokens=[list(p) for p in prompts])
+                        generator, pair.eos_token_id, tokens=[list(p) for p in prompts],
+                        kernels=kernels)
 
     hook = on_phase or _no_hook
     marks = [_shape_marks(target, draft)]  # forwards recorded before the prefill, then per phase
@@ -384,7 +402,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     timer.sync()
     t_prefill = time.perf_counter()
     hook("decode")
-    runners = [r for r in (target, draft) if r is not None]
+    runners = [r for r in (target, draft, kernels) if r is not None]  # what may compile
 
     def clock() -> float:  # wall time less the first forwards of new shapes (compiling)
         return time.perf_counter() - sum(r.compile_s for r in runners)
@@ -405,10 +423,12 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     while state.remaining > 0:
         before = (target.forwards, draft.forwards if draft is not None else 0)
         result = decoder.step(state)
-        read = _read_back(result, rows)  # the one host sync per iteration
+        block = result.tokens  # [B, m] ([m]: one sequence)
+        block = block if block.dim() == 2 else block.reshape(rows, -1)
+        read = _read_back(result, block)  # the one host sync per iteration
         timer.flush()  # this iteration's events are complete now: reading them does not stall
         fw = (target.forwards - before[0], (draft.forwards if draft is not None else 0) - before[1])
-        block = result.tokens.reshape(rows, -1)  # [B, m]
+        taken: list[list[int]] = [[] for _ in range(rows)]
         for b, (token_list, accepted, _, row_depth) in enumerate(read):
             if not state.active[b]:
                 continue
@@ -416,7 +436,7 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
             if eos is not None and eos in token_list:
                 token_list = token_list[:token_list.index(eos) + 1]
                 stop[b] = "eos"
-            state.append(b, block[b, :len(token_list)], token_list)
+            taken[b] = token_list
             new_tokens[b].extend(token_list)
             # draft tokens kept: a block cut by EOS or max_new_tokens keeps only what it emitted,
             # and a row never keeps more than its own depth (a batch may draft further)
@@ -425,11 +445,12 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
                 "emitted": len(token_list), "proposed": _of_row(result.proposed, b),
                 "accepted": min(accepted, len(token_list), depth), "draft_forwards": fw[1],
                 "target_forwards": fw[0], "draft_depth": depth})
-            if stop[b] == "eos" or state.row_remaining(b) == 0:
+            if stop[b] == "eos" or len(token_list) == state.row_remaining(b):  # (appended below)
                 state.active[b] = False
                 last_iter[b] = it
                 forwards_at_end[b] = (target.forwards - fwd0[0],
                                       (draft.forwards - fwd0[1]) if draft is not None else 0)
+        state.append_rows(block, taken)
         phase_times.append(_draft_target(timer))
         marks.append(_shape_marks(target, draft))
         it += 1
@@ -447,7 +468,8 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     hook("end")
 
     compile_in_window_s = sum(r.compile_s for r in runners)  # the runners' in-loop seconds
-    compile_s = compile_in_window_s + sum(r.prewarm_s for r in runners)
+    # kernels met for the first time ran eagerly; they compile now, outside every window
+    compile_s = compile_in_window_s + sum(r.prewarm_s for r in runners) + kernels.compile_pending()
     graphs = _graphs_compiled(compile) - graphs_before
     bounds[-1] = t_end  # the closing sync belongs to the last iteration: iterations tile decode
     splits = [_split(bounds[i + 1] - bounds[i], phase_times[i], phase_times[i + 1])

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from mtad_energy.decoding.base import DecodeState, ModelRunner, PhaseTimer
+from mtad_energy.decoding.graph_call import GraphFunction
 from mtad_energy.energy.work import Forward
 
 # head -> (compiled forward, shapes run so far): kept across generations, like the engines
@@ -52,8 +53,8 @@ class HeadRunner(ModelRunner):
             key = (opts.backend, mode)
             entry = _COMPILED.setdefault(head, {})
             if key not in entry:
-                entry[key] = (torch.compile(head, backend=opts.backend, mode=mode,
-                                            dynamic=False, fullgraph=True), set())
+                entry[key] = (GraphFunction(torch.compile(head, backend=opts.backend, mode=mode,
+                                                          dynamic=False, fullgraph=True)), set())
             self._fn, self._warmed = entry[key]
             self._graphs = mode == "reduce-overhead"
             self._device = device

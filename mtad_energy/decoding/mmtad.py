@@ -106,7 +106,7 @@ class Mmtad(Decoder):
             return target_step(s, warp)
         pending, counts = s.draft_feed()
         beams = beam_sample_rows(s.draft, pending, gamma, width, warp, s.generator,
-                                 counts=counts)  # fields [B, ...]
+                                 counts=counts, kernels=s.kernels)  # fields [B, ...]
         rows = beams.tokens.shape[0]
         dev = beams.tokens.device
         # flat target tree per sequence: root = last token (0), node (d, b) -> 1 + d*W + b

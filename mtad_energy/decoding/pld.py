@@ -23,17 +23,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mtad_energy.decoding.acceptance import lookup_accept
+from mtad_energy.decoding.acceptance import lookup_accept_u
 from mtad_energy.decoding.base import (
     Decoder,
     DecoderParams,
     DecodeState,
     StepResult,
+    block_tokens,
     param,
     require,
     target_step,
     to_device,
 )
+from mtad_energy.decoding.sampling import warp_probs
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,20 @@ class PromptLookup(Decoder):
         dev = s.ids.device
         draft = to_device([t for d in drafts for t in d + [0] * (gamma - len(d))],
                           dev).view(s.batch, gamma)  # [B, gamma], padded
-        p = prm.warp.probs(s.target(torch.cat([s.last_token, draft], 1)))  # [B, gamma+1, V]
-        n, nxt = lookup_accept(p, draft, to_device(lens, dev), s.generator)  # [B], [B]
-        return StepResult.block(draft, n, nxt, lens, depth=lens)
+        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
+        tokens, n, length = s.kernels(pld_verify, logits, draft, to_device(lens, dev),
+                                      s.uniform(*draft.shape), s.uniform(s.batch, 1),
+                                      *prm.warp.args)
+        return StepResult(tokens, lens, n, length, depth=lens)
+
+
+def pld_verify(logits: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor, u: torch.Tensor,
+               u_next: torch.Tensor, temperature: float, top_k: int, top_p: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel: warped p of the verify (``logits [B, gamma+1, V]``), speculative sampling of the
+    one-hot drafts ``draft [B, gamma]`` of lengths ``lens [B]`` (`lookup_accept_u`), and the
+    block: ``(tokens [B, gamma+1], accepted [B], length [B])``."""
+    p = warp_probs(logits, temperature, top_k, top_p)
+    n, nxt = lookup_accept_u(p, draft, lens, u, u_next)
+    return block_tokens(draft, n, nxt)[0], n, n + 1
 

@@ -3,6 +3,11 @@
 Warping follows the paper (and DESIGN.md section 3): temperature, then keep the top-k tokens and
 renormalise, then top-p where a token is dropped when the probability mass *strictly before it*
 already exceeds p (so the most likely token is always kept). The same warp is applied to p and q.
+
+Randomness is explicit: each sampler has a form that takes its uniforms (``sample_u``,
+``gumbel_topk_u``), pure and free of host reads, so the compiled path can run it inside a graph
+(`DecodeState.kernels`) with the uniforms drawn from the generation's generator outside; the
+generator forms draw the same uniforms in the same order and call it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ class Warp:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return warp_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    @property
+    def args(self) -> tuple[float, int, float]:
+        """``(temperature, top_k, top_p)``: the warp as `warp_probs`' arguments (plain numbers,
+        what a compiled kernel specialises on)."""
+        return self.temperature, self.top_k, self.top_p
 
     def support(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         return warp_support(logits, self.temperature, self.top_k, self.top_p)
@@ -71,7 +82,7 @@ def warp_support(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10
     bit; every token outside ``tokens`` has probability 0. For consumers whose work grows with
     the candidates (Gumbel-top-k over a beam's W x V joint): V values -> k."""
     logits = logits.float()
-    if temperature > 0 and 0 < top_k < logits.shape[-1] and logits.device.type == "cpu":
+    if temperature > 0 and 0 < top_k < logits.shape[-1] and _may_read(logits):
         scaled = logits / temperature if temperature != 1.0 else logits
         top = scaled.topk(top_k, dim=-1)
         if _only_top_k(scaled, top.values, top_k):
@@ -88,12 +99,17 @@ def on_vocab(tokens: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> to
                        device=probs.device).scatter_(-1, tokens, probs)
 
 
+def _may_read(x: torch.Tensor) -> bool:
+    """Whether a shortcut may read ``x``'s values on the host: on the CPU (where it is free),
+    eagerly. Never on another device (a sync), nor inside a compiled kernel (a graph break)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _only_top_k(logits: torch.Tensor, values: torch.Tensor, top_k: int) -> bool:
-    """On the CPU: whether no token ties the k-th logit beyond the k ``values`` topk returned
-    (then the warp's support is exactly those k). On other devices False: checking would read a
+    """Where `_may_read`: whether no token ties the k-th logit beyond the k ``values`` topk
+    returned (then the warp's support is exactly those k). Elsewhere False: checking would read a
     value back to the host."""
-    return logits.device.type == "cpu" and not bool(
-        ((logits >= values[..., -1:]).sum(-1) > top_k).any())
+    return _may_read(logits) and not bool(((logits >= values[..., -1:]).sum(-1) > top_k).any())
 
 
 def _top_k_probs(values: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -163,8 +179,26 @@ def take(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, i.reshape(1)).squeeze(0)
 
 
+def uniforms(shape: tuple[int, ...], generator: torch.Generator | None,
+             device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uniform draws in [0, 1) of ``shape`` from ``generator`` (what the ``*_u`` forms take)."""
+    return torch.rand(shape, generator=generator, device=device, dtype=dtype)
+
+
+def sample_shape(probs: torch.Tensor) -> tuple[int, int]:
+    """The uniforms `sample_u` takes for ``probs [..., V]``: one per row, ``(rows, 1)``."""
+    return (probs.numel() // probs.shape[-1], 1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row: probs ``[..., V]`` (need not be normalised) -> token ids ``[...]``.
+    """`sample_u` with its uniforms drawn from ``generator``."""
+    return sample_u(probs, uniforms(sample_shape(probs), generator, probs.device,
+                                    torch.promote_types(probs.dtype, torch.float32)))
+
+
+def sample_u(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row: probs ``[..., V]`` (need not be normalised) and uniforms ``u [R, 1]``
+    (R = the rows of probs, `sample_shape`) -> token ids ``[...]``.
 
     Inverse CDF: one uniform per row and a binary search of the cumulative sum. (torch.multinomial
     draws an exponential variate for every token of the vocabulary, 10-30x the cost on a CPU.) A
@@ -172,10 +206,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     mass exceeds u, and the mass does not grow at a zero."""
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.cumsum(-1)  # [R, V]
-    u = torch.rand((flat.shape[0], 1), generator=generator, device=flat.device,
-                   dtype=cdf.dtype) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u, right=True).clamp_max_(flat.shape[-1] - 1)
-    return idx.reshape(probs.shape[:-1])
+    idx = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True)
+    return idx.clamp_max(flat.shape[-1] - 1).reshape(probs.shape[:-1])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -198,8 +230,14 @@ def gumbel_topk(log_weights: torch.Tensor, k: int, generator: torch.Generator | 
     sampling without replacement. ``stochastic=False`` keeps the k largest weights (beam search).
     Entries with weight 0 (-inf) are only returned when fewer than k have positive weight.
     """
+    u = uniforms(log_weights.shape, generator, log_weights.device) if stochastic else None
+    return gumbel_topk_u(log_weights, k, u)
+
+
+def gumbel_topk_u(log_weights: torch.Tensor, k: int, u: torch.Tensor | None) -> torch.Tensor:
+    """`gumbel_topk` with its uniforms ``u`` (the shape of ``log_weights``) given; None: the k
+    largest weights (deterministic)."""
     keys = log_weights
-    if stochastic:
-        u = torch.rand(log_weights.shape, generator=generator, device=log_weights.device)
+    if u is not None:
         keys = log_weights - torch.log(-torch.log(u.clamp_min(1e-20)))
     return keys.topk(k).indices

@@ -1,9 +1,10 @@
 """The static KV cache of the compiled path (`static`): per decoder layer, keys and values
-preallocated as ``[rows, H_kv, L, D]`` (`SlotLayer`), written at slots ``start .. start+k-1``
-where ``start`` is one 0-d device tensor shared by the layers, and a bool ``valid [rows, L]``
-saying which slots a row holds (`SlotCache`). Nothing is freed or copied on rollback: the runner
-invalidates columns and moves ``start``. Every buffer keeps its address (CUDA graphs replay over
-them).
+preallocated as ``[rows, H_kv, L, D]`` (`SlotLayer`), views of one buffer ``kv [2 * layers, rows,
+H_kv, L, D]`` (so moving rows or columns of every layer is one op, not one per layer), written
+at slots ``start .. start+k-1`` where ``start`` is one 0-d device tensor shared by the layers,
+and a bool ``valid [rows, L]`` saying which slots a row holds (`SlotCache`). Nothing is freed
+or copied on rollback: the runner invalidates columns and moves ``start``. Every buffer keeps its
+address (CUDA graphs replay over them).
 """
 
 from __future__ import annotations
@@ -62,18 +63,19 @@ class SlotCache(Cache):
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
-        shape = (rows, heads, slots, head_dim)
-        layers = [SlotLayer(self.start, torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(cfg.num_hidden_layers)]
+        n = cfg.num_hidden_layers
+        # keys of layer i at kv[2i], values at kv[2i + 1]: contiguous views, as separate buffers
+        self.kv = torch.zeros((2 * n, rows, heads, slots, head_dim), dtype=dtype, device=device)
+        layers = [SlotLayer(self.start, self.kv[2 * i], self.kv[2 * i + 1]) for i in range(n)]
         super().__init__(layers=layers)
         # the forward shapes already run (compiled, and on CUDA recorded) on these buffers
         self.warmed: set[tuple] = set()
         if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may mutate them
-            for t in (self.start, self.valid, *self.buffers()):
+            for t in (self.start, self.valid, self.kv, *self.buffers()):
                 torch._dynamo.mark_static_address(t)
 
     def buffers(self):
+        """Every layer's keys and values (views of `kv`)."""
         for layer in self.layers:
             yield layer.keys
             yield layer.values
@@ -88,4 +90,4 @@ class SlotCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
+        return self.kv.numel() * self.kv.element_size()

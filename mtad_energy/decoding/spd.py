@@ -6,18 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.acceptance import speculative_accept
+from mtad_energy.decoding.acceptance import speculative_accept_u
 from mtad_energy.decoding.base import (
     Decoder,
     DecoderParams,
     DecodeState,
-    ModelRunner,
     StepResult,
+    block_tokens,
     param,
     require,
     target_step,
 )
-from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.decoding.sampling import Warp, sample_u, warp_probs
 
 
 @dataclass(frozen=True)
@@ -28,19 +28,37 @@ class SpdParams(DecoderParams):
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
 
-def draft_chain(draft: ModelRunner, pending: torch.Tensor, gamma: int, warp: Warp,
-                generator: torch.Generator, counts: list[int] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_next(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
+               top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: warped q at the last position of ``logits [B, k, V]`` and a token drawn from it
+    with uniforms ``u [B, 1]``: ``(token [B, 1], q [B, V])``."""
+    q = warp_probs(logits[:, -1], temperature, top_k, top_p)
+    return sample_u(q, u)[:, None], q
+
+
+def draft_chain(s: DecodeState, pending: torch.Tensor, gamma: int, warp: Warp,
+                counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample gamma tokens per row autoregressively from warped q after feeding ``pending
-    [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`):
-    ``(draft [B, gamma], q [B, gamma, V])``."""
-    tokens, qs = [], []
-    q = warp.probs(draft(pending, counts)[:, -1])  # [B, V]
-    for i in range(gamma):
-        if i:
-            q = warp.probs(draft(tokens[-1][:, None])[:, -1])
-        tokens.append(sample(q, generator)), qs.append(q)
-    return torch.stack(tokens, 1), torch.stack(qs, 1)
+    [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`) to the draft:
+    ``(draft [B, gamma], q [B, gamma, V])``. The chain's uniforms are drawn at once."""
+    u = s.uniform(gamma, s.batch, 1).unbind(0)
+    tok, q = s.kernels(draft_next, s.draft(pending, counts), u[0], *warp.args)
+    tokens, qs = [tok], [q]
+    for i in range(1, gamma):
+        tok, q = s.kernels(draft_next, s.draft(tok), u[i], *warp.args)
+        tokens.append(tok), qs.append(q)
+    return torch.cat(tokens, 1), torch.stack(qs, 1)
+
+
+def spd_verify(logits: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,
+               u_next: torch.Tensor, temperature: float, top_k: int, top_p: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel: the verify's warped p (``logits [B, gamma+1, V]``), the speculative rule against
+    ``q [B, gamma, V]`` (`speculative_accept_u`), and the block: ``(tokens [B, gamma+1],
+    accepted [B], length [B])`` (`block_tokens`)."""
+    p = warp_probs(logits, temperature, top_k, top_p)
+    n, nxt = speculative_accept_u(p, q, draft, u, u_next)
+    return (*block_tokens(draft, n, nxt)[:1], n, n + 1)
 
 
 class SpeculativeDecoding(Decoder):
@@ -61,7 +79,8 @@ class SpeculativeDecoding(Decoder):
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         pending, counts = s.draft_feed()
-        draft, q = draft_chain(s.draft, pending, gamma, warp, s.generator, counts)  # [B, gamma]
-        p = warp.probs(s.target(torch.cat([s.last_token, draft], 1)))  # [B, gamma+1, V]
-        n, nxt = speculative_accept(p, q, draft, s.generator)  # [B], [B]
-        return StepResult.block(draft, n, nxt, lens, depth=lens)
+        draft, q = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma], [B, gamma, V]
+        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
+        tokens, n, length = s.kernels(spd_verify, logits, q, draft, s.uniform(*draft.shape),
+                                      s.uniform(s.batch, 1), *warp.args)
+        return StepResult(tokens, lens, n, length, depth=lens)

@@ -40,7 +40,9 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,8 @@ from mtad_energy.decoding.base import (
     to_device,
 )
 from mtad_energy.decoding.batch import RowLayout, rows_runner
+from mtad_energy.decoding.graph_call import GraphFunction
+from mtad_energy.decoding.kernels import Kernels
 from mtad_energy.decoding.slot_cache import SlotCache
 from mtad_energy.decoding.tree import TREE_ATTN, TREE_MODEL_TYPES
 from mtad_energy.energy.work import Forward
@@ -152,6 +156,80 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def configure_dynamo(options: CompileOptions) -> None:
+    """Process-wide dynamo settings (it has no per-function ones): room for the graphs the
+    engines and kernels need, and an error instead of dynamo's silent fall-back to eager at the
+    limit, which would leave "compiled" timings measuring eager forwards."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, options.recompile_limit)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
+                                          8 * options.recompile_limit)
+    cfg.fail_on_recompile_limit_hit = True
+
+
+# options -> {pure function: (its compiled form, the input signatures compiled so far)}: kept
+# across generations, like the engines
+_KERNELS: dict[CompileOptions, dict[Callable[..., Any], tuple[GraphFunction, set[tuple]]]] = {}
+
+
+def signature(args: tuple) -> tuple:
+    """What a compiled kernel specialises on: each tensor's shape, strides, dtype and device,
+    each other argument's value."""
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                 else (type(a), a) for a in args)
+
+
+class CompiledKernels(Kernels):
+    """`Kernels` compiled: each pure function one graph per input signature (``torch.compile``,
+    fullgraph; no CUDA graphs: a kernel is a few fused launches, and its outputs live on while
+    the next call runs), called through `GraphFunction`.
+
+    Nothing compiles inside a generation: a signature met for the first time (a shape that
+    depends on sampled values, such as a last, shorter verify) runs eagerly there (the same
+    function; a host-work counter sees one call, as it will be), and compiles after the loop's
+    "end" hook (`compile_pending`), outside every window, for the next generation. The runners'
+    full-length warm-up meets them all before the first measured row."""
+
+    def __init__(self, options: CompileOptions | None = None):
+        self.options = options or CompileOptions()
+        configure_dynamo(self.options)
+        self._fns = _KERNELS.setdefault(self.options, {})
+        self._pending: dict[tuple, tuple[Callable[..., Any], tuple]] = {}
+        self.compile_s = 0.0
+        self.eager_calls = 0  # calls of a signature not compiled yet (run eagerly)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        entry = self._fns.get(fn)
+        if entry is None:
+            entry = self._fns[fn] = (GraphFunction(torch.compile(
+                fn, backend=self.options.backend, dynamic=self.options.dynamic,
+                fullgraph=True)), set())
+        compiled, seen = entry
+        key = signature(args)
+        if key in seen:
+            before, t0 = graphs_compiled(), time.perf_counter()
+            out = compiled(*args)
+            if graphs_compiled() != before:  # dynamo saw what the signature does not
+                self.compile_s += time.perf_counter() - t0
+            return out
+        self._pending.setdefault((fn, key), (fn, args))
+        self.eager_calls += 1
+        return GraphFunction(fn)(*args)
+
+    def compile_pending(self) -> float:
+        """Compile the signatures this generation met for the first time (on the inputs it met
+        them with: the kernels are pure); returns the seconds it took."""
+        if not self._pending:
+            return 0.0
+        t0 = time.perf_counter()
+        for (fn, key), (_, args) in self._pending.items():
+            compiled, seen = self._fns[fn]
+            compiled(*args)
+            seen.add(key)
+        self._pending.clear()
+        return time.perf_counter() - t0
+
+
 class StaticEngine:
     """A model's compiled forward and its `SlotCache`, shared by the generations that use it."""
 
@@ -163,18 +241,11 @@ class StaticEngine:
         if mode is None and device.type == "cuda" and options.backend == "inductor":
             mode = "reduce-overhead"
         self.mode = mode
-        # Process-wide dynamo settings (it has no per-function ones): room for the graphs the
-        # engines need, and an error instead of dynamo's silent fall-back to eager at the limit,
-        # which would leave "compiled" timings measuring eager forwards.
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, options.recompile_limit)
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
-                                              8 * options.recompile_limit)
-        cfg.fail_on_recompile_limit_hit = True
+        configure_dynamo(options)
         # fullgraph: a graph break would split every layer into its own graphs (and recompile
         # them per layer index), slower than eager; better an error naming the cause
-        self.compiled = torch.compile(_forward, backend=options.backend, mode=mode,
-                                      dynamic=options.dynamic, fullgraph=True)
+        self.compiled = GraphFunction(torch.compile(_forward, backend=options.backend, mode=mode,
+                                                    dynamic=options.dynamic, fullgraph=True))
         # (rows, slots) -> cache: decoders that expand to other row counts (beams, drafts) keep
         # their own buffers, so alternating between them neither reallocates nor, on CUDA,
         # re-records graphs; `release` frees them
@@ -200,8 +271,7 @@ class StaticEngine:
     def grow(self, cache: SlotCache, slots: int) -> SlotCache:
         """``cache`` with at least ``slots`` slots, its contents kept (mid-generation)."""
         new = self.cache_for(cache.rows, slots)
-        for a, b in zip(cache.buffers(), new.buffers(), strict=True):
-            b[:, :, :a.shape[2]] = a
+        new.kv[..., :cache.slots, :] = cache.kv
         new.valid[:, :cache.slots] = cache.valid
         new.start.copy_(cache.start)
         return new
@@ -306,6 +376,16 @@ def install_capture_hooks(model) -> None:
         maybe_install_capturing_hooks(model.get_decoder())
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of a fresh contiguous tensor (a copy only if it has others)."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    return t if t.stride() == tuple(reversed(expected)) else t.clone(
+        memory_format=torch.contiguous_format)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -340,6 +420,7 @@ class StaticRunner(RowLayout, ModelRunner):
         self._init_layout(seqs, pad=bucket - seqs)
         self.cache = self.engine.cache_for(bucket * self.shape.rows_per_seq, slots)
         self.n = 0  # columns in use (host side: set by forwards, cuts and compaction)
+        self._ones: dict[tuple[int, int], torch.Tensor] = {}
         self.prewarm_s = self._prewarm()  # before any window opens: not the generation's
         self.compile_s -= self.prewarm_s
 
@@ -355,14 +436,14 @@ class StaticRunner(RowLayout, ModelRunner):
         self.cache.valid[:self._rows, :self.n] = valid
 
     def _cut(self, end: int) -> None:
-        self.cache.valid[:, end:self.n] = False
+        self.cache.valid[:, end:self.n].fill_(False)
         self.n = end
 
     def _gather_columns(self, order: torch.Tensor) -> None:
         r, keep = order.shape
-        for buf in self.cache.buffers():
-            idx = order[:, None, :, None].expand(r, buf.shape[1], keep, buf.shape[3])
-            buf[:r, :, :keep] = buf[:r, :, :self.n].gather(2, idx)
+        kv = self.cache.kv  # [2 * layers, R, H, L, D]: every layer's keys and values at once
+        idx = order[None, :, None, :, None].expand(kv.shape[0], r, kv.shape[2], keep, kv.shape[4])
+        kv[:, :r, :, :keep] = kv[:, :r, :, :self.n].gather(3, idx)
         self.cache.valid[:r, :keep] = self.cache.valid[:r, :self.n].gather(1, order)
         self.cache.valid[:, keep:self.n] = False
         self.n = keep
@@ -397,12 +478,13 @@ class StaticRunner(RowLayout, ModelRunner):
         width = self._width(total, k, m) if compiled else k
         self._fit(width)
         grow = (0, width - k, 0, total - rows)  # pad: tokens right, rows below
-        real = new if new is not None else input_ids.new_ones(input_ids.shape, dtype=torch.bool)
-        # contiguous copies: dynamo guards on strides, and a slice of the ids buffer has the
-        # buffer's (which grows with the prompt)
-        dense = torch.contiguous_format
-        args: tuple = (F.pad(input_ids, grow).clone(memory_format=dense),
-                       F.pad(real, grow, value=False).clone(memory_format=dense))
+        padded = grow != (0, 0, 0, 0)
+        # dense inputs (dynamo guards on strides, and a slice of the ids buffer has the
+        # buffer's, which grow with the prompt); nothing copied that is dense already
+        args: tuple = (_dense(F.pad(input_ids, grow) if padded else input_ids),
+                       self._real(total, width) if new is None and not padded
+                       else _dense(F.pad(self._real(rows, k) if new is None else new, grow,
+                                         value=False)))
         if anc is not None:  # padded nodes see only themselves, at depth 1
             pad_n = width - k
             anc = F.pad(anc, (0, pad_n, 0, pad_n))
@@ -415,7 +497,7 @@ class StaticRunner(RowLayout, ModelRunner):
             args += (anc, depths)
         kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
         if features is not None:  # a head's input, padded as the tokens
-            kwargs["features"] = F.pad(features, (0, 0, *grow)).clone(memory_format=dense)
+            kwargs["features"] = _dense(F.pad(features, (0, 0, *grow)) if padded else features)
         self.cache.start.fill_(self.n)
         key = self._graph_key(total, width, m, anc is not None and anc.shape[0] > 1,
                               None if features is None else features.shape[-1])
@@ -434,9 +516,16 @@ class StaticRunner(RowLayout, ModelRunner):
         self.n += k
         if self.hidden_layers:
             logits, hidden = out
-            self.hidden = hidden[:rows, :k]
-            return logits[:rows, :k]
-        return out[:rows, :k]
+            self.hidden = hidden[:rows, :k] if padded else hidden
+            return logits[:rows, :k] if padded else logits
+        return out[:rows, :k] if padded else out
+
+    def _real(self, rows: int, k: int) -> torch.Tensor:
+        """``[rows, k]`` all True: every token real (made once per shape, not per forward)."""
+        ones = self._ones.get((rows, k))
+        if ones is None:
+            ones = self._ones[rows, k] = torch.ones(rows, k, dtype=torch.bool, device=self.device)
+        return ones
 
     def _graph_key(self, rows: int, width: int, m: int | None, per_row: bool = False,
                    features: int | None = None) -> tuple:
@@ -518,13 +607,15 @@ class StaticRunner(RowLayout, ModelRunner):
         """Gather rows ``[B * W']`` (within each sequence, as `RowsRunner.select_rows`)."""
         width = rows.shape[0] // len(self.cols)
         assert width * len(self.cols) == rows.shape[0], "rows must keep B sequences"
-        rows = rows.to(self.device)
+        rows = rows if rows.device == self.device else rows.to(self.device)
         if self.pad:
             rows = torch.cat([rows, to_device(self._padding_rows(width), self.device)])
-        r, n = rows.shape[0], self.n
-        for buf in self.cache.buffers():
-            buf[:r, :, :n] = buf[:, :, :n].index_select(0, rows)
-        self.cache.valid[:r, :n] = self.cache.valid[:, :n].index_select(0, rows)
+        r, n, kv = rows.shape[0], self.n, self.cache.kv  # every layer's keys and values at once
+        src = kv.narrow(3, 0, n).index_select(1, rows)
+        (kv if r == kv.shape[1] else kv.narrow(1, 0, r)).narrow(3, 0, n).copy_(src)
+        valid = self.cache.valid
+        src = valid.narrow(1, 0, n).index_select(0, rows)
+        (valid if r == valid.shape[0] else valid.narrow(0, 0, r)).narrow(1, 0, n).copy_(src)
         self.width = width
 
     def repeat_rows(self, n_rows: int) -> None:
@@ -534,8 +625,8 @@ class StaticRunner(RowLayout, ModelRunner):
         assert seqs * n_rows <= self.cache.rows, (
             f"{n_rows} rows per sequence exceed the {self.shape.rows_per_seq} the decoder "
             "declared (Decoder.cache_rows)")
-        for buf in self.cache.buffers():
-            buf[:seqs * n_rows, :, :n] = buf[:seqs, :, :n].repeat_interleave(n_rows, 0)
+        kv = self.cache.kv  # every layer's keys and values at once
+        kv[:, :seqs * n_rows, :, :n] = kv[:, :seqs, :, :n].repeat_interleave(n_rows, 1)
         valid = self.cache.valid
         valid[:seqs * n_rows, :n] = valid[:seqs, :n].repeat_interleave(n_rows, 0)
         self.width = n_rows

@@ -22,12 +22,13 @@ from mtad_energy.decoding.base import (
     DecoderParams,
     DecodeState,
     StepResult,
-    cap_per_row,
+    block_tokens,
     param,
     require,
     target_step,
+    to_device,
 )
-from mtad_energy.decoding.sampling import sample, warp_probs
+from mtad_energy.decoding.sampling import sample_u, warp_probs
 from mtad_energy.decoding.spd import draft_chain
 
 
@@ -62,11 +63,23 @@ class Typical(Decoder):
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         pending, counts = s.draft_feed()
-        draft, _ = draft_chain(s.draft, pending, gamma, warp, s.generator, counts)  # [B, gamma]
+        draft, _ = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma]
         logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
-        p_test = warp_probs(logits[:, :gamma], prm.temperature, top_k=0, top_p=1.0)
-        n = typical_accept_length(p_test, draft, prm.eps, prm.delta)  # [B], stays on the device
-        n = cap_per_row(n, lens)  # a row accepts no further than it would draft alone
-        at_n = n[:, None, None].expand(-1, 1, logits.shape[-1])
-        nxt = sample(warp.probs(logits.gather(1, at_n)[:, 0]), s.generator)  # only row n warped
-        return StepResult.block(draft, n, nxt, lens, depth=lens)
+        tokens, n, length = s.kernels(typical_verify, logits, draft, to_device(lens, s.ids.device),
+                                      s.uniform(s.batch, 1), prm.eps, prm.delta, *warp.args)
+        return StepResult(tokens, lens, n, length, depth=lens)
+
+
+def typical_verify(logits: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor,
+                   u_next: torch.Tensor, eps: float, delta: float, temperature: float,
+                   top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel: the typical test of ``draft [B, gamma]`` on temperature-scaled, untruncated p
+    (`typical_accept_length`), capped at each row's own draft length ``lens [B]``, then a token
+    from warped p after the accepted prefix (only that position warped), and the block:
+    ``(tokens [B, gamma+1], accepted [B], length [B])``."""
+    gamma = draft.shape[-1]
+    p_test = warp_probs(logits[:, :gamma], temperature, top_k=0, top_p=1.0)
+    n = torch.minimum(typical_accept_length(p_test, draft, eps, delta), lens)  # [B]
+    at_n = n[:, None, None].expand(-1, 1, logits.shape[-1])
+    nxt = sample_u(warp_probs(logits.gather(1, at_n)[:, 0], temperature, top_k, top_p), u_next)
+    return block_tokens(draft, n, nxt)[0], n, n + 1

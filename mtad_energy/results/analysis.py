@@ -93,6 +93,30 @@ _NUMERIC_RUN_COLUMNS = ("tokens_emitted", "tokens_per_s", "block_efficiency", "a
 
 COMPILE_COLUMNS = ("compile_s", "graphs_compiled")
 
+# host work per decode iteration (`measure.host_work`: counted in the untimed warm-up), and what
+# the iteration cost over its forwards' own time (1 = nothing but forwards)
+HOST_COLUMNS = ("host_overhead", "host_ops_per_iter", "graph_calls_per_iter",
+                "host_reads_per_iter")
+
+
+def host_work(rows: pd.DataFrame) -> dict[str, float]:
+    """A group of rows' `HOST_COLUMNS`: means of the counted figures (NaN where none was
+    counted: an engine's rows, or stored before the counts) and ``host_overhead``, the decode
+    time over the forwards' time (draft + target), pooled over the rows."""
+    out = {}
+    for c in HOST_COLUMNS[1:]:
+        v = pd.to_numeric(rows[c], errors="coerce") if c in rows else pd.Series(dtype=float)
+        out[c] = float(v.mean()) if v.notna().any() else math.nan
+    forwards = (pd.to_numeric(rows.get("time_draft_s"), errors="coerce").fillna(0.0)
+                + pd.to_numeric(rows.get("time_target_s"), errors="coerce").fillna(0.0)
+                ) if {"time_draft_s", "time_target_s"} <= set(rows) else pd.Series(dtype=float)
+    decode = pd.to_numeric(rows.get("decode_time_s"), errors="coerce") \
+        if "decode_time_s" in rows else pd.Series(dtype=float)
+    ok = forwards.gt(0) & decode.notna() if len(forwards) else forwards.astype(bool)
+    out["host_overhead"] = (float(decode[ok].sum() / forwards[ok].sum()) if ok.any()
+                            else math.nan)
+    return {c: out[c] for c in HOST_COLUMNS}
+
 
 def compile_cost(rows: pd.DataFrame, one_per_batch: bool = False) -> dict[str, float]:
     """What compiling cost a group of rows: ``compile_s`` the seconds spent compiling (the
@@ -267,6 +291,23 @@ def contention_note(frame: pd.DataFrame, what: str = "runs") -> str | None:
             f"(contended{figure}); their speed and energy are not the decoder's alone")
 
 
+LAUNCH_BOUND_NOTE = ("launch-bound: the project's decoders ran eager on a GPU (--eager), where a "
+                     "forward costs its kernel launches (an 8B forward 36-44 ms eager against 6.5 "
+                     "ms compiled on an H200), not the algorithm: drop --eager for the compiled "
+                     "path")
+
+
+def launch_bound_mask(frame: pd.DataFrame) -> pd.Series:
+    """Rows of the project's own decoders (engine hf) run eager on a GPU: their speed and joules
+    measure kernel launches, not the algorithm (`LAUNCH_BOUND_NOTE`)."""
+    if "device" not in frame:
+        return pd.Series(False, index=frame.index)
+    gpu = frame["device"].astype(str).str.startswith("cuda")
+    compiled = frame["compile"].fillna(False).astype(bool) if "compile" in frame else False
+    own = frame["engine"].fillna("hf").astype(str).eq("hf") if "engine" in frame else True
+    return gpu & ~compiled & own
+
+
 def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]:
     tokens = g["tokens_emitted"]
     total_tokens = float(tokens.sum())
@@ -299,6 +340,7 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
         # measured on a busy machine (`measure.contention`): counted, never pooled silently
         "n_contended": int(contended_mask(g).sum()),
         "others_cores_max": others_cores_max(g),
+        "launch_bound": bool(launch_bound_mask(g).any()),
     }
     if "energy_ci_low_j" in optional:
         # summing per-run bounds gives a conservative (too wide, never too narrow) interval; only
@@ -311,6 +353,7 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
                                              if ok_tokens > 0 else math.nan)
     if "compile_s" in optional:
         row.update(compile_cost(g))
+    row.update(host_work(g))
     if "rouge_l" in optional:
         row["rouge_l"] = g["rouge_l"].mean()
     if "pass_at_1" in optional:
@@ -340,11 +383,13 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     acceptance_rate, perplexity (means), n_energy_runs, total_energy_j, energy_per_token_j (total
     energy / total tokens of the runs with energy; NaN when none has), energy_saving
     (1 - J/token / baseline J/token), energy_reason (why energy is missing, if it is), meter,
-    n_contended (runs measured on a busy machine: `measure.contention`) and others_cores_max (the
-    most core-equivalents other processes took during one of them);
+    n_contended (runs measured on a busy machine: `measure.contention`), others_cores_max (the
+    most core-equivalents other processes took during one of them) and launch_bound (eager on a
+    GPU: `launch_bound_mask`);
     and when ``runs`` has them: energy_per_token_ci_low_j / _high_j, rouge_l, pass_at_1 (the mean
     of a ``pass_at_1`` or per-row 0/1 ``passed`` column), compile_s / graphs_compiled
-    (`compile_cost`).
+    (`compile_cost`); always host_overhead, host_ops_per_iter, graph_calls_per_iter and
+    host_reads_per_iter (`host_work`; NaN where not counted).
     """
     optional = []
     runs = runs.copy()
@@ -362,12 +407,13 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
                "block_efficiency", "acceptance_rate", "perplexity", "n_energy_runs", "total_energy_j",
                "energy_per_token_j", "decode_energy_per_token_j", "energy_saving",
                "tokens_per_s_total", "speedup_total", "energy_saving_total", "energy_reason", "meter",
-               "n_contended", "others_cores_max"]
+               "n_contended", "others_cores_max", "launch_bound"]
     if "energy_ci_low_j" in optional:
         columns[columns.index("energy_saving"):columns.index("energy_saving")] = [
             "energy_per_token_ci_low_j", "energy_per_token_ci_high_j"]
     columns += [c for c in ("rouge_l", "pass_at_1") if c in optional]
     columns += list(COMPILE_COLUMNS) if "compile_s" in optional else []
+    columns += list(HOST_COLUMNS)
     if runs.empty:
         return pd.DataFrame(columns=columns)
 

@@ -56,6 +56,10 @@ def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame
         busy = analysis.contention_note(frame, what)  # measured on a busy machine: said, not pooled
         if busy:
             notes += ["**Contended:** " + busy.removeprefix("*: ") + ".", ""]
+        eager = int(analysis.launch_bound_mask(frame).sum()) if not frame.empty else 0
+        if eager:  # eager on a GPU: launches, not the algorithm
+            notes += [f"**Launch-bound:** {eager} of the {len(frame)} {what}: "
+                      + analysis.LAUNCH_BOUND_NOTE.removeprefix("launch-bound: ") + ".", ""]
     if not batch.empty and pd.to_numeric(batch["energy_j"], errors="coerce").isna().any():
         reasons = sorted({str(v) for v in batch["energy_reason"].dropna()}) or ["(no reason recorded)"]
         notes.append("Batch sweep rows without energy (the batch figure shows time instead when none "

@@ -13,7 +13,10 @@ parameter) without a schema migration; `TABLES` names the columns every row must
 
 Rows of ``runs`` and ``decode_batch`` also carry ``engine`` (hf, llamacpp, vllm),
 ``engine_version`` and ``engine_config`` (JSON): what generated them (`mtad_energy.engines`);
-optional, so stores written before them still load (their rows are hf's).
+optional, so stores written before them still load (their rows are hf's). And the host work per
+decode iteration of their configuration, counted in its untimed warm-up (`measure.host_work`):
+``host_ops_per_iter``, ``graph_calls_per_iter``, ``host_reads_per_iter`` (None for an engine's
+rows; missing in rows stored before them).
 """
 
 from __future__ import annotations

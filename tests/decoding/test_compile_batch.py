@@ -115,7 +115,9 @@ def test_chain_shapes_that_depend_on_sampled_values_compile_before_the_windows(m
     """A catch-up of 2 tokens (after a fully accepted draft), a verify of 2 or a target step of
     1 (the last iterations) happen only on some runs: a fresh pair's first spd generation has
     them compiled when its runners are made, before its windows, so nothing compiles inside,
-    whether its drafts are all accepted (the target as its own draft) or partly."""
+    whether its drafts are all accepted (the target as its own draft) or partly. Its kernels
+    (warp, sampling, the rule) met for the first time run eagerly and compile after the "end"
+    hook, outside the windows too."""
     from mtad_energy.models import load_pair
 
     pair = load_pair(target=model_dirs["llama"], draft=draft, device="cpu")
@@ -126,8 +128,8 @@ def test_chain_shapes_that_depend_on_sampled_values_compile_before_the_windows(m
                         on_phase=lambda phase: windows.append(graphs_compiled()))
     assert windows[0] > before  # compiled up front ...
     assert windows[-1] == windows[0] and gen[0].stats.compile_in_window_s == 0  # ... never inside
-    # and the call says what compiling cost it: seconds before its windows, and the graphs
-    assert gen[0].stats.graphs_compiled == windows[0] - before
+    # and the call says what compiling cost it: seconds outside its windows, and the graphs
+    assert gen[0].stats.graphs_compiled == graphs_compiled() - before > windows[0] - before
     assert gen[0].stats.compile_s > 0
     accepted = {s.accepted for g in gen for s in g.steps if s.draft_depth}
     assert (4 in accepted) if draft == "self" else (accepted & {0, 1, 2, 3})

@@ -1,55 +1,143 @@
-"""No decoder reads a device value back inside an iteration: the generate loop's one read-back
-(tokens, accepted count and lengths together) is the only host synchronisation (DESIGN.md 7).
+"""Host work per decode iteration is behaviour, held to budgets (DESIGN.md section 7).
 
-On a GPU every ``.item()`` / ``int(t)`` / ``float(t)`` / ``if t:``, 0-d tensor used as an index,
-or data-dependent shape (``nonzero``, boolean masks) stalls the host until the device is done. The
-same calls reach the dispatcher on the CPU as the ops counted here, so this CPU test catches
-them; ``test_phase_timer.py::test_one_host_sync_per_iteration_on_gpu`` checks a real GPU.
+On a GPU every host read of a device value (``.item()``, ``int(t)``, ``if t:``, a 0-d tensor as an
+index, ``nonzero``, a boolean mask, ``.tolist()``) stalls the host until the device is done, and
+every aten op dispatched outside a compiled graph costs ~6-8 us of host time. Both are counted
+here by the tool's own counter (`measure.host_work`), which sees the same calls on the CPU:
+
+* exactly one host read per iteration, the loop's read-back (`host_reads.READ_BACK`; the GPU
+  test in ``test_phase_timer.py`` finds its CUDA sync at the same place), eager and compiled;
+* compiled, aten ops outside graphs and graph calls per iteration within each decoder's budget,
+  at B = 1 and 4, and not growing with the model's layer count.
 """
 
 from __future__ import annotations
 
-import collections
-import traceback
-
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from mtad_energy.decoding.generate import generate_ids
+from mtad_energy.bench.host_count import counted_generation
 from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.static import CompileOptions
+from mtad_energy.measure.host_work import HostWorkSites, is_host_read
+from tests.decoding.host_reads import site_at_read_back
+from tests.tiny import skip_without_head
 
-SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal",
-            "aten.masked_select", "aten.item")
+# dynamo's graphs run as aten calls (paused from the count): what the host dispatches outside
+# them is the same as under inductor, in seconds instead of minutes
+TRACE = CompileOptions(backend="eager")
+PROMPT = [5, 6, 7, 8, 9]
+
+# compiled, per iteration, at B = 1 and 4 (this tiny pair; experiments/host_work.py has every
+# decoder at the 32 / 16 layers of the 8B / 1B pair, before and after): aten ops outside compiled
+# graphs, and compiled calls. The chains (ar, spd, pld, typical, mtad, beam, mtjd, bild) keep
+# their warp, sampling and rule in kernels (`decoding.kernels`) and their cache moves in one op
+# for every layer: their budgets are what they do now, a little over; the trees (mmtad,
+# specinfer, spectr, mcss, eagle, medusa) still walk their trees op by op: theirs hold today's
+# counts against regressions until their kernels come (the issue's targets: chains <= 25, trees
+# <= 50, ar <= 10; graph calls <= 2 for chains, <= 3 for trees).
+OPS_BUDGET = {"ar": 24, "spd": 66, "typical": 58, "pld": 26, "bild": 100, "mtad": 125,
+              "beam": 380, "mtjd": 150, "mcss": 670, "spectr": 800, "specinfer": 540,
+              "mmtad": 320, "eagle": 500, "medusa": 180}
+GRAPHS_BUDGET = {"ar": 2, "spd": 11, "typical": 11, "pld": 3, "bild": 3, "mtad": 15,
+                 "beam": 50, "mtjd": 14, "mcss": 5, "spectr": 6, "specinfer": 5, "mmtad": 12,
+                 "eagle": 8, "medusa": 3}
 
 
-class CountSyncs(TorchDispatchMode):
-    """Counts host-reading ops, with the library line that issued each."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).rsplit(".", 1)[0] in SYNC_OPS:
-            frames = [f for f in traceback.extract_stack() if "mtad_energy" in f.filename]
-            where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
-            self.sites[f"{func} at {where}"] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("name", list(DECODERS))
-def test_no_host_sync_inside_an_iteration(llama_pair, name):
-    # top_k=0: Spectr's rho shortcut, which counts q's nonzeros on the host on the CPU only
-    # (never on a GPU, see spectr_rho), stays out of the count
+def _count(pair, name: str, rows: int, compile, tokens: int = 16):
     decoder = get_decoder(name, top_k=0, top_p=1.0)
-    with CountSyncs() as counter:
-        gen = generate_ids(decoder, llama_pair, [5, 6, 7, 8, 9], 16, seed=0,
-                           compute_perplexity=False)
-    syncs = counter.sites
+    prompts = [PROMPT + [1] * b for b in range(rows)]  # rows of different lengths
+    if compile:  # compiles every shape first (a counted pass never compiles: nothing to pause)
+        counted_generation(decoder, pair, prompts, tokens, compile=compile)
+    counter = HostWorkSites()
+    gens, work = counted_generation(decoder, pair, prompts, tokens, compile=compile,
+                                    counter=counter)
+    return gens, work, counter
+
+
+def _report(counter: HostWorkSites, iterations: int, n: int = 12) -> str:
+    return "\n".join(f"  {c / iterations:7.2f} x {site}" for site, c in
+                     counter.sites.most_common(n))
+
+
+def test_the_counter_classifies_host_reads():
+    import torch
+
+    ops = torch.ops.aten
+    assert is_host_read(ops._local_scalar_dense.default, (torch.tensor(1),))
+    assert is_host_read(ops.nonzero.default, (torch.tensor([1]),))
+    mask = torch.tensor([True, False])
+    assert is_host_read(ops.index.Tensor, (torch.arange(2), [mask]))
+    assert not is_host_read(ops.index.Tensor, (torch.arange(2), [torch.tensor([0])]))
+    assert not is_host_read(ops.add.Tensor, (torch.tensor(1), torch.tensor(2)))
+
+
+def test_the_counter_counts_ops_reads_and_pauses_inside_graph_calls():
+    import torch
+
+    from mtad_energy.decoding.graph_call import GraphFunction
+    from mtad_energy.measure.host_work import HostWorkCounter
+
+    inner = GraphFunction(lambda x: (x + 1).mul(2).sum())  # three ops, not counted: one call
+    counter = HostWorkCounter()
+    x = torch.ones(3)
+    with counter.counting():
+        y = (x * 2).sum()
+        inner(x)
+        y.item()
+        x.tolist()
+    assert (counter.ops, counter.graph_calls) == (3, 1)  # mul, sum, _local_scalar_dense
+    assert counter.reads == 2  # item, tolist
+    assert counter.result(2).columns() == {"host_ops_per_iter": 1.5, "host_reads_per_iter": 1.0,
+                                           "graph_calls_per_iter": 0.5}
+
+
+@pytest.mark.parametrize("compile", [False, TRACE], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_one_host_read_per_iteration(llama_pair, name, compile):
+    # top_k=0: the eager warp's CPU-only shortcut (which reads the device where that is free)
+    # and Spectr's rho shortcut stay out of the count
+    skip_without_head(name, llama_pair)
+    gens, work, counter = _count(llama_pair, name, 1, compile)
+    iterations = gens[0].stats.iterations
+    elsewhere = {s: n for s, n in counter.read_sites.items() if not site_at_read_back(s)}
     if name == "bild":  # BiLD decides after every draft token whether to go on drafting: one
         # read of max ~q per draft token is its algorithm, not bookkeeping (and nothing else)
-        assert set(syncs) <= {s for s in syncs if "bild.py" in s}
-        assert sum(syncs.values()) <= gen.stats.draft_forwards
+        assert all("bild.py" in s for s in elsewhere), elsewhere
+        assert sum(elsewhere.values()) <= gens[0].stats.draft_forwards
     else:
-        assert not syncs, f"{name}: {sum(syncs.values())} host reads in {gen.stats.iterations} " \
-                          f"iterations: {dict(syncs)}"
+        assert not elsewhere, f"{name}: host reads besides the read-back: {elsewhere}"
+    assert work.reads - sum(elsewhere.values()) == iterations
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_compiled_host_work_within_budget(llama_pair, name, rows):
+    if rows > 1 and not DECODERS[name].batched:
+        pytest.skip(f"{name} decodes one sequence")
+    skip_without_head(name, llama_pair)
+    gens, work, counter = _count(llama_pair, name, rows, TRACE)
+    per = work.columns()
+    assert per["host_ops_per_iter"] <= OPS_BUDGET[name], (
+        f"{name} B={rows}: {per['host_ops_per_iter']:.1f} ops per iteration outside compiled "
+        f"graphs, budget {OPS_BUDGET[name]}; by place:\n{_report(counter, work.iterations)}")
+    assert per["graph_calls_per_iter"] <= GRAPHS_BUDGET[name]
+
+
+@pytest.mark.parametrize("name", ["ar", "spd", "mtad"])
+def test_compiled_host_work_does_not_grow_with_layers(llama_pair, name):
+    """Per-layer cache bookkeeping (a copy per layer per buffer) is what made mtad's host work
+    grow with the model: the same decoder on 2 and 3 target layers dispatches the same ops."""
+    from mtad_energy.models import load_pair
+
+    shallow = load_pair(target="random:tiny-llama", draft="random:tiny-llama-draft",
+                        device="cpu")  # 2 target layers, 1 draft layer; llama_pair: 3 and 1
+    ops = []
+    for pair in (shallow, llama_pair):
+        _, work, _ = _count(pair, name, 1, TRACE)
+        ops.append(round(work.columns()["host_ops_per_iter"], 6))
+    deep_draft = load_pair(target="random:tiny-llama", draft="random:tiny-llama", device="cpu")
+    _, work, _ = _count(deep_draft, name, 1, TRACE)  # a draft of 2 layers instead of 1
+    ops.append(round(work.columns()["host_ops_per_iter"], 6))
+    # random weights accept different blocks on each pair, so the mix of iterations differs a
+    # little; one more layer with per-layer bookkeeping would add tens of ops per iteration
+    assert max(ops) - min(ops) <= 3, ops

@@ -1,0 +1,29 @@
+"""A compiled function as the host sees it: one call.
+
+Every ``torch.compile``d function the decode loop calls (a runner's forward, a head) goes through
+`GraphFunction`, so a host-work counter on the dispatch mode stack (`mtad_energy.measure.host_work`,
+found by duck type: this package does not import `measure`) counts the call as one graph call and
+none of the ops inside it. Without a counter it is a plain call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+
+class GraphFunction:
+    """Wraps a compiled function ``fn``; calling it calls ``fn``."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        for mode in _get_current_dispatch_mode_stack():
+            counter = getattr(mode, "counter", None)
+            if counter is not None and hasattr(counter, "graph_call"):
+                with counter.graph_call():
+                    return self.fn(*args, **kwargs)
+        return self.fn(*args, **kwargs)
