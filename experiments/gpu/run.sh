@@ -134,7 +134,7 @@ stage_batch() {
 stage_decoders() {
   local ok=0
   if want eager; then
-    me compare --target "$target" --draft "$draft,$heads" "${decode[@]}" "${meter[@]}" \
+    me compare --eager --target "$target" --draft "$draft,$heads" "${decode[@]}" "${meter[@]}" \
       ${only_decoders:+--decoders "$only_decoders"} $(budget) --output "$R/decoders" \
       --markdown "$R/decoders.md" --json > "$R/decoders-eager.json" || ok=1
   fi
@@ -153,7 +153,7 @@ stage_decoders() {
 }
 stage_batched() {
   local ok=0
-  want eager && { me sweep batch-size --decoder "$batched_decoders" "${pair[@]}" \
+  want eager && { me sweep batch-size --decoder "$batched_decoders" --eager "${pair[@]}" \
     --sizes "$batched_sizes" "${batched_prompts[@]}" "${meter[@]}" $(budget) \
     --output "$R/batched" --json > "$R/batched-eager.json" || ok=1; }
   want compiled && { me sweep batch-size --decoder "$batched_decoders" "${pair[@]}" \

@@ -50,7 +50,17 @@ class Warp:
 
 def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 10,
                top_p: float = 0.9) -> torch.Tensor:
-    """Warped distribution ``[..., V]`` (float32) from logits ``[..., V]``."""
+    """Warped distribution ``[..., V]`` (float32) from logits ``[..., V]``. Computed on rows
+    ``[R, V]`` (a reshape): inductor in torch 2.11 fails to compile the top-k nucleus of a 3-D
+    ``[1, k, V]`` input on CUDA, and compiles the 2-D one (seen on an H200)."""
+    if logits.dim() != 2:
+        return _warp_rows(logits.reshape(-1, logits.shape[-1]), temperature, top_k,
+                          top_p).reshape(logits.shape)
+    return _warp_rows(logits, temperature, top_k, top_p)
+
+
+def _warp_rows(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+               ) -> torch.Tensor:
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -161,7 +171,8 @@ def _nucleus_drop_top_k(logits: torch.Tensor, probs: torch.Tensor, values: torch
     ties_in_top = (values == kth).sum(-1, keepdim=True)
     allowed = ((top_p - mass_above) / p_kth).floor().long() + 1 - ties_in_top  # [..., 1]
     extra = (logits == kth).scatter_(-1, indices, False)  # [..., V]
-    extra_rank = extra.cumsum(-1) - 1
+    # counted in float32 (exact below 2^24 tokens): the scan every backend compiles
+    extra_rank = extra.float().cumsum(-1) - 1
     return drop.logical_or_(extra & (extra_rank >= allowed))
 
 

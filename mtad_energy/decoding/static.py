@@ -205,6 +205,8 @@ class CompiledKernels(Kernels):
                 fn, backend=self.options.backend, dynamic=self.options.dynamic,
                 fullgraph=True)), set())
         compiled, seen = entry
+        if compiled is None:  # it failed to compile (warned): eager, and counted as such
+            return fn(*args)
         key = signature(args)
         if key in seen:
             before, t0 = graphs_compiled(), time.perf_counter()
@@ -224,7 +226,18 @@ class CompiledKernels(Kernels):
         t0 = time.perf_counter()
         for (fn, key), (_, args) in self._pending.items():
             compiled, seen = self._fns[fn]
-            compiled(*args)
+            if compiled is None:
+                continue
+            try:
+                compiled(*args)
+            except Exception as error:  # a compiler that cannot: eager, said, never silent
+                self._fns[fn] = (None, seen)
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                warnings.warn(f"compile: kernel {fn.__module__}.{fn.__qualname__} failed to "
+                              f"compile with backend {self.options.backend!r} "
+                              f"({type(error).__name__}: {first}); it runs eagerly from now "
+                              "on (host work counted as such)", stacklevel=2)
+                continue
             seen.add(key)
         self._pending.clear()
         return time.perf_counter() - t0
