@@ -129,11 +129,12 @@ def schedule(
     setting; another setting's file is never replaced)."""
     from mtad_energy.results import StoreError, load_results
     from mtad_energy.results.schedule import build_schedule, schedule_path, schedule_table, write_schedule
+    from mtad_energy.results.store_files import outside_store
 
     try:
         rows = load_results(results, "decode_batch")
         plan = build_schedule(rows, objective, decoder, max_batch_size, model)
-        path = out or schedule_path(results, objective, model)
+        path = outside_store(out or schedule_path(results, objective, model), results, "--out")
         write_schedule(plan, path)
     except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2
         fail(error)

@@ -280,6 +280,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         crossover_title,
     )
     from mtad_energy.results.figures import plot_batch_crossover
+    from mtad_energy.results.store_files import beside_store
 
     try:
         names = split_list(decoders)
@@ -292,6 +293,12 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
         engines = sweep_engines(engine, specs, size_list, compile)  # refusals before loading
         settings = engine_options(engine_option, engine)
+        # the plot: beside the store (it holds only tables), named by setting: an eager sweep
+        # into the same store does not overwrite the compiled sweep's plot (an engine's sweep is
+        # named by its engines: an hf sweep into the same store keeps its own)
+        setting = "-".join([*(e for e in engines if e != "hf"), *(
+            [compile_label(compile_backend, dynamic_shapes)[1:]] if compile else [])])
+        png = beside_store(out, f"-crossover{'-' + setting if setting else ''}.png")
         # the project's decoders, built (their parameters checked) only where hf runs them: an
         # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
         built = [s.build() for s in specs] if "hf" in engines else []
@@ -348,13 +355,6 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     notes = ignored_draft_notes(built, pair_alias(model, target), target,
                                 draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
     notes += [budget.note()] if budget is not None and budget.note() else []
-    out_dir = out.resolve()  # `--output .` has no name of its own
-    # beside the store (it holds only tables), named by setting: an eager sweep into the same
-    # store does not overwrite the compiled sweep's plot
-    # (an engine's sweep is named by its engines: an hf sweep into the same store keeps its own)
-    setting = "-".join([*(e for e in engines if e != "hf"),
-                        *([compile_label(compile_backend, dynamic_shapes)[1:]] if compile else [])])
-    png = out_dir.parent / f"{out_dir.name}-crossover{'-' + setting if setting else ''}.png"
     who = pair.name if engines == ["hf"] else f"{pair.name} ({', '.join(engines)})"
     plot_batch_crossover(table, f"{who}: decoders at batch sizes "
                                 f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "

@@ -23,6 +23,7 @@ from mtad_energy.results.figures import (
     plot_ppl_vs_block_efficiency,
 )
 from mtad_energy.results.store import load_results
+from mtad_energy.results.store_files import beside_store, outside_store
 
 FIGURES = ("jpt_vs_speedup", "ppl_vs_block_efficiency", "batch_energy", "accepted_lengths")
 
@@ -246,10 +247,8 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     report's path. ``out_dir`` defaults to ``<store_dir>-report`` beside the store (a store holds
     only what mtad-energy wrote, so the report cannot go inside it)."""
     store_dir = Path(store_dir)
-    out = Path(out_dir) if out_dir is not None else store_dir.with_name(f"{store_dir.name}-report")
-    if out.resolve().is_relative_to(store_dir.resolve()):
-        raise ValueError(f"the report directory {out} is inside the results store {store_dir}; a store "
-                         "may hold only what mtad-energy wrote: choose another out_dir")
+    out = outside_store(out_dir if out_dir is not None else beside_store(store_dir, "-report"),
+                        store_dir, "the report directory (--out)")
     runs = load_results(store_dir, "runs")  # before creating anything: is it a store at all?
     fig_dir = out / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)

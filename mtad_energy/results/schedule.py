@@ -47,6 +47,8 @@ from typing import Any
 
 import pandas as pd
 
+from mtad_energy.results.store_files import beside_store
+
 OBJECTIVES = ("speed", "energy")
 BASELINE = "ar"
 DRAFT_AT_ZERO_NOTE = ("k = 0 is unmeasured here and taken to cost what ar does, but in vLLM a draft "
@@ -342,7 +344,7 @@ def schedule_path(results: Path, objective: str, model: str | None = None) -> Pa
     store, with ``-<model label>`` added when ``--model`` picks one of several settings (so the
     schedules of an eager and a ``+compile`` sweep never replace each other)."""
     tail = f"-{re.sub(r'[^A-Za-z0-9._+-]', '_', model)}" if model is not None else ""
-    return results.parent / f"{results.name}-schedule-{objective}{tail}.json"
+    return beside_store(results, f"-schedule-{objective}{tail}.json")
 
 
 def write_schedule(schedule: Schedule, path: Path) -> None:
