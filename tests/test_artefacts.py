@@ -96,3 +96,48 @@ def test_side_files_are_named_beside_the_store(tmp_path, monkeypatch, name):
     path = beside_store(name, ".md")
     assert path.resolve().parent == (tmp_path / name).resolve().parent
     assert path.name == (tmp_path / name).resolve().name + ".md"
+
+
+# -- item 9: strict JSON ---------------------------------------------------------------------------
+def strict(text: str):
+    """Parse as strict JSON (RFC 8259: Node, Go): a bare NaN / Infinity fails the test."""
+    def refuse(constant):
+        raise AssertionError(f"not strict JSON: bare {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_budget_without_limit_is_null_with_its_reason(model_dirs, tmp_path):
+    """`--budget-s inf --json` (was: "seconds": Infinity)."""
+    res = runner.invoke(app, ["profile", "--decoder", "ar", "--baseline", "none", "--target",
+                              model_dirs["llama"], "--meter", "none", "--n-prompts", "1",
+                              "--max-new-tokens", "2", "--output", str(tmp_path / "p"),
+                              "--budget-s", "inf", "--json"])
+    assert res.exit_code == 0, res.output
+    budget = strict(res.stdout)["budget"]
+    assert budget["seconds"] is None and "no limit" in budget["seconds_reason"]
+
+
+def test_decompose_json_has_no_bare_infinity(tmp_path):
+    """Three batch rows for three coefficients: unbounded intervals (was: "ci_high": Infinity)."""
+    from mtad_energy.results import stable_key
+    from tests.results.test_breakdown import POINTS, _batch_row, roofline_energy
+
+    store = ResultStore(tmp_path / "r")
+    for b, (t, _, _, flops, nbytes) in list(POINTS.items())[:3]:
+        key = stable_key({"b": b})
+        store.write("batch", key, [_batch_row(
+            key, batch_size=b, time_s=t, counted_flops=flops, counted_bytes=nbytes,
+            energy_j=roofline_energy(t, flops, nbytes) * 1.01 ** b)])
+    res = runner.invoke(app, ["decompose", str(tmp_path / "r"), "--json"])
+    assert res.exit_code == 0, res.output
+    coefficients = strict(res.stdout)["fits"]["roofline"]["coefficients"]
+    assert any(c["ci_high"] is None for c in coefficients)
+    assert all(c["verdict"] for c in coefficients)  # what the null means is said beside it
+
+
+def test_every_json_document_is_strict(capsys):
+    from mtad_energy.cli.output import emit
+
+    emit({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": {"d": (2.0, None)}})
+    assert strict(capsys.readouterr().out) == {"a": None, "b": [None, None, 1.5], "c": {"d": [2.0, None]}}

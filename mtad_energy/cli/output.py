@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
@@ -187,10 +188,24 @@ def json_command(command: Callable) -> Callable:
     return wrapper
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, an unbounded interval's inf) as None:
+    strict JSON (RFC 8259; Node's and Go's parsers) has no NaN or Infinity. What a null means is
+    said beside it (a fit's verdict, an energy reason, the budget's ``seconds_reason``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
 def emit(document: Any) -> None:
-    """Print the command's JSON document on stdout (the real one, also under `json_mode`)."""
+    """Print the command's JSON document on stdout (the real one, also under `json_mode`): strict
+    JSON, non-finite numbers as null (`finite`)."""
     out = _json_stdout[-1] if _json_stdout else sys.stdout
-    out.write(json.dumps(document, indent=2, default=str) + "\n")
+    out.write(json.dumps(finite(document), indent=2, default=str, allow_nan=False) + "\n")
     out.flush()
 
 
