@@ -42,6 +42,18 @@ class DecoderSpec:
         return {"name": self.name, "params": self.param_dict}
 
 
+RANDOM_NOTE = ("random weights at real shapes (random:SHAPE): time and energy per forward are "
+               "real; acceptance, block efficiency and quality are not")
+
+
+def random_weights(spec: Any) -> bool:
+    """Whether a model spec holds random weights: a ``random:SHAPE`` model, or a draft spec
+    naming random heads (``eagle:random``, ``eagle:random-v1``, ``medusa:random``; comma-joined
+    with others, as ``--draft`` and a row's ``draft_id`` are)."""
+    parts = [p.strip() for p in str(spec or "").split(",")] if isinstance(spec, str) else []
+    return any(p.startswith("random:") or p.partition(":")[2].startswith("random") for p in parts)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     alias: str | None = "smollm2"

@@ -141,3 +141,116 @@ def test_every_json_document_is_strict(capsys):
 
     emit({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": {"d": (2.0, None)}})
     assert strict(capsys.readouterr().out) == {"a": None, "b": [None, None, 1.5], "c": {"d": [2.0, None]}}
+
+
+# -- items 6 and 7: the terminal's caveats in every artefact ---------------------------------------
+def _run(decoder: str, tok_s: float, block: float, *, contended: bool = False,
+         draft_id: str | None = None, ppl: float = 2.0) -> dict:
+    return {"model": "m", "dataset": "d", "decoder": decoder, "params_json": "{}", "prompt_id": "p",
+            "repeat": 0, "tokens_emitted": 8, "decode_time_s": 8 / tok_s, "tokens_per_s": tok_s,
+            "block_efficiency": block, "acceptance_rate": 0.5, "perplexity": ppl,
+            "energy_j": None, "decode_energy_j": None, "energy_reason": "no meter", "meter": "none",
+            "prefill_time_s": 0.01, "contended": contended, "others_cores": 1.5 if contended else 0.0,
+            "target_id": "t", "draft_id": draft_id}
+
+
+def _cells(md: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in md.splitlines()[2:] if line.startswith("|")]
+    return {r[0].strip(): [c.strip() for c in r[1:]] for r in rows}
+
+
+def test_the_markdown_table_carries_the_terminals_marks_and_ranks_none_it_doubts():
+    """medusa 3.70x with nothing accepted (`!` in the terminal: was underlined second best in the
+    file), spd measured on a busy machine (`*`: was dropped), mtad on random weights (was bold
+    for its perplexity)."""
+    import pandas as pd
+
+    from mtad_energy.results.analysis import decoder_summary
+    from mtad_energy.results.caveats import marked_main_table
+
+    summary = decoder_summary(pd.DataFrame([
+        _run("ar", 10.0, 1.0), _run("medusa", 37.0, 1.0), _run("spd", 15.0, 1.8, contended=True),
+        _run("mtad", 9.0, 1.5, draft_id="random:tiny-llama-draft", ppl=1.5)]))
+    md = marked_main_table(summary)
+    cells = _cells(md)  # tokens/s, J/token, perplexity
+    assert cells["medusa"][0] == "37.0 !"  # marked, not ranked
+    assert cells["spd"][0] == "**15.0**\\*" and cells["ar"][0] == "<u>10.0</u>"
+    assert cells["mtad†"] == ["9.0", "n/a", "1.50"]  # the best perplexity, not ranked
+    text = " ".join(md.split())
+    assert "\\*: 1 of the runs were measured while other processes used the machine" in text
+    assert "!: implausible" in text and "†: random weights at real shapes" in text
+
+
+def test_compare_and_report_on_random_heads_rank_nothing_and_say_why(tmp_path):
+    """`--draft medusa:random`: compare's table and the report marked the random heads' row
+    best or second (was: no random-weights note in either)."""
+    out = tmp_path / "rnd"
+    res = runner.invoke(app, ["compare", "--decoders", "ar,medusa", "--target", "random:tiny-llama",
+                              "--draft", "medusa:random", "--meter", "none", "--n-prompts", "1",
+                              "--max-new-tokens", "3", "--output", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    md = (tmp_path / "rnd.md").read_text()
+    assert "**" not in md and "<u>" not in md and "random weights at real shapes" in md
+    rep = runner.invoke(app, ["report", str(out), "--json"])
+    assert rep.exit_code == 0, rep.output
+    text = (tmp_path / "rnd-report" / "report.md").read_text()
+    assert "**Random weights**" in text
+    table = [line for line in text.split("## Main table")[1].split("## Figures")[0].splitlines()
+             if line.startswith("|")]
+    assert table and not any("**" in line or "<u>" in line for line in table)
+
+
+def test_generate_says_the_weights_are_random():
+    """README: every command gives the random-weights note (generate did not)."""
+    from mtad_energy.config import RANDOM_NOTE
+
+    res = runner.invoke(app, ["generate", "--decoder", "ar", "--target", "random:tiny-llama",
+                              "--prompt", "w1 w2", "--max-new-tokens", "2", "--device", "cpu",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    assert RANDOM_NOTE in json.loads(res.stdout)["notes"]
+
+
+def test_the_schedule_document_carries_contention_random_weights_and_extrapolation(tmp_path):
+    """A schedule built from contended, random-weight rows measured at B = 1 only, written for
+    up to B = 64 (was: one range 1-64 and no caveat)."""
+    rows = [r for r in sweep_rows() if r["batch_size"] == 1]
+    for r in rows:
+        r.update(contended=True, target_id="random:tiny-llama", model="random:tiny-llama")
+    write_store(tmp_path / "s", rows)
+    res = runner.invoke(app, ["schedule", str(tmp_path / "s"), "--max-batch-size", "64", "--json"])
+    assert res.exit_code == 0, res.output
+    written = json.loads((tmp_path / "s-schedule-speed.json").read_text())
+    notes = " ".join(written["notes"])
+    assert "batch sizes 2-64 were not measured (measured: 1)" in notes
+    assert f"{len(rows)} of the {len(rows)} rows behind it were measured while other" in notes
+    assert "random weights at real shapes" in notes
+    assert written["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 64, 5]]
+
+
+def test_the_kits_csvs_count_the_contended_rows(tmp_path):
+    """decoders.csv / batched.csv summarise stored rows; a contended row is counted in its cell
+    (was: dropped, so a busy machine's figures read as the decoder's)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    path = Path(__file__).resolve().parents[1] / "experiments/gpu/tables.py"
+    spec = importlib.util.spec_from_file_location("gpu_kit_tables_41", path)
+    kit = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kit
+    spec.loader.exec_module(kit)
+    rows = pd.DataFrame([{"decoder": d, "model": "random:tiny-llama", "iterations": 4,
+                          "decode_time_s": 0.4, "target_forwards": 4, "draft_forwards": 0,
+                          "time_draft_s": 0.0, "time_target_s": 0.3, "time_other_s": 0.1,
+                          "decode_energy_j": None, "block_efficiency": 1.0, "contended": busy}
+                         for d, busy in (("ar", False), ("ar", True), ("spd", False))])
+    summary = kit.summarise(kit.per_iteration(rows, "decode_energy_j"), {"ar": 1.0, "spd": 2.0},
+                            ["decoder", "mode"]).set_index("decoder")
+    assert summary["n_contended"].to_dict() == {"ar": 1, "spd": 0}
+    out = kit.Out(tmp_path)
+    out.table("decoders", summary.reset_index(), "decoders")
+    assert "1 row(s) measured on a busy machine" in (tmp_path / "run.log").read_text()
+    assert pd.read_csv(tmp_path / "decoders.csv")["n_contended"].tolist() == [1, 0]

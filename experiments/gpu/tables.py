@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from mtad_energy.results import load_results  # noqa: E402
+from mtad_energy.results.analysis import contended_mask  # noqa: E402
 
 RANDOM_NOTE = ("random weights at real shapes: valid for time and energy per forward, not for "
                "acceptance, block efficiency or quality")
@@ -69,6 +70,10 @@ class Out:
             f.write(line + "\n")
 
     def table(self, name: str, df: pd.DataFrame, title: str, note: str = "") -> None:
+        busy = int(df["n_contended"].sum()) if "n_contended" in df else 0
+        if busy:
+            note = "; ".join(n for n in (note, f"{busy} row(s) measured on a busy machine "
+                                               "(n_contended): not the decoders' cost alone") if n)
         df.to_csv(self.folder / f"{name}.csv", index=False)
         self.log(f"{title} -> {name}.csv" + (f" ({note})" if note else ""))
         with pd.option_context("display.width", 200, "display.max_columns", 40):
@@ -127,7 +132,9 @@ def per_iteration(rows: pd.DataFrame, energy: str) -> pd.DataFrame:
         "forwards_ms_per_iter": (rows.time_draft_s + rows.time_target_s) / it * 1e3,
         "j_per_iter": pd.to_numeric(rows[energy]) / it,
         "compile_s": rows.get("compile_s", 0.0), "graphs_compiled": rows.get("graphs_compiled", 0),
-        "random_weights_block_eff": rows.block_efficiency})
+        "random_weights_block_eff": rows.block_efficiency,
+        # measured on a busy machine (the terminal's `*`): counted per cell, never dropped
+        "contended": contended_mask(rows).astype(int)})
     if "batch_size" in rows:
         out.insert(2, "batch_size", rows.batch_size)
         out["peak_memory_gb"] = pd.to_numeric(rows.get("peak_memory_bytes")) / 1e9
@@ -142,6 +149,7 @@ def summarise(raw: pd.DataFrame, block_eff: dict[str, float], cell: list[str]) -
     agg = groups.median(numeric_only=True).reset_index()
     agg["compile_s"] = groups["compile_s"].sum(min_count=1).to_numpy()
     agg["graphs_compiled"] = groups["graphs_compiled"].sum(min_count=1).to_numpy()
+    agg = agg.drop(columns="contended").assign(n_contended=groups["contended"].sum().to_numpy())
     agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
     rows = agg.batch_size if "batch_size" in agg else 1
     tokens_per_iter = rows * agg.cpu_pair_block_eff * agg.target_forwards_per_iter

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from mtad_energy.cli.options import ignored_draft_notes, pair_alias, parse_sets
+from mtad_energy.cli.options import ignored_draft_notes, pair_alias, parse_sets, random_weight_notes
 from mtad_energy.cli.output import console, emit, esc, fail, json_command, quiet_libraries, wrapping_table
 from mtad_energy.cli.tables import stats_table
 
@@ -123,7 +123,8 @@ def generate(
                   compile=compile)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
-    notes = ignored_draft_notes([dec], pair_alias(model, target), target, draft, device)
+    notes = ignored_draft_notes([dec], pair_alias(model, target), target, draft, device) + \
+        random_weight_notes(target, draft)
     if as_json:
         emit({**gen.to_dict(), "pair": pair.describe(), "notes": notes})
         return

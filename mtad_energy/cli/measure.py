@@ -144,12 +144,16 @@ def markdown_path(markdown: Path | None, out: Path) -> Path:
 
 
 def write_main_table(summary, notes: list[str], path: Path) -> dict[str, Path]:
-    """Write the main table in markdown to ``path`` (best **bold**, second <u>underlined</u>)."""
-    from mtad_energy.results.analysis import main_table, to_markdown
+    """Write the main table in markdown to ``path`` (best **bold**, second <u>underlined</u>),
+    with the terminal table's marks and notes (`results.caveats`): contended, implausible,
+    random weights, simulated joules, and the run's notes."""
+    from mtad_energy.config import RANDOM_NOTE
+    from mtad_energy.results.caveats import marked_main_table
 
-    md = to_markdown(main_table(summary))
+    md = marked_main_table(summary)
     if "meter" in summary and summary["meter"].map(is_simulated).any():
-        md += "\n\n" + SIMULATED_NOTE.replace("J/tok", "J/token") + "."
+        md += "\n" + SIMULATED_NOTE.replace("J/tok", "J/token") + ".\n"
+    md += "".join(f"\nNote: {note}.\n" for note in notes if note != RANDOM_NOTE)  # marked: †
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(md + "\n")
     return {"markdown": path}

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
+from mtad_energy.config import RANDOM_NOTE, DecoderSpec, MeasureConfig, ModelSpec, RunConfig, random_weights
 
 
 def parse_sets(sets: list[str] | None) -> dict[str, str]:
@@ -61,13 +61,9 @@ def ignored_draft_notes(decoders: Sequence[Any], alias: str | None, target: str 
                " and not loaded")]
 
 
-RANDOM_NOTE = ("random weights at real shapes (random:SHAPE): time and energy per forward are "
-               "real; acceptance, block efficiency and quality are not")
-
-
 def random_weight_notes(target: str | None, draft: str | None = None) -> list[str]:
-    """`RANDOM_NOTE` when the target or the draft is a ``random:SHAPE`` model."""
-    return [RANDOM_NOTE] if any(m and "random:" in m for m in (target, draft)) else []
+    """`RANDOM_NOTE` when the target or the draft (a model or heads) has random weights."""
+    return [RANDOM_NOTE] if any(random_weights(m) for m in (target, draft)) else []
 
 
 ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from mtad_energy.results import analysis, crossover
+from mtad_energy.results import analysis, caveats, crossover
 from mtad_energy.results.figures import (
     label_palette,
     plot_accepted_lengths,
@@ -260,7 +260,9 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     palette = label_palette(summary) if not summary.empty else None
 
     decode_batch = load_results(store_dir, "decode_batch")
-    lines = ["# mtad-energy report", "", _store_line(store_dir, runs, summary, batch, decode_batch), ""]
+    lines = ["# mtad-energy report", "", _store_line(store_dir, runs, summary, batch, decode_batch), "",
+             *[line for note in caveats.random_note(runs, batch, decode_batch)
+               for line in (f"**Random weights**: {note}.", "")]]
     figures: list[str] = []
     if not summary.empty:
         has_energy = summary["energy_per_token_j"].notna().any()
@@ -279,7 +281,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
         if not has_speedup:
             lines += [f"No `{baseline}` runs, so there is no speed-up column.", ""]
         lines += _simulated_note(runs, "runs") if has_energy else []
-        lines += [analysis.to_markdown(analysis.main_table(summary, metrics)), ""]
+        lines += [caveats.marked_main_table(summary, metrics, baseline), ""]
         detail = ["block_efficiency", "acceptance_rate", "tokens_per_s_pooled",
                   *(["decode_energy_per_token_j", "energy_saving", "speedup_total",
                      "energy_saving_total"] if has_energy and has_speedup else [])]
@@ -289,7 +291,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
                   "decoders); pooled tokens/s: total tokens / total decode time; energy saving "
                   f"(decode): 1 - decode J/token / `{baseline}`'s, the basis of the speed-up; "
                   "energy saving (total) with the end-to-end speed-up, prefill included.", "",
-                  analysis.to_markdown(analysis.main_table(summary, detail)), ""]
+                  caveats.marked_main_table(summary, detail, baseline), ""]
         for name, plot in (("jpt_vs_speedup", plot_jpt_vs_speedup),
                            ("ppl_vs_block_efficiency", plot_ppl_vs_block_efficiency)):
             _save(plot(summary, baseline, palette=palette), fig_dir, name)
