@@ -254,3 +254,27 @@ def test_the_kits_csvs_count_the_contended_rows(tmp_path):
     out.table("decoders", summary.reset_index(), "decoders")
     assert "1 row(s) measured on a busy machine" in (tmp_path / "run.log").read_text()
     assert pd.read_csv(tmp_path / "decoders.csv")["n_contended"].tolist() == [1, 0]
+
+
+# -- item 5: the forward-only batch-size study records and flags contention ------------------------
+def test_the_forward_only_sweep_records_flags_and_warns_of_a_busy_machine(model_dirs, tmp_path,
+                                                                          monkeypatch):
+    """`sweep batch-size` without --decoder (was: no contention columns, no warning, no mark; at
+    load 5, B = 4 looked cheaper per run than B = 1, unflagged)."""
+    from mtad_energy.measure.contention import Contention, ContentionProbe
+
+    busy = Contention(wall_s=1.0, others_cpu_s=1.5, resolution_cpu_s=0.03, cpus=2)
+    monkeypatch.setattr(ContentionProbe, "end", lambda self, key: busy)
+    args = ["sweep", "batch-size", "--target", model_dirs["llama"], "--sizes", "1,2", "--runs", "1",
+            "--context-len", "8", "--forwards-per-run", "1", "--meter", "none", "--no-ops",
+            "--output", str(tmp_path / "bs")]
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["machine_load"]["contended"] and "the machine is busy" in doc["machine_load"]["warning"]
+    assert [r["contended"] for r in doc["rows"]] == [True, True]
+    assert "2 of the batch-sweep points were measured while other processes" in doc["notes"][0]
+    stored = load_results(tmp_path / "bs", "batch")
+    assert stored["contended"].all() and (stored["others_cores"] == 1.5).all()
+    text = " ".join(runner.invoke(app, args).output.split())  # resumed: the stored rows' flags
+    assert "warning: the machine is busy" in text and "1* " in text and "2* " in text

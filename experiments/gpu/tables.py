@@ -53,7 +53,8 @@ BATCH_COLUMNS = [
     "energy_per_run_ci_high_j", "energy_per_input_j", "time_s", "time_per_run_s",
     "time_per_input_s", "mitigated_time_per_run_s", "power_w", "idle_power_w", "t_flop_s",
     "t_mem_s", "t_other_s", "flops_per_run", "bytes_per_run", "counted_flops", "counted_bytes",
-    "counted_flops_per_run", "counted_bytes_per_run", "energy_flags", "energy_reason"]
+    "counted_flops_per_run", "counted_bytes_per_run", "energy_flags", "energy_reason",
+    "others_cores", "contended"]
 REAL_COLUMNS = ("decoder", "n_runs", "total_tokens", "tokens_per_s", "speedup", "block_efficiency",
                 "acceptance_rate", "perplexity", "n_energy_runs", "energy_per_token_j",
                 "decode_energy_per_token_j", "energy_saving", "energy_reason")
@@ -70,7 +71,7 @@ class Out:
             f.write(line + "\n")
 
     def table(self, name: str, df: pd.DataFrame, title: str, note: str = "") -> None:
-        busy = int(df["n_contended"].sum()) if "n_contended" in df else 0
+        busy = int(df["n_contended"].sum()) if "n_contended" in df else int(contended_mask(df).sum())
         if busy:
             note = "; ".join(n for n in (note, f"{busy} row(s) measured on a busy machine "
                                                "(n_contended): not the decoders' cost alone") if n)

@@ -73,7 +73,7 @@ from mtad_energy.cli.output import (
 )
 from mtad_energy.cli.run import progress_bar, run_config, warn_if_busy
 from mtad_energy.cli.store import compact_after
-from mtad_energy.cli.tables import SIMULATED_NOTE, energy_text, fmt, short_reason
+from mtad_energy.cli.tables import SIMULATED_NOTE, batch_sweep_table, short_reason
 from mtad_energy.config import MeasureConfig, ModelSpec, compile_arg, compile_label
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
@@ -159,11 +159,15 @@ def sweep_batch_size(
     the energy roofline identifiable (`mtad-energy decompose`). With --decoder: real decoding of
     B prompts at once per decoder and batch size (--set gamma=1,2,3,5 sweeps variants), and the
     batch size from which each decoder stops beating ar."""
+    import pandas as pd
+
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table, design_points
     from mtad_energy.bench.budget import Budget
     from mtad_energy.measure import MitigationConfig, meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
+    from mtad_energy.results.analysis import contention_note
+    from mtad_energy.results.crossover import batch_axis
 
     budget = Budget(budget_s)  # from the command's start: loading is part of the lease
     quiet_libraries()
@@ -203,6 +207,7 @@ def sweep_batch_size(
     if not as_json:
         console.print(f"[bold]target[/] {esc(pair.target_id)} on {esc(pair.describe()['device'])}; "
                       f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
+    load = warn_if_busy(as_json)
     mitigation = MitigationConfig() if mitigates else None
     try:
         with progress_bar() as bar:
@@ -229,27 +234,22 @@ def sweep_batch_size(
     compact_after(out)
     if not rows:  # the budget was spent before the first point
         if as_json:
-            emit({"output": str(out), "meter": m.name, "rows": [], "budget": budget.to_dict()})
+            emit({"output": str(out), "meter": m.name, "rows": [], "budget": budget.to_dict(),
+                  "machine_load": load})
         else:
             console.print(f"[yellow]note:[/] {esc(budget.note())}")
         return
     table = batch_table(rows)
+    busy = {int(r["batch_size"]) for r in batch_axis(pd.DataFrame(rows)).to_dict("records")
+            if r.get("contended")}
+    contended = contention_note(pd.DataFrame(rows), "batch-sweep points")
     if as_json:
-        emit({"output": str(out), "meter": m.name, "rows": integer_records(table),
+        emit({"output": str(out), "meter": m.name,
+              "rows": [{**r, "contended": r["Batch Size"] in busy} for r in integer_records(table)],
+              "notes": [contended] if contended else [], "machine_load": load,
               **({"budget": budget.to_dict()} if budget_s is not None else {})})
         return
-    t = wrapping_table([str(c) for c in table.columns],
-                       [[str(int(v)) if c == table.columns[0] else
-                         energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
-                         for c, v in r.items()] for _, r in table.iterrows()],
-                       title="batch size vs energy")
-    reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
-    captions = ["Energy " + "; ".join(sorted(reasons))] if reasons else []
-    if m.name == "simulated" and len(reasons) < len(rows):
-        t.title = "batch size vs energy (simulated)"
-        captions.insert(0, SIMULATED_NOTE.replace("J/tok", "Energy"))
-    if captions:
-        t.caption = esc("\n".join(captions))
+    t = batch_sweep_table(table, rows, busy, m.name == "simulated", contended)
     console.print(t)
     extra = len(rows) - len(table)
     if extra:

@@ -151,6 +151,27 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     return table
 
 
+def batch_sweep_table(table, rows: list[dict], busy: set[int], simulated: bool,
+                      contended: str | None) -> Table:
+    """The forward-only batch-size study's table (`bench.batch_sweep.batch_table` of ``rows``):
+    ``*`` after a batch size measured on a busy machine (``busy``; ``contended``: the caption's
+    line), energy n/a with the reasons."""
+    t = wrapping_table([str(c) for c in table.columns],
+                       [[str(int(v)) + ("*" if int(v) in busy else "") if c == table.columns[0] else
+                         energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
+                         for c, v in r.items()] for _, r in table.iterrows()],
+                       title="batch size vs energy")
+    reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
+    captions = ["Energy " + "; ".join(sorted(reasons))] if reasons else []
+    if simulated and len(reasons) < len(rows):
+        t.title = "batch size vs energy (simulated)"
+        captions.insert(0, SIMULATED_NOTE.replace("J/tok", "Energy"))
+    captions += [contended] if contended else []
+    if captions:
+        t.caption = esc("\n".join(captions))
+    return t
+
+
 FORM_NAMES = {"paper": "paper form E = P_static*T + PW_flop*T_flop + PW_mem*T_mem",
               "roofline": "energy roofline E = pi0*T + eps_flop*FLOPs + eps_byte*bytes"}
 

@@ -53,7 +53,8 @@ def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame
         return ["The store holds no rows."]
     if not runs.empty:
         notes += _run_energy_notes(runs, summary)
-    for frame, what in ((runs, "runs"), (decode_batch, "decoding batch-size rows")):
+    for frame, what in ((runs, "runs"), (batch, "batch-sweep rows"),
+                        (decode_batch, "decoding batch-size rows")):
         busy = analysis.contention_note(frame, what)  # measured on a busy machine: said, not pooled
         if busy:
             notes += ["**Contended:** " + busy.removeprefix("*: ") + ".", ""]
