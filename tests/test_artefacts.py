@@ -278,3 +278,18 @@ def test_the_forward_only_sweep_records_flags_and_warns_of_a_busy_machine(model_
     assert stored["contended"].all() and (stored["others_cores"] == 1.5).all()
     text = " ".join(runner.invoke(app, args).output.split())  # resumed: the stored rows' flags
     assert "warning: the machine is busy" in text and "1* " in text and "2* " in text
+
+
+# -- item 2: an EAGLE head on a target outside the Llama family ------------------------------------
+def test_an_eagle_head_on_an_opt_target_is_refused_before_anything_loads(monkeypatch):
+    """`--target random:tiny-opt --draft eagle:random-v1` (was: AttributeError: 'OPTConfig' object
+    has no attribute 'intermediate_size', with a traceback, after loading the target)."""
+    from mtad_energy.models import pair
+
+    monkeypatch.setattr(pair, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    res = runner.invoke(app, ["compare", "--decoders", "ar,eagle", "--target", "random:tiny-opt",
+                              "--draft", "eagle:random-v1", "--meter", "none", "--n-prompts", "1",
+                              "--max-new-tokens", "2", "--json"])
+    assert res.exit_code == 2, res.output
+    error = json.loads(res.stdout)["error"]
+    assert "EAGLE heads are for Llama-family targets" in error and "model_type='opt'" in error

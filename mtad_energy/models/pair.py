@@ -329,6 +329,16 @@ def _random_shape(model_id: str):
     return get_shape(name)
 
 
+def model_type(model_id: str) -> str:
+    """A model's transformers ``model_type`` (``llama``, ``opt``, ...) without loading its weights:
+    a ``random:SHAPE``'s family, else its config.json."""
+    if is_random(model_id):
+        return _random_shape(model_id).family
+    from transformers import AutoConfig
+
+    return str(getattr(_from_pretrained(AutoConfig, model_id), "model_type", "?"))
+
+
 def random_positions(model_id: str) -> int:
     """Positions a ``random:SHAPE`` model takes: OPT's learned table at its published 2048, Llama
     (rotary, no table) 16384: the identifying design's longest point (8192 cached tokens, or a
@@ -450,12 +460,17 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
     for the kinds in ``heads`` (the decoders that run them). A hub id is used only when it is in
     the local Hugging Face cache.
     """
-    from mtad_energy.models.heads import load_head, split_draft_spec
+    from mtad_energy.models.heads import check_eagle_target, load_head, split_draft_spec
 
     if alias is None and target is None:
         alias = "smollm2"
     dev = resolve_device(device)
     spec = resolve_pair_spec(alias, dev, target=target, draft=draft)
+    named = split_draft_spec(draft)[1]
+    head_ids = {kind: spec.head(kind) for kind in ("eagle", "medusa")
+                if spec.head(kind) and (kind in named or kind in heads)}
+    if "eagle" in head_ids:  # before loading anything: its layers are a Llama's
+        check_eagle_target(model_type(spec.target), spec.target)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(spec.target)
     target_model = load_model(spec.target, dev, dtype)
@@ -469,9 +484,6 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
             check_tokenizers(tokenizer, load_tokenizer(spec.draft), spec.target, spec.draft)
             draft_model = load_model(spec.draft, dev, dtype)
         _check_vocab_sizes(target_model, draft_model)
-    named = split_draft_spec(draft)[1]
-    head_ids = {kind: spec.head(kind) for kind in ("eagle", "medusa")
-                if spec.head(kind) and (kind in named or kind in heads)}
     loaded = {kind: load_head(kind, source, target_model) for kind, source in head_ids.items()}
     return ModelPair(target_model, draft_model, tokenizer,
                      name=alias or (spec.target if is_random(spec.target) else "custom"),
