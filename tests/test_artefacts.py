@@ -222,7 +222,7 @@ def test_the_schedule_document_carries_contention_random_weights_and_extrapolati
     assert res.exit_code == 0, res.output
     written = json.loads((tmp_path / "s-schedule-speed.json").read_text())
     notes = " ".join(written["notes"])
-    assert "batch sizes 2-64 were not measured (measured: 1)" in notes
+    assert "batch size(s) 2-64 not measured (measured: 1)" in notes
     assert f"{len(rows)} of the {len(rows)} rows behind it were measured while other" in notes
     assert "random weights at real shapes" in notes
     assert written["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 64, 5]]

@@ -234,8 +234,10 @@ def integer_records(frame: Any) -> list[dict[str, Any]]:
 
 
 def fail(error: Exception | str, code: int = 2, label: str = "[bold red]error:[/]") -> NoReturn:
-    """Exit with ``code``: under --json as ``{"error": ..., "exit_code": ...}`` on stdout,
-    otherwise as a message on stderr (printed as text, never as markup)."""
+    """Exit with ``code`` (or the error's own ``exit_code``: an engine that died is a failure
+    while running, 1, wherever it is caught): under --json as ``{"error": ..., "exit_code":
+    ...}`` on stdout, otherwise as a message on stderr (printed as text, never as markup)."""
+    code = getattr(error, "exit_code", code)
     if _json_stdout:
         emit({"error": str(error), "exit_code": code})
     else:

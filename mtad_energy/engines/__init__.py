@@ -83,16 +83,18 @@ def check_engine_options(name: str, decoders: list[str] | tuple = (), batch_size
                          ) -> EngineKind:
     """Refuse, before anything loads, what engine ``name`` cannot honour: a decoder it lacks, a
     parameter (``params``: decoder name -> given parameters), a batch size, ``--compile``; then
-    whether it is installed. Returns its `EngineKind`."""
+    whether it is installed, and a configuration the installed build is known to decode wrongly
+    (`registry.KnownBug`). Returns its `EngineKind`."""
     kind = engine_kind(name)
     if name == HF:
         _check_project_params(params or {})
         return kind
     kind.check_compile(compile)
     kind.check_batch_size(batch_size)
-    for d in decoders:
-        kind.decoder_params(d, (params or {}).get(d, {}))
+    full = {d: kind.decoder_params(d, (params or {}).get(d, {})) for d in decoders}
     kind.require_installed()
+    for d, p in full.items():  # before the engine starts: a build known to decode it wrongly
+        kind.check_known_bugs(d, p)
     return kind
 
 

@@ -168,7 +168,7 @@ class Schedule:
                     if last.high > last.measured_batch_size else [])
         if outside:
             measured = sorted({r.measured_batch_size for r in self.ranges})
-            notes.append(f"batch sizes {' and '.join(outside)} were not measured (measured: "
+            notes.append(f"batch size(s) {' and '.join(outside)} not measured (measured: "
                          f"{', '.join(map(str, measured))}): their k is extrapolated from the "
                          "nearest measured size; sweep them (--sizes) to schedule them on a "
                          "measurement")
