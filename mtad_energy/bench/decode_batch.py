@@ -49,6 +49,7 @@ from mtad_energy.engines.base import EngineDecoder, with_perplexity
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.models import ModelPair
+from mtad_energy.models.shapes import free_memory_bytes
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
 
@@ -277,22 +278,6 @@ def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int
         width = max(decoder.verify_width if not chain else chain, 32)  # trees: wider than deep
         total += cache + 4 * r * width * model.config.vocab_size * 4
     return total
-
-
-def free_memory_bytes(device: str) -> int | None:
-    """Free memory on ``device``: CUDA's free bytes plus what PyTorch's allocator holds unused;
-    on the CPU, Linux's ``MemAvailable`` (None where unknown)."""
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def rows_memory_bytes(pair: ModelPair, decoder: Decoder, rows: list[list[int]],

@@ -84,8 +84,7 @@ def decompose(
         console.print("[dim]no validation or attribution without the roofline fit[/]")
         return
     if valid.empty:
-        console.print("[dim]no held-out decoding run with a measured decode energy and counted work "
-                      "(profile or sweep batch-size --decoder into one of the directories)[/]")
+        console.print(f"[dim]{esc(no_validation(windows))}[/]")
     else:
         console.print(validation_table(valid, max_rows))
     if median is not None:
@@ -100,6 +99,21 @@ def decompose(
             [[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values]
              for _, r in paper_split.iterrows()], left=("decoder", "model"),
             title="paper form: J/token by term (T_flop/T_mem shares from the ops rows)"))
+
+
+def no_validation(windows) -> str:
+    """Why no decode window checks the fit: no decoding rows, or rows whose energy is n/a."""
+    from mtad_energy.results.analysis import short_reason
+
+    energy = windows["decode_energy_j"] if "decode_energy_j" in windows else None
+    if energy is None or windows.empty or energy.notna().any():
+        return ("no held-out decoding run with a measured decode energy and counted work (profile "
+                "or sweep batch-size --decoder into one of the directories)")
+    reasons = sorted({short_reason(r) for r in windows["energy_reason"].dropna()}) or [
+        "no reason recorded"]
+    return (f"the {len(windows)} decoding run(s) here have no measured decode energy (n/a: "
+            f"{'; '.join(reasons)}), so none checks the fit: measure them with a meter that reads "
+            "energy (`mtad-energy env` says which)")
 
 
 @json_command

@@ -71,7 +71,7 @@ def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False,
             kind = check_engine_options(name)
             decoders = tuple(d for d in decoders if d.name in kind.methods)
         check_engine_options(name, [d.name for d in decoders], config.batch_size, config.compile,
-                             {d.name: d.param_dict for d in decoders})
+                             {d.name: d.param_dict for d in decoders}, ops=config.ops)
         given = tuple(sorted((options or {}).get(name, {}).items()))
         out.append(dataclasses.replace(config, decoders=decoders, engine=name,
                                        engine_options=given))
@@ -92,7 +92,7 @@ def sweep_engines(engines: str, specs, sizes: list[int], compile: bool) -> list[
     names = parse_engines(engines)
     for name in names:
         check_engine_options(name, [s.name for s in specs], max(sizes), compile,
-                             {s.name: s.param_dict for s in specs})
+                             {s.name: s.param_dict for s in specs}, batch_option="--sizes")
     return names
 
 

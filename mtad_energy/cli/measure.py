@@ -53,7 +53,8 @@ from mtad_energy.cli.tables import SIMULATED_NOTE, is_simulated
 
 @json_command
 def profile(
-    decoder: Annotated[str, typer.Option(help="decoder name(s), comma separated")] = "mtad",
+    decoder: Annotated[str, typer.Option("--decoder", "--decoders",
+                                         help="decoder name(s), comma separated")] = "mtad",
     baseline: Baseline = "ar",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 3, max_new_tokens: MaxNew = 32,
@@ -89,7 +90,8 @@ def profile(
 @json_command
 def compare(
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
-    decoders: Annotated[str, typer.Option(help="comma list (default: all; eagle and medusa where "
+    decoders: Annotated[str, typer.Option("--decoders", "--decoder",
+                                          help="comma list (default: all; eagle and medusa where "
                                                "the pair has their heads)")] = ",".join(ALL_DECODERS),
     dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,

@@ -113,6 +113,12 @@ def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
             raise UsageError(f"--set {key}: decoder {scope!r} is not among --decoder {','.join(names)}")
         hit = [n for n in targets if has(n, name)]
         if not hit:
+            owners = engine_owners(name, targets)
+            if owners:  # vLLM's per_batch_size without --engine vllm
+                whose = " and ".join(f"{e}'s {', '.join(ds)}" for e, ds in owners.items())
+                raise UsageError(f"--set {key}: {name!r} is a parameter of {whose}, not of the "
+                                 f"project's decoders (--engine hf): add --engine {next(iter(owners))} "
+                                 f"(or drop --set {key})")
             raise UsageError(f"--set {key}: no selected decoder ({', '.join(targets)}) has a parameter "
                              f"{name!r}; `mtad-energy decoders` lists them")
         for n in hit:
@@ -128,6 +134,14 @@ def engine_params(engines: str, decoder: str) -> frozenset[str]:
 
     return frozenset().union(*(ENGINES[e].param_names(decoder) for e in parse_engines(engines)
                                if e != HF))
+
+
+def engine_owners(name: str, decoders: Sequence[str]) -> dict[str, list[str]]:
+    """engine -> its decoders among ``decoders`` that take parameter ``name`` (hf left out)."""
+    from mtad_energy.engines.registry import ENGINES, HF
+
+    return {e: ds for e, kind in ENGINES.items() if e != HF
+            if (ds := [d for d in decoders if name in kind.param_names(d)])}
 
 
 MAX_SWEEP_VALUES = 1000  # values per --param range, and configurations per sweep grid

@@ -143,6 +143,7 @@ def sweep_batch_size(
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
     seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
     decoder: Annotated[str | None, typer.Option(
+        "--decoder", "--decoders",
         help="decode with these decoders (comma list, e.g. ar,spd) at each batch size: tokens/s, "
              "J/token and the crossover with ar; without it, the forward-only study")] = None,
     draft: Draft = None, dataset: Dataset = "mtbench",

@@ -66,7 +66,9 @@ def with_attribution(summary, runs, store_dir: Path):
     from mtad_energy.results.breakdown import attribution_summary, roofline_fit, windows_from
 
     keys = ("model", "dataset", "decoder", "params_json")
-    fit = roofline_fit([store_dir]) if (store_dir / "mtad-energy-store.json").exists() else \
+    fit = roofline_fit([store_dir], f"give it this command's --output ({store_dir}) as DIR, "
+                                    "then run this command again (its rows are kept)") \
+        if (store_dir / "mtad-energy-store.json").exists() else \
         "no results store"
     att = attribution_summary(attribute(windows_from(runs), fit), keys=keys)
     if att.empty:

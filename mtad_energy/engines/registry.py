@@ -167,11 +167,20 @@ class EngineKind:
                     f"sampled (temperature={params.get('temperature')}): {bug.what}. Fix: "
                     f"{bug.fix}")
 
-    def check_batch_size(self, batch_size: int) -> None:
+    def check_batch_size(self, batch_size: int, option: str = "--batch-size") -> None:
+        """Refuse a batch size above the engine's largest, advising ``option`` (the command's
+        own: ``--batch-size``, or the decoding sweep's ``--sizes``)."""
         if self.max_batch_size is not None and batch_size > self.max_batch_size:
             raise UnsupportedError(
                 f"engine {self.name!r} decodes batch size {self.max_batch_size} only (asked for "
-                f"{batch_size}); use --batch-size {self.max_batch_size}, or another engine")
+                f"{batch_size}); use {option} {self.max_batch_size}, or another engine")
+
+    def check_ops(self, ops: bool) -> None:
+        """``--ops`` profiles the project's own forwards: refused for an engine (before its
+        install is asked for, as ``--compile`` is)."""
+        if ops and self.name != HF:
+            raise UnsupportedError(f"--ops profiles the project's own forwards; engine "
+                                   f"{self.name!r} runs its own: drop --ops for it")
 
     def check_compile(self, compile: bool) -> None:
         if compile and not self.compiles:
