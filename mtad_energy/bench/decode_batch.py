@@ -143,9 +143,14 @@ def decode_batch_sweep(
     params = {spec: {k: v for k, v in d.config().items() if k != "decoder"}
               for spec, d in built.items()}
     for b in dict.fromkeys(int(s) for s in sizes):
-        rows = [list(prompts[i % len(prompts)]) for i in range(b)]
+        rows = [prompts[i % len(prompts)] for i in range(b)]  # shared, cheap at any size
+        # what cannot fit is said before the rows' keys are hashed (at B = 10^7, minutes)
+        skipped = _too_big(pair, built, rows, max_new_tokens, compile, on_skip) \
+            if engine is None else set()
+        if len(skipped) == len(built):
+            continue
+        rows = [list(r) for r in rows]
         warm: set[DecoderSpec] = set()  # warmed up at this size
-        skipped: set[DecoderSpec] = set()
         released = False
         # decoders interleaved per repeat (drift and load hit them alike), each warmed up once
         # at this size before its first measured row (compiled: every shape, after freeing the
@@ -172,13 +177,11 @@ def decode_batch_sweep(
                     continue
                 if row is None:
                     why, warm_gens = None, []
-                    if spec not in warm:
-                        why = (None if engine is not None  # the engine says when it is full
-                               else does_not_fit(pair, decoder, rows, max_new_tokens, compile))
-                        try:
+                    if spec not in warm:  # (what cannot fit was skipped above; an engine
+                        try:  # says when it is full)
                             if engine is not None:
                                 engine.warm_up(spec, rows, max_new_tokens, seed)
-                            elif why is None:  # first calls (compiled: every shape), unmeasured
+                            else:  # first calls (compiled: every shape), unmeasured
                                 if compile and not released:
                                     _release()
                                     released = True
@@ -239,6 +242,20 @@ def _warm_up(decoder: Decoder, pair: ModelPair, rows: list[list[int]], max_new_t
     return generate_rows(decoder, pair, rows,
                          max_new_tokens if compile else min(8, max_new_tokens),
                          seed=seed, compute_perplexity=False, compile=compile)
+
+
+def _too_big(pair: ModelPair, built: dict, rows: list, max_new_tokens: int, compile: bool,
+             on_skip: Callable[[str, int, str], object] | None) -> set[DecoderSpec]:
+    """The decoders whose caches and logits at ``len(rows)`` rows would not fit the free memory
+    (`does_not_fit`), each reported through ``on_skip``."""
+    out = set()
+    for spec, decoder in built.items():
+        why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
+        if why is not None:
+            out.add(spec)
+            if on_skip is not None:
+                on_skip(spec.label, len(rows), why)
+    return out
 
 
 def _out_of_memory(b: int, error: BaseException) -> str:

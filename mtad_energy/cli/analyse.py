@@ -8,6 +8,7 @@ and `import mtad_energy.cli` loads no torch.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -193,7 +194,7 @@ def schedule(
         return
     console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}, key speculative_config;"
                   " add the drafting method):")
-    console.print(json.dumps(config), markup=False, highlight=False)
+    console.print(readable_json(config), markup=False, highlight=False)
     if check is not None:
         from mtad_energy.bench.schedule_check import validation_display
 
@@ -201,6 +202,14 @@ def schedule(
         shown = wrapping_table(columns, cells, title="the schedule measured in vLLM")
         shown.caption = esc(caption)
         console.print(shown)
+
+
+def readable_json(document) -> str:
+    """``document`` as JSON for the terminal: indented, each list of numbers (a schedule's
+    ``[start, end, k]``) on one line, so nothing wraps inside one at 80 columns."""
+    text = json.dumps(document, indent=2)
+    return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]",
+                  lambda m: "[" + ", ".join(v.strip() for v in m[1].split(",")) + "]", text)
 
 
 @json_command

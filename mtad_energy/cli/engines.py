@@ -41,8 +41,10 @@ def engine_options(items: list[str] | None, engines: str) -> dict[str, dict[str,
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key or not value.strip():
-            raise UnsupportedError(f"--engine-option expects KEY=VALUE, got {item!r} (e.g. "
-                                   "enforce_eager=false)")
+            examples = [f"{n}: {k}={v.default}" for n in names  # the engines given, not vLLM's
+                        for k, v in list(engine_kind(n).settings.items())[:1]]
+            raise UnsupportedError(f"--engine-option expects KEY=VALUE, got {item!r}"
+                                   + (f" (e.g. {'; '.join(examples)})" if examples else ""))
         takers = [n for n in names if key in engine_kind(n).settings]
         if not takers:
             has = "; ".join(f"{n}: {', '.join(engine_kind(n).settings)}" for n in names)

@@ -172,7 +172,7 @@ def parse_sizes(text: str, option: str = "--sizes") -> list[int]:
         raise UsageError(f"{option} expects integers like 1,2,4,8,16, got {text!r}") from None
     if not sizes or min(sizes) < 1:
         raise UsageError(f"{option} must be positive integers, got {text!r}")
-    return sizes
+    return list(dict.fromkeys(sizes))  # a size listed twice runs once (and counts once)
 
 
 COLUMN_SETS = ("speed", "energy")
@@ -202,10 +202,17 @@ def build_config(decoders: tuple[DecoderSpec, ...], model, target, draft, datase
 Model = Annotated[str, typer.Option(help="pair alias (`mtad-energy models`)")]
 
 
-Target = Annotated[str | None, typer.Option(help="target hub id or local dir (overrides the alias)")]
+TARGET_HELP = ("target hub id, local dir or random:SHAPE (random weights at a real shape, e.g. "
+               "random:llama3.1-8b; overrides the alias)")
+DRAFT_HELP = ("draft hub id, local dir, self:... (int8, layers=0-11, skip=every4) or random:SHAPE, "
+              "and/or heads eagle:DIR|random|random-v1, medusa:DIR|random, comma-joined "
+              "(overrides the alias)")
 
 
-Draft = Annotated[str | None, typer.Option(help="draft hub id, local dir or self:... (overrides)")]
+Target = Annotated[str | None, typer.Option(help=TARGET_HELP)]
+
+
+Draft = Annotated[str | None, typer.Option(help=DRAFT_HELP)]
 
 
 Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dailymail, chatalpaca, "
@@ -288,10 +295,17 @@ Columns = Annotated[str, typer.Option(
          "--output store's batch rows)")]
 
 
+def _budget_seconds(value: float | None) -> float | None:
+    if value is not None and not value >= 0:  # NaN fails every comparison: refused here too
+        raise typer.BadParameter(f"give a number of seconds >= 0 (inf: no limit), not {value:g}")
+    return value
+
+
 BudgetS = Annotated[float | None, typer.Option(
-    "--budget-s", min=0, help="start no new measurement after this many seconds (model loading "
-                              "included): every row measured is stored, and re-running the same "
-                              "command goes on from there (for time-limited GPU leases)")]
+    "--budget-s", callback=_budget_seconds,
+    help="start no new measurement after this many seconds (model loading included; 0: load "
+         "nothing, measure nothing): every row measured is stored, and re-running the same "
+         "command goes on from there (for time-limited GPU leases)")]
 
 
 Baseline = Annotated[str, typer.Option(help="also run this decoder beside the others, for "

@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
@@ -86,18 +87,20 @@ class WrappingTable(Table):
 
 
 def wrapping_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], left: Sequence[str] = (),
-                   width: int | None = None, **options: Any) -> Table:
+                   width: int | None = None, keys: Sequence[str] | None = None,
+                   **options: Any) -> Table:
     """A table for the console whose headers and cells wrap, never cut, when it is wider than the
     terminal (``width``, default the console's: 80 columns when piped to a file). Each column
     gets at least its longest word (a header wraps between its words, never inside one), and
     the rest of the room goes to the columns with the most text to wrap, so headers and
     sentences wrap at spaces and numbers stay whole; where even the longest words do not fit,
-    the table prints as several stacked ones (`column_parts`), each repeating the ``left``
-    columns (the names, left-aligned; the others are numbers). Cells are text (escape user text
-    with `esc`)."""
+    the table prints as several stacked ones (`column_parts`), each repeating the ``keys``
+    columns (default: the first two of the ``left`` columns: the names, left-aligned; the others
+    are numbers). Cells are text (escape user text with `esc`)."""
     total = width or console.width
     texts = [[str(col), *(str(r[i]) for r in rows)] for i, col in enumerate(columns)]
-    keys = [i for i, col in enumerate(columns) if col in left and i < 2] or [0]
+    keys = [i for i, col in enumerate(columns)
+            if (col in keys if keys is not None else col in left and i < 2)] or [0]
     split = column_parts(texts, keys, total) if options.get("show_header", True) else \
         [list(range(len(columns)))]
 
@@ -168,14 +171,23 @@ def json_mode(on: bool) -> Iterator[None]:
         _json_stdout.pop()
 
 
+def _warning_line(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """A Python warning raised while a command runs, as one console line (never a raw
+    ``UserWarning`` with its source line): "warning: MESSAGE"."""
+    console.print(f"[yellow]warning:[/] {esc(message)}", highlight=False)
+
+
 def json_command(command: Callable) -> Callable:
     """Run a command that takes ``as_json`` under `json_mode`; with --json an unexpected exception
-    becomes ``{"error": ..., "exit_code": 1}`` on stdout instead of a traceback."""
+    becomes ``{"error": ..., "exit_code": 1}`` on stdout instead of a traceback. A Python warning
+    prints as one line (`_warning_line`)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         as_json = bool(kwargs.get("as_json"))
-        with json_mode(as_json):
+        with json_mode(as_json), warnings.catch_warnings():  # restores showwarning after
+            warnings.showwarning = _warning_line
             try:
                 return command(*args, **kwargs)
             except (typer.Exit, typer.Abort, ClickException, KeyboardInterrupt):

@@ -89,31 +89,37 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.work_units import summary_baseline
+    from mtad_energy.bench.work_units import summary_baseline, work_units
     from mtad_energy.results.analysis import decoder_summary
 
     quiet_libraries()
-    rows, ran, skipped = [], 0, 0
+    rows, ran, skipped, runner = [], 0, 0, None
     for config in configs:  # one engine after the other, each loaded once, freed after
+        if budget.skip(len(work_units(config, prompts))):  # spent: not even loaded
+            continue
         runner, rep = _run_one(config, out, as_json, prompts, budget)
         rows, ran, skipped = rows + rep.rows, ran + rep.ran, skipped + rep.skipped
-    compact_after(out)
+    if runner is not None:
+        compact_after(out)
     runs = pd.DataFrame(rows)
     summary = decoder_summary(runs, summary_baseline(baseline))
     notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
     notes += [budget.note()] if budget.note() else []
-    written = _write_side_files(side_files, summary, notes)
+    written = _write_side_files(side_files, summary, notes) if len(summary) else {}
     if as_json:
-        emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
+        emit({"output": str(out), "ran": ran, "skipped": skipped,
+              "meter": runner.meter.name if runner else None,
               **({"budget": budget.to_dict()} if budget_s is not None else {}),
-              "pair": runner.pair.describe(), "config": config.to_dict(),
+              "pair": runner.pair.describe() if runner else None, "config": config.to_dict(),
               **({"engines": [c.engine for c in configs]} if len(configs) > 1 else {}),
               "summary": integer_records(summary), "notes": notes,
               "machine_load": load, **{k: str(v) for k, v in written.items()}})
     else:
-        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
-        console.print(summary_table(shown, title, columns))
-        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
+        if len(summary):
+            shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+            console.print(summary_table(shown, title, columns))
+        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored"
+                      + (f"; results in {esc(out)}[/]" if runner else "; no model loaded[/]"))
         _print_notes(notes, written)
     return summary
 

@@ -197,6 +197,8 @@ def sweep_batch_size(
         mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
         m, why = meter_for(meter)
         mitigates = mcfg.mitigation_for(m)  # before loading: --require-energy, --mitigate on
+        if budget.skip(len(design_points(size_list, context_list, chunk_list, context_len, 1))):
+            return _spent(out, m.name, budget, as_json, None)  # spent: the target never loads
         store = ResultStore(out)
         with console.status("loading the target"):
             pair = load_pair(pair_alias(model, target), target=target, device=device, dtype=dtype,
@@ -234,12 +236,7 @@ def sweep_batch_size(
         fail(error)
     compact_after(out)
     if not rows:  # the budget was spent before the first point
-        if as_json:
-            emit({"output": str(out), "meter": m.name, "rows": [], "budget": budget.to_dict(),
-                  "machine_load": load})
-        else:
-            console.print(f"[yellow]note:[/] {esc(budget.note())}")
-        return
+        return _spent(out, m.name, budget, as_json, load)
     table = batch_table(rows)
     busy = {int(r["batch_size"]) for r in batch_axis(pd.DataFrame(rows)).to_dict("records")
             if r.get("contended")}
@@ -255,10 +252,19 @@ def sweep_batch_size(
     extra = len(rows) - len(table)
     if extra:
         console.print(f"[dim]+ {extra} context-length / prefill-chunk point(s) for the fit: "
-                      f"mtad-energy decompose {esc(out)}[/]")
+                      f"\n  mtad-energy decompose {esc(out)}[/]", soft_wrap=True)
     if budget.note():
         console.print(f"[yellow]note:[/] {esc(budget.note())}")
     console.print(f"[dim]results in {esc(out)}[/]")
+
+
+def _spent(out: Path, meter: str, budget, as_json: bool, load: dict | None) -> None:
+    """The forward-only study's output when the budget was spent before its first point."""
+    if as_json:
+        emit({"output": str(out), "meter": meter, "rows": [], "budget": budget.to_dict(),
+              "machine_load": load})
+    else:
+        console.print(f"[yellow]note:[/] {esc(budget.note())}")
 
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
@@ -303,6 +309,8 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         # the project's decoders, built (their parameters checked) only where hf runs them: an
         # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
         built = [s.build() for s in specs] if "hf" in engines else []
+        if budget.skip(len(specs) * len(size_list) * repeats * len(engines)):  # nothing loads
+            return _spent(out, m.name, budget, as_json, None)
         needs_draft = any(d.needs_draft for d in built)
         with console.status("loading the models"):
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
