@@ -40,6 +40,9 @@ K = 3
 NGRAM = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
 LOSSLESS_PROMPT = "one two three four, one two three four, one two three four, one two"
 TEMPERATURES = (0.0, 0.8)
+# the engine decodes in bf16, the audit's target in fp32: at T = 0 (theory 0 or 1) a near-tie can
+# go the other way, so theory is taken within [0.01, 0.99]
+TOLERANCE = 0.01
 
 
 def configs(model_dir: str) -> dict[str, dict]:
@@ -258,24 +261,32 @@ def audit(args) -> None:
     from mtad_energy.models import load_model
 
     raw = json.loads((OUT / args.raw).read_text())
-    target = load_model(raw["model_dir"], "cpu", torch.float32)
+    mdir = raw["model_dir"] if Path(raw["model_dir"]).is_dir() else model_dir()  # another machine's
+    target = load_model(mdir, "cpu", torch.float32)
     rows, lossless = [], []
     for name, entry in raw["runs"].items():
         for temp, call in entry["calls"].items():
             warp = Warp(temperature=float(temp), top_k=0, top_p=1.0)
-            chains = []
+            chains, along = [], []
             for prompt, out in zip(raw["prompts"], call["outputs"], strict=True):
-                if name == "ngram":
-                    chains += au.ngram_chains(target, prompt, out, warp, K, NGRAM["prompt_lookup_min"],
-                                              NGRAM["prompt_lookup_max"])
-                else:  # the model is its own draft: q~ = p~
-                    p = au.warped_along(target, prompt, out, warp)
-                    chains += au.draft_model_chains(p, p, K, greedy_draft=name == "draft-greedy")
-            theory = au.theory_from_chains(chains, K)
+                p = au.warped_along(target, prompt, out, warp)  # the model is its own draft: q~ = p~
+                if name == "ngram":  # deterministic drafts: the chains are read off the output
+                    propose = au.ngram_proposer(prompt, out, NGRAM["prompt_lookup_min"],
+                                                NGRAM["prompt_lookup_max"], K)
+                    chains += au.point_mass_chains(p, out, propose)
+                    along += [float(p[t, d[0]]) for t in range(1, len(out)) if (d := propose(t))]
+                elif name == "draft-greedy":
+                    chains += au.point_mass_chains(p, out, au.greedy_proposer(p, K))
+                    along += au.alpha_point(p, p.argmax(-1))[1:].tolist()
+                else:  # a sampled draft, steps not recorded: q = p, alpha 1 wherever it drafts
+                    chains += au.every_position_chains(au.alpha_dists(p, p), K)
+                    along += au.alpha_dists(p, p)[1:].tolist()
             c = call["counters"]
             m = au.Measured(c["drafts"], c["draft_tokens"], c["accepted_tokens"],
                             tuple(c["accepted_per_pos"][:K]))
-            row = au.audit_row(f"{name} T={temp}", theory, m).as_dict()
+            row = au.audit_row(f"{name} T={temp}", chains, m, K, tolerance=TOLERANCE).as_dict()
+            # what the audit compared with before issue 41: alpha averaged over the output
+            row["alpha_all_positions"] = round(sum(along) / len(along), 4) if along else None
             row["engine_start_s"] = round(entry["engine_start_s"], 1)
             row["tok_per_s"] = round(sum(map(len, call["outputs"])) / call["wall_s"], 1)
             rows.append(row)
@@ -325,17 +336,20 @@ def audit(args) -> None:
 
 
 def markdown(rows, lossless) -> str:
-    lines = ["| configuration | theory alpha_1 | measured pos-1 rate [95% CI] | theory accept rate | "
-             "measured accepted/draft tokens [95% CI] | drafts | p (under) | flag |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| configuration | alpha_1, all positions (before) | theory alpha_1 at chain starts | "
+             "measured pos-1 rate [95% CI] (counters) | p counters (under) | output: draft token "
+             "emitted / expected (draft positions reached) | p (under) | p (over) | verdict |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lo, hi = r["measured_pos1_ci95"]
-        alo, ahi = r["measured_accept_rate_ci95"]
-        lines.append(f"| {r['config']} | {r['theory_alpha1']:.3f} | {r['measured_pos1_rate']:.3f} "
-                     f"[{lo:.3f}, {hi:.3f}] | {r['theory_accept_rate']:.3f} | "
-                     f"{r['accepted_tokens']}/{r['draft_tokens']} = {r['measured_accept_rate']:.3f} "
-                     f"[{alo:.3f}, {ahi:.3f}] | {r['drafts']} | {r['pvalue_under']:.2g} | "
-                     f"{'UNDER-ACCEPTS' if r['flag_under_accepts'] else 'ok'} |")
+        trials = (f"{r['trials_accepted']} / {r['trials_expected']} ({r['trials']})"
+                  if "trials" in r else "- (not in the output)")
+        under = f"{r['pvalue_under']:.2g}" if "trials" in r else "-"
+        over = f"{r['pvalue_over']:.2g}" if "trials" in r else "-"
+        lines.append(f"| {r['config']} | {r['alpha_all_positions']:.3f} | "
+                     f"{r['theory_alpha1_at_chain_starts']:.3f} | {r['measured_pos1_rate']:.3f} "
+                     f"[{lo:.3f}, {hi:.3f}] | {r['pvalue_counters_under']:.2g} | {trials} | {under} | "
+                     f"{over} | {(r['flag'] or 'ok').upper()} |")
     if lossless:
         lines += ["", "| configuration (T=0.8, 2nd token) | samples | chi2 / dof | p | "
                   "x1 control chi2 / dof |", "|---|---:|---:|---:|---:|"]

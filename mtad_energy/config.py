@@ -42,6 +42,18 @@ class DecoderSpec:
         return {"name": self.name, "params": self.param_dict}
 
 
+RANDOM_NOTE = ("random weights at real shapes (random:SHAPE): time and energy per forward are "
+               "real; acceptance, block efficiency and quality are not")
+
+
+def random_weights(spec: Any) -> bool:
+    """Whether a model spec holds random weights: a ``random:SHAPE`` model, or a draft spec
+    naming random heads (``eagle:random``, ``eagle:random-v1``, ``medusa:random``; comma-joined
+    with others, as ``--draft`` and a row's ``draft_id`` are)."""
+    parts = [p.strip() for p in str(spec or "").split(",")] if isinstance(spec, str) else []
+    return any(p.startswith("random:") or p.partition(":")[2].startswith("random") for p in parts)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     alias: str | None = "smollm2"
@@ -116,6 +128,16 @@ def compile_identity(backend: str | None = None, dynamic: bool = False) -> dict[
             **({"compile_dynamic": True} if dynamic else {})}
 
 
+def check_compile_backend(backend: str) -> None:
+    """Refuse a ``--compile-backend`` torch.compile does not have, before any model loads."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"--compile-backend {backend!r} is not a torch.compile backend here; "
+                         f"choose one of {', '.join(known)} (default: inductor)")
+
+
 def compile_arg(compile: bool, backend: str | None = None, dynamic: bool = False):
     """What `decoding.generate` takes: False (eager), True (the default compilation) or a
     `decoding.static.CompileOptions` with the backend / dynamo's automatic dynamic shapes."""
@@ -126,6 +148,8 @@ def compile_arg(compile: bool, backend: str | None = None, dynamic: bool = False
         return False
     if not backend and not dynamic:
         return True
+    if backend:
+        check_compile_backend(backend)
     from mtad_energy.decoding.static import CompileOptions
 
     return CompileOptions(backend=backend or "inductor", dynamic=None if dynamic else False)
@@ -167,8 +191,8 @@ class RunConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if not self.compile and (self.compile_backend or self.compile_dynamic):
-            compile_arg(False, self.compile_backend, self.compile_dynamic)  # raises, with the fix
+        if self.compile_backend or self.compile_dynamic:  # without --compile: refused, with
+            compile_arg(self.compile, self.compile_backend, self.compile_dynamic)  # the fix
         if self.engine != "hf":  # what the engine cannot honour, refused before anything loads
             from mtad_energy.engines.registry import engine_kind
 
@@ -178,11 +202,7 @@ class RunConfig:
             for d in self.decoders:
                 kind.decoder_params(d.name, d.param_dict)
             kind.options(dict(self.engine_options))
-            if self.ops:
-                from mtad_energy.engines.registry import UnsupportedError
-
-                raise UnsupportedError(f"--ops profiles the project's own forwards; engine "
-                                       f"{self.engine!r} runs its own: drop --ops for it")
+            kind.check_ops(self.ops)
         elif self.engine_options:
             from mtad_energy.engines.registry import UnsupportedError
 

@@ -145,7 +145,7 @@ def test_bad_head_checkpoints_are_refused_by_name(model_dirs, tmp_path, llama):
     with pytest.raises(HeadLoadError, match=r"no weights file \(medusa_lm_head.safetensors or "
                                             r"medusa_lm_head.pt\); files there: config.json"):
         load(f"medusa:{empty}")
-    with pytest.raises(HeadLoadError, match="EAGLE heads are for Llama-family targets.*OPT"):
+    with pytest.raises(HeadLoadError, match="EAGLE heads are for Llama-family targets.*'opt'"):
         load(f"eagle:{model_dirs['llama-eagle']}", target=model_dirs["opt"])
     wide = tiny.save_medusa(tiny.llama(64, 3, hidden=48), tmp_path / "wide")
     with pytest.raises(HeadLoadError, match="hidden size 48 and 64 tokens; the target has 32"):

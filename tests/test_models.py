@@ -258,6 +258,8 @@ def test_random_specs_build_the_named_shapes_and_heads_without_a_checkpoint():
     ("random:tiny-llama", "eagle:random", "use eagle:random-v1"),  # 2 layers: no EAGLE-3 taps
     ("random:tiny-llama", "medusa:random-v1", "random medusa heads are medusa:random"),
     ("random:tiny-llama", "random:tiny-opt", None),  # another family, same vocabulary: loads
+    # issue 41, item 2: an EAGLE head on an OPT target (was: AttributeError 'intermediate_size')
+    ("random:tiny-opt", "eagle:random-v1", "EAGLE heads are for Llama-family targets.*'opt'"),
 ])
 def test_bad_random_specs_say_what_to_write(target, draft, message):
     load = lambda: me.models.load_pair(None, target=target, draft=draft,  # noqa: E731

@@ -339,5 +339,6 @@ def test_store_compact_command(tmp_path):
     res = CliRunner().invoke(app, ["store", "compact", str(tmp_path / "nope"), "--json"])
     assert res.exit_code == 2
     assert json.loads(res.stdout) == {"error": f"results directory {tmp_path / 'nope'} does not exist; "
-                                               f"run `mtad-energy profile --output {tmp_path / 'nope'}` "
-                                               "first", "exit_code": 2}
+                                               "measure into it first (`mtad-energy profile`, "
+                                               "`compare` or `sweep` with --output "
+                                               f"{tmp_path / 'nope'})", "exit_code": 2}

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from mtad_energy.results import load_results  # noqa: E402
+from mtad_energy.results.analysis import contended_mask  # noqa: E402
 
 RANDOM_NOTE = ("random weights at real shapes: valid for time and energy per forward, not for "
                "acceptance, block efficiency or quality")
@@ -52,7 +53,8 @@ BATCH_COLUMNS = [
     "energy_per_run_ci_high_j", "energy_per_input_j", "time_s", "time_per_run_s",
     "time_per_input_s", "mitigated_time_per_run_s", "power_w", "idle_power_w", "t_flop_s",
     "t_mem_s", "t_other_s", "flops_per_run", "bytes_per_run", "counted_flops", "counted_bytes",
-    "counted_flops_per_run", "counted_bytes_per_run", "energy_flags", "energy_reason"]
+    "counted_flops_per_run", "counted_bytes_per_run", "energy_flags", "energy_reason",
+    "others_cores", "contended"]
 REAL_COLUMNS = ("decoder", "n_runs", "total_tokens", "tokens_per_s", "speedup", "block_efficiency",
                 "acceptance_rate", "perplexity", "n_energy_runs", "energy_per_token_j",
                 "decode_energy_per_token_j", "energy_saving", "energy_reason")
@@ -69,6 +71,10 @@ class Out:
             f.write(line + "\n")
 
     def table(self, name: str, df: pd.DataFrame, title: str, note: str = "") -> None:
+        busy = int(df["n_contended"].sum()) if "n_contended" in df else int(contended_mask(df).sum())
+        if busy:
+            note = "; ".join(n for n in (note, f"{busy} row(s) measured on a busy machine "
+                                               "(n_contended): not the decoders' cost alone") if n)
         df.to_csv(self.folder / f"{name}.csv", index=False)
         self.log(f"{title} -> {name}.csv" + (f" ({note})" if note else ""))
         with pd.option_context("display.width", 200, "display.max_columns", 40):
@@ -127,7 +133,9 @@ def per_iteration(rows: pd.DataFrame, energy: str) -> pd.DataFrame:
         "forwards_ms_per_iter": (rows.time_draft_s + rows.time_target_s) / it * 1e3,
         "j_per_iter": pd.to_numeric(rows[energy]) / it,
         "compile_s": rows.get("compile_s", 0.0), "graphs_compiled": rows.get("graphs_compiled", 0),
-        "random_weights_block_eff": rows.block_efficiency})
+        "random_weights_block_eff": rows.block_efficiency,
+        # measured on a busy machine (the terminal's `*`): counted per cell, never dropped
+        "contended": contended_mask(rows).astype(int)})
     for c in ("host_ops_per_iter", "graph_calls_per_iter", "host_reads_per_iter"):  # counted
         out[c] = pd.to_numeric(rows[c]) if c in rows else float("nan")  # (rows before: none)
     if "batch_size" in rows:
@@ -144,6 +152,7 @@ def summarise(raw: pd.DataFrame, block_eff: dict[str, float], cell: list[str]) -
     agg = groups.median(numeric_only=True).reset_index()
     agg["compile_s"] = groups["compile_s"].sum(min_count=1).to_numpy()
     agg["graphs_compiled"] = groups["graphs_compiled"].sum(min_count=1).to_numpy()
+    agg = agg.drop(columns="contended").assign(n_contended=groups["contended"].sum().to_numpy())
     agg["cpu_pair_block_eff"] = agg.decoder.map(block_eff)
     rows = agg.batch_size if "batch_size" in agg else 1
     tokens_per_iter = rows * agg.cpu_pair_block_eff * agg.target_forwards_per_iter

@@ -60,6 +60,7 @@ from mtad_energy.measure import (
     work_tap,
 )
 from mtad_energy.measure.base import SyncFn
+from mtad_energy.measure.contention import ContentionProbe, gpu_processes, row_contention
 from mtad_energy.models import ModelPair
 from mtad_energy.results.crossover import batch_axis
 from mtad_energy.results.schema import stable_key
@@ -259,6 +260,7 @@ def batch_sweep(
     device = pair.device
     dtype = str(target.dtype).removeprefix("torch.")
     sync = device_sync(device)
+    probe = ContentionProbe(gpu_pids=gpu_processes(str(device)))  # others' share per window
     stored: pd.DataFrame | None = None
     out: list[dict[str, Any]] = []
     done: list[int] = []
@@ -284,7 +286,7 @@ def batch_sweep(
                 with work_tap(meter, pair.target):
                     row = _measure_one(pair, b, runs, meter, sync, context_len=ctx,
                                        forwards_per_run=fwd, seed=seed, mitigation=mitigation,
-                                       profile=profile, peaks=peaks, new_tokens=new)
+                                       profile=profile, peaks=peaks, new_tokens=new, probe=probe)
             except torch.cuda.OutOfMemoryError as err:
                 raise RuntimeError(
                     f"the point B={b}, context {ctx}, {new} new token(s) ran out of GPU memory ({err}); "
@@ -316,17 +318,23 @@ def _measure_one(
     profile: bool,
     peaks: DevicePeaks | None,
     new_tokens: int = 1,
+    probe: ContentionProbe | None = None,
 ) -> dict[str, Any]:
-    """Measure one point; returns the measured columns (no identity columns)."""
+    """Measure one point; returns the measured columns (no identity columns), with what other
+    processes took during its windows (``probe``: the contention columns of every window)."""
+    probe = probe or ContentionProbe()
+    readings = []
     device = pair.device
     work = BatchWorkload(pair.target, batch_size, context_len=context_len,
                          forwards_per_run=forwards_per_run, seed=seed, new_tokens=new_tokens)
     counted = shapes_work(ModelDims.from_model(pair.target), work.shapes())
     try:
         work.run()  # warm-up: allocator, kernel selection, clocks
+        probe.begin("batch")  # opened outside the meter's window, as the decoding windows' probe
         with window(meter, f"batch{batch_size}", sync) as w:
             for _ in range(runs):
                 work.run()
+        readings.append(probe.end("batch"))
         m = w.result()
         inputs = runs * batch_size
         energy = m.energy_j
@@ -357,7 +365,9 @@ def _measure_one(
             "mitigated_runs": None,
         }
         if mitigation is not None:
+            probe.begin("mitigated")
             mit = measure_mitigated(work.run, meter, mitigation, sync=sync)
+            readings.append(probe.end("mitigated"))
             row.update(
                 energy_per_run_ci_low_j=mit.ci_low_j,
                 energy_per_run_ci_high_j=mit.ci_high_j,
@@ -373,6 +383,7 @@ def _measure_one(
                            energy_per_input_j=mit.energy_per_rep_j / batch_size)
             elif row["energy_reason"] is None:
                 row["energy_reason"] = mit.reason
+        row.update(row_contention(readings))
         row.update(t_flop_s=None, t_mem_s=None, t_other_s=None, flops_per_run=None, bytes_per_run=None,
                    ridge_flop_per_byte=None, profile_wall_time_s=None)
         if profile:

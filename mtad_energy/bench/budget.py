@@ -7,6 +7,7 @@ start: model loading included); a measurement already started always finishes.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,8 +34,12 @@ class Budget:
             return True
         return False
 
-    def to_dict(self) -> dict[str, float | int | bool | None]:
-        return {"seconds": self.seconds, "spent": self.left > 0, "left": self.left}
+    def to_dict(self) -> dict[str, float | int | bool | str | None]:
+        """``seconds`` null where there is no limit (``--budget-s inf``), with the reason."""
+        unlimited = self.seconds is not None and math.isinf(self.seconds)
+        return {"seconds": None if unlimited else self.seconds, "spent": self.left > 0,
+                "left": self.left, **({"seconds_reason": "--budget-s inf: no limit"}
+                                      if unlimited else {})}
 
     def note(self) -> str | None:
         """What to tell the user when rows were left, else None."""

@@ -32,6 +32,7 @@ simulated time (`simulated_probe`) and against a mocked NVML in the tests.
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -500,6 +501,19 @@ def _floor_part(cfg: CalibrateConfig, device: torch.device, log: Callable[[str],
     return bandwidth, rows
 
 
+GPU_PARTS = ("the GPU's meters side by side (energy counter, instant power, Zeus, 1 s polling), "
+             "idle power, the energy counter's update period and the shortest window worth "
+             "measuring")
+
+
+def no_gpu_meter(reason: str) -> str:
+    """Why calibrate cannot measure the GPU's meters, said once, with calibrate's own fix (a
+    meter's error advises a CPU meter, which calibrate does not take)."""
+    cause = re.sub(r"\s*Use a CPU meter[^.]*\.", "", reason).rstrip(". ")
+    return (f"{cause}; calibrate compares a GPU's meters: run it on a GPU machine, or rehearse it "
+            "with --meter simulated")
+
+
 def run_calibration(cfg: CalibrateConfig, log: Callable[[str], object] = lambda s: None
                     ) -> CalibrationReport:
     """Calibrate this machine (see the module docstring); stores the record unless ``cfg.save``
@@ -518,10 +532,7 @@ def run_calibration(cfg: CalibrateConfig, log: Callable[[str], object] = lambda 
             with gpu_calibration_probe() as (probe, works):
                 meters = calibrate_meters(probe, works, plan, log)
         except MeterUnavailableError as err:
-            why = str(err)
-            cannot += [("meters side by side (energy counter, instant power, Zeus, 1 s polling)", why),
-                       ("idle power", why), ("the energy counter's update period", why),
-                       ("the shortest window worth measuring", why)]
+            cannot.append((GPU_PARTS, no_gpu_meter(str(err))))
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
         cannot.append(("GPU copy bandwidth and forward floor", "no CUDA device: measured on the "
@@ -536,8 +547,8 @@ def run_calibration(cfg: CalibrateConfig, log: Callable[[str], object] = lambda 
         if cfg.save:
             path = save_record(record, cfg.record_dir)
     verdict = list(meters.verdict) if meters else [
-        "nothing to calibrate: " + cannot[0][1] + "; `mtad-energy calibrate --meter simulated` "
-        "rehearses the calibration on a simulated GPU"]
+        "nothing to calibrate: " + cannot[0][1].split(";")[0] + "; `mtad-energy calibrate --meter "
+        "simulated` rehearses the calibration on a simulated GPU"]
     verdict += [f"{r['model']} {r['mode']} forward at batch 1: {r['forward_ms']:.3g} ms, "
                 f"{r['x_floor']:.2g}x its floor of {r['floor_ms']:.3g} ms (bytes read / copy "
                 f"bandwidth {bandwidth / 1e12:.3g} TB/s on {device.type})" if r["error"] is None else

@@ -51,6 +51,7 @@ from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.measure.host_work import NO_HOST_WORK
 from mtad_energy.models import ModelPair
+from mtad_energy.models.shapes import free_memory_bytes
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
 
@@ -144,10 +145,15 @@ def decode_batch_sweep(
     params = {spec: {k: v for k, v in d.config().items() if k != "decoder"}
               for spec, d in built.items()}
     for b in dict.fromkeys(int(s) for s in sizes):
-        rows = [list(prompts[i % len(prompts)]) for i in range(b)]
+        rows = [prompts[i % len(prompts)] for i in range(b)]  # shared, cheap at any size
+        # what cannot fit is said before the rows' keys are hashed (at B = 10^7, minutes)
+        skipped = _too_big(pair, built, rows, max_new_tokens, compile, on_skip) \
+            if engine is None else set()
+        if len(skipped) == len(built):
+            continue
+        rows = [list(r) for r in rows]
         warm: set[DecoderSpec] = set()  # warmed up at this size
         host: dict[DecoderSpec, dict[str, Any]] = {}  # host work per iteration, counted then
-        skipped: set[DecoderSpec] = set()
         released = False
         # decoders interleaved per repeat (drift and load hit them alike), each warmed up once
         # at this size before its first measured row (compiled: every shape, after freeing the
@@ -174,13 +180,11 @@ def decode_batch_sweep(
                     continue
                 if row is None:
                     why, warm_gens = None, []
-                    if spec not in warm:
-                        why = (None if engine is not None  # the engine says when it is full
-                               else does_not_fit(pair, decoder, rows, max_new_tokens, compile))
-                        try:
+                    if spec not in warm:  # (what cannot fit was skipped above; an engine
+                        try:  # says when it is full)
                             if engine is not None:
                                 engine.warm_up(spec, rows, max_new_tokens, seed)
-                            elif why is None:  # first calls (compiled: every shape), unmeasured
+                            else:  # first calls (compiled: every shape), unmeasured
                                 if compile and not released:
                                     _release()
                                     released = True
@@ -236,6 +240,20 @@ def _release() -> None:
     release_engines()
 
 
+def _too_big(pair: ModelPair, built: dict, rows: list, max_new_tokens: int, compile: bool,
+             on_skip: Callable[[str, int, str], object] | None) -> set[DecoderSpec]:
+    """The decoders whose caches and logits at ``len(rows)`` rows would not fit the free memory
+    (`does_not_fit`), each reported through ``on_skip``."""
+    out = set()
+    for spec, decoder in built.items():
+        why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
+        if why is not None:
+            out.add(spec)
+            if on_skip is not None:
+                on_skip(spec.label, len(rows), why)
+    return out
+
+
 def _out_of_memory(b: int, error: BaseException) -> str:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -273,22 +291,6 @@ def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int
         width = max(decoder.verify_width if not chain else chain, 32)  # trees: wider than deep
         total += cache + 4 * r * width * model.config.vocab_size * 4
     return total
-
-
-def free_memory_bytes(device: str) -> int | None:
-    """Free memory on ``device``: CUDA's free bytes plus what PyTorch's allocator holds unused;
-    on the CPU, Linux's ``MemAvailable`` (None where unknown)."""
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def rows_memory_bytes(pair: ModelPair, decoder: Decoder, rows: list[list[int]],

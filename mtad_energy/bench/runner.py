@@ -50,7 +50,6 @@ from mtad_energy.decoding.registry import head_kinds
 from mtad_energy.engines import (
     HF,
     Engine,
-    UnsupportedError,
     check_engine_options,
     hf_columns,
     load_engine,
@@ -354,8 +353,7 @@ class Runner:
         """FLOP/byte accounting of one generation (unmeasured) into the ``ops`` table."""
         c = self.config
         if self.engine is not None:
-            raise UnsupportedError(f"--ops profiles the project's own forwards; engine "
-                                   f"{c.engine!r} runs its own: drop --ops for it")
+            self.engine.kind.check_ops(True)  # refuses: an engine runs its own forwards
         params = params_json(self._params(spec))
         key = stable_key({"model": c.model.label, "target_id": self.pair.target_id,
                           "draft_id": self.pair.draft_id_for(self._decoders[spec]),

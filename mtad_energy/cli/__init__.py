@@ -16,6 +16,8 @@ No module here imports torch at import time: the CLI sets OpenMP's passive wait 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from mtad_energy.measure.contention import passive_openmp_default
@@ -29,6 +31,21 @@ from mtad_energy.cli.store import store_app  # noqa: E402
 
 app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
                   no_args_is_help=True, add_completion=False, cls=JsonErrorGroup)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"mtad-energy {version('mtad-energy')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="print mtad-energy's version and exit")] = False) -> None:
+    """Decoding algorithms, their speed, quality and energy."""
 
 for command in (info.decoders, info.models, info.env, info.generate, measure.profile, measure.compare,
                 analyse.decompose, analyse.schedule, analyse.report):

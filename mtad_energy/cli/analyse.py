@@ -8,6 +8,7 @@ and `import mtad_energy.cli` loads no torch.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -84,8 +85,7 @@ def decompose(
         console.print("[dim]no validation or attribution without the roofline fit[/]")
         return
     if valid.empty:
-        console.print("[dim]no held-out decoding run with a measured decode energy and counted work "
-                      "(profile or sweep batch-size --decoder into one of the directories)[/]")
+        console.print(f"[dim]{esc(no_validation(windows))}[/]")
     else:
         console.print(validation_table(valid, max_rows))
     if median is not None:
@@ -100,6 +100,21 @@ def decompose(
             [[fmt(v, "{:.4g}") if isinstance(v, float) else esc(v) for v in r.values]
              for _, r in paper_split.iterrows()], left=("decoder", "model"),
             title="paper form: J/token by term (T_flop/T_mem shares from the ops rows)"))
+
+
+def no_validation(windows) -> str:
+    """Why no decode window checks the fit: no decoding rows, or rows whose energy is n/a."""
+    from mtad_energy.results.analysis import short_reason
+
+    energy = windows["decode_energy_j"] if "decode_energy_j" in windows else None
+    if energy is None or windows.empty or energy.notna().any():
+        return ("no held-out decoding run with a measured decode energy and counted work (profile "
+                "or sweep batch-size --decoder into one of the directories)")
+    reasons = sorted({short_reason(r) for r in windows["energy_reason"].dropna()}) or [
+        "no reason recorded"]
+    return (f"the {len(windows)} decoding run(s) here have no measured decode energy (n/a: "
+            f"{'; '.join(reasons)}), so none checks the fit: measure them with a meter that reads "
+            "energy (`mtad-energy env` says which)")
 
 
 @json_command
@@ -129,11 +144,12 @@ def schedule(
     setting; another setting's file is never replaced)."""
     from mtad_energy.results import StoreError, load_results
     from mtad_energy.results.schedule import build_schedule, schedule_path, schedule_table, write_schedule
+    from mtad_energy.results.store_files import outside_store
 
     try:
         rows = load_results(results, "decode_batch")
         plan = build_schedule(rows, objective, decoder, max_batch_size, model)
-        path = out or schedule_path(results, objective, model)
+        path = outside_store(out or schedule_path(results, objective, model), results, "--out")
         write_schedule(plan, path)
     except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2
         fail(error)
@@ -178,7 +194,7 @@ def schedule(
         return
     console.print(f"[bold]vLLM speculative_config[/] (written to {esc(path)}, key speculative_config;"
                   " add the drafting method):")
-    console.print(json.dumps(config), markup=False, highlight=False)
+    console.print(readable_json(config), markup=False, highlight=False)
     if check is not None:
         from mtad_energy.bench.schedule_check import validation_display
 
@@ -186,6 +202,14 @@ def schedule(
         shown = wrapping_table(columns, cells, title="the schedule measured in vLLM")
         shown.caption = esc(caption)
         console.print(shown)
+
+
+def readable_json(document) -> str:
+    """``document`` as JSON for the terminal: indented, each list of numbers (a schedule's
+    ``[start, end, k]``) on one line, so nothing wraps inside one at 80 columns."""
+    text = json.dumps(document, indent=2)
+    return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]",
+                  lambda m: "[" + ", ".join(v.strip() for v in m[1].split(",")) + "]", text)
 
 
 @json_command

@@ -41,8 +41,10 @@ def engine_options(items: list[str] | None, engines: str) -> dict[str, dict[str,
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key or not value.strip():
-            raise UnsupportedError(f"--engine-option expects KEY=VALUE, got {item!r} (e.g. "
-                                   "enforce_eager=false)")
+            examples = [f"{n}: {k}={v.default}" for n in names  # the engines given, not vLLM's
+                        for k, v in list(engine_kind(n).settings.items())[:1]]
+            raise UnsupportedError(f"--engine-option expects KEY=VALUE, got {item!r}"
+                                   + (f" (e.g. {'; '.join(examples)})" if examples else ""))
         takers = [n for n in names if key in engine_kind(n).settings]
         if not takers:
             has = "; ".join(f"{n}: {', '.join(engine_kind(n).settings)}" for n in names)
@@ -71,7 +73,7 @@ def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False,
             kind = check_engine_options(name)
             decoders = tuple(d for d in decoders if d.name in kind.methods)
         check_engine_options(name, [d.name for d in decoders], config.batch_size, config.compile,
-                             {d.name: d.param_dict for d in decoders})
+                             {d.name: d.param_dict for d in decoders}, ops=config.ops)
         given = tuple(sorted((options or {}).get(name, {}).items()))
         out.append(dataclasses.replace(config, decoders=decoders, engine=name,
                                        engine_options=given))
@@ -92,7 +94,7 @@ def sweep_engines(engines: str, specs, sizes: list[int], compile: bool) -> list[
     names = parse_engines(engines)
     for name in names:
         check_engine_options(name, [s.name for s in specs], max(sizes), compile,
-                             {s.name: s.param_dict for s in specs})
+                             {s.name: s.param_dict for s in specs}, batch_option="--sizes")
     return names
 
 

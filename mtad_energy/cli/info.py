@@ -12,10 +12,15 @@ from typing import Annotated
 import typer
 
 from mtad_energy.cli.options import (
+    CompileBackend,
+    Draft,
+    DynamicShapes,
     Eager,
+    Target,
     ignored_draft_notes,
     pair_alias,
     parse_sets,
+    random_weight_notes,
     resolve_compile,
 )
 from mtad_energy.cli.output import console, emit, esc, fail, json_command, quiet_libraries, wrapping_table
@@ -65,7 +70,7 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="machine-readabl
                          if spec[kind])
         rows.append([esc(v) for v in (name, spec["target"], draft, spec["note"])])
     cols = ("alias", "target", "draft", "note")
-    console.print(wrapping_table(cols, rows, left=cols))
+    console.print(wrapping_table(cols, rows, left=cols, keys=("alias",)))  # ids never fold
 
 
 @json_command
@@ -100,8 +105,8 @@ def generate(
     model: Annotated[str, typer.Option(help="pair alias (see `mtad-energy models`)")] = "smollm2",
     prompt: Annotated[str, typer.Option(help="prompt text")] = "Write a Python function that "
     "checks whether a number is prime.",
-    target: Annotated[str | None, typer.Option(help="target hub id or local dir")] = None,
-    draft: Annotated[str | None, typer.Option(help="draft hub id, local dir or self:...")] = None,
+    target: Target = None,
+    draft: Draft = None,
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
                                                    help="decoder param key=value")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
@@ -115,9 +120,11 @@ def generate(
         "--compile", help="static KV cache + torch.compile forwards (CUDA graphs on CUDA; the "
                           "default there)")] = False,
     eager: Eager = False,
+    compile_backend: CompileBackend = None, dynamic_shapes: DynamicShapes = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ):
     """Decode one prompt and print the text and its statistics."""
+    from mtad_energy.config import compile_arg
     from mtad_energy.decoding.generate import generate as run
     from mtad_energy.decoding.registry import get_decoder, head_kinds
     from mtad_energy.models import load_pair
@@ -126,13 +133,15 @@ def generate(
     try:
         compiled = resolve_compile(compile, eager, device)  # refused before anything loads
         dec = get_decoder(decoder, **parse_sets(set_))
+        compiling = compile_arg(compiled, compile_backend, dynamic_shapes)  # checked before loading
         pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
                          dtype=dtype, with_draft=dec.needs_draft, heads=head_kinds([dec]))
         gen = run(dec, pair, prompt, max_new_tokens=max_new_tokens, seed=seed, chat=chat,
-                  compile=compiled)
+                  compile=compiling)
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
-    notes = ignored_draft_notes([dec], pair_alias(model, target), target, draft, device)
+    notes = ignored_draft_notes([dec], pair_alias(model, target), target, draft, device) + \
+        random_weight_notes(target, draft)
     if as_json:
         emit({**gen.to_dict(), "pair": pair.describe(), "notes": notes})
         return

@@ -48,14 +48,15 @@ from mtad_energy.cli.options import (
     resolve_compile,
     split_list,
 )
-from mtad_energy.cli.output import console, esc, fail, json_command
+from mtad_energy.cli.output import fail, json_command
 from mtad_energy.cli.run import run_config
 from mtad_energy.cli.tables import SIMULATED_NOTE, is_simulated
 
 
 @json_command
 def profile(
-    decoder: Annotated[str, typer.Option(help="decoder name(s), comma separated")] = "mtad",
+    decoder: Annotated[str, typer.Option("--decoder", "--decoders",
+                                         help="decoder name(s), comma separated")] = "mtad",
     baseline: Baseline = "ar",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 3, max_new_tokens: MaxNew = 32,
@@ -92,15 +93,16 @@ def profile(
 @json_command
 def compare(
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
-    decoders: Annotated[str, typer.Option(help="comma list (default: all; eagle and medusa where "
+    decoders: Annotated[str, typer.Option("--decoders", "--decoder",
+                                          help="comma list (default: all; eagle and medusa where "
                                                "the pair has their heads)")] = ",".join(ALL_DECODERS),
     dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, allow_code_execution: AllowExec = False, output: Output = None,
-    markdown: Annotated[Path | None, typer.Option(help="markdown table file "
-                                                       "(default: <output>.md)")] = None,
+    markdown: Annotated[Path | None, typer.Option(help="markdown table file (default: <output>.md "
+                                                       "beside the store)")] = None,
     workers: Workers = 1, cluster: Cluster = "local", require_energy: RequireEnergy = False,
     compile: Compile = False, eager: Eager = False, compile_backend: CompileBackend = None,
     dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
@@ -110,8 +112,7 @@ def compare(
     """All decoders side by side in the paper's main-table layout.
 
     The markdown export marks the best value of each column in bold and the second underlined."""
-    from mtad_energy.results.analysis import main_table, to_markdown
-
+    out = output or Path("results/compare")
     try:
         names = split_list(decoders)
         if decoders == ",".join(ALL_DECODERS):  # the default: every decoder the pair can run
@@ -125,16 +126,40 @@ def compare(
         check_columns(columns)
         configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS),
                                  options=engine_options(engine_option, engine))
+        path = markdown_path(markdown, out)  # before measuring: a name that cannot be written
     except ValueError as error:
         fail(error)
-    out = output or Path("results/compare")
-    summary = run_config(configs, out, as_json, "compare", workers, cluster, columns,
-                         budget_s=budget_s)
-    table = main_table(summary)
-    md = to_markdown(table)
+    run_config(configs, out, as_json, "compare", workers, cluster, columns, budget_s=budget_s,
+               side_files=lambda summary, notes: write_main_table(summary, notes, path))
+
+
+def markdown_path(markdown: Path | None, out: Path) -> Path:
+    """Where compare writes its markdown table: ``--markdown``, or ``<output>.md`` beside the
+    store (`beside_store`: ``--output st/v.1`` and ``st/v.2`` get files of their own).
+
+    Raises:
+        ValueError: the file would be the store or inside it, or is a directory.
+    """
+    from mtad_energy.results.store_files import beside_store, outside_store
+
+    path = outside_store(markdown or beside_store(out, ".md"), out, "--markdown")
+    if path.is_dir():
+        raise ValueError(f"--markdown {path} is a directory; give it a file name (default: "
+                         "<output>.md beside the store)")
+    return path
+
+
+def write_main_table(summary, notes: list[str], path: Path) -> dict[str, Path]:
+    """Write the main table in markdown to ``path`` (best **bold**, second <u>underlined</u>),
+    with the terminal table's marks and notes (`results.caveats`): contended, implausible,
+    random weights, simulated joules, and the run's notes."""
+    from mtad_energy.config import RANDOM_NOTE
+    from mtad_energy.results.caveats import marked_main_table
+
+    md = marked_main_table(summary)
     if "meter" in summary and summary["meter"].map(is_simulated).any():
-        md += "\n\n" + SIMULATED_NOTE.replace("J/tok", "J/token") + "."
-    path = markdown or out.with_suffix(".md")
+        md += "\n" + SIMULATED_NOTE.replace("J/tok", "J/token") + ".\n"
+    md += "".join(f"\nNote: {note}.\n" for note in notes if note != RANDOM_NOTE)  # marked: †
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(md + "\n")
-    if not as_json:
-        console.print(f"[dim]main table (markdown) written to {esc(path)}[/]")
+    return {"markdown": path}

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
+from mtad_energy.config import RANDOM_NOTE, DecoderSpec, MeasureConfig, ModelSpec, RunConfig, random_weights
 
 
 def parse_sets(sets: list[str] | None) -> dict[str, str]:
@@ -61,13 +61,9 @@ def ignored_draft_notes(decoders: Sequence[Any], alias: str | None, target: str 
                " and not loaded")]
 
 
-RANDOM_NOTE = ("random weights at real shapes (random:SHAPE): time and energy per forward are "
-               "real; acceptance, block efficiency and quality are not")
-
-
 def random_weight_notes(target: str | None, draft: str | None = None) -> list[str]:
-    """`RANDOM_NOTE` when the target or the draft is a ``random:SHAPE`` model."""
-    return [RANDOM_NOTE] if any(m and "random:" in m for m in (target, draft)) else []
+    """`RANDOM_NOTE` when the target or the draft (a model or heads) has random weights."""
+    return [RANDOM_NOTE] if any(random_weights(m) for m in (target, draft)) else []
 
 
 ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
@@ -117,6 +113,12 @@ def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
             raise UsageError(f"--set {key}: decoder {scope!r} is not among --decoder {','.join(names)}")
         hit = [n for n in targets if has(n, name)]
         if not hit:
+            owners = engine_owners(name, targets)
+            if owners:  # vLLM's per_batch_size without --engine vllm
+                whose = " and ".join(f"{e}'s {', '.join(ds)}" for e, ds in owners.items())
+                raise UsageError(f"--set {key}: {name!r} is a parameter of {whose}, not of the "
+                                 f"project's decoders (--engine hf): add --engine {next(iter(owners))} "
+                                 f"(or drop --set {key})")
             raise UsageError(f"--set {key}: no selected decoder ({', '.join(targets)}) has a parameter "
                              f"{name!r}; `mtad-energy decoders` lists them")
         for n in hit:
@@ -132,6 +134,14 @@ def engine_params(engines: str, decoder: str) -> frozenset[str]:
 
     return frozenset().union(*(ENGINES[e].param_names(decoder) for e in parse_engines(engines)
                                if e != HF))
+
+
+def engine_owners(name: str, decoders: Sequence[str]) -> dict[str, list[str]]:
+    """engine -> its decoders among ``decoders`` that take parameter ``name`` (hf left out)."""
+    from mtad_energy.engines.registry import ENGINES, HF
+
+    return {e: ds for e, kind in ENGINES.items() if e != HF
+            if (ds := [d for d in decoders if name in kind.param_names(d)])}
 
 
 MAX_SWEEP_VALUES = 1000  # values per --param range, and configurations per sweep grid
@@ -162,7 +172,7 @@ def parse_sizes(text: str, option: str = "--sizes") -> list[int]:
         raise UsageError(f"{option} expects integers like 1,2,4,8,16, got {text!r}") from None
     if not sizes or min(sizes) < 1:
         raise UsageError(f"{option} must be positive integers, got {text!r}")
-    return sizes
+    return list(dict.fromkeys(sizes))  # a size listed twice runs once (and counts once)
 
 
 COLUMN_SETS = ("speed", "energy")
@@ -192,10 +202,17 @@ def build_config(decoders: tuple[DecoderSpec, ...], model, target, draft, datase
 Model = Annotated[str, typer.Option(help="pair alias (`mtad-energy models`)")]
 
 
-Target = Annotated[str | None, typer.Option(help="target hub id or local dir (overrides the alias)")]
+TARGET_HELP = ("target hub id, local dir or random:SHAPE (random weights at a real shape, e.g. "
+               "random:llama3.1-8b; overrides the alias)")
+DRAFT_HELP = ("draft hub id, local dir, self:... (int8, layers=0-11, skip=every4) or random:SHAPE, "
+              "and/or heads eagle:DIR|random|random-v1, medusa:DIR|random, comma-joined "
+              "(overrides the alias)")
 
 
-Draft = Annotated[str | None, typer.Option(help="draft hub id, local dir or self:... (overrides)")]
+Target = Annotated[str | None, typer.Option(help=TARGET_HELP)]
+
+
+Draft = Annotated[str | None, typer.Option(help=DRAFT_HELP)]
 
 
 Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dailymail, chatalpaca, "
@@ -300,10 +317,17 @@ Columns = Annotated[str, typer.Option(
          "--output store's batch rows)")]
 
 
+def _budget_seconds(value: float | None) -> float | None:
+    if value is not None and not value >= 0:  # NaN fails every comparison: refused here too
+        raise typer.BadParameter(f"give a number of seconds >= 0 (inf: no limit), not {value:g}")
+    return value
+
+
 BudgetS = Annotated[float | None, typer.Option(
-    "--budget-s", min=0, help="start no new measurement after this many seconds (model loading "
-                              "included): every row measured is stored, and re-running the same "
-                              "command goes on from there (for time-limited GPU leases)")]
+    "--budget-s", callback=_budget_seconds,
+    help="start no new measurement after this many seconds (model loading included; 0: load "
+         "nothing, measure nothing): every row measured is stored, and re-running the same "
+         "command goes on from there (for time-limited GPU leases)")]
 
 
 Baseline = Annotated[str, typer.Option(help="also run this decoder beside the others, for "

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
@@ -85,18 +87,20 @@ class WrappingTable(Table):
 
 
 def wrapping_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], left: Sequence[str] = (),
-                   width: int | None = None, **options: Any) -> Table:
+                   width: int | None = None, keys: Sequence[str] | None = None,
+                   **options: Any) -> Table:
     """A table for the console whose headers and cells wrap, never cut, when it is wider than the
     terminal (``width``, default the console's: 80 columns when piped to a file). Each column
     gets at least its longest word (a header wraps between its words, never inside one), and
     the rest of the room goes to the columns with the most text to wrap, so headers and
     sentences wrap at spaces and numbers stay whole; where even the longest words do not fit,
-    the table prints as several stacked ones (`column_parts`), each repeating the ``left``
-    columns (the names, left-aligned; the others are numbers). Cells are text (escape user text
-    with `esc`)."""
+    the table prints as several stacked ones (`column_parts`), each repeating the ``keys``
+    columns (default: the first two of the ``left`` columns: the names, left-aligned; the others
+    are numbers). Cells are text (escape user text with `esc`)."""
     total = width or console.width
     texts = [[str(col), *(str(r[i]) for r in rows)] for i, col in enumerate(columns)]
-    keys = [i for i, col in enumerate(columns) if col in left and i < 2] or [0]
+    keys = [i for i, col in enumerate(columns)
+            if (col in keys if keys is not None else col in left and i < 2)] or [0]
     split = column_parts(texts, keys, total) if options.get("show_header", True) else \
         [list(range(len(columns)))]
 
@@ -167,14 +171,23 @@ def json_mode(on: bool) -> Iterator[None]:
         _json_stdout.pop()
 
 
+def _warning_line(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """A Python warning raised while a command runs, as one console line (never a raw
+    ``UserWarning`` with its source line): "warning: MESSAGE"."""
+    console.print(f"[yellow]warning:[/] {esc(message)}", highlight=False)
+
+
 def json_command(command: Callable) -> Callable:
     """Run a command that takes ``as_json`` under `json_mode`; with --json an unexpected exception
-    becomes ``{"error": ..., "exit_code": 1}`` on stdout instead of a traceback."""
+    becomes ``{"error": ..., "exit_code": 1}`` on stdout instead of a traceback. A Python warning
+    prints as one line (`_warning_line`)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         as_json = bool(kwargs.get("as_json"))
-        with json_mode(as_json):
+        with json_mode(as_json), warnings.catch_warnings():  # restores showwarning after
+            warnings.showwarning = _warning_line
             try:
                 return command(*args, **kwargs)
             except (typer.Exit, typer.Abort, ClickException, KeyboardInterrupt):
@@ -187,10 +200,24 @@ def json_command(command: Callable) -> Callable:
     return wrapper
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, an unbounded interval's inf) as None:
+    strict JSON (RFC 8259; Node's and Go's parsers) has no NaN or Infinity. What a null means is
+    said beside it (a fit's verdict, an energy reason, the budget's ``seconds_reason``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
 def emit(document: Any) -> None:
-    """Print the command's JSON document on stdout (the real one, also under `json_mode`)."""
+    """Print the command's JSON document on stdout (the real one, also under `json_mode`): strict
+    JSON, non-finite numbers as null (`finite`)."""
     out = _json_stdout[-1] if _json_stdout else sys.stdout
-    out.write(json.dumps(document, indent=2, default=str) + "\n")
+    out.write(json.dumps(finite(document), indent=2, default=str, allow_nan=False) + "\n")
     out.flush()
 
 
@@ -219,8 +246,10 @@ def integer_records(frame: Any) -> list[dict[str, Any]]:
 
 
 def fail(error: Exception | str, code: int = 2, label: str = "[bold red]error:[/]") -> NoReturn:
-    """Exit with ``code``: under --json as ``{"error": ..., "exit_code": ...}`` on stdout,
-    otherwise as a message on stderr (printed as text, never as markup)."""
+    """Exit with ``code`` (or the error's own ``exit_code``: an engine that died is a failure
+    while running, 1, wherever it is caught): under --json as ``{"error": ..., "exit_code":
+    ...}`` on stdout, otherwise as a message on stderr (printed as text, never as markup)."""
+    code = getattr(error, "exit_code", code)
     if _json_stdout:
         emit({"error": str(error), "exit_code": code})
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import typing
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -47,12 +48,20 @@ def warn_if_busy(as_json: bool) -> dict:
 
 
 # -- running a configuration -------------------------------------------------------------------
+# writes a command's files derived from the summary (compare's markdown table) given the summary
+# and its notes; returns {what: path} for the JSON document and the console
+SideFiles = Callable[[typing.Any, list[str]], dict[str, Path]]
+
+
 def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
                workers: int = 1, cluster: str = "local", columns: str = "speed",
-               baseline: str = "ar", budget_s: float | None = None):
+               baseline: str = "ar", budget_s: float | None = None,
+               side_files: SideFiles | None = None):
     """Run/resume ``config`` (or one per engine, side by side) into ``out`` with a progress bar
     (or as ``workers`` submitit jobs); print the summary (``columns``: `summary_table`, speed-ups
-    over ``baseline``), return it. ``budget_s``: no new row starts after it (`bench.budget`)."""
+    over ``baseline``), return it. ``budget_s``: no new row starts after it (`bench.budget`).
+    ``side_files`` writes the files derived from the summary before the output is printed, so
+    that a failure to write them is the command's one error (and its one JSON document)."""
     from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
 
@@ -75,37 +84,58 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         title = f"{title} · {model_label(config)}" + (
             f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
     if workers > 1:
-        return run_distributed(config, out, as_json, title, workers, cluster, columns, baseline)
+        return run_distributed(config, out, as_json, title, workers, cluster, columns, baseline,
+                               side_files)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
-    from mtad_energy.bench.work_units import summary_baseline
+    from mtad_energy.bench.work_units import summary_baseline, work_units
     from mtad_energy.results.analysis import decoder_summary
 
     quiet_libraries()
-    rows, ran, skipped = [], 0, 0
+    rows, ran, skipped, runner = [], 0, 0, None
     for config in configs:  # one engine after the other, each loaded once, freed after
+        if budget.skip(len(work_units(config, prompts))):  # spent: not even loaded
+            continue
         runner, rep = _run_one(config, out, as_json, prompts, budget)
         rows, ran, skipped = rows + rep.rows, ran + rep.ran, skipped + rep.skipped
-    compact_after(out)
+    if runner is not None:
+        compact_after(out)
     runs = pd.DataFrame(rows)
     summary = decoder_summary(runs, summary_baseline(baseline))
     notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
     notes += [budget.note()] if budget.note() else []
+    written = _write_side_files(side_files, summary, notes) if len(summary) else {}
     if as_json:
-        emit({"output": str(out), "ran": ran, "skipped": skipped, "meter": runner.meter.name,
+        emit({"output": str(out), "ran": ran, "skipped": skipped,
+              "meter": runner.meter.name if runner else None,
               **({"budget": budget.to_dict()} if budget_s is not None else {}),
-              "pair": runner.pair.describe(), "config": config.to_dict(),
+              "pair": runner.pair.describe() if runner else None, "config": config.to_dict(),
               **({"engines": [c.engine for c in configs]} if len(configs) > 1 else {}),
               "summary": integer_records(summary), "notes": notes,
-              "machine_load": load})
+              "machine_load": load, **{k: str(v) for k, v in written.items()}})
     else:
-        shown = with_attribution(summary, runs, out) if columns == "energy" else summary
-        console.print(summary_table(shown, title, columns))
-        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored; results in {esc(out)}[/]")
-        for note in notes:
-            console.print(f"[yellow]note:[/] {esc(note)}")
+        if len(summary):
+            shown = with_attribution(summary, runs, out) if columns == "energy" else summary
+            console.print(summary_table(shown, title, columns))
+        console.print(f"[dim]{ran} run(s) measured, {skipped} already stored"
+                      + (f"; results in {esc(out)}[/]" if runner else "; no model loaded[/]"))
+        _print_notes(notes, written)
     return summary
+
+
+def _write_side_files(side_files: SideFiles | None, summary, notes: list[str]) -> dict[str, Path]:
+    try:
+        return side_files(summary, notes) if side_files is not None else {}
+    except OSError as error:  # every row is stored: only the derived file is missing
+        fail(f"{error}; every row is stored: re-run the same command to write it", code=1)
+
+
+def _print_notes(notes: list[str], written: dict[str, Path]) -> None:
+    for note in notes:
+        console.print(f"[yellow]note:[/] {esc(note)}")
+    for what, path in written.items():
+        console.print(f"[dim]{esc(what)} written to {esc(path)}[/]")
 
 
 def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
@@ -161,7 +191,8 @@ def config_draft_notes(config: RunConfig) -> list[str]:
 
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
-                    columns: str = "speed", baseline: str = "ar"):
+                    columns: str = "speed", baseline: str = "ar",
+                    side_files: SideFiles | None = None):
     """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
     from mtad_energy.bench.quality import pass_at_1_notes
     from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
@@ -191,14 +222,15 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
     notes = config_draft_notes(config) + pass_at_1_notes(runs.to_dict("records"),
                                                          config.allow_code_execution)
+    written = _write_side_files(side_files, summary, notes)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
-              "summary": integer_records(summary), "notes": notes})
+              "summary": integer_records(summary), "notes": notes,
+              **{k: str(v) for k, v in written.items()}})
     else:
         shown = with_attribution(summary, runs, out) if columns == "energy" else summary
         console.print(summary_table(shown, title, columns))
         console.print(f"[dim]{ran} run(s) measured by {len(results)} job(s), {skipped} already stored; "
                       f"results in {esc(out)}[/]")
-        for note in notes:
-            console.print(f"[yellow]note:[/] {esc(note)}")
+        _print_notes(notes, written)
     return summary

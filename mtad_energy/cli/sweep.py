@@ -75,7 +75,7 @@ from mtad_energy.cli.output import (
 )
 from mtad_energy.cli.run import progress_bar, run_config, warn_if_busy
 from mtad_energy.cli.store import compact_after
-from mtad_energy.cli.tables import SIMULATED_NOTE, energy_text, fmt, short_reason
+from mtad_energy.cli.tables import SIMULATED_NOTE, batch_sweep_table, short_reason
 from mtad_energy.config import MeasureConfig, ModelSpec, compile_arg, compile_label
 
 sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
@@ -146,6 +146,7 @@ def sweep_batch_size(
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
     seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
     decoder: Annotated[str | None, typer.Option(
+        "--decoder", "--decoders",
         help="decode with these decoders (comma list, e.g. ar,spd) at each batch size: tokens/s, "
              "J/token and the crossover with ar; without it, the forward-only study")] = None,
     draft: Draft = None, dataset: Dataset = "mtbench",
@@ -163,11 +164,15 @@ def sweep_batch_size(
     the energy roofline identifiable (`mtad-energy decompose`). With --decoder: real decoding of
     B prompts at once per decoder and batch size (--set gamma=1,2,3,5 sweeps variants), and the
     batch size from which each decoder stops beating ar."""
+    import pandas as pd
+
     from mtad_energy.bench.batch_sweep import batch_sweep, batch_table, design_points
     from mtad_energy.bench.budget import Budget
     from mtad_energy.measure import MitigationConfig, meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
+    from mtad_energy.results.analysis import contention_note
+    from mtad_energy.results.crossover import batch_axis
 
     budget = Budget(budget_s)  # from the command's start: loading is part of the lease
     quiet_libraries()
@@ -200,6 +205,8 @@ def sweep_batch_size(
         mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
         m, why = meter_for(meter)
         mitigates = mcfg.mitigation_for(m)  # before loading: --require-energy, --mitigate on
+        if budget.skip(len(design_points(size_list, context_list, chunk_list, context_len, 1))):
+            return _spent(out, m.name, budget, as_json, None)  # spent: the target never loads
         store = ResultStore(out)
         with console.status("loading the target"):
             pair = load_pair(pair_alias(model, target), target=target, device=device, dtype=dtype,
@@ -211,6 +218,7 @@ def sweep_batch_size(
     if not as_json:
         console.print(f"[bold]target[/] {esc(pair.target_id)} on {esc(pair.describe()['device'])}; "
                       f"[bold]meter[/] {esc(m.name)}: {esc(short_reason(why))}")
+    load = warn_if_busy(as_json)
     mitigation = MitigationConfig() if mitigates else None
     try:
         with progress_bar() as bar:
@@ -236,36 +244,35 @@ def sweep_batch_size(
         fail(error)
     compact_after(out)
     if not rows:  # the budget was spent before the first point
-        if as_json:
-            emit({"output": str(out), "meter": m.name, "rows": [], "budget": budget.to_dict()})
-        else:
-            console.print(f"[yellow]note:[/] {esc(budget.note())}")
-        return
+        return _spent(out, m.name, budget, as_json, load)
     table = batch_table(rows)
+    busy = {int(r["batch_size"]) for r in batch_axis(pd.DataFrame(rows)).to_dict("records")
+            if r.get("contended")}
+    contended = contention_note(pd.DataFrame(rows), "batch-sweep points")
     if as_json:
-        emit({"output": str(out), "meter": m.name, "rows": integer_records(table),
+        emit({"output": str(out), "meter": m.name,
+              "rows": [{**r, "contended": r["Batch Size"] in busy} for r in integer_records(table)],
+              "notes": [contended] if contended else [], "machine_load": load,
               **({"budget": budget.to_dict()} if budget_s is not None else {})})
         return
-    t = wrapping_table([str(c) for c in table.columns],
-                       [[str(int(v)) if c == table.columns[0] else
-                         energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
-                         for c, v in r.items()] for _, r in table.iterrows()],
-                       title="batch size vs energy")
-    reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
-    captions = ["Energy " + "; ".join(sorted(reasons))] if reasons else []
-    if m.name == "simulated" and len(reasons) < len(rows):
-        t.title = "batch size vs energy (simulated)"
-        captions.insert(0, SIMULATED_NOTE.replace("J/tok", "Energy"))
-    if captions:
-        t.caption = esc("\n".join(captions))
+    t = batch_sweep_table(table, rows, busy, m.name == "simulated", contended)
     console.print(t)
     extra = len(rows) - len(table)
     if extra:
         console.print(f"[dim]+ {extra} context-length / prefill-chunk point(s) for the fit: "
-                      f"mtad-energy decompose {esc(out)}[/]")
+                      f"\n  mtad-energy decompose {esc(out)}[/]", soft_wrap=True)
     if budget.note():
         console.print(f"[yellow]note:[/] {esc(budget.note())}")
     console.print(f"[dim]results in {esc(out)}[/]")
+
+
+def _spent(out: Path, meter: str, budget, as_json: bool, load: dict | None) -> None:
+    """The forward-only study's output when the budget was spent before its first point."""
+    if as_json:
+        emit({"output": str(out), "meter": meter, "rows": [], "budget": budget.to_dict(),
+              "machine_load": load})
+    else:
+        console.print(f"[yellow]note:[/] {esc(budget.note())}")
 
 
 def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompts, max_new_tokens,
@@ -289,6 +296,7 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         crossover_title,
     )
     from mtad_energy.results.figures import plot_batch_crossover
+    from mtad_energy.results.store_files import beside_store
 
     try:
         names = split_list(decoders)
@@ -301,9 +309,17 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
         MeasureConfig(meter, "off", require_energy=require_energy).mitigation_for(m)
         engines = sweep_engines(engine, specs, size_list, compile)  # refusals before loading
         settings = engine_options(engine_option, engine)
+        # the plot: beside the store (it holds only tables), named by setting: an eager sweep
+        # into the same store does not overwrite the compiled sweep's plot (an engine's sweep is
+        # named by its engines: an hf sweep into the same store keeps its own)
+        setting = "-".join([*(e for e in engines if e != "hf"), *(
+            [compile_label(compile_backend, dynamic_shapes)[1:]] if compile else [])])
+        png = beside_store(out, f"-crossover{'-' + setting if setting else ''}.png")
         # the project's decoders, built (their parameters checked) only where hf runs them: an
         # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
         built = [s.build() for s in specs] if "hf" in engines else []
+        if budget.skip(len(specs) * len(size_list) * repeats * len(engines)):  # nothing loads
+            return _spent(out, m.name, budget, as_json, None)
         needs_draft = any(d.needs_draft for d in built)
         with console.status("loading the models"):
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
@@ -359,13 +375,6 @@ def _decode_batch_sweep(decoders, model, target, draft, sizes, dataset, n_prompt
     notes += [budget.note()] if budget is not None and budget.note() else []
     if not compile and "hf" in engines and pair.describe()["device"].startswith("cuda"):
         notes.append(LAUNCH_BOUND_NOTE)  # eager on a GPU: launches, not the algorithm
-    out_dir = out.resolve()  # `--output .` has no name of its own
-    # beside the store (it holds only tables), named by setting: an eager sweep into the same
-    # store does not overwrite the compiled sweep's plot
-    # (an engine's sweep is named by its engines: an hf sweep into the same store keeps its own)
-    setting = "-".join([*(e for e in engines if e != "hf"),
-                        *([compile_label(compile_backend, dynamic_shapes)[1:]] if compile else [])])
-    png = out_dir.parent / f"{out_dir.name}-crossover{'-' + setting if setting else ''}.png"
     who = pair.name if engines == ["hf"] else f"{pair.name} ({', '.join(engines)})"
     plot_batch_crossover(table, f"{who}: decoders at batch sizes "
                                 f"{', '.join(map(str, size_list))} ({max_new_tokens} tokens, "

@@ -77,7 +77,9 @@ def with_attribution(summary, runs, store_dir: Path):
     from mtad_energy.results.breakdown import attribution_summary, roofline_fit, windows_from
 
     keys = ("model", "dataset", "decoder", "params_json")
-    fit = roofline_fit([store_dir]) if (store_dir / "mtad-energy-store.json").exists() else \
+    fit = roofline_fit([store_dir], f"give it this command's --output ({store_dir}) as DIR, "
+                                    "then run this command again (its rows are kept)") \
+        if (store_dir / "mtad-energy-store.json").exists() else \
         "no results store"
     att = attribution_summary(attribute(windows_from(runs), fit), keys=keys)
     if att.empty:
@@ -172,6 +174,27 @@ def summary_table(summary, title: str = "", columns: str = "speed") -> Table:
     if captions:
         table.caption = esc("\n".join(captions))
     return table
+
+
+def batch_sweep_table(table, rows: list[dict], busy: set[int], simulated: bool,
+                      contended: str | None) -> Table:
+    """The forward-only batch-size study's table (`bench.batch_sweep.batch_table` of ``rows``):
+    ``*`` after a batch size measured on a busy machine (``busy``; ``contended``: the caption's
+    line), energy n/a with the reasons."""
+    t = wrapping_table([str(c) for c in table.columns],
+                       [[str(int(v)) + ("*" if int(v) in busy else "") if c == table.columns[0] else
+                         energy_text(v, None).split(":")[0] if "Energy" in c else fmt(v, "{:.4g}")
+                         for c, v in r.items()] for _, r in table.iterrows()],
+                       title="batch size vs energy")
+    reasons = {energy_text(None, row.get("energy_reason")) for row in rows if row.get("energy_j") is None}
+    captions = ["Energy " + "; ".join(sorted(reasons))] if reasons else []
+    if simulated and len(reasons) < len(rows):
+        t.title = "batch size vs energy (simulated)"
+        captions.insert(0, SIMULATED_NOTE.replace("J/tok", "Energy"))
+    captions += [contended] if contended else []
+    if captions:
+        t.caption = esc("\n".join(captions))
+    return t
 
 
 FORM_NAMES = {"paper": "paper form E = P_static*T + PW_flop*T_flop + PW_mem*T_mem",

@@ -349,8 +349,14 @@ def generate_rows(decoder: Decoder, pair: ModelPair, prompts: list[list[int]],
     if rows < 1:
         raise ValueError("give at least one prompt")
     if decoder.needs_draft and pair.draft is None:
+        from mtad_energy.decoding.registry import DECODERS
+
+        runs = [n for n, cls in DECODERS.items()  # with this pair: no model, or a head it has
+                if not cls.needs_draft and (cls.head is None or cls.head in (pair.heads or {}))]
         raise ValueError(f"decoder {decoder.name!r} needs a draft model, but the pair has none; "
-                         "load one with draft=... (e.g. 'self:int8') or pick ar/beam/mtjd")
+                         "give one with --draft (e.g. --draft self:int8; beside a head: --draft "
+                         "self:int8,eagle:DIR; Python: draft=...), or pick a decoder this pair "
+                         f"runs: {', '.join(runs)}")
     if decoder.head is not None and decoder.draft_model(pair) is None:
         kind = decoder.head
         raise ValueError(

@@ -79,20 +79,24 @@ def hf_columns(compile: bool = False) -> dict[str, Any]:
 
 
 def check_engine_options(name: str, decoders: list[str] | tuple = (), batch_size: int = 1,
-                         compile: bool = False, params: Mapping[str, Mapping[str, Any]] | None = None
-                         ) -> EngineKind:
+                         compile: bool = False, params: Mapping[str, Mapping[str, Any]] | None = None,
+                         ops: bool = False, batch_option: str = "--batch-size") -> EngineKind:
     """Refuse, before anything loads, what engine ``name`` cannot honour: a decoder it lacks, a
-    parameter (``params``: decoder name -> given parameters), a batch size, ``--compile``; then
-    whether it is installed. Returns its `EngineKind`."""
+    parameter (``params``: decoder name -> given parameters), a batch size (advising
+    ``batch_option``), ``--compile``, ``--ops``; then
+    whether it is installed, and a configuration the installed build is known to decode wrongly
+    (`registry.KnownBug`). Returns its `EngineKind`."""
     kind = engine_kind(name)
     if name == HF:
         _check_project_params(params or {})
         return kind
     kind.check_compile(compile)
-    kind.check_batch_size(batch_size)
-    for d in decoders:
-        kind.decoder_params(d, (params or {}).get(d, {}))
+    kind.check_ops(ops)
+    kind.check_batch_size(batch_size, batch_option)
+    full = {d: kind.decoder_params(d, (params or {}).get(d, {})) for d in decoders}
     kind.require_installed()
+    for d, p in full.items():  # before the engine starts: a build known to decode it wrongly
+        kind.check_known_bugs(d, p)
     return kind
 
 

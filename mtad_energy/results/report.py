@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from mtad_energy.results import analysis, crossover
+from mtad_energy.results import analysis, caveats, crossover
 from mtad_energy.results.figures import (
     label_palette,
     plot_accepted_lengths,
@@ -23,6 +23,7 @@ from mtad_energy.results.figures import (
     plot_ppl_vs_block_efficiency,
 )
 from mtad_energy.results.store import load_results
+from mtad_energy.results.store_files import beside_store, outside_store
 
 FIGURES = ("jpt_vs_speedup", "ppl_vs_block_efficiency", "batch_energy", "accepted_lengths")
 
@@ -52,7 +53,8 @@ def _energy_notes(runs: pd.DataFrame, summary: pd.DataFrame, batch: pd.DataFrame
         return ["The store holds no rows."]
     if not runs.empty:
         notes += _run_energy_notes(runs, summary)
-    for frame, what in ((runs, "runs"), (decode_batch, "decoding batch-size rows")):
+    for frame, what in ((runs, "runs"), (batch, "batch-sweep rows"),
+                        (decode_batch, "decoding batch-size rows")):
         busy = analysis.contention_note(frame, what)  # measured on a busy machine: said, not pooled
         if busy:
             notes += ["**Contended:** " + busy.removeprefix("*: ") + ".", ""]
@@ -250,10 +252,8 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     report's path. ``out_dir`` defaults to ``<store_dir>-report`` beside the store (a store holds
     only what mtad-energy wrote, so the report cannot go inside it)."""
     store_dir = Path(store_dir)
-    out = Path(out_dir) if out_dir is not None else store_dir.with_name(f"{store_dir.name}-report")
-    if out.resolve().is_relative_to(store_dir.resolve()):
-        raise ValueError(f"the report directory {out} is inside the results store {store_dir}; a store "
-                         "may hold only what mtad-energy wrote: choose another out_dir")
+    out = outside_store(out_dir if out_dir is not None else beside_store(store_dir, "-report"),
+                        store_dir, "the report directory (--out)")
     runs = load_results(store_dir, "runs")  # before creating anything: is it a store at all?
     fig_dir = out / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -265,7 +265,9 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     palette = label_palette(summary) if not summary.empty else None
 
     decode_batch = load_results(store_dir, "decode_batch")
-    lines = ["# mtad-energy report", "", _store_line(store_dir, runs, summary, batch, decode_batch), ""]
+    lines = ["# mtad-energy report", "", _store_line(store_dir, runs, summary, batch, decode_batch), "",
+             *[line for note in caveats.random_note(runs, batch, decode_batch)
+               for line in (f"**Random weights**: {note}.", "")]]
     figures: list[str] = []
     if not summary.empty:
         has_energy = summary["energy_per_token_j"].notna().any()
@@ -284,7 +286,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
         if not has_speedup:
             lines += [f"No `{baseline}` runs, so there is no speed-up column.", ""]
         lines += _simulated_note(runs, "runs") if has_energy else []
-        lines += [analysis.to_markdown(analysis.main_table(summary, metrics)), ""]
+        lines += [caveats.marked_main_table(summary, metrics, baseline), ""]
         detail = ["block_efficiency", "acceptance_rate", "tokens_per_s_pooled",
                   *(["decode_energy_per_token_j", "energy_saving", "speedup_total",
                      "energy_saving_total"] if has_energy and has_speedup else [])]
@@ -294,7 +296,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
                   "decoders); pooled tokens/s: total tokens / total decode time; energy saving "
                   f"(decode): 1 - decode J/token / `{baseline}`'s, the basis of the speed-up; "
                   "energy saving (total) with the end-to-end speed-up, prefill included.", "",
-                  analysis.to_markdown(analysis.main_table(summary, detail)), ""]
+                  caveats.marked_main_table(summary, detail, baseline), ""]
         for name, plot in (("jpt_vs_speedup", plot_jpt_vs_speedup),
                            ("ppl_vs_block_efficiency", plot_ppl_vs_block_efficiency)):
             _save(plot(summary, baseline, palette=palette), fig_dir, name)

@@ -47,6 +47,10 @@ from typing import Any
 
 import pandas as pd
 
+from mtad_energy.config import RANDOM_NOTE
+from mtad_energy.results.analysis import contended_mask, random_rows
+from mtad_energy.results.store_files import beside_store
+
 OBJECTIVES = ("speed", "energy")
 BASELINE = "ar"
 DRAFT_AT_ZERO_NOTE = ("k = 0 is unmeasured here and taken to cost what ar does, but in vLLM a draft "
@@ -97,6 +101,8 @@ class Schedule:
     ranges: tuple[ScheduleRange, ...]
     setting: str = ""  # the sweep's setting (model · dataset · tokens · device), one per schedule
     repeats: int = 1
+    contended: tuple[int, int] = (0, 0)  # rows measured on a busy machine, of the rows used
+    random_weights: bool = False  # rows on random weights (`config.random_weights`) behind it
 
     @property
     def triples(self) -> list[list[int]]:
@@ -124,6 +130,7 @@ class Schedule:
         """What the reader must know beside the ranges: one repeat, speculation never paying,
         ranges that lose to ``ar`` whatever k (k = 0 measured), a draft model's unmeasured k = 0."""
         notes = [ONE_REPEAT_NOTE] if self.repeats < 2 else []
+        notes += self.caveats
         if self.never_pays:
             notes.append(f"{self.decoder} is not better than {BASELINE} at any batch size measured: "
                          "leave speculative decoding off on this hardware and pair (vLLM needs "
@@ -142,6 +149,37 @@ class Schedule:
         if self.decoder == "spd" and any(r.gamma == 0 and r.zero_gain is None
                                          for r in self.ranges):
             notes.append(DRAFT_AT_ZERO_NOTE)
+        return notes
+
+    @property
+    def caveats(self) -> list[str]:
+        """What the rows behind the schedule cannot carry into a serving config: sizes it did not
+        measure (below the smallest, beyond the largest: extrapolated), rows measured on a busy
+        machine, random weights."""
+        notes = []
+        first, last = self.ranges[0], self.ranges[-1]
+
+        def span(low: int, high: int) -> str:
+            return f"{low}" if low == high else f"{low}-{high}"
+
+        outside = ([span(first.low, first.measured_batch_size - 1)]
+                   if first.low < first.measured_batch_size else [])
+        outside += ([span(last.measured_batch_size + 1, last.high)]
+                    if last.high > last.measured_batch_size else [])
+        if outside:
+            measured = sorted({r.measured_batch_size for r in self.ranges})
+            notes.append(f"batch size(s) {' and '.join(outside)} not measured (measured: "
+                         f"{', '.join(map(str, measured))}): their k is extrapolated from the "
+                         "nearest measured size; sweep them (--sizes) to schedule them on a "
+                         "measurement")
+        busy, used = self.contended
+        if busy:
+            notes.append(f"{busy} of the {used} rows behind it were measured while other processes "
+                         "used the machine (contended): their speed and energy are not the "
+                         "decoders' alone; sweep again on a quiet machine before serving with it")
+        if self.random_weights:
+            notes.append(f"{RANDOM_NOTE}: this schedule follows the acceptance random weights "
+                         "happen to give, not the real models'; sweep the real pair to serve with it")
         return notes
 
     def vllm_config(self) -> dict[str, Any] | None:
@@ -318,7 +356,10 @@ def build_schedule(rows: pd.DataFrame | Sequence[Mapping[str, Any]], objective: 
             gamma=int(pick["gamma"]) if engine_best and pick is not None else 0,
             zero_gain=zero_gain))
     used = med[med["decoder"].isin([BASELINE, decoder]) & med["batch_size"].isin(sizes)]
-    return Schedule(objective, decoder, tuple(ranges), setting, int(used["repeats"].min()))
+    behind = df[df["batch_size"].astype(int).isin(sizes)]  # every row a range's figures rest on
+    return Schedule(objective, decoder, tuple(ranges), setting, int(used["repeats"].min()),
+                    contended=(int(contended_mask(behind).sum()), len(behind)),
+                    random_weights=bool(random_rows(behind).any()))
 
 
 def schedule_table(schedule: Schedule) -> pd.DataFrame:
@@ -342,7 +383,7 @@ def schedule_path(results: Path, objective: str, model: str | None = None) -> Pa
     store, with ``-<model label>`` added when ``--model`` picks one of several settings (so the
     schedules of an eager and a ``+compile`` sweep never replace each other)."""
     tail = f"-{re.sub(r'[^A-Za-z0-9._+-]', '_', model)}" if model is not None else ""
-    return results.parent / f"{results.name}-schedule-{objective}{tail}.json"
+    return beside_store(results, f"-schedule-{objective}{tail}.json")
 
 
 def write_schedule(schedule: Schedule, path: Path) -> None:

@@ -156,7 +156,8 @@ class ResultStore:
         elif any(p for p in self.root.iterdir() if not p.name.startswith(_TMP_PREFIX)):
             raise ForeignFileError(
                 f"{self.root} is not empty and is not an mtad-energy results store (no {MARKER}); "
-                "pick a new or empty --output directory")
+                + ("pick a new or empty --output directory" if create else
+                   "pass the directory a measuring command stored its rows in (its --output)"))
         elif create:
             try:
                 self._write_marker()
@@ -534,14 +535,23 @@ def compact_store(root: str | Path, tables: Sequence[str] | None = None,
     return _open(root).compact(tables, pack_rows)
 
 
-def _open(root: str | Path) -> ResultStore:
+# what stores the rows of a table: the advice when a reader finds no store
+WRITERS = {"decode_batch": "sweep batch-size --decoder ar,spd", "batch": "sweep batch-size",
+           "runs": "profile", "steps": "profile", "ops": "profile --ops"}
+
+
+def _open(root: str | Path, table: str | None = None) -> ResultStore:
+    """The store in ``root`` for reading (``table``: what the reader needs, named in the advice
+    when there is no store)."""
     path = Path(root)
     if path.exists() and not path.is_dir():
         raise StoreError(f"{path} is a file, not a results directory; pass the directory given as "
                          "--output (it holds mtad-energy-store.json)")
     if not path.is_dir():
-        raise StoreError(f"results directory {path} does not exist; run `mtad-energy profile "
-                         f"--output {path}` first")
+        fix = (f"run `mtad-energy {WRITERS[table]} --output {path}` first" if table in WRITERS
+               else f"measure into it first (`mtad-energy profile`, `compare` or `sweep` with "
+                    f"--output {path})")
+        raise StoreError(f"results directory {path} does not exist; {fix}")
     return ResultStore(path, create=False)
 
 
@@ -551,4 +561,4 @@ def load_results(root: str | Path, table: str = "runs") -> pd.DataFrame:
 
     Raises `StoreError` when ``root`` is not a store or holds a foreign or damaged file.
     """
-    return _open(root).load(table)
+    return _open(root, table).load(table)

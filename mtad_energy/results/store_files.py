@@ -120,3 +120,33 @@ def _to_pandas(tables: Sequence[pa.Table]) -> pd.DataFrame:
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
         # a column with different types in different files: pandas keeps it as objects
         return pd.concat([t.to_pandas() for t in tables], ignore_index=True, sort=False)
+
+
+def beside_store(store: str | Path, tail: str) -> Path:
+    """Where a file derived from the store in ``store`` goes: ``<store's name><tail>`` in the
+    store's parent directory (a store may hold only what mtad-energy wrote, so never inside it),
+    e.g. ``st/v.1`` -> ``st/v.1.md``. A path without a name of its own (``.``, ``..``) is named by
+    the directory it stands for, so no derived file starts with ``tail`` alone.
+
+    Raises:
+        ValueError: the store is the file system's root, which has no name and no parent.
+    """
+    path = Path(store)
+    if path.name in ("", ".", ".."):
+        path = path.resolve()
+    if not path.name:
+        raise ValueError(f"the results store {store} has no name to name files beside it by; give "
+                         "a store in a directory of its own (e.g. --output results/run1)")
+    return path.with_name(path.name + tail)
+
+
+def outside_store(path: str | Path, store: str | Path, option: str) -> Path:
+    """``path`` where it is neither the store in ``store`` nor inside it; else a ValueError naming
+    ``option``, the store, and the fix (checked before any work: a store holds only what
+    mtad-energy wrote, and a file written into it makes every later command refuse the store)."""
+    path = Path(path)
+    where, root = path.resolve(), Path(store).resolve()
+    if where == root or where.is_relative_to(root):
+        raise ValueError(f"{option} {path} is inside the results store {store}: a store may hold "
+                         f"only what mtad-energy wrote; give {option} a path outside it")
+    return path

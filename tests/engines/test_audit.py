@@ -8,7 +8,7 @@ import torch
 
 from mtad_energy.decoding.sampling import Warp
 from mtad_energy.engines import audit
-from mtad_energy.engines.audit import Measured, Theory
+from mtad_energy.engines.audit import Measured
 
 
 def test_alpha_known_answers():
@@ -25,9 +25,6 @@ def test_expected_accepted_length():
     assert audit.expected_accepted(torch.tensor([1.0, 1.0, 1.0])).item() == pytest.approx(3.0)
     assert audit.expected_accepted(torch.tensor([0.5, 0.5])).item() == pytest.approx(0.75)
     assert audit.expected_accepted(torch.tensor([0.0, 1.0])).item() == 0.0  # a chain stops at a rejection
-    th = audit.theory_from_chains([torch.tensor([1.0, 0.5]), torch.tensor([0.5])], k=2)
-    assert th.depth == pytest.approx((0.75, 0.25)) and th.mean_draft_tokens == 1.5
-    assert th.accept_rate == pytest.approx(1.0 / 1.5)
 
 
 def test_teacher_forced_alpha_on_a_tiny_pair(lossless_pair):
@@ -38,8 +35,8 @@ def test_teacher_forced_alpha_on_a_tiny_pair(lossless_pair):
     prompt, out = [1, 2], [3, 0, 4, 1, 2, 2]
     p = audit.warped_along(pair.target, prompt, out, warp)
     q_self = audit.warped_along(pair.target, prompt, out, warp)
-    chains = audit.draft_model_chains(p, q_self, k=3)
-    assert len(chains) == len(out) - 3 and all(c.tolist() == pytest.approx([1.0] * 3) for c in chains)
+    chains = audit.every_position_chains(audit.alpha_dists(p, q_self), k=3)
+    assert len(chains) == len(out) - 3 and all(c.alphas == pytest.approx((1.0,) * 3) for c in chains)
     q = audit.warped_along(pair.draft, prompt, out, warp)
     ids = torch.tensor([prompt + out])
     with torch.inference_mode():
@@ -49,57 +46,117 @@ def test_teacher_forced_alpha_on_a_tiny_pair(lossless_pair):
     assert audit.alpha_dists(p, q).tolist() == pytest.approx(hand.tolist(), abs=1e-5)
     assert 0.0 < float(hand.min()) and float(hand.max()) < 1.0
     # a greedy draft (argmax q, verified as a point mass): alpha = p~(argmax q~), below 1 even for q = p
-    greedy = audit.draft_model_chains(p, q_self, k=1, greedy_draft=True)
-    assert [c.item() for c in greedy] == pytest.approx(lp.max(-1).values[1:].tolist(), abs=1e-5)
-    assert max(c.item() for c in greedy) < 1.0
+    greedy = audit.alpha_point(p, q_self.argmax(-1))
+    assert greedy.tolist() == pytest.approx(lp.max(-1).values.tolist(), abs=1e-5)
+    assert float(greedy.max()) < 1.0
 
 
-def test_ngram_chains_are_the_target_on_each_proposal(lossless_pair):
-    """The cached chains equal p~(d_i | context, d_<i) from a full forward over each context and
-    proposal, where the proposal follows the output and where it leaves it."""
+def test_ngram_chains_start_where_the_engine_drafted_with_the_target_on_each_proposal(lossless_pair):
+    """Read off the output: a chain at position 1, the next after its accepted tokens (the output
+    carries the draft token exactly where it was accepted) and the one emitted after them; each
+    alpha is p~(d_i | context, d_<i) from a full forward over the context and the proposal."""
     target, warp = lossless_pair.target, Warp(temperature=0.8, top_k=0, top_p=1.0)
-    prompt, out = [1, 2, 3, 1, 2, 4], [1, 2, 3, 0, 1, 2]
-    chains = audit.ngram_chains(target, prompt, out, warp, k=3, min_n=1, max_n=2)
-    expected, follows = [], set()
-    for t in range(1, len(out)):
-        ctx = prompt + out[:t]
-        d = audit.ngram_propose(ctx, 1, 2, 3)
-        if d:
-            p = audit.warped_along(target, ctx, d, warp)
-            expected.append(p[torch.arange(len(d)), torch.tensor(d)])
-            follows.add(d[:-1] == out[t:t + len(d) - 1])
-    assert len(chains) == len(expected) >= 3 and follows == {True, False}  # both paths
-    for c, e in zip(chains, expected, strict=True):
-        assert c.tolist() == pytest.approx(e.tolist(), abs=1e-5)
+    prompt, out = [1, 2, 3, 1, 2, 4], [1, 2, 3, 0, 1, 2, 4, 4]
+    p = audit.warped_along(target, prompt, out, warp)
+    chains = audit.point_mass_chains(p, out, audit.ngram_proposer(prompt, out, 1, 2, 3))
+    t, seen = 1, []
+    while t < len(out):  # the engine's walk, by hand
+        d = audit.ngram_propose(prompt + out[:t], 1, 2, 3)[: len(out) - t]
+        if not d:
+            t += 1
+            continue
+        a = next((i for i in range(len(d)) if out[t + i] != d[i]), len(d))
+        full = audit.warped_along(target, prompt + out[:t], d, warp)  # p~ along the proposal
+        seen.append((t, a, full[torch.arange(len(d)), torch.tensor(d)][: a + 1].tolist()))
+        t += a + 1
+    assert [(c.start, c.accepted) for c in chains] == [(t, a) for t, a, _ in seen]
+    assert any(a for _, a, _ in seen) and any(a < 3 for _, a, _ in seen)  # accepts and rejects
+    for c, (_, a, expected) in zip(chains, seen, strict=True):  # reached positions: exact
+        assert list(c.alphas[: a + 1]) == pytest.approx(expected, abs=1e-5)
+        assert [tr[2] for tr in c.trials()] == [True] * a + [False] * (a < len(c.alphas))
 
 
-def _matching(theory: Theory, drafts: int, seed: int = 0) -> Measured:
-    """Counters an engine meeting theory would report: each chain accepted to depth j with
-    theory.depth[j] (drawn as a chain: depth j+1 only after depth j)."""
+def test_stepped_chains_start_where_the_engine_steps_put_them():
+    alphas = torch.linspace(0.1, 0.9, 10)
+    chains = audit.stepped_chains(alphas, [(3, 1), (3, 3), (0, 0), (3, 0), (3, 2)])
+    assert [(c.start, c.accepted) for c in chains] == [(1, 1), (3, 3), (8, 0), (9, 1)]
+    assert chains[0].alphas == pytest.approx(tuple(alphas[1:4].tolist()))
+    assert chains[-1].alphas == pytest.approx((float(alphas[9]),))  # cut at the output's end
+
+
+def test_poisson_binomial_tails_known_answers():
+    under, over = audit.poisson_binomial_tails([0.5] * 4, 1)
+    assert (under, over) == pytest.approx((5 / 16, 15 / 16))
+    assert audit.poisson_binomial_tails([1.0, 1.0], 1) == pytest.approx((0.0, 1.0))  # impossible
+    assert audit.poisson_binomial_tails([0.2, 0.7], 0) == pytest.approx((0.8 * 0.3, 1.0))
+
+
+def _chains(alphas: list[tuple[float, ...]], rate: float, seed: int) -> list[audit.Chain]:
+    """Chains whose draft tokens are accepted with ``rate`` x alpha, one after the other."""
     g = torch.Generator().manual_seed(seed)
-    depth = torch.tensor(theory.depth)
-    cond = torch.cat([depth[:1], depth[1:] / depth[:-1].clamp_min(1e-12)])
-    acc = (torch.rand((drafts, len(depth)), generator=g) < cond).long().cumprod(-1)  # [drafts, k]
-    per_pos = tuple(acc.sum(0).tolist())
-    return Measured(drafts, drafts * len(depth), sum(per_pos), per_pos)
+    out = []
+    for a in alphas:
+        n = 0
+        while n < len(a) and float(torch.rand((), generator=g)) < rate * a[n]:
+            n += 1
+        out.append(audit.Chain(1, a, n))
+    return out
 
 
-def test_flag_under_accepting_engine_and_not_a_matching_one():
-    theory = audit.theory_from_chains([torch.tensor([0.9, 0.8, 0.7])] * 50, k=3)
-    ok = audit.audit_row("matching", theory, _matching(theory, 500))
-    assert not ok.flagged and ok.pvalue > 1e-3
+def test_the_flag_fires_at_its_level_for_a_correct_engine_and_catches_a_wrong_one():
+    """Outcomes drawn with the right probabilities: p-values spread over (0, 1), so the flag
+    fires about as often as its level; half the probability: flagged; q = p: any rejection is."""
+    g = torch.Generator().manual_seed(0)
+    alphas = [tuple((0.2 + 0.7 * torch.rand(3, generator=g)).tolist()) for _ in range(150)]
+    k, counters = 3, audit.Measured(150, 450, 0, (0, 0, 0))
+    rows = [audit.audit_row("right", _chains(alphas, 1.0, s), counters, k) for s in range(200)]
+    pvalues = [r.test.p_under for r in rows]
+    assert sum(p < 0.05 for p in pvalues) <= 20 and 0.35 < sum(pvalues) / len(pvalues) < 0.65
+    assert sum(r.flagged for r in rows) <= 2  # level 1e-3 over 200 runs
+    half = audit.audit_row("half", _chains(alphas, 0.5, 1), counters, k)
+    assert half.flag == "under-accepts" and half.test.p_under < 1e-10
+    ones = [(1.0, 1.0, 1.0)] * 10
+    assert audit.audit_row("self", _chains(ones, 0.8, 3), counters, k).flag == "under-accepts"
+    assert audit.audit_row("self", _chains(ones, 1.0, 3), counters, k).flag is None
+
+
+def test_without_outcomes_the_counters_are_tested_at_the_chain_starts():
+    chains = [audit.Chain(t, (0.9, 0.8, 0.7)) for t in range(1, 51)]
+    ok = audit.audit_row("matching", chains, audit.Measured(500, 1500, 900, (452, 360, 250)), 3)
+    assert not ok.flagged and ok.test is None and ok.pvalue_counters > 1e-3
     lo, hi = ok.first_pos_ci
     assert lo <= 0.9 <= hi
-    low = audit.audit_row("under", theory, Measured(500, 1500, 30, (20, 7, 3)))
-    assert low.flagged and low.pvalue < 1e-10
-    # q = p (theory 1): a single rejection is already impossible under theory
-    ones = audit.theory_from_chains([torch.ones(3)] * 10, k=3)
-    assert audit.audit_row("self", ones, Measured(491, 1473, 13, (9, 3, 1))).flagged
-    assert not audit.audit_row("self", ones, Measured(10, 30, 30, (10, 10, 10))).flagged
-    # without per-position counters the token rate is tested
-    assert audit.audit_row("tokens", theory, Measured(500, 1500, 30)).flagged
+    low = audit.audit_row("under", chains, audit.Measured(500, 1500, 30, (20, 7, 3)), 3)
+    assert low.flag == "under-accepts" and low.pvalue_counters < 1e-10
+    # the tolerance: a bf16 engine's near-tie at T = 0 is no impossible event
+    ones = [audit.Chain(t, (1.0, 1.0, 1.0), 3) for t in range(48)] + [audit.Chain(48, (1.0,), 0)]
+    assert audit.audit_row("greedy", ones, audit.Measured(49, 145, 144, (48, 48, 48)), 3).flagged
+    assert not audit.audit_row("greedy", ones, audit.Measured(49, 145, 144, (48, 48, 48)), 3,
+                               tolerance=0.01).flagged
 
 
+@pytest.mark.slow  # 20 seeds of a fake engine per kind (~1 min on a loaded 2-core CPU)
+@pytest.mark.parametrize("rule", ["SAMPLED", "GREEDY"])
+def test_a_fake_engine_is_flagged_at_the_nominal_rate_and_a_broken_one_is_caught(lossless_pair,
+                                                                                  rule):
+    """Issue 41, item 0: the exact rejection sampler (T = 0.8) is flagged at about the audit's
+    level, an engine accepting with half the right probability is caught in every run, one
+    skipping every other position's test is flagged as over-accepting (sampled: its recorded
+    steps; greedy: the chains read off the output alone). experiments/audit_calibration.py."""
+    from tests.engines import speculation as sp
+
+    draft, warp, prompts = getattr(sp, rule), Warp(temperature=0.8, top_k=0, top_p=1.0), [
+        [1, 2, 3, 1], [2, 4, 1, 0], [3, 3, 1, 2], [0, 1, 2, 3], [4, 0, 4, 1], [1, 1, 0, 2]]
+
+    def runs(accept, seeds=20):
+        return [sp.audit_run(lossless_pair, prompts, 48, 3, warp, accept, s, draft)[0]
+                for s in range(seeds)]
+
+    right = runs(sp.exact)
+    assert sum(r.flagged for r in right) <= 1  # level 1e-3: 0.02 expected in 20 runs
+    assert sum(r.test.p_under < 0.05 for r in right) <= 4  # level 0.05: 1 expected
+    assert all(r.flag == "under-accepts" for r in runs(sp.half))
+    assert sum(r.flag == "over-accepts" for r in runs(sp.skips_odd, 10)) >= 8
 def test_measured_counters_are_checked():
     with pytest.raises(ValueError, match="diffed"):
         Measured(10, 30, 31)

@@ -156,10 +156,13 @@ def test_a_parameter_only_an_engine_has_is_taken_for_it_and_refused_for_hf():
     specs = decoder_specs(["ar", "spd", "pld"], {"per_batch_size": "1-1:3;2-16:0"}, "vllm")
     assert {s.name: s.param_dict.get("per_batch_size") for s in specs} == {
         "ar": None, "spd": "1-1:3;2-16:0", "pld": "1-1:3;2-16:0"}
-    with pytest.raises(UsageError, match="no selected decoder .* has a parameter 'per_batch_size'"):
+    whose = "'per_batch_size' is a parameter of vllm's spd, not of the project's decoders"
+    with pytest.raises(UsageError, match=whose + r".*add --engine vllm"):
         decoder_specs(["ar", "spd"], {"per_batch_size": "1-1:3"}, "hf")
-    with pytest.raises(UsageError, match="no selected decoder"):  # llama.cpp has no schedule
+    with pytest.raises(UsageError, match=whose):  # llama.cpp has no schedule
         decoder_specs(["ar", "spd"], {"per_batch_size": "1-1:3"}, "llamacpp")
+    with pytest.raises(UsageError, match="no selected decoder .* has a parameter 'nope'"):
+        decoder_specs(["ar", "spd"], {"nope": "1"}, "hf")
     with pytest.raises(UnsupportedError, match=r"engine 'hf' \(the project's decoders\): spd has no "
                        r"parameter 'per_batch_size' \(a parameter of vllm's spd\); drop --set "
                        r"per_batch_size or run --engine vllm without hf"):
