@@ -20,11 +20,22 @@ class SlotLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, start: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
+    def __init__(self, start: torch.Tensor, kv: torch.Tensor, index: int):
+        # not CacheLayerMixin.__init__: its keys / values are this class's views of ``kv``
         self.start = start
-        self.keys, self.values = keys, values
+        # the cache's one buffer and this layer's place in it: the views are taken where they
+        # are used (inside a compiled graph too), so the graph's only input is the buffer, not
+        # 2 x layers aliasing views of it (which AOT autograd would rebase on every compile)
+        self.kv, self.index = kv, index
         self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:  # [rows, H_kv, L, D]
+        return self.kv[2 * self.index]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.kv[2 * self.index + 1]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise AssertionError("SlotLayer is allocated up front")
@@ -66,12 +77,12 @@ class SlotCache(Cache):
         n = cfg.num_hidden_layers
         # keys of layer i at kv[2i], values at kv[2i + 1]: contiguous views, as separate buffers
         self.kv = torch.zeros((2 * n, rows, heads, slots, head_dim), dtype=dtype, device=device)
-        layers = [SlotLayer(self.start, self.kv[2 * i], self.kv[2 * i + 1]) for i in range(n)]
+        layers = [SlotLayer(self.start, self.kv, i) for i in range(n)]
         super().__init__(layers=layers)
         # the forward shapes already run (compiled, and on CUDA recorded) on these buffers
         self.warmed: set[tuple] = set()
         if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may mutate them
-            for t in (self.start, self.valid, self.kv, *self.buffers()):
+            for t in (self.start, self.valid, self.kv):
                 torch._dynamo.mark_static_address(t)
 
     def buffers(self):

@@ -172,6 +172,14 @@ def configure_dynamo(options: CompileOptions) -> None:
 _KERNELS: dict[CompileOptions, dict[Callable[..., Any], tuple[GraphFunction, set[tuple]]]] = {}
 
 
+def reset_compiled() -> None:
+    """Forget every graph (``torch._dynamo.reset()``) and which kernel signatures were compiled:
+    a test's fresh start (dynamo's reset alone would leave the kernels thinking their graphs
+    exist, and compile them again inside a window)."""
+    torch._dynamo.reset()
+    _KERNELS.clear()
+
+
 def signature(args: tuple) -> tuple:
     """What a compiled kernel specialises on: each tensor's shape, strides, dtype and device,
     each other argument's value."""
@@ -585,26 +593,26 @@ class StaticRunner(RowLayout, ModelRunner):
 
     def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                  features: torch.Tensor | None = None) -> torch.Tensor:
-        t, k = self.n, input_ids.shape[1]
+        k = input_ids.shape[1]
         logits = self._run(input_ids, self._new(k, counts), features=features)
-        self._append_cols(t, k, counts)
+        self._append_cols(self.n - k, k, counts)  # after `_run`: it may have compacted
         return logits
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
-        t, k = self.n, input_ids.shape[1]
+        k = input_ids.shape[1]
         logits = self._run(input_ids, self._new(k, counts), compiled=False, features=features)
-        self._append_cols(t, k, counts)
+        self._append_cols(self.n - k, k, counts)
         return logits
 
     def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                      depths: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         assert self.width == 1, "a token tree while beams are expanded"
-        t, k = self.n, input_ids.shape[1]
+        k = input_ids.shape[1]
         anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, M + K]
         depths = depths if depths.dim() == 2 else depths[None]
         logits = self._run(input_ids, None, anc, depths, features=features)
-        self._append_cols(t, k, None)
+        self._append_cols(self.n - k, k, None)
         return logits
 
     def __len__(self) -> int:
