@@ -3,12 +3,21 @@ normal loading path (``load_pair(target=dir, draft=dir, device="cpu")``)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests import tiny
 
 VOCAB = 64
+
+
+def pytest_configure(config):
+    """Under ``pytest -n N`` (README's test command) each worker takes its share of the cores:
+    N workers of all-core torch would contend for every op."""
+    if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,6 +35,16 @@ def calibration_records(tmp_path_factory, monkeypatch):
     path = tmp_path_factory.mktemp("calibration")
     monkeypatch.setenv("MTAD_ENERGY_CALIBRATION", str(path))
     return path
+
+
+@pytest.fixture
+def wide_console(monkeypatch):
+    """The CLI's consoles 300 columns wide, for tests that read a whole line whose length
+    depends on the temporary path (rich wraps at 80 off a terminal; a wrap at a space drops it)."""
+    from mtad_energy.cli import output
+
+    for console in (output.console, output.err_console):
+        monkeypatch.setattr(console, "_width", 300)
 
 
 @pytest.fixture(scope="session")

@@ -326,7 +326,8 @@ STORE_READERS = (["report", "{store}", "--out", "{tmp}/rep"], ["decompose", "{st
 @pytest.mark.parametrize("state", ["missing", "empty"])
 @pytest.mark.parametrize("as_json", [False, True])
 @pytest.mark.parametrize("command", STORE_READERS, ids=lambda c: " ".join(c[:2]).split(" {")[0])
-def test_a_missing_or_empty_store_is_bad_input_for_every_reader(tmp_path, command, state, as_json):
+def test_a_missing_or_empty_store_is_bad_input_for_every_reader(tmp_path, command, state, as_json,
+                                                                wide_console):
     """Exit code 2 everywhere (issue 27 item 9: `schedule` exited 1 with a traceback), naming the
     directory; with --json as the one error document."""
     store = tmp_path / "store"

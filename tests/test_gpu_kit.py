@@ -45,6 +45,22 @@ def test_the_runbook_calls_only_the_tools_commands():
     assert not (ROOT / "experiments/gpu/run.py").exists()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["batched", "--modes", "bogus"], "--modes takes eager,compiled"),
+    (["batched", "--modes", ","], "--modes takes eager,compiled"),
+    (["batched", "--out"], "--out needs a value"),
+    (["batched", "--decoders", "--smoke"], "--decoders needs a value"),
+    (["batched", "--sizes"], "--sizes needs a value"),
+])
+def test_the_runbook_refuses_an_option_without_a_usable_value(args, says, tmp_path):
+    """`--modes bogus` once logged "stage batched ok" after running nothing, and an option
+    without its value died with `$2: unbound variable`: both are refused before any stage."""
+    proc = subprocess.run(["bash", str(ROOT / "experiments/gpu/run.sh"), *args], capture_output=True,
+                          text=True, timeout=hang_limit_s(60), cwd=tmp_path)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert "unbound" not in proc.stderr and "stage" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_all_stages_smoke_on_cpu(tmp_path):
     out = tmp_path / "kit"

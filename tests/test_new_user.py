@@ -345,7 +345,7 @@ def test_help_names_values_not_python_types_and_gives_the_dtype_default():
     assert "--set KEY=VALUE" in text and "fp32 on the CPU" in text
 
 
-def test_generates_title_names_the_head_that_drafts(model_dirs):
+def test_generates_title_names_the_head_that_drafts(model_dirs, wide_console):
     res = runner.invoke(app, ["generate", "--decoder", "medusa", "--target", model_dirs["llama"],
                               "--draft", f"medusa:{model_dirs['llama-medusa']}", "--device", "cpu",
                               "--max-new-tokens", "2"])

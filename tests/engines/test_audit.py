@@ -135,28 +135,32 @@ def test_without_outcomes_the_counters_are_tested_at_the_chain_starts():
                                tolerance=0.01).flagged
 
 
-@pytest.mark.slow  # 20 seeds of a fake engine per kind (~1 min on a loaded 2-core CPU)
+@pytest.mark.slow  # 22 fake-engine runs per kind (~30-50 s); the 20-seed study is the experiment's
 @pytest.mark.parametrize("rule", ["SAMPLED", "GREEDY"])
 def test_a_fake_engine_is_flagged_at_the_nominal_rate_and_a_broken_one_is_caught(lossless_pair,
                                                                                   rule):
     """Issue 41, item 0: the exact rejection sampler (T = 0.8) is flagged at about the audit's
     level, an engine accepting with half the right probability is caught in every run, one
     skipping every other position's test is flagged as over-accepting (sampled: its recorded
-    steps; greedy: the chains read off the output alone). experiments/audit_calibration.py."""
+    steps; greedy: the chains read off the output alone). The calibration over 20 seeds per row is
+    experiments/audit_calibration.py's; here 12 correct runs, 4 halved and 6 skipping (the old
+    all-position theory flagged every correct run)."""
     from tests.engines import speculation as sp
 
     draft, warp, prompts = getattr(sp, rule), Warp(temperature=0.8, top_k=0, top_p=1.0), [
         [1, 2, 3, 1], [2, 4, 1, 0], [3, 3, 1, 2], [0, 1, 2, 3], [4, 0, 4, 1], [1, 1, 0, 2]]
 
-    def runs(accept, seeds=20):
+    def runs(accept, seeds):
         return [sp.audit_run(lossless_pair, prompts, 48, 3, warp, accept, s, draft)[0]
                 for s in range(seeds)]
 
-    right = runs(sp.exact)
-    assert sum(r.flagged for r in right) <= 1  # level 1e-3: 0.02 expected in 20 runs
-    assert sum(r.test.p_under < 0.05 for r in right) <= 4  # level 0.05: 1 expected
-    assert all(r.flag == "under-accepts" for r in runs(sp.half))
-    assert sum(r.flag == "over-accepts" for r in runs(sp.skips_odd, 10)) >= 8
+    right = runs(sp.exact, 12)
+    assert sum(r.flagged for r in right) <= 1  # level 1e-3: 0.012 expected in 12 runs
+    assert sum(r.test.p_under < 0.05 for r in right) <= 3  # level 0.05: 0.6 expected
+    assert all(r.flag == "under-accepts" for r in runs(sp.half, 4))
+    assert sum(r.flag == "over-accepts" for r in runs(sp.skips_odd, 6)) >= 4
+
+
 def test_measured_counters_are_checked():
     with pytest.raises(ValueError, match="diffed"):
         Measured(10, 30, 31)
