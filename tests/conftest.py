@@ -21,6 +21,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the slow tests first (a stable sort): under -n 2 the longest ones start while the other
+    # worker works through the short ones, instead of one of them running alone at the end
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
         for item in items:

@@ -214,7 +214,8 @@ def test_profile_output_names_the_cuda_draft_and_why(smollm2_shaped_on_a_gpu, tm
     prompts.write_text('{"id": "a", "prompt": "w3 w4 w5"}\n')
     res = CliRunner().invoke(app, ["profile", "--decoder", "spd", "--device", "cuda", "--meter", "none",
                                    "--dataset", str(prompts), "--n-prompts", "1", "--max-new-tokens", "2",
-                                   "--no-chat", "--output", str(tmp_path / "out")])
+                                   "--no-chat", "--output", str(tmp_path / "out"),
+                                   "--eager"])  # "cuda" compiles by default: inductor on this CPU
     assert res.exit_code == 0, res.output
     assert "draft: self:layers=0-24 (self:int8 runs on CPU only)" in res.output
 
