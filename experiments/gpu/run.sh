@@ -43,22 +43,27 @@ STAGES_ALL=(env tests calibrate batch decoders batched real tables)
 smoke=0 out="" budget_s="" only_decoders="" sizes="" modes="eager,compiled" backend="" dynamic=0 pack=""
 tests_timeout=330
 stages=()
-# an option's value: present and not the next option (a missing one would be `$2: unbound`)
-val() { [[ -n ${2:-} && ${2:-} != --* ]] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; }
+# an option's value: present and not the next option (a missing one would be `$2: unbound`), and
+# where a pattern is given, matching it (seconds: whole numbers)
+val() {
+  [[ -n ${2:-} && ${2:-} != --* ]] || { echo "run.sh: $1 needs a value" >&2; exit 2; }
+  [[ -z ${3:-} || $2 =~ $3 ]] || { echo "run.sh: $1 takes ${4:-a value matching $3}, got '$2'" >&2
+                                   exit 2; }
+}
 while (($#)); do
   case "$1" in
     --smoke) smoke=1 ;;
     --out) val --out "${2:-}"; out=$2; shift ;;
-    --budget-s) [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "run.sh: --budget-s takes whole seconds, got" \
-                  "'${2:-}'" >&2; exit 2; }; budget_s=$2; shift ;;
+    --budget-s) val --budget-s "${2:-}" '^[0-9]+$' "whole seconds"; budget_s=$2; shift ;;
     --decoders) val --decoders "${2:-}"; only_decoders=$2; shift ;;
     --sizes) val --sizes "${2:-}"; sizes=$2; shift ;;
-    --modes) val --modes "${2:-}"; modes=$2; shift ;;
+    --modes) val --modes "${2:-}" '^(eager|compiled)(,(eager|compiled))?$' \
+               "eager,compiled (one or both)"; modes=$2; shift ;;
     --backend) val --backend "${2:-}"; backend=$2; shift ;;
     --dynamic-shapes) dynamic=1 ;;
     --pack) val --pack "${2:-}"; pack=$2; shift ;;
-    --tests-timeout) [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "run.sh: --tests-timeout takes whole" \
-                       "seconds, got '${2:-}'" >&2; exit 2; }; tests_timeout=$2; shift ;;
+    --tests-timeout) val --tests-timeout "${2:-}" '^[0-9]+$' "whole seconds"; tests_timeout=$2
+                     shift ;;
     all) stages+=("${STAGES_ALL[@]}") ;;
     env|tests|calibrate|batch|decoders|batched|real|tables) stages+=("$1") ;;
     *) echo "run.sh: unknown argument '$1': stages are ${STAGES_ALL[*]} or all; options --smoke" \
@@ -68,11 +73,6 @@ while (($#)); do
   shift
 done
 ((${#stages[@]})) || { echo "run.sh: name a stage (${STAGES_ALL[*]}) or all" >&2; exit 2; }
-for m in ${modes//,/ }; do
-  [[ $m == eager || $m == compiled ]] || { echo "run.sh: --modes takes eager,compiled (one or" \
-    "both), got '$m'" >&2; exit 2; }
-done
-[[ -n ${modes//,/} ]] || { echo "run.sh: --modes takes eager,compiled (one or both)" >&2; exit 2; }
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z' 'a-z' \
       | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 gpu=${gpu:-cpu}
