@@ -2,7 +2,7 @@
 
 - `info`: decoders, models, env, generate (describe; decode one prompt)
 - `measure`: profile, compare (decoders over prompts, ar beside them)
-- `sweep`: sweep param, sweep batch-size
+- `sweep`: sweep param, sweep batch-size, sweep draft (`sweep_draft`)
 - `analyse`: decompose, schedule, report (over a stored results directory)
 - `store`: store compact
 - `calibrate`: calibrate (which meter to trust on this GPU)

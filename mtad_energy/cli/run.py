@@ -51,17 +51,21 @@ def warn_if_busy(as_json: bool) -> dict:
 # writes a command's files derived from the summary (compare's markdown table) given the summary
 # and its notes; returns {what: path} for the JSON document and the console
 SideFiles = Callable[[typing.Any, list[str]], dict[str, Path]]
+# a command's own view of the summary and the rows beside the summary table (sweep draft's
+# drafts side by side): its JSON key, its records, and what the console prints under the table
+View = Callable[[typing.Any, typing.Any], tuple[str, list[dict], typing.Any]]
 
 
 def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
                workers: int = 1, cluster: str = "local", columns: str = "speed",
                baseline: str = "ar", budget_s: float | None = None,
-               side_files: SideFiles | None = None):
-    """Run/resume ``config`` (or one per engine, side by side) into ``out`` with a progress bar
-    (or as ``workers`` submitit jobs); print the summary (``columns``: `summary_table`, speed-ups
-    over ``baseline``), return it. ``budget_s``: no new row starts after it (`bench.budget`).
-    ``side_files`` writes the files derived from the summary before the output is printed, so
-    that a failure to write them is the command's one error (and its one JSON document)."""
+               side_files: SideFiles | None = None, view: View | None = None):
+    """Run/resume ``config`` (or a list: one per engine or per draft, side by side) into ``out``
+    with a progress bar (or as ``workers`` submitit jobs); print the summary (``columns``:
+    `summary_table`, speed-ups over ``baseline``) and ``view`` of it, return the summary.
+    ``budget_s``: no new row starts after it (`bench.budget`). ``side_files`` writes the files
+    derived from the summary before the output is printed, so that a failure to write them is
+    the command's one error (and its one JSON document)."""
     from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
 
@@ -79,7 +83,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         fail(error)
     load = warn_if_busy(as_json)
     if len(configs) > 1:
-        title = f"{title} · {', '.join(model_label(c) for c in configs)}"
+        title = f"{title} · {', '.join(dict.fromkeys(model_label(c) for c in configs))}"
     else:
         title = f"{title} · {model_label(config)}" + (
             f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
@@ -106,18 +110,23 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
     notes += [budget.note()] if budget.note() else []
     written = _write_side_files(side_files, summary, notes) if len(summary) else {}
+    shown_view = view(summary, runs) if view is not None and len(summary) else None
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped,
               "meter": runner.meter.name if runner else None,
               **({"budget": budget.to_dict()} if budget_s is not None else {}),
               "pair": runner.pair.describe() if runner else None, "config": config.to_dict(),
-              **({"engines": [c.engine for c in configs]} if len(configs) > 1 else {}),
-              "summary": integer_records(summary), "notes": notes,
+              **({"engines": [c.engine for c in configs]}
+                 if len({c.engine for c in configs}) > 1 else {}),
+              "summary": integer_records(summary),
+              **({shown_view[0]: shown_view[1]} if shown_view else {}), "notes": notes,
               "machine_load": load, **{k: str(v) for k, v in written.items()}})
     else:
         if len(summary):
             shown = with_attribution(summary, runs, out) if columns == "energy" else summary
             console.print(summary_table(shown, title, columns))
+        if shown_view:
+            console.print(shown_view[2])
         console.print(f"[dim]{ran} run(s) measured, {skipped} already stored"
                       + (f"; results in {esc(out)}[/]" if runner else "; no model loaded[/]"))
         _print_notes(notes, written)

@@ -1,5 +1,6 @@
 """`sweep param` and `sweep batch-size`: ablations of a decoder's parameters, and the batch-size
-study (forward-only, the identifying design, or real decoding of B prompts at once).
+study (forward-only, the identifying design, or real decoding of B prompts at once); `sweep draft`
+(drafts side by side) is `sweep_draft`'s.
 
 Heavy imports (torch, pandas) happen inside the functions so that `mtad-energy --help` stays fast
 and `import mtad_energy.cli` loads no torch.
@@ -69,10 +70,11 @@ from mtad_energy.cli.output import (
 from mtad_energy.cli.run import progress_bar, run_config, warn_if_busy
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.sweep_decode import decode_batch_sweep_command, spent
+from mtad_energy.cli.sweep_draft import sweep_draft
 from mtad_energy.cli.tables import batch_sweep_table, short_reason
 from mtad_energy.config import MeasureConfig
 
-sweep_app = typer.Typer(help="Batch-size and parameter sweeps.", no_args_is_help=True)
+sweep_app = typer.Typer(help="Batch-size, parameter and draft sweeps.", no_args_is_help=True)
 
 
 @json_command
@@ -262,3 +264,4 @@ def sweep_batch_size(
 
 sweep_app.command("param")(sweep_param)
 sweep_app.command("batch-size")(sweep_batch_size)
+sweep_app.command("draft")(sweep_draft)

@@ -74,9 +74,9 @@ def with_attribution(summary, runs, store_dir: Path):
     token, rejected share and scale factor, from the energy model fitted on the batch rows of
     ``store_dir`` (n/a with the reason in ``attribution_reason`` where there is none)."""
     from mtad_energy.energy.attribution import attribute
+    from mtad_energy.results.analysis import GROUP_KEYS as keys
     from mtad_energy.results.breakdown import attribution_summary, roofline_fit, windows_from
 
-    keys = ("model", "dataset", "decoder", "params_json")
     fit = roofline_fit([store_dir], f"give it this command's --output ({store_dir}) as DIR, "
                                     "then run this command again (its rows are kept)") \
         if (store_dir / "mtad-energy-store.json").exists() else \
@@ -194,6 +194,25 @@ def batch_sweep_table(table, rows: list[dict], busy: set[int], simulated: bool,
     captions += [contended] if contended else []
     if captions:
         t.caption = esc("\n".join(captions))
+    return t
+
+
+def draft_sweep_table(rows) -> Table:
+    """`sweep draft`'s view (`results.drafts.draft_table` of ``rows``): a row per draft, weakest
+    (lowest SpD acceptance) first; its cost relative to the target, SpD's acceptance, each
+    decoder's block efficiency (BE) and speed-up over the baseline (x)."""
+    from mtad_energy.results.drafts import draft_table
+
+    table = draft_table(rows)
+    keys = [c for c in ("model", "dataset") if c in table and table[c].nunique() > 1]
+    names = {"draft_cost": "cost q/p", "spd_acceptance": "SpD acc."}
+    columns = [*keys, "draft", *[c for c in table.columns if c not in ("model", "dataset", "draft")]]
+    t = wrapping_table([names.get(c, c) for c in columns],
+                       [[esc(str(r[c])) if c in (*keys, "draft") else fmt(r[c]) for c in columns]
+                        for _, r in table.iterrows()],
+                       left=[*keys, "draft"], keys=[*keys, "draft"], title="drafts side by side")
+    t.caption = ("cost q/p: seconds per draft forward over the target's (the baseline's); SpD acc.: "
+                 "spd's accepted/drafted positions; BE: tokens per target forward; x: speed-up")
     return t
 
 

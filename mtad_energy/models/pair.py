@@ -128,11 +128,14 @@ class ModelPair:
 
     def draft_id_for(self, decoder) -> str | None:
         """What drafts for ``decoder`` (a `Decoder` or its class), as stored with its rows: its
-        head (``'eagle:SOURCE'``) for a head decoder, else the pair's draft model."""
+        head (``'eagle:SOURCE'``) for a head decoder, the pair's draft model for one that drafts
+        with it (``needs_draft``), else None: ``ar``'s, ``beam``'s or ``pld``'s tokens owe
+        nothing to the pair's draft, so their rows name none (and are one row whichever draft
+        the pair has: a draft sweep measures its baseline once)."""
         kind = getattr(decoder, "head", None)
-        if kind is not None and kind in self.head_ids:
-            return f"{kind}:{self.head_ids[kind]}"
-        return self.draft_id
+        if kind is not None:
+            return f"{kind}:{self.head_ids[kind]}" if kind in self.head_ids else None
+        return self.draft_id if getattr(decoder, "needs_draft", False) else None
 
     def draft_line(self) -> str:
         """One line naming the draft and, when it is not the alias's default, why."""

@@ -32,7 +32,8 @@ import pandas as pd
 
 from mtad_energy.config import random_weights
 
-GROUP_KEYS = ("model", "dataset", "decoder", "params_json")
+# a row per configuration: the draft is part of it (two drafts are two systems, never pooled)
+GROUP_KEYS = ("model", "dataset", "draft_id", "decoder", "params_json")
 
 # The paper's order: baselines, then lossy, lossless and finally its own methods.
 DECODER_ORDER = ("ar", "beam", "mtjd", "bild", "typical", "spd", "spectr", "specinfer", "mcss",
@@ -170,8 +171,18 @@ def config_labels(runs: pd.DataFrame) -> pd.Series:
     """A readable label per row: the decoder name, plus the parameters that differ between the
     configurations of that decoder present in ``runs`` (``mtad(tau=0.3)``). The store does not say
     which values are defaults, so "non-default" is judged from the data: a parameter that every
-    configuration shares tells the reader nothing. A ``label`` column stored by the runner (the
+    configuration shares tells the reader nothing. Likewise the draft (``spd@self:int8``) where a
+    decoder's rows in ``runs`` have more than one. A ``label`` column stored by the runner (the
     parameters as typed) is not used: two spellings of one configuration must share a row."""
+    labels = _param_labels(runs)
+    if "draft_id" not in runs:
+        return labels
+    drafts = runs["draft_id"].astype(object).where(runs["draft_id"].notna(), "")
+    several = drafts.groupby(runs["decoder"]).transform("nunique") > 1
+    return labels.where(~several, labels + "@" + drafts.map(str)).rename("label")
+
+
+def _param_labels(runs: pd.DataFrame) -> pd.Series:
     pairs = runs[["decoder", "params_json"]].astype(object)
     pairs = pairs.where(pairs.notna(), "")
     labels: dict[tuple[str, str], str] = {}
@@ -388,9 +399,11 @@ def _baseline_rows(summary: pd.DataFrame, baseline: str) -> pd.DataFrame:
 
 
 def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
-    """One row per (model, dataset, decoder, params_json) with speed, quality and energy.
+    """One row per (model, dataset, draft_id, decoder, params_json) with speed, quality and
+    energy.
 
-    Columns: model, dataset, decoder, params_json, label, n_runs, n_prompts, total_tokens,
+    Columns: model, dataset, draft_id (what drafted; None without a draft), decoder,
+    params_json, label, n_runs, n_prompts, total_tokens,
     total_decode_time_s, tokens_per_s (mean of per-run tokens/s), tokens_per_s_std,
     tokens_per_s_pooled (total tokens / total decode time), speedup (tokens_per_s over the
     baseline's on the same model and dataset; NaN without a baseline), block_efficiency,
@@ -433,6 +446,8 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
 
     runs = numeric_columns(runs, _NUMERIC_RUN_COLUMNS)
+    if "draft_id" not in runs:
+        runs["draft_id"] = None
     for c in GROUP_KEYS:
         runs[c] = runs[c].astype(object).where(runs[c].notna(), "")
     runs["label"] = config_labels(runs)
@@ -440,6 +455,7 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     for keys, g in runs.groupby(list(GROUP_KEYS), sort=False):
         rows.append({**dict(zip(GROUP_KEYS, keys, strict=True)), **_summarise_group(g, optional)})
     summary = pd.DataFrame(rows)
+    summary["draft_id"] = summary["draft_id"].map(lambda v: v or None)  # "" grouped: no draft
 
     base = _baseline_rows(summary, baseline).rename(columns={
         "tokens_per_s": "_base_tps", "energy_per_token_j": "_base_jpt",
@@ -584,10 +600,10 @@ def accepted_length_histogram(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.Dat
     columns = ["decoder", "label", "accepted", "count", "fraction"]
     if steps.empty or runs.empty:
         return pd.DataFrame(columns=columns)
-    info = runs[["run_key", "decoder", "params_json"]].copy()
-    info["label"] = config_labels(info)
+    info = runs[[c for c in ("run_key", "decoder", "params_json", "draft_id") if c in runs]].copy()
+    info["label"] = config_labels(info)  # the draft in it where a decoder ran with several
     merged = numeric_columns(steps[["run_key", "accepted", "proposed"]], ("accepted", "proposed")).merge(
-        info.drop(columns="params_json"), on="run_key", how="inner")
+        info[["run_key", "decoder", "label"]], on="run_key", how="inner")
     merged = merged[(merged["proposed"] > 0) & merged["accepted"].notna()]
     if merged.empty:
         return pd.DataFrame(columns=columns)

@@ -93,7 +93,8 @@ def decode_windows(dirs: Sequence[str | Path]) -> pd.DataFrame:
 def windows_from(runs: pd.DataFrame | None, decode_batch: pd.DataFrame | None = None) -> pd.DataFrame:
     """Rows of the ``runs`` and ``decode_batch`` tables with the columns validation and
     attribution read (``source`` names the table; ``share`` is a batched runs row's share of its
-    batch's joules; model, dataset, decoder and params_json identify a configuration)."""
+    batch's joules; model, dataset, draft_id, decoder and params_json identify a
+    configuration)."""
     frames = []
     for table, df in (("runs", runs), ("decode_batch", decode_batch)):
         if df is None or df.empty:
@@ -103,6 +104,7 @@ def windows_from(runs: pd.DataFrame | None, decode_batch: pd.DataFrame | None = 
         frames.append(pd.DataFrame({
             "source": table, "key": df[key], "model": df.get("model"), "dataset": df.get("dataset"),
             "params_json": df.get("params_json"), "decoder": df["decoder"],
+            "draft_id": df.get("draft_id"),
             # runs: one label per configuration, as the summaries name it; a sweep's as stored
             "label": (config_labels(df) if table == "runs" and "params_json" in df
                       else df.get("label", df["decoder"])),

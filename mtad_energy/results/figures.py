@@ -1,5 +1,6 @@
 """The report's figures (`plot_*`): J/token against speed-up, perplexity against block
-efficiency, energy against batch size, accepted draft lengths, and the decoders across batch sizes;
+efficiency, energy against batch size, accepted draft lengths, the decoders across batch sizes, and
+block efficiency and speed-up against draft strength (`plot_drafts`);
 with the drawing helpers they share (one colour per decoder label, labels placed off the points and
 each other, one panel per model and dataset).
 
@@ -356,4 +357,52 @@ def plot_batch_crossover(table: pd.DataFrame, title: str = "", baseline: str = "
         axes[1].legend(*axes[0].get_legend_handles_labels(), loc="upper center", fontsize=9,
                        ncols=2, title="decoder")
     fig.tight_layout()
+    return fig
+
+
+def plot_drafts(rows: pd.DataFrame, paper_ratio: float = 3.17 / 2.02):
+    """Two panels over SpD's acceptance with each draft (x): block efficiency over SpD's with the
+    same draft (the paper's MTAD/SpD 1.57x drawn as a reference line), and speed-up over the
+    baseline (1 drawn); one line per decoder (one line style per dataset), labelled at its right
+    end. Rows: `drafts.draft_rows`."""
+    data = rows.dropna(subset=["spd_acceptance"]).sort_values("spd_acceptance")
+    order = [d for d in analysis.DECODER_ORDER if d in set(data["decoder"])]
+    order += [d for d in dict.fromkeys(data["decoder"]) if d not in order]
+    colours = _palette(order)
+    datasets = list(dict.fromkeys(data["dataset"]))
+    styles = dict(zip(datasets, ["-", "--", ":", "-."] * len(datasets), strict=False))
+    style, context = _style()
+    with style, context:
+        fig, axes = _new_figure(1, 2, 5.6, 4.4)
+        panels = (("be_vs_spd", "block efficiency / SpD's with the same draft"),
+                  ("speedup", "speed-up over ar (tokens/s ratio)"))
+        for ax, (column, ylabel) in zip(axes.flat, panels, strict=True):
+            for decoder in order:
+                if column == "be_vs_spd" and decoder == "spd":
+                    continue  # 1 by definition: the black line
+                for dataset in datasets:
+                    line = data[(data["decoder"] == decoder) & (data["dataset"] == dataset)]
+                    line = line.dropna(subset=[column])
+                    if line.empty:
+                        continue
+                    ax.plot(line["spd_acceptance"], line[column], marker="o", lw=1.6,
+                            ls=styles[dataset], color=colours[decoder])
+                    last = line.iloc[-1]
+                    name = decoder if len(datasets) == 1 else f"{decoder} ({dataset})"
+                    ax.annotate(name, (last["spd_acceptance"], last[column]), xytext=(6, 0),
+                                textcoords="offset points", va="center", color=colours[decoder],
+                                fontsize=8)
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_xlabel("SpD acceptance with the draft (accepted / drafted)")
+            ax.set_ylabel(ylabel)
+            lo, hi = ax.get_xlim()
+            ax.set_xlim(lo, hi + (hi - lo) * 0.22)  # room for the labels at the right ends
+        left = axes.flat[0]
+        left.axhline(paper_ratio, color="grey", ls="--", lw=1)
+        left.annotate(f"paper: MTAD / SpD = {paper_ratio:.2f}", (0.02, paper_ratio),
+                      xytext=(0, 4), textcoords="offset points",
+                      xycoords=("axes fraction", "data"), color="grey", fontsize=8)
+        left.set_ylim(top=max(left.get_ylim()[1], paper_ratio * 1.08))
+        fig.suptitle("Draft strength: block efficiency and speed-up per decoder")
+        fig.tight_layout()
     return fig

@@ -19,6 +19,7 @@ from mtad_energy.results.figures import (
     plot_accepted_lengths,
     plot_batch_crossover,
     plot_batch_energy,
+    plot_drafts,
     plot_jpt_vs_speedup,
     plot_ppl_vs_block_efficiency,
 )
@@ -243,6 +244,27 @@ def schedule_section(decode_batch: pd.DataFrame, decoder: str = "spd") -> list[s
     return lines
 
 
+def drafts_section(summary: pd.DataFrame, runs: pd.DataFrame, baseline: str, fig_dir: Path
+                   ) -> list[str]:
+    """With more than one draft in the store (`mtad-energy sweep draft`): the drafts side by side
+    (`drafts.draft_table`) and the draft-strength figure (`figures.plot_drafts`)."""
+    from mtad_energy.results.drafts import draft_rows, draft_table
+
+    rows = draft_rows(summary, runs, baseline) if not summary.empty else pd.DataFrame()
+    if rows.empty or rows["draft_id"].nunique() < 2:
+        return []
+    _save(plot_drafts(rows), fig_dir, "drafts")
+    table = draft_table(rows).set_index(["model", "dataset", "draft"])
+    return ["## Drafts", "",
+            "One row per draft, weakest first (SpD's accepted / drafted positions with it). "
+            f"draft_cost: seconds per draft forward over `{baseline}`'s per target forward; BE: "
+            f"block efficiency (tokens per target forward); x: speed-up over `{baseline}`. The "
+            "figure puts each decoder's block efficiency over SpD's with the same draft (the "
+            "paper's MTAD / SpD = 3.17 / 2.02 = 1.57 dashed) and its speed-up against SpD's "
+            "acceptance.", "", analysis.to_markdown(table, higher_is_better={}), "",
+            *_figure_links(["drafts"]), ""]
+
+
 def _figure_links(names: Sequence[str]) -> list[str]:
     return [f"![{n}](figures/{n}.png)  \n[SVG](figures/{n}.svg)" for n in names]
 
@@ -303,6 +325,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
             figures.append(name)
         lines += ["## Figures", "", *_figure_links(figures), ""]
 
+    lines += drafts_section(summary, runs, baseline, fig_dir)
     lines += ["## Energy", "", *_energy_notes(runs, summary, batch, decode_batch), ""]
     lines += energy_model_section(store_dir)
 
