@@ -29,9 +29,9 @@ def main() -> None:
     args = ap.parse_args()
     df = pd.concat([pd.read_csv(HERE / f"bench_host_{label}.csv") for label in ("before", "after")])
     df = df[df["decoder"] != "ar"]
-    order = [d for d in dict.fromkeys(df["decoder"])]
+    order = list(dict.fromkeys(df["decoder"]))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for ax, batch in zip(axes, (1, 8)):
+    for ax, batch in zip(axes, (1, 8), strict=True):
         sub = df[df["batch"] == batch].pivot_table(index="decoder", columns="label", values="x_ar")
         sub = sub.reindex(order)[["before", "after"]]
         sub.plot.bar(ax=ax, color=["#bbbbbb", "#4477aa"], width=0.8)

@@ -2,10 +2,11 @@
 
 `docs/reference/cli.md` holds the marker ``<!-- cli-reference -->``; this hook replaces it with
 every command of ``mtad_energy.cli.app`` (walked as the click command tree typer builds), its
-usage, help, arguments and options (names, type, default, help). Typer ships its own copy of click (``typer._click``), so the tree is
-walked by duck typing (``list_commands``, ``param_type_name``), not ``isinstance`` checks. Nothing generated is committed,
-so the page cannot go stale; a command without help text is a build warning (a failure under
-``mkdocs build --strict``).
+usage, help, arguments and options (names, default, help, from the help record ``--help``
+prints). Typer ships its own copy of click (``typer._click``), so the tree is walked by duck
+typing (``list_commands``, ``param_type_name``), not ``isinstance`` checks. Nothing generated is
+committed, so the page cannot go stale; a command without help text is a build warning (a failure
+under ``mkdocs build --strict``).
 """
 
 from __future__ import annotations
