@@ -360,49 +360,57 @@ def plot_batch_crossover(table: pd.DataFrame, title: str = "", baseline: str = "
     return fig
 
 
-def plot_drafts(rows: pd.DataFrame, paper_ratio: float = 3.17 / 2.02):
-    """Two panels over SpD's acceptance with each draft (x): block efficiency over SpD's with the
-    same draft (the paper's MTAD/SpD 1.57x drawn as a reference line), and speed-up over the
-    baseline (1 drawn); one line per decoder (one line style per dataset), labelled at its right
-    end. Rows: `drafts.draft_rows`."""
+def plot_drafts(rows: pd.DataFrame, paper_ratio: float = 3.17 / 2.02) -> Figure:
+    """Block efficiency over SpD's with the same draft (left; the paper's MTAD / SpD = 1.57 a
+    dashed line) and speed-up over the baseline (right) against SpD's acceptance with each draft,
+    one line per decoder labelled at its right end, the drafts named under SpD's points; a row
+    of panels per model and dataset. Rows: `drafts.draft_rows`."""
     data = rows.dropna(subset=["spd_acceptance"]).sort_values("spd_acceptance")
     order = [d for d in analysis.DECODER_ORDER if d in set(data["decoder"])]
     order += [d for d in dict.fromkeys(data["decoder"]) if d not in order]
     colours = _palette(order)
-    datasets = list(dict.fromkeys(data["dataset"]))
-    styles = dict(zip(datasets, ["-", "--", ":", "-."] * len(datasets), strict=False))
+    panels = list(dict.fromkeys(zip(data["model"], data["dataset"], strict=True)))
+    multi_model = len({m for m, _ in panels}) > 1
     style, context = _style()
     with style, context:
-        fig, axes = _new_figure(1, 2, 5.6, 4.4)
-        panels = (("be_vs_spd", "block efficiency / SpD's with the same draft"),
-                  ("speedup", "speed-up over ar (tokens/s ratio)"))
-        for ax, (column, ylabel) in zip(axes.flat, panels, strict=True):
-            for decoder in order:
-                if column == "be_vs_spd" and decoder == "spd":
-                    continue  # 1 by definition: the black line
-                for dataset in datasets:
-                    line = data[(data["decoder"] == decoder) & (data["dataset"] == dataset)]
-                    line = line.dropna(subset=[column])
-                    if line.empty:
-                        continue
+        fig, axes = _new_figure(max(1, len(panels)), 2, 5.8, 4.0)
+        # the drafts' names at SpD's points and the decoders' at their lines' right ends,
+        # placed once the layout is final (`annotate_points` keeps them apart)
+        labels: dict[Axes, list[tuple]] = {}
+        for row, (model, dataset) in enumerate(panels):
+            here = data[(data["model"] == model) & (data["dataset"] == dataset)]
+            for ax, column, ylabel in ((axes[row, 0], "be_vs_spd", "block efficiency / SpD's"),
+                                       (axes[row, 1], "speedup", "speed-up over ar (×)")):
+                for decoder in order:
+                    line = here[here["decoder"] == decoder].dropna(subset=[column])
+                    if line.empty or (column == "be_vs_spd" and decoder == "spd"):
+                        continue  # spd / spd is 1: the black line
                     ax.plot(line["spd_acceptance"], line[column], marker="o", lw=1.6,
-                            ls=styles[dataset], color=colours[decoder])
+                            color=colours[decoder])
                     last = line.iloc[-1]
-                    name = decoder if len(datasets) == 1 else f"{decoder} ({dataset})"
-                    ax.annotate(name, (last["spd_acceptance"], last[column]), xytext=(6, 0),
-                                textcoords="offset points", va="center", color=colours[decoder],
-                                fontsize=8)
-            ax.axhline(1.0, color="black", lw=0.8)
+                    labels.setdefault(ax, []).append(
+                        (last["spd_acceptance"], last[column], decoder, colours[decoder]))
+                ax.axhline(1.0, color="black", lw=0.8)
+                ax.set_ylabel(ylabel)
+                ax.set_title(_panel_title(model, dataset, multi_model), fontsize=9)
+                lo, hi = ax.get_xlim()
+                ax.set_xlim(lo - (hi - lo) * 0.05, hi + (hi - lo) * 0.15)  # room for labels
+            spd = here[here["decoder"] == "spd"].dropna(subset=["speedup"])
+            labels.setdefault(axes[row, 1], []).extend(
+                (x, y, str(d).removeprefix("self:"), "0.35")
+                for x, y, d in zip(spd["spd_acceptance"], spd["speedup"], spd["draft_id"],
+                                   strict=True))
+            left = axes[row, 0]
+            left.axhline(paper_ratio, color="grey", ls="--", lw=1)
+            left.annotate(f"paper: MTAD / SpD = {paper_ratio:.2f}", (0.02, paper_ratio),
+                          xytext=(0, 4), textcoords="offset points",
+                          xycoords=("axes fraction", "data"), color="grey", fontsize=8)
+            left.set_ylim(top=max(left.get_ylim()[1], paper_ratio * 1.1))
+        for ax in axes[-1]:
             ax.set_xlabel("SpD acceptance with the draft (accepted / drafted)")
-            ax.set_ylabel(ylabel)
-            lo, hi = ax.get_xlim()
-            ax.set_xlim(lo, hi + (hi - lo) * 0.22)  # room for the labels at the right ends
-        left = axes.flat[0]
-        left.axhline(paper_ratio, color="grey", ls="--", lw=1)
-        left.annotate(f"paper: MTAD / SpD = {paper_ratio:.2f}", (0.02, paper_ratio),
-                      xytext=(0, 4), textcoords="offset points",
-                      xycoords=("axes fraction", "data"), color="grey", fontsize=8)
-        left.set_ylim(top=max(left.get_ylim()[1], paper_ratio * 1.08))
         fig.suptitle("Draft strength: block efficiency and speed-up per decoder")
         fig.tight_layout()
+        for ax, placed in labels.items():
+            xs, ys, names, cs = zip(*placed, strict=True)
+            annotate_points(ax, list(xs), list(ys), list(names), colours=list(cs))
     return fig
