@@ -7,7 +7,6 @@ Units: seconds (`*_s`), joules (`*_j`), watts (`*_w`). Timestamps come from the 
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -310,7 +309,3 @@ class WindowBook:
     def __len__(self) -> int:
         return len(self._open)
 
-
-def perf_clock() -> Clock:
-    """The default meter clock (monotonic seconds)."""
-    return time.perf_counter

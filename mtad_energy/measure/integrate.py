@@ -7,17 +7,6 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def interpolate_power_w(
-    timestamps_s: Sequence[float], power_w: Sequence[float], at_s: float
-) -> float:
-    """Power at `at_s` by linear interpolation; held constant beyond the first/last sample."""
-    t = np.asarray(timestamps_s, dtype=float)
-    p = np.asarray(power_w, dtype=float)
-    if t.size == 0:
-        raise ValueError("no power samples to interpolate; the poller recorded nothing")
-    return float(np.interp(at_s, t, p))
-
-
 def trapezoid_energy_j(
     timestamps_s: Sequence[float],
     power_w: Sequence[float],
