@@ -177,9 +177,21 @@ def config_labels(runs: pd.DataFrame) -> pd.Series:
     labels = _param_labels(runs)
     if "draft_id" not in runs:
         return labels
-    drafts = runs["draft_id"].astype(object).where(runs["draft_id"].notna(), "")
+    drafts = drafting_ids(runs).astype(object)
+    drafts = drafts.where(drafts.notna(), "")
     several = drafts.groupby(runs["decoder"]).transform("nunique") > 1
     return labels.where(~several, labels + "@" + drafts.map(str)).rename("label")
+
+
+def drafting_ids(runs: pd.DataFrame) -> pd.Series:
+    """Each row's ``draft_id``, None for a decoder that drafts without the pair's draft model
+    (``ar``, ``beam``, ``pld``: `decoding.registry`): rows stored before such decoders stopped
+    naming the pair's draft are the same configuration as those after."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    free = [n for n, c in DECODERS.items() if not c.needs_draft and c.head is None]
+    ids = runs["draft_id"] if "draft_id" in runs else pd.Series(None, index=runs.index)
+    return ids.astype(object).where(~runs["decoder"].isin(free) & ids.notna(), None)
 
 
 def _param_labels(runs: pd.DataFrame) -> pd.Series:
@@ -446,8 +458,7 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
 
     runs = numeric_columns(runs, _NUMERIC_RUN_COLUMNS)
-    if "draft_id" not in runs:
-        runs["draft_id"] = None
+    runs["draft_id"] = drafting_ids(runs)
     for c in GROUP_KEYS:
         runs[c] = runs[c].astype(object).where(runs[c].notna(), "")
     runs["label"] = config_labels(runs)

@@ -267,3 +267,25 @@ def test_decode_rates_count_the_tokens_the_decode_window_holds():
     old = analysis.decoder_summary(_runs([row])).iloc[0]
     assert old["decode_energy_per_token_j"] == pytest.approx(100 / 11)
     assert old["tokens_per_s_pooled"] == pytest.approx(11 / 2.0)
+
+
+def test_drafts_are_configurations_and_ar_is_one_whatever_draft_its_rows_name(runs):
+    """Two drafts of one decoder are two summary rows labelled with their draft; ``ar``'s rows,
+    stored before draft-free decoders stopped naming the pair's draft (here: half of them name
+    one), stay one configuration and the baseline of both."""
+    spd = runs[runs.decoder == "spd"]
+    other = spd.assign(draft_id="self:int8", run_key=spd["run_key"] + "-q",
+                       block_efficiency=spd["block_efficiency"] + 1.0)
+    ar = runs[runs.decoder == "ar"]
+    old_ar = ar.iloc[::2].assign(draft_id="HuggingFaceTB/SmolLM2-135M")
+    mixed = pd.concat([runs[runs.decoder != "ar"], ar.iloc[1::2], old_ar, other],
+                      ignore_index=True)
+    summary = analysis.decoder_summary(mixed)
+    one = summary[(summary.decoder == "spd") & (summary.dataset == "mtbench")].set_index("label")
+    assert set(one.index) == {"spd@HuggingFaceTB/SmolLM2-135M", "spd@self:int8"}
+    assert one.loc["spd@self:int8", "block_efficiency"] == pytest.approx(
+        one.loc["spd@HuggingFaceTB/SmolLM2-135M", "block_efficiency"] + 1.0)
+    base = summary[summary.decoder == "ar"]
+    assert base["label"].tolist() == ["ar", "ar"] and base["draft_id"].isna().all()  # 2 datasets
+    assert (base["n_runs"] == runs[runs.decoder == "ar"].groupby("dataset").size().values).all()
+    assert one["speedup"].notna().all()
