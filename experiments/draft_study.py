@@ -32,14 +32,19 @@ import pandas as pd
 from mtad_energy.results.drafts import draft_table
 from mtad_energy.results.figures import plot_drafts
 
-OUT = Path(__file__).parent / "results" / "drafts"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "experiments" / "results" / "drafts"
 DRAFTS = ("self:layers=0-5", "self:layers=0-11", "self:skip=every2", "self:layers=0-17",
           "self:layers=0-23", "self:layers=0-26", "self:int8")
 PAPER_RATIO = 3.17 / 2.02  # the paper's MTAD vs SpD block efficiency
 
 
 def run_sweep(args: argparse.Namespace, store: Path) -> dict:
-    """`mtad-energy sweep draft ... --json` into ``store`` (resumes); its JSON document."""
+    """`mtad-energy sweep draft ... --json` into ``store`` (resumes), run from the checkout's root
+    (``store`` relative to it where it lies inside: the command written down is one anyone can
+    run); its JSON document."""
+    store = store.resolve()
+    store = store.relative_to(ROOT) if store.is_relative_to(ROOT) else store
     cmd = [sys.executable, "-m", "mtad_energy", "sweep", "draft",
            *[a for d in args.drafts for a in ("--draft", d)], "--decoders", args.decoders,
            "--dataset", args.datasets, "--n-prompts", str(args.n_prompts), "--max-new-tokens",
@@ -47,7 +52,7 @@ def run_sweep(args: argparse.Namespace, store: Path) -> dict:
            str(store), "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     print("$", " ".join(cmd), file=sys.stderr)
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False, cwd=ROOT)
     doc = json.loads(done.stdout)
     if done.returncode != 0:
         raise SystemExit(f"sweep draft failed: {doc.get('error', doc)}")
