@@ -28,7 +28,7 @@ LEVEL = 1e-3  # the audit's level (its flag)
 
 
 def main(argv=None) -> int:
-    from mtad_energy.decoding.sampling import Warp
+    from mtad_energy.decoding.rules.sampling import Warp
     from mtad_energy.engines.audit import under_acceptance_pvalue
     from tests import tiny
     from tests.engines import speculation as sp

@@ -30,8 +30,8 @@ import pandas as pd
 import torch
 
 from mtad_energy.bench.prompts import load_prompts
-from mtad_energy.decoding.generate import encode_prompt, generate_rows
 from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.runtime.generate import encode_prompt, generate_rows
 from mtad_energy.models import load_pair
 
 MODES = ("eager", "compiled")

@@ -23,7 +23,7 @@ from rich.table import Table
 
 import mtad_energy as me
 from mtad_energy.bench.prompts import humaneval, mtbench
-from mtad_energy.decoding.generate import encode_prompt
+from mtad_energy.decoding.runtime.generate import encode_prompt
 
 
 def hf_assisted(pair, ids: list[int], max_new_tokens: int, gamma: int, seed: int) -> tuple[int, float]:

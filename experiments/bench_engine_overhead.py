@@ -34,7 +34,7 @@ import pandas as pd
 from mtad_energy.bench.prompts import load_prompts
 from mtad_energy.bench.runner import PhaseWindows
 from mtad_energy.config import DecoderSpec, ModelSpec
-from mtad_energy.decoding.generate import encode_prompt
+from mtad_energy.decoding.runtime.generate import encode_prompt
 from mtad_energy.engines import load_engine
 from mtad_energy.engines.llamacpp import SelfDraft, no_extra_buffer_types
 from mtad_energy.measure import NoneMeter

@@ -48,10 +48,11 @@ import pandas as pd
 import torch
 
 import mtad_energy
-import mtad_energy.decoding.generate  # noqa: F401 - the module (the package exports a function of that name)
-from mtad_energy.decoding.base import CpuPhaseTimer, ModelRunner
-from mtad_energy.decoding.generate import generate_rows
+import mtad_energy.decoding.runtime.generate  # noqa: F401 - the module (the package exports a function of that name)
 from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.runtime.generate import generate_rows
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.timer import CpuPhaseTimer
 from mtad_energy.models import load_pair
 from tests import tiny
 
@@ -96,13 +97,13 @@ def _logged(fn: Callable, tag: str) -> Callable:
 
 def instrument() -> None:
     """Log the phase timer's blocks and every runner class's cache moves (this process only)."""
-    from mtad_energy.decoding import batch, heads
+    from mtad_energy.decoding.runtime import batch, head_runner
 
-    sys.modules["mtad_energy.decoding.generate"].PhaseTimer = LoggingTimer
+    sys.modules["mtad_energy.decoding.runtime.generate"].PhaseTimer = LoggingTimer
     classes = [ModelRunner, batch.RowLayout, batch.RowsRunner, batch.PerRowRunner,
-               heads.HeadRunner]
+               head_runner.HeadRunner]
     try:
-        from mtad_energy.decoding import static
+        from mtad_energy.decoding.runtime import static
 
         classes.append(static.StaticRunner)
     except ImportError:

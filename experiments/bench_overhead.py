@@ -27,8 +27,8 @@ import torch
 
 import mtad_energy
 from mtad_energy.bench.prompts import load_prompts
-from mtad_energy.decoding.generate import encode_prompt, generate_ids
 from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.runtime.generate import encode_prompt, generate_ids
 from mtad_energy.models import load_pair
 
 TARGET = {"ar": 0.05, "spd": 0.05, "mtad": 0.05, "typical": 0.05, "bild": 0.05,

@@ -31,7 +31,7 @@ import torch
 from mtad_energy.bench.prompts import load_prompts
 from mtad_energy.bench.runner import PhaseWindows, Runner, WorkUnit
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
-from mtad_energy.decoding.generate import encode_prompt, generate_ids
+from mtad_energy.decoding.runtime.generate import encode_prompt, generate_ids
 from mtad_energy.measure import NoneMeter
 from mtad_energy.models import load_pair
 from mtad_energy.results import ResultStore

@@ -23,8 +23,9 @@ import pandas as pd
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer
-from mtad_energy.decoding.tree import ancestors, tree_forward
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.timer import PhaseTimer
+from mtad_energy.decoding.runtime.tree import ancestors, tree_forward
 
 
 def beam_tree(width: int, gamma: int, gen: torch.Generator) -> torch.Tensor:

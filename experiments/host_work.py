@@ -35,7 +35,7 @@ import torch
 
 from mtad_energy.bench.host_count import counted_generation
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.static import CompileOptions
+from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.measure.host_work import HostWorkCounter, HostWorkSites
 from mtad_energy.models import load_pair
 

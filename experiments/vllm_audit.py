@@ -256,7 +256,7 @@ def audit(args) -> None:
 
     import torch
 
-    from mtad_energy.decoding.sampling import Warp
+    from mtad_energy.decoding.rules.sampling import Warp
     from mtad_energy.engines import audit as au
     from mtad_energy.models import load_model
 

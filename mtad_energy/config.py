@@ -140,7 +140,7 @@ def check_compile_backend(backend: str) -> None:
 
 def compile_arg(compile: bool, backend: str | None = None, dynamic: bool = False):
     """What `decoding.generate` takes: False (eager), True (the default compilation) or a
-    `decoding.static.CompileOptions` with the backend / dynamo's automatic dynamic shapes."""
+    `decoding.runtime.compiled.CompileOptions` with the backend / dynamo's automatic dynamic shapes."""
     if not compile:
         if backend or dynamic:
             raise ValueError("--compile-backend and --dynamic-shapes choose how --compile compiles: "
@@ -150,7 +150,7 @@ def compile_arg(compile: bool, backend: str | None = None, dynamic: bool = False
         return True
     if backend:
         check_compile_backend(backend)
-    from mtad_energy.decoding.static import CompileOptions
+    from mtad_energy.decoding.runtime.compiled import CompileOptions
 
     return CompileOptions(backend=backend or "inductor", dynamic=None if dynamic else False)
 

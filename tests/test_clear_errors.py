@@ -105,8 +105,8 @@ def test_decompose_says_the_decoding_runs_energy_is_na(tmp_path):
 
 def test_a_chain_without_a_draft_model_names_the_option_and_the_decoders_that_run(nothing_loads):
     """spd with only an EAGLE head (was: "load one with draft=..." and ar/beam/mtjd, not pld)."""
-    from mtad_energy.decoding.generate import generate_rows
     from mtad_energy.decoding.registry import get_decoder
+    from mtad_energy.decoding.runtime.generate import generate_rows
     from mtad_energy.models.pair import ModelPair
 
     pair = ModelPair(torch.nn.Linear(1, 1), None, None, heads={"eagle": object()})

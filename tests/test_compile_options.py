@@ -10,7 +10,7 @@ from mtad_energy.config import DecoderSpec, ModelSpec, RunConfig, compile_arg
 
 
 def test_the_options_need_compile_and_build_compile_options():
-    from mtad_energy.decoding.static import CompileOptions
+    from mtad_energy.decoding.runtime.compiled import CompileOptions
 
     with pytest.raises(ValueError, match="add --compile, or drop them"):
         RunConfig(compile_backend="eager")

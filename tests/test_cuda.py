@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding import cache as kv
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer
-from mtad_energy.decoding.tree import keep_path
+from mtad_energy.decoding.runtime import cache as kv
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.timer import PhaseTimer
+from mtad_energy.decoding.runtime.tree import keep_path
 from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.models import load_pair
 from tests.conftest import with_heads

@@ -136,6 +136,22 @@ def test_imports_go_one_way(package, never):
     assert not reached & never, f"{package} imports {sorted(reached & never)}"
 
 
+
+@pytest.mark.parametrize(("layer", "never"), [
+    ("decoding.rules", {"decoding.runtime", "decoding.decoders", "decoding.registry"}),
+    ("decoding.runtime", {"decoding.decoders"}),
+])
+def test_decoding_layers_go_one_way(layer, never):
+    """decoding/'s three rooms: the rules (pure tensor functions) import only rules, and the
+    runtime never imports a decoder (the loop reaches them through the registry)."""
+    prefix = f"mtad_energy.{layer}"
+    banned = tuple(f"mtad_energy.{n}" for n in never)
+    reached = {t for m, targets in import_graph().items()
+               if m == prefix or m.startswith(prefix + ".") for t in targets}
+    bad = sorted(t for t in reached if t in banned or t.startswith(tuple(b + "." for b in banned)))
+    assert bad == [], f"{layer} imports {bad}"
+
+
 def test_command_line_modules_stay_short():
     long = {p.name: n for p in (ROOT / "cli").glob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}

@@ -15,9 +15,9 @@ from transformers import (
     StaticCache,
 )
 
-from mtad_energy.decoding.cache import new_cache
-from mtad_energy.decoding.generate import generate_rows
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.decoding.runtime.cache import new_cache
+from mtad_energy.decoding.runtime.generate import generate_rows
 from mtad_energy.energy.tap import WorkTap
 from mtad_energy.energy.work import HeadDims, ModelDims, Work, dims_of, forward_work, shapes_work
 from mtad_energy.hf_cache import cache_kwargs
@@ -145,8 +145,9 @@ def test_a_heads_forwards_count_what_the_tap_sees(kind):
     """EAGLE's forwards over its own cache (prefill pairs, a catch-up, a token tree fed its own
     features) and Medusa's calls, as a runner records them: FLOPs and bytes equal the tap's,
     EAGLE-3's fusion layer counted only on the forwards fed the target's 3H-wide features."""
-    from mtad_energy.decoding.base import ModelRunner, PhaseTimer
-    from mtad_energy.decoding.head_runner import HeadRunner
+    from mtad_energy.decoding.runtime.head_runner import HeadRunner
+    from mtad_energy.decoding.runtime.runner import ModelRunner
+    from mtad_energy.decoding.runtime.timer import PhaseTimer
 
     head = _head(kind)
     dims = dims_of(head)
@@ -229,7 +230,7 @@ def test_compiled_and_row_by_row_runs_count_their_work(llama_pair, int8_pair):
     """The compiled runner counts what it runs (3 rows padded to 4, attention over all of the
     static cache's slots: more than the eager batch, never None); the int8 draft's row-by-row
     forwards are counted one by one."""
-    from mtad_energy.decoding.static import CompileOptions
+    from mtad_energy.decoding.runtime.compiled import CompileOptions
 
     prompts = [[5, 6, 7, 8, 9], [5, 6, 7], [10, 11, 12, 13]]
     dec = get_decoder("spd", temperature=0)

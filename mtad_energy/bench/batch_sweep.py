@@ -46,7 +46,7 @@ import pandas as pd
 import torch
 
 from mtad_energy.bench.budget import Budget
-from mtad_energy.decoding.cache import cache_len, crop, new_cache
+from mtad_energy.decoding.runtime.cache import cache_len, crop, new_cache
 from mtad_energy.energy.work import ModelDims, shapes_work
 from mtad_energy.hf_cache import cache_kwargs
 from mtad_energy.measure import (

@@ -42,9 +42,10 @@ from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.host_count import counted_generation, warm_up_tokens
 from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
 from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
-from mtad_energy.decoding.base import Decoder
-from mtad_energy.decoding.generate import Generation, generate_rows, slots_needed
 from mtad_energy.decoding.registry import check_batched
+from mtad_energy.decoding.runtime.decoder import Decoder
+from mtad_energy.decoding.runtime.generate import generate_rows, slots_needed
+from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines import Engine, hf_columns
 from mtad_energy.engines.base import EngineDecoder, with_perplexity
 from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
@@ -235,7 +236,7 @@ def _stored_row(store: ResultStore, stored, key: str) -> dict[str, Any] | None:
 
 def _release() -> None:
     """Free the static caches of the other batch sizes (compiled sweeps)."""
-    from mtad_energy.decoding.static import release_engines
+    from mtad_energy.decoding.runtime.static import release_engines
 
     release_engines()
 
@@ -276,7 +277,7 @@ def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int
     KV cache (compiled: rows padded to their bucket, times the rows a sequence expands to, over
     the slot bucket; eager: twice, as a dynamic cache is copied when it grows) and the float32
     logits of the widest forward with their warps."""
-    from mtad_energy.decoding.static import row_bucket, slot_bucket
+    from mtad_energy.decoding.runtime.static import row_bucket, slot_bucket
 
     total = 0
     # a chain verifies its effective draft (`Decoder.lookahead_for`) plus one; a tree its nodes

@@ -200,7 +200,7 @@ def decode_forward_time(model, mode: str = "eager", context_len: int = 128, forw
     """
     from transformers import StaticCache
 
-    from mtad_energy.decoding.cache import crop, new_cache
+    from mtad_energy.decoding.runtime.cache import crop, new_cache
 
     if mode not in ("eager", "compiled"):
         raise ValueError(f"mode must be 'eager' or 'compiled', got {mode!r}")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mtad_energy.decoding.base import Decoder
-from mtad_energy.decoding.generate import Generation, generate_rows
-from mtad_energy.decoding.static import CompileOptions
+from mtad_energy.decoding.runtime.compiled import CompileOptions
+from mtad_energy.decoding.runtime.decoder import Decoder
+from mtad_energy.decoding.runtime.generate import generate_rows
+from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.measure.host_work import HostWork, HostWorkCounter
 from mtad_energy.models import ModelPair
 

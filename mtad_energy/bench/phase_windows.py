@@ -15,7 +15,7 @@ from mtad_energy.measure import EnergyMeter, Measurement
 from mtad_energy.measure.contention import Contention, ContentionProbe, row_contention
 
 if TYPE_CHECKING:  # the rows' generations; this module runs no decoder
-    from mtad_energy.decoding.generate import Generation
+    from mtad_energy.decoding.runtime.stats import Generation
 
 # a compiled run that still compiled a shape inside its measurement windows: its time excludes
 # the compilation (`compile_in_window_s`), its joules do not

@@ -37,16 +37,10 @@ from mtad_energy.bench.work_units import (
     work_units,
 )
 from mtad_energy.config import DecoderSpec, RunConfig, compile_identity
-from mtad_energy.decoding.base import Decoder
-from mtad_energy.decoding.generate import (
-    Generation,
-    encode_prompt,
-    generate_ids,
-    generate_rows,
-    perplexity,
-    slots_needed,
-)
 from mtad_energy.decoding.registry import head_kinds
+from mtad_energy.decoding.runtime.decoder import Decoder
+from mtad_energy.decoding.runtime.generate import encode_prompt, generate_ids, generate_rows, slots_needed
+from mtad_energy.decoding.runtime.stats import Generation, perplexity
 from mtad_energy.engines import (
     HF,
     Engine,
@@ -200,7 +194,7 @@ class Runner:
         similar length share graphs)."""
         if not self.config.compile or self.engine is not None:
             return spec, len(prompts)
-        from mtad_energy.decoding.static import row_bucket, slot_bucket
+        from mtad_energy.decoding.runtime.static import row_bucket, slot_bucket
 
         slots = slots_needed(self._decoders[spec], [len(p) for p in prompts],
                              self.config.max_new_tokens)

@@ -150,7 +150,7 @@ def the_prompts(pair, setting: SweepSetting) -> list[list[int]]:
     """The sweep's prompt ids: its dataset's first n prompts, n found by matching the rows'
     prompt keys (a batch cycles n prompts to fill B, so n above the largest B changes nothing)."""
     from mtad_energy.bench.prompts import load_prompts
-    from mtad_energy.decoding.generate import encode_prompt
+    from mtad_energy.decoding.runtime.generate import encode_prompt
     from mtad_energy.results.schema import stable_key
 
     top = max(setting.sizes)

@@ -125,8 +125,8 @@ def generate(
 ):
     """Decode one prompt and print the text and its statistics."""
     from mtad_energy.config import compile_arg
-    from mtad_energy.decoding.generate import generate as run
     from mtad_energy.decoding.registry import get_decoder, head_kinds
+    from mtad_energy.decoding.runtime.generate import generate as run
     from mtad_energy.models import load_pair
 
     quiet_libraries()

@@ -44,8 +44,8 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
     """`sweep batch-size --decoder`: decode, store, and print or emit the crossover."""
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
-    from mtad_energy.decoding.generate import encode_prompt
     from mtad_energy.decoding.registry import head_kinds
+    from mtad_energy.decoding.runtime.generate import encode_prompt
     from mtad_energy.measure import meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore

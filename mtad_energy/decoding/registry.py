@@ -7,21 +7,21 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from mtad_energy.decoding.ar import Multinomial
-from mtad_energy.decoding.base import Decoder
-from mtad_energy.decoding.beam import Beam
-from mtad_energy.decoding.bild import Bild
-from mtad_energy.decoding.eagle import Eagle
-from mtad_energy.decoding.mcss import Mcss
-from mtad_energy.decoding.medusa import Medusa
-from mtad_energy.decoding.mmtad import Mmtad
-from mtad_energy.decoding.mtad import Mtad
-from mtad_energy.decoding.mtjd import Mtjd
-from mtad_energy.decoding.pld import PromptLookup
-from mtad_energy.decoding.spd import SpeculativeDecoding
-from mtad_energy.decoding.specinfer import SpecInfer
-from mtad_energy.decoding.spectr import Spectr
-from mtad_energy.decoding.typical import Typical
+from mtad_energy.decoding.decoders.ar import Multinomial
+from mtad_energy.decoding.decoders.beam import Beam
+from mtad_energy.decoding.decoders.bild import Bild
+from mtad_energy.decoding.decoders.eagle import Eagle
+from mtad_energy.decoding.decoders.mcss import Mcss
+from mtad_energy.decoding.decoders.medusa import Medusa
+from mtad_energy.decoding.decoders.mmtad import Mmtad
+from mtad_energy.decoding.decoders.mtad import Mtad
+from mtad_energy.decoding.decoders.mtjd import Mtjd
+from mtad_energy.decoding.decoders.pld import PromptLookup
+from mtad_energy.decoding.decoders.spd import SpeculativeDecoding
+from mtad_energy.decoding.decoders.specinfer import SpecInfer
+from mtad_energy.decoding.decoders.spectr import Spectr
+from mtad_energy.decoding.decoders.typical import Typical
+from mtad_energy.decoding.runtime.decoder import Decoder
 
 DECODERS: dict[str, type[Decoder]] = {
     "ar": Multinomial,

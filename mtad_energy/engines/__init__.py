@@ -17,10 +17,10 @@ The contract (DESIGN.md section 10):
   every window; the runner then warms each decoder up (`Engine.warm_up`) before the first row.
 - **Generating** (`Engine.generate`): one prompt (B = 1) or a batch where the engine can, as
   token ids (the HF tokenizer's chat template: every engine decodes the same prompt ids), into
-  the same `decoding.generate.Generation` the project's decoders return, built by
+  the same `decoding.runtime.stats.Generation` the project's decoders return, built by
   `base.build_generation` from per-iteration `base.Iteration` counts (the statistics contract:
   emitted, proposed, accepted, draft_depth, forwards, times; None where the engine cannot tell,
-  never 0). It calls the same phase hook (`decoding.generate.PhaseHook`: "prefill", "decode",
+  never 0). It calls the same phase hook (`decoding.runtime.generate.PhaseHook`: "prefill", "decode",
   "end") so the runner's `PhaseWindows` cut windows where they cut the generate loop's.
 - **Rows** of every table carry ``engine``, ``engine_version``, ``engine_config`` (JSON); an
   engine other than hf is part of the row key and of the model label (``smollm2+llamacpp``), so

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from scipy.stats import binomtest, chi2
 
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules.sampling import Warp
 
 
 # --------------------------------------------------------------------------- acceptance theory

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from mtad_energy.decoding.generate import Generation, GenerationStats, PhaseHook, StepStats
+from mtad_energy.decoding.runtime.generate import PhaseHook
+from mtad_energy.decoding.runtime.stats import Generation, GenerationStats, StepStats
 from mtad_energy.engines.registry import EngineError, EngineKind, engine_kind
 
 if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
@@ -164,7 +165,7 @@ def with_perplexity(gen: Generation, pair: Any, prompt_ids: list[int]) -> Genera
 
     import torch
 
-    from mtad_energy.decoding.generate import perplexity
+    from mtad_energy.decoding.runtime.stats import perplexity
 
     full = torch.tensor(list(prompt_ids) + gen.token_ids, device=pair.device)
     ppl = perplexity(pair.target, full, len(prompt_ids))

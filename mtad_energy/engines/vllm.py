@@ -42,7 +42,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mtad_energy.decoding.generate import Generation, PhaseHook
+from mtad_energy.decoding.runtime.generate import PhaseHook
+from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines import thread_settings
 from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
 from mtad_energy.engines.registry import EngineError, UnsupportedError

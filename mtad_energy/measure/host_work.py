@@ -9,7 +9,7 @@ hooks (so no prefill, no warm-up of other shapes):
 * ``ops``: aten ops dispatched outside compiled graphs (a `TorchDispatchMode`: the ops reaching
   the dispatcher's Python key, after composite ops decompose; an op's own internal calls are not
   counted again). Inside a compiled call nothing is counted: compiled calls go through
-  `mtad_energy.decoding.graph_call.GraphFunction`, which pauses the counter around them;
+  `mtad_energy.decoding.runtime.graph_call.GraphFunction`, which pauses the counter around them;
 * ``graph_calls``: those compiled calls (each a CUDA graph replay or a compiled kernel sequence);
 * ``reads``: host reads of device values the code asks for (`is_host_read`): scalar reads
   (``.item()``, ``bool(t)``, ``int(t)``, a 0-d tensor as an index), data-dependent shapes

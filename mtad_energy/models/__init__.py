@@ -7,7 +7,7 @@
   names them.
 - `heads`: draft heads loaded from their public checkpoint layouts (EAGLE-1/3, Medusa), built as
   modules over the target's features. Running a head inside a decode step is the decoders' job
-  (`mtad_energy.decoding.head_runner`).
+  (`mtad_energy.decoding.runtime.head_runner`).
 
 Everything a caller needs is importable from here (``from mtad_energy.models import load_pair``).
 """

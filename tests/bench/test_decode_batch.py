@@ -69,7 +69,7 @@ def test_sweep_decodes_each_size_stores_rows_and_resumes(tmp_path, model_dirs):
 
 def test_a_decoder_that_does_not_batch_is_refused_before_anything_runs(tmp_path, model_dirs,
                                                                         monkeypatch):
-    from mtad_energy.decoding.bild import Bild
+    from mtad_energy.decoding.decoders.bild import Bild
 
     monkeypatch.setattr(Bild, "batched", False)  # every registry decoder batches today
     out = runner.invoke(app, ["sweep", "batch-size", "--decoder", "bild", "--target",
@@ -84,7 +84,7 @@ def test_a_decoder_that_does_not_batch_is_refused_before_anything_runs(tmp_path,
 
 def test_profile_batch_size_reaches_the_rows_and_refuses_what_does_not_batch(tmp_path, model_dirs,
                                                                            monkeypatch):
-    from mtad_energy.decoding.bild import Bild
+    from mtad_energy.decoding.decoders.bild import Bild
 
     monkeypatch.setattr(Bild, "batched", False)
     common = ["--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"],

@@ -250,7 +250,7 @@ def test_batched_profile_rows_match_batch_1_and_split_the_batch_energy(tmp_path,
 
 
 def test_batch_size_with_a_decoder_that_does_not_batch_is_refused(monkeypatch):
-    from mtad_energy.decoding.bild import Bild
+    from mtad_energy.decoding.decoders.bild import Bild
 
     monkeypatch.setattr(Bild, "batched", False)  # every registry decoder batches today
     with pytest.raises(ValueError, match="bild do not decode batches yet"):
@@ -265,13 +265,13 @@ class CompileWatch(WattMeter):
         self.compiled_inside: list[int] = []
 
     def begin_window(self, key: str) -> None:
-        from mtad_energy.decoding.static import graphs_compiled
+        from mtad_energy.decoding.runtime.compiled import graphs_compiled
 
         self._graphs = graphs_compiled()
         super().begin_window(key)
 
     def end_window(self, key: str) -> Measurement:
-        from mtad_energy.decoding.static import graphs_compiled
+        from mtad_energy.decoding.runtime.compiled import graphs_compiled
 
         self.compiled_inside.append(graphs_compiled() - self._graphs)
         return super().end_window(key)
@@ -309,7 +309,7 @@ def test_a_compiled_run_carries_the_compile_cost_of_its_warm_up(tmp_path, model_
     graphs, nothing compiles inside a window (a kernel signature a later row meets first, its
     own last and shorter verify, compiles after that row's window, counted in its row); the
     summary adds the rows up. Eager rows: 0 and 0."""
-    from mtad_energy.decoding.static import reset_compiled
+    from mtad_energy.decoding.runtime.compiled import reset_compiled
     from mtad_energy.models import load_pair
     from mtad_energy.results.analysis import decoder_summary
 

@@ -5,7 +5,7 @@ moving or renaming it cannot leave one of them looking in the wrong place."""
 
 from __future__ import annotations
 
-from mtad_energy.decoding.generate import _read_back
+from mtad_energy.decoding.runtime.generate import _read_back
 
 READ_BACK = _read_back.__code__
 
@@ -16,7 +16,7 @@ def at_read_back(filename: str, function: str) -> bool:
 
 
 def site_at_read_back(site: str) -> bool:
-    """Whether a `measure.host_work.HostWorkSites` site ("decoding/generate.py:LINE FUNCTION
+    """Whether a `measure.host_work.HostWorkSites` site ("decoding/runtime/generate.py:LINE FUNCTION
     OP") is the loop's read-back."""
     where, function = site.split(" ")[:2]
     return (function == READ_BACK.co_name

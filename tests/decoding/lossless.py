@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 import mtad_energy as me
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules.sampling import Warp
 from mtad_energy.models import ModelPair
 
 PROMPT = [1, 2]
@@ -75,7 +75,7 @@ def batched_row_pvalues(pair: ModelPair, decoder, module, broken: bool, **kwargs
     ``module.residual`` replaced by p when ``broken``. kwargs go to `generate_rows`."""
     from unittest import mock
 
-    from mtad_energy.decoding.generate import generate_rows
+    from mtad_energy.decoding.runtime.generate import generate_rows
 
     exact = [exact_joint(pair, Warp(), p, n_tokens=3) for p in ROW_PROMPTS]
     counts = [Counter() for _ in ROW_PROMPTS]

@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from mtad_energy.decoding.acceptance import joint_accept_length, speculative_accept
-from mtad_energy.decoding.mtad import mtad_verify
+from mtad_energy.decoding.rules.chain import speculative_accept
+from mtad_energy.decoding.rules.joint import joint_accept, joint_accept_length
 
 
 def t(x):
@@ -34,7 +34,7 @@ def test_mtad_bonus_is_drawn_from_warped_p_after_the_accepted_prefix():
     g = torch.Generator().manual_seed(0)
     draws = []
     for _ in range(3000):
-        eta, nxt = mtad_verify(p, y, cum_log_q, math.log(0.5), g)
+        eta, nxt = joint_accept(p, y, cum_log_q, math.log(0.5), g)
         assert eta.item() == 1
         draws.append(nxt.item())
     freq = torch.bincount(torch.tensor(draws), minlength=3) / len(draws)

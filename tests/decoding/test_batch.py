@@ -11,11 +11,14 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding import acceptance, tree_accept
-from mtad_energy.decoding.base import Decoder, ModelRunner, PhaseTimer
-from mtad_energy.decoding.batch import RowsRunner
-from mtad_energy.decoding.generate import generate_ids, generate_rows
 from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.rules import chain
+from mtad_energy.decoding.rules import tree as tree_rules
+from mtad_energy.decoding.runtime.batch import RowsRunner
+from mtad_energy.decoding.runtime.decoder import Decoder
+from mtad_energy.decoding.runtime.generate import generate_ids, generate_rows
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.timer import PhaseTimer
 from tests.decoding.lossless import batched_row_pvalues, two_sample_pvalue
 from tests.tiny import skip_without_head
 
@@ -93,7 +96,7 @@ def test_batched_mtad_rows_follow_the_batch_1_law_to_the_last_token(lossless_pai
 def test_int8_draft_rows_compute_what_they_compute_alone(int8_pair):
     """A shared-cache batch of the int8 draft would not (the scale spans the rows and the
     padding): its rows run one forward each, so every row's logits are exactly batch 1's."""
-    from mtad_energy.decoding.batch import PerRowRunner, rows_runner
+    from mtad_energy.decoding.runtime.batch import PerRowRunner, rows_runner
 
     model = int8_pair.draft
     width = max(map(len, PROMPTS))
@@ -183,10 +186,10 @@ def test_rows_runner_logits_equal_each_row_alone(llama_pair):
     check(rows(ragged, [2, 1, 2]), [[10, 11], [12], [13, 14]], [2, 1, 2])
 
 
-LOSSLESS = [("spd", {"gamma": 3}, acceptance),
-            ("specinfer", {"branching": (2, 2)}, tree_accept),
-            ("mcss", {"branching": (2, 2)}, tree_accept),
-            ("spectr", {"num_drafts": 3, "gamma": 2}, acceptance)]
+LOSSLESS = [("spd", {"gamma": 3}, chain),
+            ("specinfer", {"branching": (2, 2)}, tree_rules),
+            ("mcss", {"branching": (2, 2)}, tree_rules),
+            ("spectr", {"num_drafts": 3, "gamma": 2}, chain)]
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["lossless", "residual-broken"])

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding.acceptance import rollback_length
-from mtad_energy.decoding.bild import draft_until_unsure, rollback_log_probs
+from mtad_energy.decoding.decoders.bild import draft_until_unsure, rollback_log_probs
 from mtad_energy.decoding.registry import get_decoder
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules.chain import rollback_length
+from mtad_energy.decoding.rules.sampling import Warp
 
 PROMPT = [5, 9, 12, 3]
 

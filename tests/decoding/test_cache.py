@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mtad_energy.decoding import cache as kv
+from mtad_energy.decoding.runtime import cache as kv
 from mtad_energy.hf_cache import cache_kwargs
 
 

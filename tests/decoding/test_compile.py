@@ -15,17 +15,14 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from mtad_energy.decoding import static
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer
-from mtad_energy.decoding.generate import generate_ids
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.static import (
-    CompileOptions,
-    ForwardShape,
-    StaticRunner,
-    check_static_support,
-)
-from mtad_energy.decoding.tree import ancestors, keep_path, level_parents, tree_forward
+from mtad_energy.decoding.runtime import static
+from mtad_energy.decoding.runtime.compiled import CompileOptions
+from mtad_energy.decoding.runtime.generate import generate_ids
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner, check_static_support
+from mtad_energy.decoding.runtime.timer import PhaseTimer
+from mtad_energy.decoding.runtime.tree import ancestors, keep_path, level_parents, tree_forward
 from tests.tiny import compile_test_decoder, skip_without_head
 
 TRACE = CompileOptions(backend="aot_eager")

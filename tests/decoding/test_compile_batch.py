@@ -12,12 +12,15 @@ from unittest import mock
 import pytest
 import torch
 
-from mtad_energy.decoding import acceptance, batch, static, tree_accept
-from mtad_energy.decoding.base import PhaseTimer
-from mtad_energy.decoding.batch import RowsRunner
-from mtad_energy.decoding.generate import generate_ids, generate_rows
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.static import CompileOptions, ForwardShape, StaticRunner, graphs_compiled
+from mtad_energy.decoding.rules import chain
+from mtad_energy.decoding.rules import tree as tree_rules
+from mtad_energy.decoding.runtime import batch, static
+from mtad_energy.decoding.runtime.batch import RowsRunner
+from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled, reset_compiled
+from mtad_energy.decoding.runtime.generate import generate_ids, generate_rows
+from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner
+from mtad_energy.decoding.runtime.timer import PhaseTimer
 from tests.decoding.lossless import batched_row_pvalues
 from tests.tiny import compile_test_decoder, skip_without_head
 
@@ -50,8 +53,8 @@ def test_compiled_batched_rows_with_rollback(self_pair, name):
                                              compute_perplexity=False).token_ids
 
 
-LOSSLESS = [("spd", {"gamma": 3}, acceptance),
-            ("specinfer", {"branching": (2, 2)}, tree_accept)]
+LOSSLESS = [("spd", {"gamma": 3}, chain),
+            ("specinfer", {"branching": (2, 2)}, tree_rules)]
 
 
 @pytest.mark.slow
@@ -87,7 +90,7 @@ def test_a_second_identical_call_compiles_nothing(llama_pair, name):
 def fresh_dynamo():
     """Forget every graph compiled so far: parameters are graph inputs, so a freshly loaded
     model of a config an earlier test compiled would reuse that test's graphs."""
-    static.reset_compiled()
+    reset_compiled()
 
 
 def test_compile_time_is_reported_apart_and_left_out_of_the_timings(model_dirs, fresh_dynamo):
@@ -167,7 +170,7 @@ def test_dynamic_shapes_reuse_one_graph_across_batch_sizes_and_change_no_token(m
     prompts = [PROMPTS[i % 3] for i in range(4)]
     counts = {}
     for dynamic in (False, None):
-        static.reset_compiled()
+        reset_compiled()
         pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
         options = CompileOptions(backend="eager", dynamic=dynamic)  # symbolic sizes: dynamo's
         before = graphs_compiled()
@@ -282,7 +285,7 @@ def test_static_rows_runner_follows_the_eager_rows_runner_op_by_op(llama_pair):
     both(lambda r: (r.select_rows(torch.tensor([1, 1, 2, 3, 5, 4])),
                     r(torch.tensor([[3], [4], [5], [6], [7], [8]])))[1])
     both(lambda r: (r.select_rows(torch.tensor([0, 3, 4])), r(torch.tensor([[1], [2], [3]])))[1])
-    from mtad_energy.decoding.tree import ancestors, level_parents, tree_forward
+    from mtad_energy.decoding.runtime.tree import ancestors, level_parents, tree_forward
 
     anc = ancestors(torch.cat([torch.tensor([-1]), level_parents((2, 2)) + 1]))  # root + 6
     nodes = torch.arange(20, 27).repeat(3, 1)

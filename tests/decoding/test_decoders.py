@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer
-from mtad_energy.decoding.beams import beam_sample
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules.sampling import Warp
+from mtad_energy.decoding.runtime.beams import beam_sample
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.timer import PhaseTimer
 from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_counts
 
 PROMPT = [5, 9, 12, 3]
@@ -152,8 +153,9 @@ def test_acceptance_means_the_same_for_every_decoder(llama_pair, name):
 
 def test_a_block_cut_by_eos_counts_only_the_kept_draft_tokens(llama_pair):
     """spd-shaped block whose first draft token is EOS: 1 token emitted, 1 draft token kept."""
-    from mtad_energy.decoding.base import Decoder, StepResult
-    from mtad_energy.decoding.generate import generate_ids
+    from mtad_energy.decoding.runtime.decoder import Decoder
+    from mtad_energy.decoding.runtime.generate import generate_ids
+    from mtad_energy.decoding.runtime.step import StepResult
 
     eos = llama_pair.eos_token_id
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding import tree_accept
-from mtad_energy.decoding.generate import generate_ids, generate_rows
 from mtad_energy.decoding.registry import get_decoder
-from mtad_energy.decoding.static import CompileOptions
-from mtad_energy.decoding.tree import ancestors
-from mtad_energy.decoding.tree_accept import tree_candidates_accept, tree_typical_accept
+from mtad_energy.decoding.rules import tree as tree_rules
+from mtad_energy.decoding.rules.tree import tree_candidates_accept, tree_typical_accept
+from mtad_energy.decoding.runtime.compiled import CompileOptions
+from mtad_energy.decoding.runtime.generate import generate_ids, generate_rows
+from mtad_energy.decoding.runtime.tree import ancestors
 from mtad_energy.models import load_pair
 from tests import tiny
 from tests.decoding.lossless import batched_row_pvalues, chi_square_pvalue
@@ -106,7 +106,7 @@ def test_the_statistics_contract(llama_pair):
     (capped by what the row can still emit), accepted <= depth and emitted = accepted + 1; the
     head's forwards are draft forwards (Medusa one per drafting iteration; EAGLE one catch-up
     and one per expansion), with draft time."""
-    from mtad_energy.decoding.specinfer import tree_nodes
+    from mtad_energy.decoding.decoders.specinfer import tree_nodes
 
     cases = [  # decoder, params, depth of the full tree, (nodes, head forwards) at depth d
         ("medusa", {}, 3, lambda d: (tree_nodes((4, 2, 2)[:d]), 1)),
@@ -202,7 +202,7 @@ def test_the_candidate_rule_emits_p_exactly():
 
 
 def test_the_candidate_rule_with_the_residual_replaced_by_p_is_rejected(monkeypatch):
-    monkeypatch.setattr(tree_accept, "residual", lambda p, q: p)  # a stop token may be a child
+    monkeypatch.setattr(tree_rules, "residual", lambda p, q: p)  # a stop token may be a child
     assert chi_square_pvalue(_first_two(20000)[0], _exact_first_two()) < 1e-6
 
 
@@ -248,7 +248,7 @@ def test_lossless_per_row(request, name, params, pair, broken):
     """Three rows of different lengths (one of one token) decoded together: each row's 3-token
     continuations follow its own warped p; with the residual replaced by p they do not."""
     pvalues = batched_row_pvalues(request.getfixturevalue(pair), get_decoder(name, **params),
-                                  tree_accept, broken)
+                                  tree_rules, broken)
     if broken:
         assert min(pvalues) < 1e-6, pvalues
     else:
@@ -260,7 +260,7 @@ def test_batched_eagle_heads_see_what_they_see_alone(request, pair, monkeypatch)
     """Every iteration, each row's first-level draft distribution (the head's output after its
     catch-up, which attends over all the pairs it was fed) is its batch-1 one: the rows' pairs
     are aligned and masked right in the shared head cache, not only the last one."""
-    from mtad_energy.decoding.eagle import Eagle
+    from mtad_energy.decoding.decoders.eagle import Eagle
 
     pair = request.getfixturevalue(pair)
     seen: list[tuple[list[int], torch.Tensor]] = []

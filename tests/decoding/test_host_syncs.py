@@ -17,7 +17,7 @@ import pytest
 
 from mtad_energy.bench.host_count import counted_generation
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.static import CompileOptions
+from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.measure.host_work import HostWorkSites, is_host_read
 from tests.decoding.host_reads import site_at_read_back
 from tests.tiny import skip_without_head
@@ -30,7 +30,7 @@ PROMPT = [5, 6, 7, 8, 9]
 # compiled, per iteration, at B = 1 and 4 (this tiny pair; experiments/host_work.py has every
 # decoder at the 32 / 16 layers of the 8B / 1B pair, before and after): aten ops outside compiled
 # graphs, and compiled calls. The chains (ar, spd, pld, typical, mtad, beam, mtjd, bild) keep
-# their warp, sampling and rule in kernels (`decoding.kernels`) and their cache moves in one op
+# their warp, sampling and rule in kernels (`decoding.runtime.kernels`) and their cache moves in one op
 # for every layer: their budgets are what they do now, a little over; the trees (mmtad,
 # specinfer, spectr, mcss, eagle, medusa) still walk their trees op by op: theirs hold today's
 # counts against regressions until their kernels come (the issue's targets: chains <= 25, trees
@@ -74,7 +74,7 @@ def test_the_counter_classifies_host_reads():
 def test_the_counter_counts_ops_reads_and_pauses_inside_graph_calls():
     import torch
 
-    from mtad_energy.decoding.graph_call import GraphFunction
+    from mtad_energy.decoding.runtime.graph_call import GraphFunction
     from mtad_energy.measure.host_work import HostWorkCounter
 
     inner = GraphFunction(lambda x: (x + 1).mul(2).sum())  # three ops, not counted: one call
@@ -166,7 +166,7 @@ def test_a_kernel_that_cannot_compile_runs_eagerly_with_a_warning():
     ops counted outside graphs as they are."""
     import torch
 
-    from mtad_energy.decoding.static import CompiledKernels
+    from mtad_energy.decoding.runtime.compiled import CompiledKernels
     from mtad_energy.measure.host_work import HostWorkCounter
 
     def reads_the_host(x: torch.Tensor) -> torch.Tensor:  # a graph break: fullgraph refuses

@@ -11,9 +11,9 @@ from unittest import mock
 
 import pytest
 
-from mtad_energy.decoding import acceptance
 from mtad_energy.decoding.registry import get_decoder
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules import chain
+from mtad_energy.decoding.rules.sampling import Warp
 from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_counts
 
 PROMPT = [1, 0]
@@ -31,6 +31,6 @@ def test_spd_is_lossless(lossless_pair, exact2):
 
 
 def test_spd_with_residual_replaced_by_p_is_rejected(lossless_pair, exact2):
-    with mock.patch.object(acceptance, "residual", lambda p, q: p):
+    with mock.patch.object(chain, "residual", lambda p, q: p):
         counts = sample_counts(get_decoder("spd", gamma=3), lossless_pair, 300, PROMPT)
     assert chi_square_pvalue(counts, exact2) < 1e-6

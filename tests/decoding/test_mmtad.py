@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding.acceptance import joint_accept_length
-from mtad_energy.decoding.mmtad import lineage, mmtad_select
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.decoding.rules.joint import joint_accept_length, lineage, tree_joint_accept
 from tests.tiny import lossless_pair
 
 LOG_TAU = math.log(0.5)
@@ -18,7 +17,7 @@ NEG = float("-inf")
 
 
 def _select(log_p_tok, log_q, parents, best=0):
-    eta, b, path = mmtad_select(torch.tensor(log_p_tok), torch.tensor(log_q),
+    eta, b, path = tree_joint_accept(torch.tensor(log_p_tok), torch.tensor(log_q),
                                 torch.tensor(parents), torch.tensor(best), LOG_TAU)
     return int(eta), int(b), path[:int(eta)].tolist()
 
@@ -89,14 +88,14 @@ def test_mmtad_accepts_at_least_mtad_on_random_trees():
     for _ in range(300):
         depth, width = int(torch.randint(1, 6, (), generator=gen)), 4
         log_p_tok, log_q, parents, best = _random_beam_tree(gen, depth, width)
-        # MTAD scores y* alone: trace its nodes by hand (independent of mmtad.lineage)
+        # MTAD scores y* alone: trace its nodes by hand (independent of rules.joint.lineage)
         nodes = [int(best)]
         for d in range(depth - 1, 0, -1):
             nodes.insert(0, int(parents[d, nodes[0]]))
         idx = torch.arange(depth)
         y_lq = torch.diff(log_q[idx, nodes], prepend=torch.zeros(1))
         eta_mtad = int(joint_accept_length(log_p_tok[idx, nodes], y_lq, LOG_TAU))
-        eta, _, _ = mmtad_select(log_p_tok, log_q, parents, best, LOG_TAU)
+        eta, _, _ = tree_joint_accept(log_p_tok, log_q, parents, best, LOG_TAU)
         assert int(eta) >= eta_mtad
         longer += int(eta) > eta_mtad
     assert longer > 10  # the extra candidates do help sometimes

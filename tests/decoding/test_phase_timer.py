@@ -14,9 +14,9 @@ import warnings
 import pytest
 import torch
 
-from mtad_energy.decoding import base
-from mtad_energy.decoding.base import CpuPhaseTimer, CudaPhaseTimer, PhaseTimer
-from mtad_energy.decoding.generate import generate
+from mtad_energy.decoding.runtime import timer as timer_mod
+from mtad_energy.decoding.runtime.generate import generate
+from mtad_energy.decoding.runtime.timer import CpuPhaseTimer, CudaPhaseTimer, PhaseTimer
 from tests.decoding.host_reads import at_read_back
 
 REL = 1e-9
@@ -72,7 +72,7 @@ def test_phases_add_up_to_decode_time(llama_pair, decoder):
 
 def test_nested_phases_do_not_double_count(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(base, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(timer_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     timer = PhaseTimer(torch.device("cpu"))
     with timer("target"):
         now[0] += 1.0
@@ -182,7 +182,7 @@ def test_cuda_timer_uses_events_without_syncing(monkeypatch):
 
 def _is_boundary_sync(stack: traceback.StackSummary) -> bool:
     """The sync at the decode/end boundary (``PhaseTimer.sync``), which energy windows need."""
-    return any(f.name == "sync" and f.filename.endswith("base.py") for f in stack)
+    return any(f.name == "sync" and f.filename.endswith("runtime/timer.py") for f in stack)
 
 
 def _is_read_back(stack: traceback.StackSummary) -> bool:
@@ -217,8 +217,8 @@ def test_one_host_sync_per_iteration_on_gpu(model_dirs, decoder, compile):
     def hook(phase: str) -> None:
         recording[0] = phase == "decode"
 
-    from mtad_energy.decoding.generate import encode_prompt, generate_ids
     from mtad_energy.decoding.registry import get_decoder
+    from mtad_energy.decoding.runtime.generate import encode_prompt, generate_ids
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

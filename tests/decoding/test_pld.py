@@ -13,11 +13,11 @@ from unittest import mock
 import pytest
 
 import mtad_energy as me
-from mtad_energy.decoding import acceptance
-from mtad_energy.decoding.generate import generate_ids, generate_rows
-from mtad_energy.decoding.pld import ngram_draft
+from mtad_energy.decoding.decoders.pld import ngram_draft
 from mtad_energy.decoding.registry import get_decoder
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules import chain
+from mtad_energy.decoding.rules.sampling import Warp
+from mtad_energy.decoding.runtime.generate import generate_ids, generate_rows
 from tests.decoding.lossless import batched_row_pvalues, chi_square_pvalue, exact_joint
 
 PROMPT = [5, 9, 11, 3, 7, 21, 2]  # the batch / compile tests' first prompt
@@ -120,7 +120,7 @@ def test_pld_is_lossless(lossless_pair, exact2):
 
 
 def test_pld_with_residual_replaced_by_p_is_rejected(lossless_pair, exact2):
-    with mock.patch.object(acceptance, "residual", lambda p, q: p):
+    with mock.patch.object(chain, "residual", lambda p, q: p):
         counts, _ = _counts(lossless_pair, 300)
     assert chi_square_pvalue(counts, exact2) < 1e-6
 
@@ -130,7 +130,7 @@ def test_pld_with_residual_replaced_by_p_is_rejected(lossless_pair, exact2):
 def test_batched_pld_is_lossless_per_row(lossless_pair, broken):
     """Rows of different lengths that draft different lengths in one verify: each row's 3-token
     continuations follow its own warped p; with the residual replaced by p they do not."""
-    pvalues = batched_row_pvalues(lossless_pair, get_decoder("pld", gamma=3), acceptance, broken)
+    pvalues = batched_row_pvalues(lossless_pair, get_decoder("pld", gamma=3), chain, broken)
     if broken:
         assert min(pvalues) < 1e-6, pvalues
     else:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from mtad_energy.decoding.generate import generate_rows
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.decoding.runtime.generate import generate_rows
 from mtad_energy.models import load_pair
 from tests import tiny
 

@@ -21,18 +21,18 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding import mmtad as mmtad_mod
-from mtad_energy.decoding import mtad as mtad_mod
-from mtad_energy.decoding.acceptance import speculative_accept
-from mtad_energy.decoding.beams import beam_sample
-from mtad_energy.decoding.mtad import Mtad, MtadParams
-from mtad_energy.decoding.sampling import Warp, residual, warp_probs
+from mtad_energy.decoding.decoders import mmtad as mmtad_mod
+from mtad_energy.decoding.decoders import mtad as mtad_mod
+from mtad_energy.decoding.decoders.mtad import Mtad, MtadParams
+from mtad_energy.decoding.rules.chain import speculative_accept
+from mtad_energy.decoding.rules.sampling import Warp, residual, warp_probs
+from mtad_energy.decoding.runtime.beams import beam_sample
 from mtad_energy.hf_cache import cache_of
 from mtad_energy.models import ModelPair
 from tests import tiny
 from tests.decoding.lossless import chi_square_pvalue, exact_joint
 
-# --- top-p boundary (sampling.py) -----------------------------------------------------------------
+# --- top-p boundary (rules/sampling.py) --------------------------------------------------------------
 # Probabilities 8/16, 4/16, 3/16, 1/16 (no ties) are exact in float32 through softmax(log(.)), so
 # the masses before each token (0, 1/2, 3/4, 15/16) are exact and p can sit exactly on them.
 TABLE = torch.tensor([0.5, 0.25, 0.1875, 0.0625])
@@ -77,7 +77,7 @@ def test_top_p_boundary_is_on_the_top_k_renormalised_masses(top_p, kept):
     assert torch.equal(out, torch.cat([_keep_first(kept), torch.zeros(2)]))
 
 
-# --- stochastic beam sampling weights (beams.py) -------------------------------------------------
+# --- stochastic beam sampling weights (runtime/beams.py) ---------------------------------------------
 
 V = 3
 Q1 = torch.tensor([0.6, 0.3, 0.1])  # first step after the prompt
@@ -196,7 +196,7 @@ def test_beam_sampling_records_joint_log_probs_and_best_beam(width, warp):
         assert int(d.best) == int(d.path_log_q[:, -1].argmax())
 
 
-# --- SpD: the accepted count is a prefix (acceptance.py, spd.py) -----------------------------------
+# --- SpD: the accepted count is a prefix (rules/chain.py, spd.py) ------------------------------------
 
 def test_speculative_accept_stops_at_the_first_rejection_even_if_a_later_token_passes():
     # position 1 always rejects (p(x1) = 0), position 2 always accepts (p(x2) >= q(x2))
@@ -282,7 +282,7 @@ def test_mmtad_bonus_token_comes_from_the_chosen_node_even_when_it_is_not_node_0
     top_k, prompt = 2, [3, 5, 7]
     dec = me.get_decoder("mmtad", gamma=3, beam_width=4, tau=0.1, top_k=top_k, top_p=1.0)
     chosen: list[tuple[int, int]] = []
-    real_select = mmtad_mod.mmtad_select_rows  # the step selects for every row at once
+    real_select = mmtad_mod.tree_joint_accept_rows  # the step selects for every row at once
 
     def spy(*args, **kwargs):
         out = real_select(*args, **kwargs)
@@ -290,7 +290,7 @@ def test_mmtad_bonus_token_comes_from_the_chosen_node_even_when_it_is_not_node_0
         return out
 
     not_first, hits, mean, var = 0, 0, 0.0, 0.0
-    with mock.patch.object(mmtad_mod, "mmtad_select_rows", spy):
+    with mock.patch.object(mmtad_mod, "tree_joint_accept_rows", spy):
         for seed in range(120):
             chosen.clear()
             g = me.generate(dec, pair, prompt, max_new_tokens=4, seed=seed, compute_perplexity=False)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mtad_energy.decoding.sampling import Warp, gumbel_topk, residual, sample, warp_probs
+from mtad_energy.decoding.rules.sampling import Warp, gumbel_topk, residual, sample, warp_probs
 
 
 def test_top_p_drops_a_token_once_the_mass_before_it_exceeds_p():

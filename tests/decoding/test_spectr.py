@@ -8,16 +8,17 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding import acceptance, spectr
-from mtad_energy.decoding.acceptance import (
+from mtad_energy.decoding.decoders import spectr
+from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.decoding.rules import chain
+from mtad_energy.decoding.rules.chain import (
     spectr_accept,
     spectr_beta,
     spectr_residual,
     spectr_rho,
     speculative_accept,
 )
-from mtad_energy.decoding.registry import get_decoder
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules.sampling import Warp
 from mtad_energy.hf_cache import cache_of
 from mtad_energy.models import ModelPair
 from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_counts
@@ -130,7 +131,7 @@ def test_spectr_is_lossless(lossless_pair):
     assert chi_square_pvalue(counts, exact) > 1e-3
     # naive multi-draft (rho = 1: each draft accepted with min(1, p/q)) is biased towards q
     ones = lambda p, q, k, iters=24, support=0: torch.ones(p.shape[:-1])  # noqa: E731
-    with mock.patch.object(acceptance, "spectr_rho", ones):
+    with mock.patch.object(chain, "spectr_rho", ones):
         counts = sample_counts(decoder, lossless_pair, 300, prompt, n_tokens=3)
     assert chi_square_pvalue(counts, exact) < 1e-6
 

@@ -13,8 +13,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer
-from mtad_energy.decoding.tree import (
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.timer import PhaseTimer
+from mtad_energy.decoding.runtime.tree import (
     ancestors,
     check_tree_support,
     depths,

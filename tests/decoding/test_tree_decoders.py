@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding.base import Decoder, DecodeState, StepResult
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.decoding.runtime.decoder import Decoder
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult
 from mtad_energy.hf_cache import cache_of
 from mtad_energy.models import ModelPair
 from tests.tiny import llama, word_tokenizer

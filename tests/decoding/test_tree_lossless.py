@@ -13,11 +13,11 @@ from collections import Counter
 import pytest
 import torch
 
-from mtad_energy.decoding import tree_accept
+from mtad_energy.decoding.decoders.specinfer import draw_children
 from mtad_energy.decoding.registry import get_decoder
-from mtad_energy.decoding.sampling import Warp, sample
-from mtad_energy.decoding.specinfer import draw_children
-from mtad_energy.decoding.tree_accept import tree_speculative_accept
+from mtad_energy.decoding.rules import tree as tree_rules
+from mtad_energy.decoding.rules.sampling import Warp, sample
+from mtad_energy.decoding.rules.tree import tree_speculative_accept
 from tests.decoding.lossless import chi_square_pvalue, exact_joint, sample_counts
 from tests.tiny import lossless_pair
 
@@ -61,12 +61,12 @@ def test_walk_is_lossless(q, without_replacement, on_support):
 
 
 def test_walk_without_residual_is_rejected(monkeypatch):
-    monkeypatch.setattr(tree_accept, "residual", lambda p, q: p)  # p not updated on rejection
+    monkeypatch.setattr(tree_rules, "residual", lambda p, q: p)  # p not updated on rejection
     assert chi_square_pvalue(walk_counts(P, Q_WIDE, 4, False, 2000), _exact(P)) < BROKEN
 
 
 def test_mcss_without_q_update_is_rejected(monkeypatch):
-    monkeypatch.setattr(tree_accept, "remove_token", lambda q, x: q)  # the classic MCSS mistake
+    monkeypatch.setattr(tree_rules, "remove_token", lambda q, x: q)  # the classic MCSS mistake
     assert chi_square_pvalue(walk_counts(P, Q_WIDE, 4, True, 2000), _exact(P)) < BROKEN
 
 
@@ -100,6 +100,6 @@ def test_decoder_is_lossless(pair_and_exact, name):
 
 def test_decoder_with_broken_residual_is_rejected(pair_and_exact, monkeypatch):
     pair, exact = pair_and_exact
-    monkeypatch.setattr(tree_accept, "residual", lambda p, q: p)
+    monkeypatch.setattr(tree_rules, "residual", lambda p, q: p)
     counts = sample_counts(get_decoder("specinfer"), pair, 600, n_tokens=3)
     assert chi_square_pvalue(counts, exact) < BROKEN

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import mtad_energy as me
-from mtad_energy.decoding.acceptance import typical_accept_length
 from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.decoding.rules.chain import typical_accept_length
 from mtad_energy.models import ModelPair
 
 PROMPT = [5, 9, 12, 3]

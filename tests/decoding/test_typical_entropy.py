@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from mtad_energy.decoding.acceptance import typical_accept_length
-from mtad_energy.decoding.tree import ancestors
-from mtad_energy.decoding.tree_accept import tree_typical_accept
+from mtad_energy.decoding.rules.chain import typical_accept_length
+from mtad_energy.decoding.rules.tree import tree_typical_accept
+from mtad_energy.decoding.runtime.tree import ancestors
 
 EPS, DELTA = 0.09, 0.3
 SPREAD = [0.30, 0.08, 0.22, 0.20, 0.20]  # token 1 at 0.08, H = 1.54

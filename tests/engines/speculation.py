@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.sampling import Warp, residual
+from mtad_energy.decoding.rules.sampling import Warp, residual
 from mtad_energy.engines import audit
 
 # (u, p~(x), q~(x), depth) -> whether the engine accepts draft token x

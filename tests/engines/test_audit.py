@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtad_energy.decoding.sampling import Warp
+from mtad_energy.decoding.rules.sampling import Warp
 from mtad_energy.engines import audit
 from mtad_energy.engines.audit import Measured
 

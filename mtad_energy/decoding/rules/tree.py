@@ -1,6 +1,7 @@
-"""Multi-step speculative sampling over a static token tree (SpecInfer, MCSS), as a pure function.
+"""The token-tree rules (SpecInfer and MCSS's multi-step speculative sampling, EAGLE and Medusa's
+candidate and typical acceptance) as pure tensor functions.
 
-Tree layout (``tree.level_parents``): level l has ``prod(branching[:l+1])`` nodes stored after the
+Tree layout (``runtime.tree.level_parents``): level l has ``prod(branching[:l+1])`` nodes stored after the
 previous levels; the children of the j-th node of a level are contiguous. Rows of ``p``: root
 (the last emitted token) then every node; rows of ``q``: root then every internal node.
 """
@@ -11,7 +12,7 @@ import itertools
 
 import torch
 
-from mtad_energy.decoding.sampling import residual, sample
+from mtad_energy.decoding.rules.sampling import residual, sample
 
 
 def level_offsets(branching: tuple[int, ...]) -> list[int]:

@@ -3,7 +3,7 @@ what the head decoders (`medusa`, `eagle`) share: the runner of a cache-free hea
 target's features carried from one iteration to the next, and the target's tree verify.
 
 A head reads the target's hidden state at the last position the target cache holds (the cache
-invariant of base.py: every token but the last one). After the prefill that is the prompt's
+invariant of `runtime.runner`: every token but the last one). After the prefill that is the prompt's
 second-to-last token (zero for a one-token prompt, which has none); after a verify it is the
 deepest accepted node of the tree, whose hidden state the verify forward returned.
 """
@@ -15,8 +15,10 @@ import weakref
 
 import torch
 
-from mtad_energy.decoding.base import DecodeState, ModelRunner, PhaseTimer
-from mtad_energy.decoding.graph_call import GraphFunction
+from mtad_energy.decoding.runtime.graph_call import GraphFunction
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
 
 # head -> (compiled forward, shapes run so far): kept across generations, like the engines
@@ -44,7 +46,7 @@ class HeadRunner(ModelRunner):
         self.compiled = bool(compile)
         self.compile_s = 0.0
         if self.compiled:
-            from mtad_energy.decoding.static import CompileOptions
+            from mtad_energy.decoding.runtime.compiled import CompileOptions
 
             opts = options or CompileOptions()
             device = next(head.parameters()).device

@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import torch
 
-from mtad_energy.decoding import cache as kv
-from mtad_energy.decoding.base import ModelRunner, PhaseTimer, additive_mask, to_device
+from mtad_energy.decoding.runtime import cache as kv
+from mtad_energy.decoding.runtime.masks import additive_mask
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.state import to_device
+from mtad_energy.decoding.runtime.timer import PhaseTimer
 
 # eager: compact once this many columns past the longest row are dead
 DEAD_COLUMNS = 32

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, param, require
-from mtad_energy.decoding.beams import beam_sample_rows
+from mtad_energy.decoding.runtime.beams import beam_sample_rows
+from mtad_energy.decoding.runtime.decoder import Decoder
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult
 
 
 @dataclass(frozen=True)

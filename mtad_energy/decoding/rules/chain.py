@@ -1,4 +1,7 @@
-"""Acceptance rules as pure tensor functions (no models, no caches).
+"""The chain rules: acceptance of one or k drafted token chains (SpD's speculative sampling,
+prompt lookup, Spectr's k-sequential selection, Medusa's typical acceptance, BiLD's rollback) as
+pure tensor functions (no models, no caches). Tree rules: `rules.tree`; the joint-ratio rules of
+MTAD and MMTAD: `rules.joint`.
 
 Shapes: gamma draft tokens, vocabulary V. ``p`` is the warped target, ``q`` the warped draft.
 """
@@ -7,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mtad_energy.decoding.sampling import residual, sample, sample_shape, sample_u, uniforms
+from mtad_energy.decoding.rules.sampling import residual, sample, sample_shape, sample_u, uniforms
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
@@ -72,20 +75,8 @@ def lookup_accept_u(p: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor, u:
     return n, sample_u(residual(p_n, q_n), u_next)
 
 
-def joint_accept_length(log_p: torch.Tensor, log_q: torch.Tensor, log_tau: float) -> torch.Tensor:
-    """MTAD's accepted length eta for one draft.
-
-    log_p, log_q: ``[..., gamma]`` per-token warped log-probabilities of the draft tokens under
-    the target and draft. With L_j = sum_{i<=j} (log_p_i - log_q_i), eta = max{j : L_j > log tau},
-    0 if none (``[...]``). It is the *longest* passing prefix: an earlier failing prefix does not
-    stop it.
-    """
-    ratio = (log_p - log_q).cumsum(-1)  # [..., gamma]
-    lengths = torch.arange(1, ratio.shape[-1] + 1, device=ratio.device)
-    return torch.where(ratio > log_tau, lengths, torch.zeros_like(lengths)).amax(-1)
-
-
 # --- Spectr: k-sequential selection (Sun et al. 2023) ---------------------------------------------
+
 
 def spectr_beta(p: torch.Tensor, q: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     """beta(rho) = sum_x min(q(x), p(x)/rho): p, q ``[..., V]``, rho ``[...]`` -> ``[...]``."""

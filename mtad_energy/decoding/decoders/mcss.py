@@ -11,7 +11,7 @@ Stats as in SpecInfer: ``proposed`` = draft tree nodes shown to the target.
 
 from __future__ import annotations
 
-from mtad_energy.decoding.specinfer import SpecInfer
+from mtad_energy.decoding.decoders.specinfer import SpecInfer
 
 
 class Mcss(SpecInfer):

@@ -8,7 +8,7 @@ Each node sees the whole prefix, its ancestors and itself (SpecInfer's tree atte
 counts ancestors-or-self inside the tree (a node hanging off the prefix has depth 1), so a node's
 position id is ``prefix_len + depth - 1``: exactly where it would sit in a sequential run of its
 path. Callers that verify with the target put the prefix's last token at the root (node 0,
-parent -1) and pass ``prefix_len = n - 1`` (the cache invariant of ``base.py``).
+parent -1) and pass ``prefix_len = n - 1`` (the cache invariant of ``runtime.runner``).
 
 The 4-D float mask ``[1, 1, K, past + K]`` (0 allowed, dtype-min elsewhere) goes through
 transformers' custom-mask path (``masking_utils`` returns a 4-D mask as-is) with explicit
@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from mtad_energy.decoding.base import ModelRunner, additive_mask
+from mtad_energy.decoding.runtime.masks import additive_mask
+from mtad_energy.decoding.runtime.runner import ModelRunner
 
 # model_type values whose HF implementation takes a custom 4-D additive mask plus position_ids
 # (tested in tests/decoding/test_tree.py); others may silently ignore or rebuild the mask.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from mtad_energy.decoding.base import Decoder, DecoderParams, DecodeState, StepResult, target_step
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.params import DecoderParams
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult
 
 
 class Multinomial(Decoder):

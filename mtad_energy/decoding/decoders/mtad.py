@@ -13,20 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.acceptance import joint_accept_length
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    StepResult,
-    block_tokens,
-    param,
-    require,
-    target_step,
-    to_device,
-)
-from mtad_energy.decoding.beams import beam_sample_rows, best_at, closest_beam
-from mtad_energy.decoding.sampling import sample_shape, sample_u, uniforms, warp_probs
+from mtad_energy.decoding.rules.joint import joint_accept_u
+from mtad_energy.decoding.rules.sampling import warp_probs
+from mtad_energy.decoding.runtime.beams import beam_sample_rows, best_at, closest_beam
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 
 
 @dataclass(frozen=True)
@@ -76,50 +69,21 @@ class Mtad(Decoder):
                                  depth.clamp_min(1))  # [B, gamma]
         logits = s.target(torch.cat([s.last_token, y], 1))  # [B, gamma+1, V]
         tokens, eta, length, beam, kept = s.kernels(
-            mtad_accept, logits, y, cum_log_q, depth, beams.seqs, s.uniform(s.batch, 1),
+            mtad_verify, logits, y, cum_log_q, depth, beams.seqs, s.uniform(s.batch, 1),
             prm.log_tau, *warp.args)
         beams.keep(s.draft, beam)  # the draft cache holds y*_1..y*_kept
         return StepResult(tokens, lens, eta, length, s.lengths_on_device() + kept, depth=lens)
 
 
-def mtad_accept(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,
+def mtad_verify(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,
                 depth: torch.Tensor, seqs: torch.Tensor, u_next: torch.Tensor, log_tau: float,
                 temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: the verify's warped p (``logits [B, gamma+1, V]``), MTAD's rule on y*
-    (`mtad_verify_u`), the block, and the final beam (of ``seqs [B, W, gamma]``) whose draft
+    (`joint_accept_u`), the block, and the final beam (of ``seqs [B, W, gamma]``) whose draft
     cache to keep with the length it shares with the emitted draft: ``(tokens [B, gamma+1], eta,
     length, beam, kept [B])``."""
     p = warp_probs(logits, temperature, top_k, top_p)
-    eta, nxt = mtad_verify_u(p, y, cum_log_q, log_tau, u_next, depth)
+    eta, nxt = joint_accept_u(p, y, cum_log_q, log_tau, u_next, depth)
     tokens, length = block_tokens(y, eta, nxt)
     beam, kept = closest_beam(seqs, y, eta)
     return tokens, eta, length, beam, kept
-
-
-def mtad_verify(p: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor, log_tau: float,
-                generator: torch.Generator | None = None, depth: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MTAD verification of one draft, or of B (leading ``[B]`` dims).
-
-    p: ``[..., gamma+1, V]`` warped target after each draft prefix; y: ``[..., gamma]`` draft
-    tokens; cum_log_q: ``[..., gamma]`` cumulative warped draft log-prob of y_1..y_j; depth
-    ``[...]``: only y_1..y_depth are a draft (default: all gamma). Returns ``(eta, next)``, each
-    ``[...]``: the accepted length and a token sampled from p after y_1..y_eta.
-    """
-    u = uniforms(sample_shape(p[..., 0, :]), generator, p.device)
-    return mtad_verify_u(p, y, cum_log_q, log_tau, u, depth)
-
-
-def mtad_verify_u(p: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor, log_tau: float,
-                  u_next: torch.Tensor, depth: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mtad_verify` with the next token's uniforms ``u_next`` given (`sample_u`'s)."""
-    gamma = y.shape[-1]
-    log_q = torch.diff(cum_log_q, prepend=torch.zeros_like(cum_log_q[..., :1]))  # log ~q(y_i)
-    log_p = p[..., :gamma, :].gather(-1, y[..., None]).squeeze(-1).log()
-    if depth is not None:  # positions past a row's own draft never pass
-        past = torch.arange(gamma, device=y.device) >= depth[..., None]
-        log_p = log_p.masked_fill(past, float("-inf"))
-    eta = joint_accept_length(log_p, log_q, log_tau)
-    at = eta[..., None, None].expand(*eta.shape, 1, p.shape[-1])
-    return eta, sample_u(p.gather(-2, at).squeeze(-2), u_next)

@@ -16,70 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecodeState,
-    StepResult,
-    cap_per_row,
-    target_step,
-    to_device,
-)
-from mtad_energy.decoding.beams import beam_sample_rows, lineage
-from mtad_energy.decoding.mtad import MtadParams
-from mtad_energy.decoding.sampling import sample
-from mtad_energy.decoding.tree import ancestors, tree_forward
-
-
-def mmtad_select(log_p_tok: torch.Tensor, log_q: torch.Tensor, parents: torch.Tensor,
-                 best: torch.Tensor, log_tau: float) -> tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor]:
-    """MMTAD's acceptance rule on a beam tree (pure; no models).
-
-    log_p_tok: ``[D, W]`` log ~p of node (d, b)'s token given its own path (conditional).
-    log_q: ``[D, W]`` cumulative log ~q of each node (-inf = dead). parents: ``[D, W]``.
-    best: 0-d index of the final best beam y*.
-    Returns ``(eta, b, path)``: eta 0-d (0 = nothing passes), the chosen node's index b at depth
-    eta (0 when eta = 0) and ``path [D]``, its ancestors' indices per depth (first eta valid).
-    """
-    depth = torch.full((1,), log_p_tok.shape[0], dtype=torch.long, device=log_p_tok.device)
-    eta, b, path = mmtad_select_rows(log_p_tok[None], log_q[None], parents[None],
-                                     torch.as_tensor(best, device=depth.device).reshape(1),
-                                     depth, log_tau)
-    return eta[0], b[0], path[0]
-
-
-def mmtad_select_rows(log_p_tok: torch.Tensor, log_q: torch.Tensor, parents: torch.Tensor,
-                      best: torch.Tensor, depth: torch.Tensor, log_tau: float
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mmtad_select` for B beam trees at once, each over its own first ``depth[b]`` levels
-    (``[B]`` in 1..D: a row's search alone stops there; deeper nodes never pass and ``best[b]``
-    is the best beam at that depth). Arguments ``[B, D, W]`` and ``[B]``; returns ``(eta [B],
-    b [B], path [B, D])``, path entries past a row's chosen depth 0."""
-    rows, levels, width = log_p_tok.shape
-    lin = lineage(parents)  # [B, D, W, D]
-    d_idx = torch.arange(levels, device=lin.device)
-    on_path = d_idx[None, None, :] <= d_idx[:, None, None]  # [D, 1, D]: depth e is on the path
-    # tok_lp[b, d, w, e] = log_p_tok[b, e, lin[b, d, w, e]]
-    tok_lp = log_p_tok[:, None, None].expand(rows, levels, width, levels, width).gather(
-        -1, lin[..., None])[..., 0]  # [B, D, W, D]
-    log_p = torch.where(on_path, tok_lp, 0.0).sum(-1)  # [B, D, W] cumulative along own path
-
-    def node_path(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [B] each -> [B, D]
-        at_d = lin.gather(1, d[:, None, None, None].expand(-1, 1, width, levels))[:, 0]
-        return at_d.gather(1, w[:, None, None].expand(-1, 1, levels))[:, 0]
-
-    star = node_path(depth - 1, best)  # [B, D]: y*'s ancestors, not the node at best
-    log_q_star = log_q.gather(2, star[..., None])[..., 0]  # [B, D]
-    within = (d_idx[None] < depth[:, None])[..., None]  # [B, D, 1]
-    passes = (log_p - log_q_star[..., None] > log_tau) & (log_q > float("-inf")) & within
-    lengths = torch.where(passes.any(-1), d_idx + 1, 0)  # [B, D]
-    eta = lengths.amax(-1)  # [B]
-    row = (eta - 1).clamp_min(0)
-    at = row[:, None, None].expand(-1, 1, width)
-    score = torch.where(passes.gather(1, at)[:, 0], log_p.gather(1, at)[:, 0],
-                        float("-inf"))  # [B, W]
-    b = torch.where(eta > 0, score.argmax(-1), 0)  # argmax: the first (lowest) index on ties
-    return eta, b, node_path(row, b)
+from mtad_energy.decoding.decoders.mtad import MtadParams
+from mtad_energy.decoding.rules.joint import tree_joint_accept_rows
+from mtad_energy.decoding.rules.sampling import sample
+from mtad_energy.decoding.runtime.beams import beam_sample_rows
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.state import DecodeState, cap_per_row, to_device
+from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.tree import ancestors, tree_forward
 
 
 class Mmtad(Decoder):
@@ -124,7 +68,7 @@ class Mmtad(Decoder):
         # beam at depth g); a row that is done takes any depth
         depth = to_device([max(n, 1) for n in lens], dev)  # [B]
         best = beams.log_q.gather(1, (depth - 1)[:, None, None].expand(-1, 1, width))[:, 0]
-        eta, b, path = mmtad_select_rows(log_p_tok.view(rows, gamma, width), beams.log_q,
+        eta, b, path = tree_joint_accept_rows(log_p_tok.view(rows, gamma, width), beams.log_q,
                                          beams.parents, best.argmax(-1), depth,
                                          prm.log_tau)  # [B], [B], [B, D]
         eta = cap_per_row(eta, lens)  # a row with no draft of its own takes its token from p

@@ -12,7 +12,7 @@ returns every node's hidden state, and the accepted node's feeds the heads next 
 Acceptance (``acceptance``): ``typical`` (Medusa's, lossy): the deepest node whose path passes
 p(x) > min(eps, delta * exp(-H(p))) under the temperature-scaled, untruncated target (as the
 ``typical`` decoder), ties by the joint likelihood; the next token from ~p there. ``speculative``
-(lossless): the candidates' q is one-hot at their own token (`tree_accept.tree_candidates_accept`).
+(lossless): the candidates' q is one-hot at their own token (`rules.tree.tree_candidates_accept`).
 Both equal greedy ``ar`` at temperature 0.
 
 Stats: ``proposed`` = the tree's nodes, ``draft_depth`` = its depth (per row: a row near its
@@ -25,21 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    StepResult,
-    param,
-    require,
-    target_step,
-    to_device,
-)
-from mtad_energy.decoding.head_runner import hidden_at, prefill_features
-from mtad_energy.decoding.sampling import sample, warp_probs
-from mtad_energy.decoding.specinfer import rooted_tree, set_branching, tree_nodes
-from mtad_energy.decoding.tree import tree_forward
-from mtad_energy.decoding.tree_accept import tree_candidates_accept, tree_typical_accept
+from mtad_energy.decoding.decoders.specinfer import rooted_tree, set_branching, tree_nodes
+from mtad_energy.decoding.rules.sampling import sample, warp_probs
+from mtad_energy.decoding.rules.tree import tree_candidates_accept, tree_typical_accept
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.head_runner import hidden_at, prefill_features
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.tree import tree_forward
 
 ACCEPTANCE = ("typical", "speculative")
 

@@ -6,18 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.acceptance import speculative_accept_u
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    StepResult,
-    block_tokens,
-    param,
-    require,
-    target_step,
-)
-from mtad_energy.decoding.sampling import Warp, sample_u, warp_probs
+from mtad_energy.decoding.rules.chain import speculative_accept_u
+from mtad_energy.decoding.rules.sampling import Warp, sample_u, warp_probs
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 
 
 @dataclass(frozen=True)

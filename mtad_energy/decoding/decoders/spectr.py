@@ -18,18 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.acceptance import spectr_accept
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    ModelRunner,
-    StepResult,
-    param,
-    require,
-    target_step,
-)
-from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.decoding.rules.chain import spectr_accept
+from mtad_energy.decoding.rules.sampling import Warp, sample
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ The draft is the continuation of the most recent earlier occurrence of the seque
 tokens (prompt and output so far), n from ``max_ngram`` down to ``min_ngram``, at most ``gamma``
 tokens; no occurrence, no draft (the iteration is one target forward, as ``ar``). The target
 verifies the draft in one forward with speculative sampling where q is one-hot at each draft token
-(`acceptance.lookup_accept`): lossless w.r.t. warped p, and greedy-exact.
+(`rules.chain.lookup_accept`): lossless w.r.t. warped p, and greedy-exact.
 
 Per row: each row looks up its own sequence and drafts its own length (capped by what it can
 still emit); a batch verifies the longest, shorter drafts padded and never accepted.
@@ -23,19 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mtad_energy.decoding.acceptance import lookup_accept_u
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    StepResult,
-    block_tokens,
-    param,
-    require,
-    target_step,
-    to_device,
-)
-from mtad_energy.decoding.sampling import warp_probs
+from mtad_energy.decoding.rules.chain import lookup_accept_u
+from mtad_energy.decoding.rules.sampling import warp_probs
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 
 
 @dataclass(frozen=True)

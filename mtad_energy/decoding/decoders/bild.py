@@ -24,18 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.acceptance import rollback_length
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    ModelRunner,
-    StepResult,
-    param,
-    require,
-    to_device,
-)
-from mtad_energy.decoding.sampling import Warp, sample
+from mtad_energy.decoding.rules.chain import rollback_length
+from mtad_energy.decoding.rules.sampling import Warp, sample
+from mtad_energy.decoding.runtime.decoder import Decoder
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.step import StepResult
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ draft runner's: eager, batched or compiled like any draft model). Each iteration
    ``branching[l]`` tokens of its own output (one draft forward per level);
 3. **verify** [last token] + tree in one target forward (which returns the features of every
    node) with the rule for chosen (not sampled) candidates, q one-hot at their token
-   (`tree_accept.tree_candidates_accept`): lossless w.r.t. warped p, and greedy-exact;
+   (`rules.tree.tree_candidates_accept`): lossless w.r.t. warped p, and greedy-exact;
 4. the head cache drops the tree (it was fed draft features; the accepted positions are fed
    again next time with the target's).
 
@@ -31,20 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    StepResult,
-    param,
-    require,
-    target_step,
-    to_device,
-)
-from mtad_energy.decoding.head_runner import prefill_features
-from mtad_energy.decoding.specinfer import MAX_TREE_NODES, rooted_tree, set_branching, tree_nodes
-from mtad_energy.decoding.tree import ancestors, tree_forward
-from mtad_energy.decoding.tree_accept import tree_candidates_accept
+from mtad_energy.decoding.decoders.specinfer import MAX_TREE_NODES, rooted_tree, set_branching, tree_nodes
+from mtad_energy.decoding.rules.tree import tree_candidates_accept
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.head_runner import prefill_features
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.tree import ancestors, tree_forward
 
 TREES = ("dynamic", "static")
 

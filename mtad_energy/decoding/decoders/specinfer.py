@@ -4,7 +4,7 @@ The draft builds a static tree level by level (branching per level, default 4,2,
 children are drawn i.i.d. from ~q at their parent. Each level is one draft forward with tree
 attention over the draft cache (the leaves need none), so depth L costs L draft forwards, as a
 chain of L tokens does in spd. The target scores root + all nodes in one tree-attention forward;
-``tree_accept.tree_speculative_accept`` walks the tree. Lossless w.r.t. ~p.
+``rules.tree.tree_speculative_accept`` walks the tree. Lossless w.r.t. ~p.
 
 Stats: ``proposed`` = all draft tree nodes shown to the target (28 by default); ``accepted`` =
 accepted path length.
@@ -18,19 +18,14 @@ from functools import lru_cache
 
 import torch
 
-from mtad_energy.decoding.base import (
-    Decoder,
-    DecoderParams,
-    DecodeState,
-    ModelRunner,
-    StepResult,
-    param,
-    require,
-    target_step,
-)
-from mtad_energy.decoding.sampling import Warp, log_probs, on_vocab, sample
-from mtad_energy.decoding.tree import ancestors, level_parents, tree_forward
-from mtad_energy.decoding.tree_accept import tree_speculative_accept
+from mtad_energy.decoding.rules.sampling import Warp, log_probs, on_vocab, sample
+from mtad_energy.decoding.rules.tree import tree_speculative_accept
+from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.tree import ancestors, level_parents, tree_forward
 
 MAX_TREE_NODES = 1024
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from mtad_energy.decoding.base import ModelRunner
-from mtad_energy.decoding.kernels import Kernels
-from mtad_energy.decoding.sampling import Warp, gumbel_topk_u, log_probs, take, uniforms
+from mtad_energy.decoding.rules.joint import lineage
+from mtad_energy.decoding.rules.sampling import Warp, gumbel_topk_u, log_probs, take, uniforms
+from mtad_energy.decoding.runtime.kernels import Kernels
+from mtad_energy.decoding.runtime.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -98,20 +98,6 @@ def closest_beam(seqs: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor
     lcp = ((seqs == tokens[:, None]) & valid[:, None]).long().cumprod(2).sum(2)  # [B, W]
     row = lcp.argmax(1)  # [B]
     return row, lcp.gather(1, row[:, None])[:, 0]
-
-
-def lineage(parents: torch.Tensor) -> torch.Tensor:
-    """``lin [(B,) D, W, D]``: ``lin[..., d, b, e]`` = index at depth e of the ancestor of node
-    (d, b) (itself at e = d); entries with e > d are 0 and meaningless. parents: ``[(B,) D, W]``."""
-    depth, width = parents.shape[-2:]
-    own = torch.arange(width, device=parents.device).expand(parents.shape[:-2] + (width,))
-    own = own[..., None]  # [(B,) W, 1]
-    lin = [own]
-    for d in range(1, depth):  # D tiny gathers; no host sync
-        prev, par = lin[-1], parents[..., d, :, None]  # [(B,) W, d], [(B,) W, 1]
-        lin.append(torch.cat([prev.gather(-2, par.expand(par.shape[:-1] + prev.shape[-1:])),
-                              own], -1))
-    return torch.stack([F.pad(x, (0, depth - x.shape[-1])) for x in lin], -3)
 
 
 def _pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:

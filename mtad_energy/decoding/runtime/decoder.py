@@ -1,0 +1,113 @@
+"""`Decoder`: the base class every decoder in ``decoders/`` derives from (a name, a frozen
+params dataclass and ``step``), and `target_step`, the plain one-token step from p.
+
+A decoder turns the state of one sequence into the next block of tokens; the generate loop in
+``generate.py`` owns everything else (prefill, EOS, max_new_tokens, cache rollback, stats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from mtad_energy.decoding.rules.sampling import Warp, sample_u, warp_probs
+from mtad_energy.decoding.runtime.params import DecoderParams
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult
+
+
+def next_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
+               top_p: float) -> torch.Tensor:
+    """``[B, 1]``: one token per row from warped p at the last position of ``logits [B, k, V]``
+    (uniforms ``u [B, 1]``): a kernel."""
+    return sample_u(warp_probs(logits[:, -1], temperature, top_k, top_p), u)[:, None]
+
+
+def target_step(s: DecodeState, warp: Warp) -> StepResult:
+    """One token per row sampled from warped p after the sequence: ``ar``'s step, and what a
+    drafting decoder does when only one token is left (drafting would be wasted)."""
+    logits = s.target(s.last_token)  # [B, 1, V]
+    return StepResult(s.kernels(next_token, logits, s.uniform(s.batch, 1), *warp.args))
+
+
+class Decoder:
+    """Base class of every decoder: a name, a frozen params dataclass, and ``step``."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    Params: ClassVar[type[DecoderParams]] = DecoderParams
+    needs_draft: ClassVar[bool] = False
+    # drafts without the pair's draft model (prompt lookup, heads): a loaded draft is ignored
+    drafts_without_model: ClassVar[bool] = False
+    # the kind of draft head it runs on the target's hidden states ("eagle", "medusa"): the
+    # pair's ``heads[head]``, run as its draft model (its forwards count as draft forwards)
+    head: ClassVar[str | None] = None
+    # whether `step` handles a DecodeState of B > 1 rows (batched generation)
+    batched: ClassVar[bool] = False
+
+    def __init__(self, params: DecoderParams | None = None):
+        self.params = params if params is not None else self.Params()
+
+    @property
+    def lookahead(self) -> int:
+        """Positions beyond the emitted ones the target may see in one iteration."""
+        return 0
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens of the widest forward an iteration runs (a chain's verify; trees override)."""
+        return self.lookahead + 1
+
+    def lookahead_for(self, max_new_tokens: int) -> int:
+        """The lookahead a generation of ``max_new_tokens`` can use: `draft_len` caps every
+        iteration's draft one short of the tokens still wanted (``gamma=1000000`` with 8 new
+        tokens drafts at most 7)."""
+        return min(self.lookahead, max(0, max_new_tokens - 1))
+
+    def cache_rows(self, role: str) -> int:
+        """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):
+        the beam width of a beam search over that model, Spectr's k drafts; 1 otherwise."""
+        return 1
+
+    def draft_len(self, s: DecodeState) -> int:
+        """Draft positions worth proposing this iteration: the lookahead, capped one short of the
+        tokens still wanted (the bonus token from p fills the last) by the row that wants the
+        most. 0: take a `target_step`."""
+        return max(0, min(self.lookahead, s.remaining - 1))
+
+    def draft_lens(self, s: DecodeState) -> list[int]:
+        """`draft_len` per row, as each row would draft alone: capped by what the row itself
+        still wants; 0 for a row that is done. A batch drafts ``max(draft_lens)``; a lossy
+        rule must not accept past a row's own length, and statistics count it per row."""
+        return [max(0, min(self.lookahead, s.row_remaining(b) - 1)) if s.active[b] else 0
+                for b in range(s.batch)]
+
+    def draft_model(self, pair) -> Any:
+        """What the draft runner runs: the pair's draft model (``needs_draft``), its head of kind
+        ``head``, or None (no draft runner)."""
+        if self.head is not None:
+            return pair.heads.get(self.head)
+        return pair.draft if self.needs_draft else None
+
+    def target_hidden(self, pair) -> tuple[int, ...]:
+        """Hidden states every target forward must return (`ModelRunner` indices)."""
+        return ()
+
+    def draft_hidden(self) -> tuple[int, ...]:
+        """Hidden states every draft forward must return (a head's output feature)."""
+        return ()
+
+    def prefill(self, s: DecodeState) -> None:
+        """Called once after the loop's prefill of the target (and a draft model), inside the
+        prefill phase: a head decoder primes its head from the target's hidden states."""
+
+    def step(self, s: DecodeState) -> StepResult:
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        return {"decoder": self.name, **dataclasses.asdict(self.params)}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.params})"

@@ -1,0 +1,131 @@
+"""`ModelRunner`: one model with its KV cache, counting and timing its forwards.
+
+Cache invariant between iterations (gpt-fast style): the target cache holds every token except the
+last one, which is fed at the start of the next iteration together with the draft tokens, so the
+bonus token never needs a forward of its own. The draft cache holds a prefix of the sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mtad_energy.decoding.runtime import cache as kv
+from mtad_energy.decoding.runtime.masks import additive_mask, tree_inputs
+from mtad_energy.decoding.runtime.timer import PhaseTimer
+from mtad_energy.energy.work import Forward
+from mtad_energy.hf_cache import cache_kwargs
+
+
+def model_kwargs(hidden: tuple[int, ...], features: torch.Tensor | None) -> dict[str, Any]:
+    """What a forward passes to the model besides ids, mask, positions and cache: whether to
+    return the hidden states (`pick_hidden` keeps the requested ones; a boolean, since
+    transformers before 5.2x takes no list of layer indices) and a head's input features."""
+    out: dict[str, Any] = {}
+    if hidden:
+        out["output_hidden_states"] = True
+    if features is not None:
+        out["features"] = features
+    return out
+
+
+def pick_hidden(out, hidden: tuple[int, ...]) -> torch.Tensor | None:
+    """The requested hidden states of a forward's output, concatenated on the last axis
+    (``[B, k, len(hidden) * H]``), or None when none were requested."""
+    if not hidden:
+        return None
+    return torch.cat([out.hidden_states[i] for i in hidden], -1)
+
+
+class ModelRunner:
+    """One model with its KV cache; counts and times forwards.
+
+    ``hidden``: indices into transformers' ``hidden_states`` (0 the embeddings, i the input of
+    layer i, -1 the last layer's output after the final norm) to keep from every forward: after
+    each forward `hidden` holds them, concatenated, ``[B, k, len(hidden) * H]`` (None when none
+    are requested). A draft head's forwards take ``features [B, k, F]`` (the target's hidden
+    states, or its own), passed to the model as ``features=``."""
+
+    compiled = False  # forwards through torch.compile (`static.StaticRunner`)
+    compile_s = 0.0  # seconds spent compiling, outside the timed forwards (`static.StaticRunner`)
+    prewarm_s = 0.0  # of them, before the prefill (made with the runner): kept out of compile_s
+
+    def __init__(self, model, timer: PhaseTimer, phase: str, hidden: tuple[int, ...] = ()):
+        self.model = model
+        self.cache = kv.new_cache(model)
+        self.forwards = 0
+        # (rows, new tokens, KV columns attended) of every forward, padding included: the loop
+        # turns them into FLOPs and bytes (`mtad_energy.energy.work`) after the decode phase
+        self.forward_shapes: list[Forward] = []
+        self._timer = timer
+        self._phase = phase
+        self.hidden_layers = tuple(hidden)
+        self.hidden: torch.Tensor | None = None  # the last forward's requested hidden states
+
+    def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
+                 features: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """input_ids ``[B, k]`` -> float32 logits ``[B, k, V]``; appends k positions to the cache.
+        ``counts`` (rows of different lengths, `batch.RowsRunner`): row b's input is left-padded
+        and only its last counts[b] tokens are real; here every row is whole."""
+        self.forwards += 1
+        rows, k = input_ids.shape
+        # the cache's length before this forward (O(1); len(self) walks every layer)
+        self.forward_shapes.append(Forward(rows, k, self.cache.get_seq_length() + k,
+                                           0 if features is None else features.shape[-1]))
+        with self._timer(self._phase):
+            out = self.model(input_ids=input_ids, **cache_kwargs(self.cache), use_cache=True,
+                             **kwargs, **model_kwargs(self.hidden_layers, features))
+            self.hidden = pick_hidden(out, self.hidden_layers)
+        return out.logits.float()
+
+    def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
+                features: torch.Tensor | None = None) -> torch.Tensor:
+        """The prompt's forward (a `StaticRunner` runs it uncompiled: its length varies)."""
+        return self(input_ids, counts, features)
+
+    def forward_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                     depths: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        """K token-tree nodes in one forward (`tree.tree_forward`): ``input_ids [B, K]``,
+        ``anc_rows [K, M + K]`` (bool: node i sees tree node j; the M earlier nodes are the last
+        M cached positions), ``depths [K]`` (1 for a node on the prefix) -> logits ``[B, K, V]``.
+        Each node sees the whole prefix, its ancestors and itself, at position prefix + depth - 1.
+        """
+        allowed, pos = tree_inputs(anc_rows, depths, len(self))
+        dtype = getattr(self.model, "dtype", torch.float32)  # first floating parameter's dtype
+        return self(input_ids, attention_mask=additive_mask(allowed, dtype), position_ids=pos,
+                    features=features)
+
+    def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
+        """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node
+        indices, root first; ``[B, m]`` per sequence in `batch.RowsRunner`), drop the rest:
+        afterwards the cache equals a sequential run of that path (no recompute)."""
+        prefix = len(self) - n_tree
+        self.keep_positions(prefix, prefix + nodes.reshape(-1))
+
+    def __len__(self) -> int:
+        return kv.cache_len(self.cache)
+
+    def crop(self, length: int) -> None:
+        kv.crop(self.cache, length)
+
+    @property
+    def row_lengths(self) -> list[int]:
+        """Tokens cached per row (all rows alike here: one sequence or beams of one)."""
+        return [len(self)]
+
+    def crop_rows(self, lengths: list[int]) -> None:
+        """Keep the first lengths[b] tokens of row b (rows of one sequence: one length)."""
+        self.crop(lengths[0])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        kv.select_rows(self.cache, rows)
+
+    def repeat_rows(self, n: int) -> None:
+        kv.repeat_rows(self.cache, n)
+
+    def keep_positions(self, prefix_len: int, positions: torch.Tensor) -> None:
+        """Keep the first ``prefix_len`` positions followed by ``positions [m]`` (a token tree's
+        kept path), dropping the rest."""
+        keep = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
+        kv.keep_positions(self.cache, keep)

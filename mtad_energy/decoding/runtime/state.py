@@ -1,0 +1,142 @@
+"""`DecodeState`: the B sequences of one generation as a decoder's `step` sees them, and the
+host-list helpers around it (`to_device`, `ids_width`, `cap_per_row`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mtad_energy.decoding.rules.sampling import uniforms
+from mtad_energy.decoding.runtime.kernels import Kernels
+from mtad_energy.decoding.runtime.runner import ModelRunner
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small host list as a long tensor on ``device`` without a host sync (pinned memory and a
+    non-blocking copy on CUDA)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class DecodeState:
+    """B sequences decoded together (B = 1: one sequence, what most decoders handle).
+    ``ids[b, :lengths[b]]`` are row b's tokens so far (prompt included). Rows that are done
+    (EOS or max_new_tokens) are no longer `active`: they still ride along in the forwards, their
+    output ignored."""
+
+    ids: torch.Tensor  # [B, `ids_width`] on the model device
+    lengths: list[int]
+    prompt_lens: list[int]
+    max_new_tokens: int
+    target: ModelRunner
+    draft: ModelRunner | None
+    generator: torch.Generator
+    eos_token_id: int | None = None
+    active: list[bool] = field(default_factory=list)
+    # host mirror of ``ids``: row b's tokens so far (the loop keeps it from its one read-back),
+    # for decoders that draft on the host (n-gram lookup) without reading the device
+    tokens: list[list[int]] = field(default_factory=list)
+    # what a decoder keeps from one iteration to the next of this generation (a head's input
+    # features); decoders are reused across generations, so it lives here, not on them
+    carry: dict[str, Any] = field(default_factory=dict)
+    # where the step's pure tensor functions run: eagerly, or compiled (`kernels`)
+    kernels: Kernels = field(default_factory=Kernels)
+
+    def __post_init__(self) -> None:
+        self.active = self.active or [True] * len(self.lengths)
+        self._lengths_dev: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def n(self) -> int:
+        """Tokens so far of the one sequence (a decoder that handles B rows uses `lengths`)."""
+        if self.batch != 1:
+            raise ValueError("DecodeState.n is for one sequence; this state holds "
+                             f"{self.batch} rows (use lengths)")
+        return self.lengths[0]
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        """Uniforms in [0, 1) of ``shape`` on the model device, from the generation's generator:
+        a kernel's draws (`kernels`)."""
+        return uniforms(shape, self.generator, self.ids.device)
+
+    def row_remaining(self, b: int) -> int:
+        return self.prompt_lens[b] + self.max_new_tokens - self.lengths[b]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still wanted by the row that wants the most (0 when every row is done)."""
+        return max((self.row_remaining(b) for b in range(self.batch) if self.active[b]),
+                   default=0)
+
+    def row_depths(self, depth: int) -> torch.Tensor:
+        """``[B]`` long on the device: ``depth`` capped by what each row still wants (a row that
+        is done: 1), the depth a row's own search of at most ``depth`` tokens would run to."""
+        return to_device([max(1, min(depth, self.row_remaining(b))) if self.active[b] else 1
+                          for b in range(self.batch)], self.ids.device)
+
+    def lengths_on_device(self) -> torch.Tensor:
+        """``[B]`` long: `lengths` on the model device (copied once per change of lengths)."""
+        if self._lengths_dev is None:
+            self._lengths_dev = to_device(self.lengths, self.ids.device)
+        return self._lengths_dev
+
+    @property
+    def last_token(self) -> torch.Tensor:
+        """``[B, 1]``: each row's one token the target cache has not seen."""
+        if self.batch == 1:
+            return self.ids[:, self.n - 1:self.n]
+        return self.ids.gather(1, self.lengths_on_device()[:, None] - 1)
+
+    def draft_pending(self) -> torch.Tensor:
+        """``[1, k]``, k >= 1: the tokens the draft cache has not seen (one sequence)."""
+        return self.ids[:, self.draft.row_lengths[0]:self.n]
+
+    def draft_feed(self) -> tuple[torch.Tensor, list[int] | None]:
+        """What the draft has not seen, for B rows: ``(ids [B, k], counts)`` with row b's
+        counts[b] tokens right-aligned (left padding before them; `batch.RowsRunner` masks it);
+        one sequence: ``(draft_pending(), None)``."""
+        if self.batch == 1:
+            return self.draft_pending(), None
+        counts = [n - c for n, c in zip(self.lengths, self.draft.row_lengths, strict=True)]
+        k = max(counts)
+        idx = self.lengths_on_device()[:, None] - k + torch.arange(k, device=self.ids.device)
+        return self.ids.gather(1, idx.clamp_min(0)), counts
+
+    def append_rows(self, block: torch.Tensor, host: list[list[int]]) -> None:
+        """Append to each row b the first len(host[b]) tokens of ``block [B, M]`` (on the device;
+        ``host[b]``: those tokens read back, [] for a row that takes none). One copy for all
+        rows: the whole block lands after each row's tokens (``ids`` has M - 1 columns to spare,
+        `ids_width`), and only the first len(host[b]) count."""
+        m = block.shape[1]
+        if self.batch == 1:
+            self.ids[:, self.lengths[0]:self.lengths[0] + m].copy_(block)
+        else:
+            at = self.lengths_on_device()[:, None] + torch.arange(m, device=block.device)
+            self.ids.scatter_(1, at, block)
+        for b, tokens in enumerate(host):
+            self.lengths[b] += len(tokens)
+            if self.tokens:
+                self.tokens[b].extend(tokens)
+        self._lengths_dev = None
+
+
+def ids_width(prompt_lens: list[int], max_new_tokens: int, lookahead: int) -> int:
+    """Columns of `DecodeState.ids`: the longest row, and room for a whole block of lookahead +
+    1 tokens after any row's last (`DecodeState.append_rows` writes blocks whole)."""
+    return max(prompt_lens) + max_new_tokens + lookahead + 1
+
+
+def cap_per_row(n: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """``n [B]`` capped at each row's own draft length (a no-op when no row's is shorter)."""
+    if len(set(lens)) == 1:  # all draft max(lens): n cannot exceed it
+        return n
+    return torch.minimum(n, to_device(lens, n.device))
