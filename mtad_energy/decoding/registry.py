@@ -41,17 +41,22 @@ DECODERS: dict[str, type[Decoder]] = {
 }
 
 
-def _coerce(value: Any, kind: type, name: str) -> Any:
-    """Turn CLI strings ('0.3', 'true', '4,2,2') into the parameter's type."""
+TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def coerce(value: Any, kind: type, name: str) -> Any:
+    """Turn CLI strings ('0.3', 'true', '4,2,2') into the parameter's type: the one conversion of
+    decoder parameters and engine settings (`engines.registry` words its own refusal); ValueError
+    naming ``name`` where the string is not one."""
     if not isinstance(value, str):
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         return value
     try:
         if kind is bool:
-            if value.lower() in {"1", "true", "yes", "on"}:
+            if value.lower() in TRUE:
                 return True
-            if value.lower() in {"0", "false", "no", "off"}:
+            if value.lower() in FALSE:
                 return False
             raise ValueError(value)
         if typing.get_origin(kind) is tuple:
@@ -82,7 +87,7 @@ def get_decoder(name: str, **params: Any) -> Decoder:
     if unknown:
         raise ValueError(f"decoder {name!r} has no parameter {', '.join(unknown)}; its parameters "
                          f"are: {', '.join(hints)}")
-    kwargs = {k: _coerce(v, hints[k], k) for k, v in params.items()}
+    kwargs = {k: coerce(v, hints[k], k) for k, v in params.items()}
     return cls(cls.Params(**kwargs))
 
 

@@ -197,22 +197,19 @@ class EngineKind:
                 f"engine {self.name!r} is not installed: pip install -e \".[{self.extra}]\"")
 
 
-TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-
-
 def _coerce(value: Any, default: Any, key: str, engine: str) -> Any:
-    """A CLI string as ``default``'s type (a decoder parameter's or an engine setting's); a value
-    of another type, or a boolean that is neither true nor false, is refused by name."""
+    """A CLI string as ``default``'s type (a decoder parameter's or an engine setting's) by
+    `decoding.registry.coerce`, the one conversion of both; a value of another type, or a boolean
+    that is neither true nor false, is refused by name with the engine's."""
+    from mtad_energy.decoding.registry import coerce
+
     if not isinstance(value, str):
         return value
-    if isinstance(default, bool):
-        if value.lower() not in TRUE | FALSE:
-            raise UnsupportedError(f"{key}={value!r} is not true or false (engine {engine!r})")
-        return value.lower() in TRUE
     try:
-        return type(default)(value)
+        return coerce(value, type(default), key)
     except ValueError:
-        what = {int: "an integer", float: "a number"}.get(type(default), type(default).__name__)
+        what = ("true or false" if isinstance(default, bool) else
+                {int: "an integer", float: "a number"}.get(type(default), type(default).__name__))
         raise UnsupportedError(f"{key}={value!r} is not {what} (engine {engine!r})") from None
 
 
