@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mtad_energy.results.drafts import draft_table
+from mtad_energy.results.drafts import draft_notes, draft_table
 from mtad_energy.results.figures import plot_drafts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +37,7 @@ OUT = ROOT / "experiments" / "results" / "drafts"
 DRAFTS = ("self:layers=0-5", "self:layers=0-11", "self:skip=every2", "self:layers=0-17",
           "self:layers=0-23", "self:layers=0-26", "self:int8")
 PAPER_RATIO = 3.17 / 2.02  # the paper's MTAD vs SpD block efficiency
+TEXT = ("model", "dataset", "draft", "flags")  # the table's text columns
 
 
 def run_sweep(args: argparse.Namespace, store: Path) -> dict:
@@ -85,10 +86,10 @@ def findings(rows: pd.DataFrame) -> list[str]:
 
 def markdown(table: pd.DataFrame) -> str:
     cols = list(table.columns)
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join(":---" if c in ("model", "dataset", "draft")
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join(":---" if c in TEXT
                                                         else "---:" for c in cols) + "|"]
     for _, r in table.iterrows():
-        out.append("| " + " | ".join(str(r[c]) if c in ("model", "dataset", "draft") else
+        out.append("| " + " | ".join(str(r[c]).replace("*", "\\*") if c in TEXT else
                                      ("-" if pd.isna(r[c]) else f"{r[c]:.2f}") for c in cols) + " |")
     return "\n".join(out)
 
@@ -122,13 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     for ext in ("png", "svg"):
         fig.savefig(args.out / f"drafts.{ext}", dpi=110)
     said = findings(rows)
-    busy = int(rows["n_contended"].fillna(0).sum())
     text = ["# Draft strength: MTAD's advantage over SpD", "",
             f"Command: `OMP_NUM_THREADS=1 python experiments/draft_study.py` (runs `{doc['command']}`).",
             "", markdown(table), "", "cost q/p: seconds per draft forward over ar's per target "
             "forward; SpD acc.: spd's accepted / drafted positions; BE: tokens per target forward; "
             "x: speed-up over ar.", "", *said, "",
-            f"Rows measured on a busy machine: {busy} (flagged per row in the store).", "",
+            *[n.replace("*:", "\\*:", 1) + "." for n in draft_notes(rows)], "",
             "![drafts](drafts.png)", ""]
     (args.out / "drafts.md").write_text("\n".join(text))
     print(table.to_string(index=False))

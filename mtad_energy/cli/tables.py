@@ -201,18 +201,20 @@ def draft_sweep_table(rows) -> Table:
     """`sweep draft`'s view (`results.drafts.draft_table` of ``rows``): a row per draft, weakest
     (lowest SpD acceptance) first; its cost relative to the target, SpD's acceptance, each
     decoder's block efficiency (BE) and speed-up over the baseline (x)."""
-    from mtad_energy.results.drafts import draft_table
+    from mtad_energy.results.drafts import draft_notes, draft_table
 
     table = draft_table(rows)
     keys = [c for c in ("model", "dataset") if c in table and table[c].nunique() > 1]
     names = {"draft_cost": "cost q/p", "spd_acceptance": "SpD acc."}
+    text = (*keys, "draft", "flags")
     columns = [*keys, "draft", *[c for c in table.columns if c not in ("model", "dataset", "draft")]]
     t = wrapping_table([names.get(c, c) for c in columns],
-                       [[esc(str(r[c])) if c in (*keys, "draft") else fmt(r[c]) for c in columns]
+                       [[esc(str(r[c])) if c in text else fmt(r[c]) for c in columns]
                         for _, r in table.iterrows()],
                        left=[*keys, "draft"], keys=[*keys, "draft"], title="drafts side by side")
-    t.caption = ("cost q/p: seconds per draft forward over the target's (the baseline's); SpD acc.: "
-                 "spd's accepted/drafted positions; BE: tokens per target forward; x: speed-up")
+    t.caption = esc("\n".join(["cost q/p: seconds per draft forward over the target's (the "
+                                "baseline's); SpD acc.: spd's accepted/drafted positions; BE: "
+                                "tokens per target forward; x: speed-up", *draft_notes(rows)]))
     return t
 
 

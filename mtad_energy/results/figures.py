@@ -408,7 +408,11 @@ def plot_drafts(rows: pd.DataFrame, paper_ratio: float = 3.17 / 2.02) -> Figure:
             left.set_ylim(top=max(left.get_ylim()[1], paper_ratio * 1.1))
         for ax in axes[-1]:
             ax.set_xlabel("SpD acceptance with the draft (accepted / drafted)")
-        fig.suptitle("Draft strength: block efficiency and speed-up per decoder")
+        from mtad_energy.results.drafts import draft_notes
+
+        caveats = [n.split(" (")[0].split(";")[0] for n in draft_notes(data)] if len(data) else []
+        fig.suptitle("\n".join(["Draft strength: block efficiency and speed-up per decoder",
+                                 *caveats]), fontsize=11)
         fig.tight_layout()
         for ax, placed in labels.items():
             xs, ys, names, cs = zip(*placed, strict=True)

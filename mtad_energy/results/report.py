@@ -248,7 +248,7 @@ def drafts_section(summary: pd.DataFrame, runs: pd.DataFrame, baseline: str, fig
                    ) -> list[str]:
     """With more than one draft in the store (`mtad-energy sweep draft`): the drafts side by side
     (`drafts.draft_table`) and the draft-strength figure (`figures.plot_drafts`)."""
-    from mtad_energy.results.drafts import draft_rows, draft_table
+    from mtad_energy.results.drafts import draft_notes, draft_rows, draft_table
 
     rows = draft_rows(summary, runs, baseline) if not summary.empty else pd.DataFrame()
     if rows.empty or rows["draft_id"].nunique() < 2:
@@ -262,6 +262,7 @@ def drafts_section(summary: pd.DataFrame, runs: pd.DataFrame, baseline: str, fig
             "figure puts each decoder's block efficiency over SpD's with the same draft (the "
             "paper's MTAD / SpD = 3.17 / 2.02 = 1.57 dashed) and its speed-up against SpD's "
             "acceptance.", "", analysis.to_markdown(table, higher_is_better={}), "",
+            *[n.replace("*:", "\\*:", 1) + "." for n in draft_notes(rows)], "",
             *_figure_links(["drafts"]), ""]
 
 

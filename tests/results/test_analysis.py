@@ -289,3 +289,22 @@ def test_drafts_are_configurations_and_ar_is_one_whatever_draft_its_rows_name(ru
     assert base["label"].tolist() == ["ar", "ar"] and base["draft_id"].isna().all()  # 2 datasets
     assert (base["n_runs"] == runs[runs.decoder == "ar"].groupby("dataset").size().values).all()
     assert one["speedup"].notna().all()
+
+
+def test_a_drafts_caveats_reach_its_table_notes_and_csv_columns(runs):
+    """The per-draft view carries its rows' flags: ``*`` where a run was measured on a busy
+    machine, ``†`` on random weights (`results.drafts`), with the lines saying what they mean."""
+    from mtad_energy.results.drafts import draft_notes, draft_rows, draft_table
+
+    spd = runs[runs.decoder == "spd"]
+    busy = spd.assign(draft_id="self:int8", run_key=spd["run_key"] + "-q", contended=True)
+    rand = spd.assign(draft_id="random:tiny-llama-draft", run_key=spd["run_key"] + "-r")
+    mixed = pd.concat([runs, busy, rand], ignore_index=True)
+    rows = draft_rows(analysis.decoder_summary(mixed), mixed)
+    table = draft_table(rows).set_index(["dataset", "draft"])["flags"]
+    assert table[("mtbench", "self:int8")] == "*"
+    assert table[("mtbench", "random:tiny-llama-draft")] == "†"
+    assert table[("mtbench", "HuggingFaceTB/SmolLM2-135M")] == ""
+    assert {"n_contended", "implausible", "random_weights"} <= set(rows.columns)
+    notes = draft_notes(rows)
+    assert any(n.startswith("*: 4 of") for n in notes) and any(n.startswith("†") for n in notes)
