@@ -160,6 +160,12 @@ class HostWorkCounter:
     def graph_call(self) -> Iterator[None]:
         """One compiled call: counted as such, and nothing inside it is counted as an op."""
         self.graph_calls += 1
+        with self.paused():
+            yield
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing inside counted (a new shape compiling: not the loop's work)."""
         self._exit()
         try:
             yield

@@ -184,3 +184,53 @@ def test_inductor_spd_is_token_identical_and_compiles_a_bounded_number_of_graphs
         eager = generate_ids(decoder, llama_pair, prompt, 64, compute_perplexity=False)
         assert compiled.token_ids == eager.token_ids
     assert 1 <= _graphs() - before <= 2 * (4 + 3), _graphs() - before
+
+
+@torch.inference_mode()
+def test_fused_calls_return_and_leave_what_the_separate_calls_do(llama_pair):
+    """`StaticRunner.chain` (a draft's loop of forwards with the draw between them) and `then`
+    (a forward and the function reading its logits) in one graph call each, once compiled
+    (after the generation that met them, `compile_pending`): the same tokens, probabilities,
+    cache columns, validity and KV as the separate calls, for 3 rows in a bucket of 4 with a
+    ragged first input, after the call ran twice (its untimed warm-up)."""
+    from mtad_energy.decoding.decoders.spd import draft_next
+    from mtad_energy.decoding.runtime.decoder import next_token
+    from mtad_energy.decoding.runtime.kernels import Kernels
+
+    g = torch.Generator().manual_seed(0)
+    u, u_next = torch.rand(4, 3, 1, generator=g), torch.rand(3, 1, generator=g)
+    warp = (1.0, 0, 1.0)
+    pending = torch.tensor([[1, 2], [0, 3], [4, 5]])
+
+    def run(fused_role: str):
+        runners = [StaticRunner(llama_pair.draft, PhaseTimer("cpu"), role, slots=32,
+                                options=TRACE, seqs=3, shape=ForwardShape(max_chain=5))
+                   for role in ("separate", fused_role)]  # chains of 4 fuse
+        separate, fused = runners
+        for r in runners:
+            r.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
+        a = ModelRunner.chain(separate, Kernels(), pending, [2, 1, 2], draft_next, u, *warp)
+        b = fused.chain(Kernels(), pending, [2, 1, 2], draft_next, u, *warp)
+        last = a[0][:, -1:]
+        a += (ModelRunner.then(separate, Kernels(), last, next_token, u_next, *warp),)
+        b += (fused.then(Kernels(), last, next_token, u_next, *warp),)
+        return runners, a, b
+
+    first, _, _ = run("fused")  # met first: run separately, compiled after the generation
+    assert first[1].compile_pending() > 0
+    assert {key[3] for key in first[1].cache.warmed if len(key) > 3} == {"forward_chain",
+                                                                        "forward_then"}
+    (separate, fused), a, b = run("fused")
+    assert fused.compile_pending() == 0  # ran fused: nothing left to compile
+    assert b[0].shape == (3, 4) and b[1].shape == (3, 4, llama_pair.draft.config.vocab_size)
+    assert torch.equal(b[0], a[0]) and torch.equal(b[2], a[2])
+    torch.testing.assert_close(b[1], a[1], atol=1e-6, rtol=0)
+    assert fused.cols == separate.cols and len(fused) == len(separate) == 4 + 2 + 3 + 1
+    assert fused.forwards == separate.forwards and fused.forward_shapes == separate.forward_shapes
+    n = len(fused)
+    assert torch.equal(fused.cache.valid[:, :n], separate.cache.valid[:, :n])
+    valid = fused.cache.valid[:3, :n]  # [3, n]: the real rows' columns
+    kv_a, kv_b = (r.cache.kv[:, :3, :, :n] for r in (separate, fused))  # [2 * layers, 3, H, n, D]
+    torch.testing.assert_close(kv_b.transpose(2, 3)[:, valid], kv_a.transpose(2, 3)[:, valid],
+                               atol=1e-6, rtol=0)
+    assert int(fused.cache.start) == int(separate.cache.start)

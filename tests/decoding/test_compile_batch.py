@@ -193,10 +193,10 @@ def test_each_decoder_pads_only_to_its_own_widths(llama_pair):
     seen: list[tuple[int, int]] = []
     real = static.StaticEngine.forward
 
-    def spy(self, cache, args, compiled=True, kwargs=None):
+    def spy(self, cache, args, compiled=True, kwargs=None, call=static.slot_forward):
         if compiled:
             seen.append(tuple(args[0].shape))
-        return real(self, cache, args, compiled, kwargs)
+        return real(self, cache, args, compiled, kwargs, call)
 
     with mock.patch.object(static.StaticEngine, "forward", spy):
         generate_ids(get_decoder("spd", temperature=0), llama_pair, PROMPTS[0], 12,

@@ -30,15 +30,19 @@ PROMPT = [5, 6, 7, 8, 9]
 # compiled, per iteration, at B = 1 and 4 (this tiny pair; experiments/host_work.py has every
 # decoder at the 32 / 16 layers of the 8B / 1B pair, before and after): aten ops outside compiled
 # graphs, and compiled calls. The chains (ar, spd, pld, typical, mtad, beam, mtjd, bild) keep
-# their warp, sampling and rule in kernels (`decoding.runtime.kernels`) and their cache moves in one op
-# for every layer: their budgets are what they do now, a little over; the trees (mmtad,
+# their warp, sampling and rule in kernels (`decoding.runtime.kernels`) and their cache moves in
+# one op for every layer; ar, spd, pld and typical fuse each forward with the kernel that reads
+# it (`ModelRunner.then`) and spd's and typical's draft loop into one call (`ModelRunner.chain`):
+# a full iteration is 1 graph call for ar and pld, 2 for spd and typical (the issue's target for
+# chains); the last, shorter iterations (and pld's shorter drafts) are not fused, which 16 tokens
+# show in the averages. The budgets are what each does now, a little over; the trees (mmtad,
 # specinfer, spectr, mcss, eagle, medusa) still walk their trees op by op: theirs hold today's
 # counts against regressions until their kernels come (the issue's targets: chains <= 25, trees
-# <= 50, ar <= 10; graph calls <= 2 for chains, <= 3 for trees).
-OPS_BUDGET = {"ar": 24, "spd": 66, "typical": 58, "pld": 26, "bild": 100, "mtad": 125,
+# <= 50, ar <= 10 ops; graph calls <= 2 for chains, <= 3 for trees).
+OPS_BUDGET = {"ar": 24, "spd": 58, "typical": 50, "pld": 24, "bild": 100, "mtad": 120,
               "beam": 380, "mtjd": 150, "mcss": 670, "spectr": 800, "specinfer": 540,
               "mmtad": 320, "eagle": 500, "medusa": 180}
-GRAPHS_BUDGET = {"ar": 2, "spd": 11, "typical": 11, "pld": 3, "bild": 3, "mtad": 15,
+GRAPHS_BUDGET = {"ar": 1, "spd": 3, "typical": 3, "pld": 2, "bild": 3, "mtad": 13,
                  "beam": 50, "mtjd": 14, "mcss": 5, "spectr": 6, "specinfer": 5, "mmtad": 12,
                  "eagle": 8, "medusa": 3}
 
@@ -183,3 +187,22 @@ def test_a_kernel_that_cannot_compile_runs_eagerly_with_a_warning():
     with counter.counting():
         assert kernels(reads_the_host, x).tolist() == [3.0] * 3
     assert counter.graph_calls == 0 and counter.ops == 1  # eager: its one op counted
+
+
+@pytest.mark.parametrize("name", ["ar", "spd"])
+def test_a_fused_call_met_first_counts_as_the_call_it_will_be(model_dirs, name):
+    """The runners count their warm-up generation (`bench.host_count`), where each fused call
+    (`ModelRunner.then` / `chain`) is met for the first time: it runs with its forwards compiled
+    and the kernels between them eagerly, and compiles after the generation. The counter sees it
+    as the one graph call it will be, so the warm-up counts what every later generation does."""
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["llama"], draft="self:layers=0-0", device="cpu")
+    decoder = get_decoder(name, top_k=0, top_p=1.0)
+    prompts = [PROMPT, PROMPT + [1]]
+    first, second = (counted_generation(decoder, pair, prompts, 12, compile=TRACE)
+                     for _ in range(2))
+    assert first[0][0].stats.compile_s > 0
+    assert second[0][0].stats.compile_s == 0  # the fused graphs compiled after the first
+    assert first[1].columns() == second[1].columns()
+    assert second[1].columns()["graph_calls_per_iter"] <= GRAPHS_BUDGET[name]

@@ -67,10 +67,10 @@ class Mtad(Decoder):
         depth = to_device(lens, pending.device)  # [B]
         y, cum_log_q = s.kernels(best_at, beams.tokens, beams.parents, beams.log_q,
                                  depth.clamp_min(1))  # [B, gamma]
-        logits = s.target(torch.cat([s.last_token, y], 1))  # [B, gamma+1, V]
-        tokens, eta, length, beam, kept = s.kernels(
-            mtad_verify, logits, y, cum_log_q, depth, beams.seqs, s.uniform(s.batch, 1),
-            prm.log_tau, *warp.args)
+        # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
+        tokens, eta, length, beam, kept = s.target.then(
+            s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth,
+            beams.seqs, s.uniform(s.batch, 1), prm.log_tau, *warp.args)
         beams.keep(s.draft, beam)  # the draft cache holds y*_1..y*_kept
         return StepResult(tokens, lens, eta, length, s.lengths_on_device() + kept, depth=lens)
 

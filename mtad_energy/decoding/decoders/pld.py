@@ -88,10 +88,11 @@ class PromptLookup(Decoder):
         dev = s.ids.device
         draft = to_device([t for d in drafts for t in d + [0] * (gamma - len(d))],
                           dev).view(s.batch, gamma)  # [B, gamma], padded
-        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
-        tokens, n, length = s.kernels(pld_verify, logits, draft, to_device(lens, dev),
-                                      s.uniform(*draft.shape), s.uniform(s.batch, 1),
-                                      *prm.warp.args)
+        # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
+        tokens, n, length = s.target.then(s.kernels, torch.cat([s.last_token, draft], 1),
+                                          pld_verify, draft, to_device(lens, dev),
+                                          s.uniform(*draft.shape), s.uniform(s.batch, 1),
+                                          *prm.warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)
 
 

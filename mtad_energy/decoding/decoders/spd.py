@@ -34,14 +34,10 @@ def draft_chain(s: DecodeState, pending: torch.Tensor, gamma: int, warp: Warp,
                 counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample gamma tokens per row autoregressively from warped q after feeding ``pending
     [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`) to the draft:
-    ``(draft [B, gamma], q [B, gamma, V])``. The chain's uniforms are drawn at once."""
-    u = s.uniform(gamma, s.batch, 1).unbind(0)
-    tok, q = s.kernels(draft_next, s.draft(pending, counts), u[0], *warp.args)
-    tokens, qs = [tok], [q]
-    for i in range(1, gamma):
-        tok, q = s.kernels(draft_next, s.draft(tok), u[i], *warp.args)
-        tokens.append(tok), qs.append(q)
-    return torch.cat(tokens, 1), torch.stack(qs, 1)
+    ``(draft [B, gamma], q [B, gamma, V])``. The chain's uniforms are drawn at once; compiled,
+    the chain is one graph call (`ModelRunner.chain`)."""
+    return s.draft.chain(s.kernels, pending, counts, draft_next, s.uniform(gamma, s.batch, 1),
+                         *warp.args)
 
 
 def spd_verify(logits: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,
@@ -74,7 +70,8 @@ class SpeculativeDecoding(Decoder):
             return target_step(s, warp)
         pending, counts = s.draft_feed()
         draft, q = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma], [B, gamma, V]
-        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
-        tokens, n, length = s.kernels(spd_verify, logits, q, draft, s.uniform(*draft.shape),
-                                      s.uniform(s.batch, 1), *warp.args)
+        # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
+        tokens, n, length = s.target.then(s.kernels, torch.cat([s.last_token, draft], 1),
+                                          spd_verify, q, draft, s.uniform(*draft.shape),
+                                          s.uniform(s.batch, 1), *warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)

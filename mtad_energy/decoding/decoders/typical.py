@@ -57,9 +57,10 @@ class Typical(Decoder):
             return target_step(s, warp)
         pending, counts = s.draft_feed()
         draft, _ = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma]
-        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, gamma+1, V]
-        tokens, n, length = s.kernels(typical_verify, logits, draft, to_device(lens, s.ids.device),
-                                      s.uniform(s.batch, 1), prm.eps, prm.delta, *warp.args)
+        # logits [B, gamma+1, V] -> the block (compiled: one graph call)
+        tokens, n, length = s.target.then(
+            s.kernels, torch.cat([s.last_token, draft], 1), typical_verify, draft,
+            to_device(lens, s.ids.device), s.uniform(s.batch, 1), prm.eps, prm.delta, *warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)
 
 

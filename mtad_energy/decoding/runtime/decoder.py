@@ -28,8 +28,9 @@ def next_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k:
 def target_step(s: DecodeState, warp: Warp) -> StepResult:
     """One token per row sampled from warped p after the sequence: ``ar``'s step, and what a
     drafting decoder does when only one token is left (drafting would be wasted)."""
-    logits = s.target(s.last_token)  # [B, 1, V]
-    return StepResult(s.kernels(next_token, logits, s.uniform(s.batch, 1), *warp.args))
+    # logits [B, 1, V] -> [B, 1] (compiled: the forward and the draw one graph call)
+    return StepResult(s.target.then(s.kernels, s.last_token, next_token,
+                                    s.uniform(s.batch, 1), *warp.args))
 
 
 class Decoder:

@@ -393,9 +393,10 @@ def _generations(run: _Run, trace: Trace, max_new_tokens: int, seed: int,
     """After the "end" hook: pending kernels compiled, the forwards' work counted, and each row's
     `Generation` (its tokens, text, statistics and config)."""
     compile_in_window_s = sum(r.compile_s for r in run.runners)  # the runners' in-loop seconds
-    # kernels met for the first time ran eagerly; they compile now, outside every window
+    # kernels and fused calls met for the first time ran eagerly (fused: their forwards
+    # compiled); they compile now, outside every window
     compile_s = (compile_in_window_s + sum(r.prewarm_s for r in run.runners)
-                 + run.kernels.compile_pending())
+                 + sum(r.compile_pending() for r in run.runners))
     graphs = _graphs_compiled(run.compile) - run.graphs_before
     splits = trace.splits()
     target_work = spans_work(run.target, [m[0] for m in trace.marks])  # [prefill, iteration 0, ..]

@@ -3,7 +3,8 @@
 Every ``torch.compile``d function the decode loop calls (a runner's forward, a head) goes through
 `GraphFunction`, so a host-work counter on the dispatch mode stack (`mtad_energy.measure.host_work`,
 found by duck type: this package does not import `measure`) counts the call as one graph call and
-none of the ops inside it. Without a counter it is a plain call.
+none of the ops inside it. Without a counter it is a plain call. A call that compiles (a new
+shape's untimed warm-up) is not the loop's work: `uncounted` runs it with the count paused.
 """
 
 from __future__ import annotations
@@ -21,9 +22,25 @@ class GraphFunction:
         self.fn = fn
 
     def __call__(self, *args, **kwargs):
-        for mode in _get_current_dispatch_mode_stack():
-            counter = getattr(mode, "counter", None)
-            if counter is not None and hasattr(counter, "graph_call"):
-                with counter.graph_call():
-                    return self.fn(*args, **kwargs)
+        counter = _counter()
+        if counter is not None:
+            with counter.graph_call():
+                return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
+
+    def uncounted(self, *args, **kwargs):
+        """The call with a counter's count paused: neither a graph call nor ops."""
+        counter = _counter()
+        if counter is not None:
+            with counter.paused():
+                return self.fn(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+
+def _counter():
+    """The host-work counter on the dispatch mode stack, if one counts."""
+    for mode in _get_current_dispatch_mode_stack():
+        counter = getattr(mode, "counter", None)
+        if counter is not None and hasattr(counter, "graph_call"):
+            return counter
+    return None

@@ -7,6 +7,7 @@ bonus token never needs a forward of its own. The draft cache holds a prefix of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,6 +79,31 @@ class ModelRunner:
                              **kwargs, **model_kwargs(self.hidden_layers, features))
             self.hidden = pick_hidden(out, self.hidden_layers)
         return out.logits.float()
+
+    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """A forward of ``input_ids [B, k]``, then ``fn(logits [B, k, V], *args)`` through
+        ``kernels`` (`DecodeState.kernels`): a verify's rule, a token drawn from p. The compiled
+        runner runs both in one graph call (`static.StaticRunner.then`)."""
+        return kernels(fn, self(input_ids), *args)
+
+    def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+              fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        """A draft's autoregressive loop of S = ``u.shape[0]`` forwards: the first of
+        ``input_ids [B, k]`` (``counts``: as in `__call__`), each next of the token ``fn``
+        drew after the one before: ``fn(logits [B, k, V], u[i] [B, 1], *args) -> (token [B,
+        1], *extras)``. Returns ``(tokens [B, S], *extras stacked on dim 1: [B, S, ...])``.
+        The compiled runner runs the loop in one graph call (`static.StaticRunner.chain`)."""
+        us = u.unbind(0)
+        outs = [kernels(fn, self(input_ids, counts), us[0], *args)]
+        for i in range(1, len(us)):
+            outs.append(kernels(fn, self(outs[-1][0]), us[i], *args))
+        return (torch.cat([o[0] for o in outs], 1),
+                *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
+
+    def compile_pending(self) -> float:
+        """Compile what this generation met for the first time, after it (nothing here; the
+        compiled runner's fused calls); returns the seconds it took."""
+        return 0.0
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,7 +40,10 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,14 +51,13 @@ import torch.nn.functional as F
 from mtad_energy.decoding.runtime.batch import RowLayout, rows_runner
 from mtad_energy.decoding.runtime.compiled import CompileOptions, configure_dynamo, graphs_compiled
 from mtad_energy.decoding.runtime.graph_call import GraphFunction
-from mtad_energy.decoding.runtime.masks import additive_mask
-from mtad_energy.decoding.runtime.runner import ModelRunner, model_kwargs, pick_hidden
+from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.slot_cache import SlotCache
+from mtad_energy.decoding.runtime.slot_forward import Fused, forward_then, slot_forward
 from mtad_energy.decoding.runtime.state import to_device
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.decoding.runtime.tree import TREE_ATTN, TREE_MODEL_TYPES
 from mtad_energy.energy.work import Forward
-from mtad_energy.hf_cache import cache_kwargs
 
 MIN_SLOTS = 256
 
@@ -84,48 +86,6 @@ class ForwardShape:
     hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
 
 
-def _forward(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
-             anc: torch.Tensor | None = None, depths: torch.Tensor | None = None, *,
-             features: torch.Tensor | None = None, hidden: tuple[int, ...] = ()
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids [r, k]`` -> float32 logits ``[r, k, V]``, written at slots start.. of the
-    cache's first r rows; ``new [r, k]`` (bool) says which tokens are real (a row's left
-    padding, padded widths and padding rows are not: they see only themselves and stay invalid).
-    With ``hidden`` (hidden-state indices, `ModelRunner`): ``(logits, hidden states [r, k,
-    len(hidden) * H])``, one more graph output; ``features [r, k, F]``: a draft head's input.
-
-    A chain (``anc`` None): row r's token i sits at position (r's valid columns before start) +
-    (its real tokens up to i) - 1 and sees r's valid columns up to slot start + i. A token tree:
-    ``anc [1 or r, k, M + k]`` (node i sees tree node j; the M earlier nodes are the M columns
-    before start) and ``depths [1 or r, k]``: node i sees r's valid columns before the tree and
-    its ancestors, at position (r's prefix length) + depth - 1.
-    """
-    r, k = input_ids.shape
-    dev = input_ids.device
-    start = cache.start
-    cols = torch.arange(cache.slots, device=dev)  # [L]
-    slots = start + torch.arange(k, device=dev)  # [k]
-    valid = cache.valid[:r]  # [r, L]
-    count = (valid & (cols < start)).sum(1)  # [r]: valid columns before the new ones
-    valid.index_copy_(1, slots, new)
-    if anc is None:
-        pos = (count[:, None] + new.long().cumsum(1) - 1).clamp_min(0)  # [r, k]
-        allowed = (valid[:, None, :] & (cols <= slots[:, None])) | (cols == slots[:, None])
-    else:
-        m = anc.shape[-1] - k
-        tree_cols = start - m + torch.arange(m + k, device=dev)  # [M + k]
-        tree = torch.zeros(r, k, cache.slots, dtype=torch.bool, device=dev).index_copy(
-            2, tree_cols, anc.expand(r, k, m + k))
-        allowed = (valid & (cols < start - m))[:, None, :] | tree  # [r, k, L]
-        pos = ((count - m - 1)[:, None] + depths).clamp_min(0)
-    mask = additive_mask(allowed, cache.layers[0].keys.dtype)  # [r, 1, k, L]
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
-                **cache_kwargs(cache), use_cache=True, **model_kwargs(hidden, features))
-    if hidden:
-        return out.logits.float(), pick_hidden(out, hidden)
-    return out.logits.float()
-
-
 class StaticEngine:
     """A model's compiled forward and its `SlotCache`, shared by the generations that use it."""
 
@@ -138,10 +98,8 @@ class StaticEngine:
             mode = "reduce-overhead"
         self.mode = mode
         configure_dynamo(options)
-        # fullgraph: a graph break would split every layer into its own graphs (and recompile
-        # them per layer index), slower than eager; better an error naming the cause
-        self.compiled = GraphFunction(torch.compile(_forward, backend=options.backend, mode=mode,
-                                                    dynamic=options.dynamic, fullgraph=True))
+        # function (`slot_forward` or a fused call) -> its compiled form, made on first use
+        self._compiled: dict = {}
         # (rows, slots) -> cache: decoders that expand to other row counts (beams, drafts) keep
         # their own buffers, so alternating between them neither reallocates nor, on CUDA,
         # re-records graphs; `release` frees them
@@ -181,11 +139,38 @@ class StaticEngine:
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches.values())
 
+    def compiled(self, call):
+        """``call`` (`slot_forward`, `forward_then`, `forward_chain`) compiled for this model."""
+        fn = self._compiled.get(call)
+        if fn is None:
+            # fullgraph: a graph break would split every layer into its own graphs (and
+            # recompile them per layer index), slower than eager; better an error naming it
+            fn = self._compiled[call] = GraphFunction(torch.compile(
+                call, backend=self.options.backend, mode=self.mode,
+                dynamic=self.options.dynamic, fullgraph=True))
+        return fn
+
+    def unfused(self, cache: SlotCache, args: tuple, kwargs: dict | None = None,
+                call=forward_then) -> Any:
+        """A fused ``call`` not compiled yet: its Python function with its forwards compiled
+        (graphs of their own, `forward`) and the functions between them eager, counted by a
+        host-work counter as the one graph call it will be."""
+        def forward(model, cache_, ids, new):
+            return self.forward(cache_, (ids, new))
+
+        return GraphFunction(call)(self.model, cache, *args, **(kwargs or {}), forward=forward)
+
+    def warm(self, cache: SlotCache, args: tuple, kwargs: dict, call=slot_forward) -> None:
+        """The untimed calls of a new shape (compiling; on CUDA warming up, recording and
+        replaying its graph), uncounted by a host-work counter: not the loop's work."""
+        for _ in range(self.warm_calls):
+            self.compiled(call).uncounted(self.model, cache, *args, **kwargs)
+
     def forward(self, cache: SlotCache, args: tuple, compiled: bool = True,
-                kwargs: dict | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`_forward` (compiled or not) of ``args`` and the keyword ``kwargs`` (features,
-        hidden): logits, or (logits, hidden states)."""
-        fn = self.compiled if compiled else _forward
+                kwargs: dict | None = None, call=slot_forward):
+        """``call`` (compiled or not) of ``args`` and the keyword ``kwargs`` (features, hidden):
+        logits, (logits, hidden states), or what a fused call returns."""
+        fn = self.compiled(call) if compiled else call
         out = fn(self.model, cache, *args, **(kwargs or {}))
         # a CUDA graph's outputs are overwritten by its next replay
         if compiled and self.mode == "reduce-overhead":
@@ -317,6 +302,7 @@ class StaticRunner(RowLayout, ModelRunner):
         self.cache = self.engine.cache_for(bucket * self.shape.rows_per_seq, slots)
         self.n = 0  # columns in use (host side: set by forwards, cuts and compaction)
         self._ones: dict[tuple[int, int], torch.Tensor] = {}
+        self._pending: dict[tuple, tuple] = {}  # fused calls to compile after the generation
         self.prewarm_s = self._prewarm()  # before any window opens: not the generation's
         self.compile_s -= self.prewarm_s
 
@@ -367,12 +353,14 @@ class StaticRunner(RowLayout, ModelRunner):
 
     def _run(self, input_ids: torch.Tensor, new: torch.Tensor | None,
              anc: torch.Tensor | None = None, depths: torch.Tensor | None = None,
-             compiled: bool = True, features: torch.Tensor | None = None) -> torch.Tensor:
+             compiled: bool = True, features: torch.Tensor | None = None,
+             fused: Fused | None = None) -> Any:
         rows, k = input_ids.shape
         total = self._rows
         m = None if anc is None else anc.shape[-1] - k
         width = self._width(total, k, m) if compiled else k
-        self._fit(width)
+        more = 0 if fused is None else fused.more  # a chain's later forwards, one column each
+        self._fit(width + more)
         grow = (0, width - k, 0, total - rows)  # pad: tokens right, rows below
         padded = grow != (0, 0, 0, 0)
         # dense inputs (dynamo guards on strides, and a slice of the ids buffer has the
@@ -397,19 +385,33 @@ class StaticRunner(RowLayout, ModelRunner):
         self.cache.start.fill_(self.n)
         key = self._graph_key(total, width, m, anc is not None and anc.shape[0] > 1,
                               None if features is None else features.shape[-1])
-        if compiled and key not in self.cache.warmed:
+        if compiled and key not in self.cache.warmed:  # the forward's own shape: compiled now
             self._warm(args, kwargs)
             self.cache.warmed.add(key)
-        self.forwards += 1
+        forward = partial(self.engine.forward, compiled=compiled)
+        if fused is not None:
+            if more:  # the chain's later forwards: one token each
+                self._warm_widths((1,))
+            args += fused.args(self._real_rows(rows), rows, k)
+            fused_key = key + fused.key(rows, k)
+            if fused_key in self.cache.warmed:
+                forward = partial(self.engine.forward, call=fused.call)
+            else:  # met first: its forwards' graphs now, the fused graph after the generation
+                self._pending[fused_key] = (args, kwargs, fused.call)
+                forward = partial(self.engine.unfused, call=fused.call)
+        self.forwards += 1 + more
         self.forward_shapes.append(Forward(total, width, self.cache.slots,
                                            0 if features is None else features.shape[-1]))
+        self.forward_shapes += [Forward(total, 1, self.cache.slots, 0)] * more
         before = graphs_compiled()
         with self._timer(self._phase):
-            out = self.engine.forward(self.cache, args, compiled, kwargs)
+            out = forward(self.cache, args, kwargs=kwargs)
         if graphs_compiled() != before:
             warnings.warn(f"compile ({self._phase}): a forward of shape {key} compiled inside "
                           "its timed window", stacklevel=3)
-        self.n += k
+        self.n += k + more
+        if fused is not None:
+            return out
         if self.hidden_layers:
             logits, hidden = out
             self.hidden = hidden[:rows, :k] if padded else hidden
@@ -423,6 +425,14 @@ class StaticRunner(RowLayout, ModelRunner):
             ones = self._ones[rows, k] = torch.ones(rows, k, dtype=torch.bool, device=self.device)
         return ones
 
+    def _real_rows(self, rows: int) -> torch.Tensor:
+        """``[R, 1]``: True for the first ``rows`` of the R cache rows (made once per count)."""
+        real = self._ones.get(("rows", rows))
+        if real is None:
+            real = self._ones["rows", rows] = torch.arange(
+                self._rows, device=self.device)[:, None] < rows
+        return real
+
     def _graph_key(self, rows: int, width: int, m: int | None, per_row: bool = False,
                    features: int | None = None) -> tuple:
         """What decides a forward's graph: rows, width, tree prefix (None: a chain), one tree
@@ -432,13 +442,17 @@ class StaticRunner(RowLayout, ModelRunner):
                 + ((("hidden", self.hidden_layers),) if self.hidden_layers else ()))
 
     def _prewarm(self) -> float:
-        """Compile `ForwardShape.warm_widths` at the bucket's rows on this cache now: dummy
-        tokens marked not real, written at the first free slot (nothing becomes valid, the
-        next forward overwrites them); a width that does not fit waits for the cache to grow,
-        which warms again. Returns the seconds it took (in ``compile_s``)."""
+        """Compile `ForwardShape.warm_widths` at the bucket's rows on this cache now (see
+        `_warm_widths`). Returns the seconds it took (in ``compile_s``)."""
+        return self._warm_widths(self.shape.warm_widths)
+
+    def _warm_widths(self, widths: tuple[int, ...]) -> float:
+        """Compile chain forwards of ``widths`` at the bucket's rows: dummy tokens marked not
+        real, written at the first free slot (nothing becomes valid, the next forward
+        overwrites them); a width that does not fit waits for the cache to grow, which warms
+        again. Returns the seconds it took (in ``compile_s``)."""
         rows = len(self.cols) + self.pad
-        todo = [w for w in self.shape.warm_widths
-                if self._graph_key(rows, w, None) not in self.cache.warmed
+        todo = [w for w in widths if self._graph_key(rows, w, None) not in self.cache.warmed
                 and self.n + w <= self.cache.slots]
         kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
         before = self.compile_s
@@ -449,13 +463,29 @@ class StaticRunner(RowLayout, ModelRunner):
             self.cache.warmed.add(self._graph_key(rows, width, None))
         return self.compile_s - before
 
-    def _warm(self, args: tuple, kwargs: dict) -> None:
+    def compile_pending(self) -> float:
+        """Compile the fused calls this generation met for the first time (they ran with their
+        forwards compiled, the functions between them eagerly), on the inputs it met them with,
+        at the cache's first slots: after the generation, whose cache they overwrite (the next
+        generation empties it). Returns the seconds it took."""
+        if not self._pending:
+            return 0.0
+        t0 = time.perf_counter()
+        for key, (args, kwargs, call) in self._pending.items():
+            if key not in self.cache.warmed:
+                self.cache.start.fill_(0)
+                self.engine.warm(self.cache, args, kwargs, call)
+                self.cache.warmed.add(key)
+        _sync(self.device)
+        self._pending.clear()
+        return time.perf_counter() - t0
+
+    def _warm(self, args: tuple, kwargs: dict, call=slot_forward) -> None:
         """Run a new shape untimed (compiling it): the calls are idempotent (the same KV and
         validity written at the same slots), their seconds go to ``compile_s``."""
         _sync(self.device)
         t0 = time.perf_counter()
-        for _ in range(self.engine.warm_calls):
-            self.engine.forward(self.cache, args, True, kwargs)
+        self.engine.warm(self.cache, args, kwargs, call)
         _sync(self.device)
         self.compile_s += time.perf_counter() - t0
 
@@ -472,6 +502,33 @@ class StaticRunner(RowLayout, ModelRunner):
         logits = self._run(input_ids, self._new(k, counts), features=features)
         self._append_cols(self.n - k, k, counts)  # after `_run`: it may have compacted
         return logits
+
+    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`ModelRunner.then` in one graph call (`forward_then`) for a one-token step or a
+        verify at the decoder's full width (`ForwardShape.max_chain`); a shorter verify (a
+        generation's last, or a shorter draft) runs as two calls, the forward and the kernel:
+        a fused graph per draft length would compile a target forward per length."""
+        k = input_ids.shape[1]
+        if self.hidden_layers or k not in (1, self.shape.max_chain):  # heads: not fused (yet)
+            return super().then(kernels, input_ids, fn, *args)
+        out = self._run(input_ids, None, fused=Fused(fn, args))
+        self._append_cols(self.n - k, k, None)
+        return out
+
+    def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+              fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        """`ModelRunner.chain` in one graph call (`forward_chain`) for a chain of the
+        decoder's full length (``max_chain - 1`` draws); a shorter one (a generation's last
+        iterations) runs forward by forward, as `then` does a shorter verify."""
+        if self.hidden_layers or self.width != 1 or u.shape[0] != self.shape.max_chain - 1:
+            return super().chain(kernels, input_ids, counts, fn, u, *args)
+        k, more = input_ids.shape[1], u.shape[0] - 1
+        out = self._run(input_ids, self._new(k, counts), fused=Fused(fn, args, u))
+        t = self.n - k - more
+        self._append_cols(t, k, counts)
+        for i in range(more):
+            self._append_cols(t + k + i, 1, None)
+        return out
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:

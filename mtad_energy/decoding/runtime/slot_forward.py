@@ -1,0 +1,142 @@
+"""What one compiled call of the static-cache path runs: a forward on a `SlotCache`
+(`slot_forward`), and the fused calls that keep a decoder's step on the device between forwards.
+
+On a GPU the host decides a compiled loop's speed (DESIGN.md section 7): every graph call costs a
+launch, its input copies and the host's own bookkeeping. So the compiled path fuses what a step
+runs back to back into one graph:
+
+* `forward_then`: a forward and the pure tensor function that reads its logits (a verify's
+  warp and acceptance rule, ``ar``'s sampling): one call instead of two;
+* `forward_chain`: a draft's autoregressive loop, S forwards each followed by the function that
+  draws the next token from its logits (`spd.draft_next`), the token fed to the next forward
+  inside the graph: one call instead of 2 S.
+
+The functions are the decoders' own (`kernels`), the same on the eager path; only where they run
+changes. The fused calls leave the cache exactly as the separate calls would (the same KV and
+validity at the same slots). A fused call met for the first time runs as the separate calls
+(its forwards compiled, the functions eager) and compiles after the generation
+(`StaticRunner.compile_pending`), never inside a window. A phase's time on the compiled path
+holds the functions fused into its forwards (a verify's rule is timed as target time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mtad_energy.decoding.runtime.compiled import signature
+from mtad_energy.decoding.runtime.masks import additive_mask
+from mtad_energy.decoding.runtime.runner import model_kwargs, pick_hidden
+from mtad_energy.decoding.runtime.slot_cache import SlotCache
+from mtad_energy.hf_cache import cache_kwargs
+
+
+def slot_forward(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+             anc: torch.Tensor | None = None, depths: torch.Tensor | None = None, *,
+             features: torch.Tensor | None = None, hidden: tuple[int, ...] = ()
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids [r, k]`` -> float32 logits ``[r, k, V]``, written at slots start.. of the
+    cache's first r rows; ``new [r, k]`` (bool) says which tokens are real (a row's left
+    padding, padded widths and padding rows are not: they see only themselves and stay invalid).
+    With ``hidden`` (hidden-state indices, `ModelRunner`): ``(logits, hidden states [r, k,
+    len(hidden) * H])``, one more graph output; ``features [r, k, F]``: a draft head's input.
+
+    A chain (``anc`` None): row r's token i sits at position (r's valid columns before start) +
+    (its real tokens up to i) - 1 and sees r's valid columns up to slot start + i. A token tree:
+    ``anc [1 or r, k, M + k]`` (node i sees tree node j; the M earlier nodes are the M columns
+    before start) and ``depths [1 or r, k]``: node i sees r's valid columns before the tree and
+    its ancestors, at position (r's prefix length) + depth - 1.
+    """
+    r, k = input_ids.shape
+    dev = input_ids.device
+    start = cache.start
+    cols = torch.arange(cache.slots, device=dev)  # [L]
+    slots = start + torch.arange(k, device=dev)  # [k]
+    valid = cache.valid[:r]  # [r, L]
+    count = (valid & (cols < start)).sum(1)  # [r]: valid columns before the new ones
+    valid.index_copy_(1, slots, new)
+    if anc is None:
+        pos = (count[:, None] + new.long().cumsum(1) - 1).clamp_min(0)  # [r, k]
+        allowed = (valid[:, None, :] & (cols <= slots[:, None])) | (cols == slots[:, None])
+    else:
+        m = anc.shape[-1] - k
+        tree_cols = start - m + torch.arange(m + k, device=dev)  # [M + k]
+        tree = torch.zeros(r, k, cache.slots, dtype=torch.bool, device=dev).index_copy(
+            2, tree_cols, anc.expand(r, k, m + k))
+        allowed = (valid & (cols < start - m))[:, None, :] | tree  # [r, k, L]
+        pos = ((count - m - 1)[:, None] + depths).clamp_min(0)
+    mask = additive_mask(allowed, cache.layers[0].keys.dtype)  # [r, 1, k, L]
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
+                **cache_kwargs(cache), use_cache=True, **model_kwargs(hidden, features))
+    if hidden:
+        return out.logits.float(), pick_hidden(out, hidden)
+    return out.logits.float()
+
+
+def forward_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                 fn: Callable[..., Any], rows: int, k: int, *args: Any,
+                 forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
+    """`slot_forward` of ``input_ids [R, W]`` (rows and width padded), then ``fn(logits[:rows,
+    :k], *args)``: what ``fn`` returns (a verify's block, a sampled token). ``forward``: the
+    forward to run (compiled on its own while the fused call is not, `StaticEngine.unfused`)."""
+    return fn(forward(model, cache, input_ids, new)[:rows, :k], *args)
+
+
+def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                  real: torch.Tensor, fn: Callable[..., Any], rows: int, k: int,
+                  u: torch.Tensor, *args: Any,
+                  forward: Callable[..., torch.Tensor] = slot_forward) -> tuple[torch.Tensor, ...]:
+    """S = ``u.shape[0]`` forwards, the first of ``input_ids [R, W]`` (``new [R, W]``; the first
+    k tokens are the input, the rest padding), each next of the token ``fn`` drew from the last
+    position of the one before (``real [R, 1]``: which rows are real): ``fn(logits [rows, k,
+    V], u[i] [rows, 1], *args) -> (token [rows, 1], *extras)``, as a chain of separate forwards
+    (`ModelRunner.chain`). Returns ``(tokens [rows, S], *extras stacked on dim 1)``.
+    ``forward``: as in `forward_then`."""
+    start = cache.start.clone()  # [] the first forward's slot (the runner sets it per call)
+    pad = input_ids.shape[0] - rows
+    logits = forward(model, cache, input_ids, new)
+    outs = [fn(logits[:rows, :k], u[0], *args)]
+    at = k  # the next forward writes after the input's k columns (its padding stays invalid)
+    for i in range(1, u.shape[0]):
+        cache.start.copy_(start + at)
+        logits = forward(model, cache, F.pad(outs[-1][0], (0, 0, 0, pad)), real)
+        outs.append(fn(logits[:rows], u[i], *args))
+        at += 1
+    return (torch.cat([o[0] for o in outs], 1),
+            *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
+
+
+@dataclass(frozen=True, eq=False)
+class Fused:
+    """What a runner fuses into a forward's graph (`slot_forward`'s fused calls): ``fn`` after
+    the forward with its own arguments ``extra`` (`forward_then`), or, with uniforms ``u [S,
+    B, 1]``, a chain of S forwards, ``fn`` after each (`forward_chain`)."""
+
+    fn: Callable[..., Any]
+    extra: tuple
+    u: torch.Tensor | None = None
+
+    @property
+    def call(self) -> Callable[..., Any]:
+        return forward_then if self.u is None else forward_chain
+
+    @property
+    def more(self) -> int:
+        """Forwards (one column each) the call runs after the first."""
+        return 0 if self.u is None else self.u.shape[0] - 1
+
+    def args(self, real: torch.Tensor, rows: int, k: int) -> tuple:
+        """The call's arguments after the first forward's ids and validity (``real [R, 1]``:
+        which of the R cache rows are real)."""
+        if self.u is None:
+            return (self.fn, rows, k, *self.extra)
+        return (real, self.fn, rows, k, self.u, *self.extra)
+
+    def key(self, rows: int, k: int) -> tuple:
+        """What decides the fused graph besides the forward's shape."""
+        return (self.call.__name__, self.fn, rows, k, signature(
+            self.extra if self.u is None else (self.u, *self.extra)))
