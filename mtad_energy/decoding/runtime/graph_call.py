@@ -22,19 +22,20 @@ class GraphFunction:
         self.fn = fn
 
     def __call__(self, *args, **kwargs):
-        counter = _counter()
-        if counter is not None:
-            with counter.graph_call():
-                return self.fn(*args, **kwargs)
-        return self.fn(*args, **kwargs)
+        return self._under("graph_call", args, kwargs)
 
     def uncounted(self, *args, **kwargs):
         """The call with a counter's count paused: neither a graph call nor ops."""
+        return self._under("paused", args, kwargs)
+
+    def _under(self, how: str, args: tuple, kwargs: dict):
+        """The call inside the counter's ``how`` context (`graph_call` or `paused`), if one
+        counts; a plain call otherwise."""
         counter = _counter()
-        if counter is not None:
-            with counter.paused():
-                return self.fn(*args, **kwargs)
-        return self.fn(*args, **kwargs)
+        if counter is None:
+            return self.fn(*args, **kwargs)
+        with getattr(counter, how)():
+            return self.fn(*args, **kwargs)
 
 
 def _counter():

@@ -390,13 +390,13 @@ class StaticRunner(RowLayout, ModelRunner):
             self.cache.warmed.add(key)
         forward = partial(self.engine.forward, compiled=compiled)
         if fused is not None:
-            if more:  # the chain's later forwards: one token each
-                self._warm_widths((1,))
             args += fused.args(self._real_rows(rows), rows, k)
             fused_key = key + fused.key(rows, k)
             if fused_key in self.cache.warmed:
                 forward = partial(self.engine.forward, call=fused.call)
             else:  # met first: its forwards' graphs now, the fused graph after the generation
+                if more:  # the chain's later forwards: one token each
+                    self._warm_widths((1,))
                 self._pending[fused_key] = (args, kwargs, fused.call)
                 forward = partial(self.engine.unfused, call=fused.call)
         self.forwards += 1 + more
