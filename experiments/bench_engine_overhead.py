@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from mtad_energy.bench.phase_windows import PhaseWindows
 from mtad_energy.bench.prompts import load_prompts
-from mtad_energy.bench.runner import PhaseWindows
 from mtad_energy.config import DecoderSpec, ModelSpec
 from mtad_energy.decoding.runtime.generate import encode_prompt
 from mtad_energy.engines import load_engine

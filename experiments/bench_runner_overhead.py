@@ -28,8 +28,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from mtad_energy.bench.phase_windows import PhaseWindows
 from mtad_energy.bench.prompts import load_prompts
-from mtad_energy.bench.runner import PhaseWindows, Runner, WorkUnit
+from mtad_energy.bench.runner import Runner, WorkUnit
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
 from mtad_energy.decoding.runtime.generate import encode_prompt, generate_ids
 from mtad_energy.measure import NoneMeter

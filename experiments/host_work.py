@@ -2,7 +2,7 @@
 
 On a GPU the host decides a compiled loop's speed: each aten op dispatched outside a compiled
 graph costs ~6-8 us (H200, DESIGN.md section 7). This benchmark counts, with the tool's own
-counter (`mtad_energy.measure.host_work`, through `bench.host_count.counted_generation`), per
+counter (`mtad_energy.measure.host_work`, through `engines.hf.counted_generation`), per
 decode iteration: aten ops outside compiled graphs, compiled-graph calls and host reads of device
 values, for each (decoder, B, mode), after a warm-up generation that compiles every shape.
 
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from mtad_energy.bench.host_count import counted_generation
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from mtad_energy.decoding.runtime.compiled import CompileOptions
+from mtad_energy.engines.hf import counted_generation
 from mtad_energy.measure.host_work import HostWorkCounter, HostWorkSites
 from mtad_energy.models import load_pair
 

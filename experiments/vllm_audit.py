@@ -65,10 +65,10 @@ def prompt_ids(n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from mtad_energy.bench.prompts import load_prompts
+    from mtad_energy.decoding.runtime.generate import text_ids
 
     tok = AutoTokenizer.from_pretrained(model_dir())
-    return [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False)
+    return [text_ids(tok, p.text, chat=True)  # the ids every engine decodes
             for p in load_prompts("mtbench", n)]
 
 

@@ -33,11 +33,11 @@ def mtbench_ids(n: int = 3) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from mtad_energy.bench.prompts import load_prompts
+    from mtad_energy.decoding.runtime.generate import text_ids
     from mtad_energy.models import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
-    return [tok.apply_chat_template([{"role": "user", "content": p.text}],
-                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [text_ids(tok, p.text, chat=True)  # the ids every engine decodes
             for p in load_prompts("mtbench", n)]
 
 

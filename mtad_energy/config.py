@@ -1,4 +1,9 @@
-"""Frozen run configurations that round-trip through JSON (what a sweep asked for, stored with it)."""
+"""Frozen run configurations that round-trip through JSON (what a sweep asked for, stored with it).
+
+The decoder and model specs they hold are `mtad_energy.specs`' (imported by the engines and the
+results too, which sit below this module); what an engine can honour is checked by the engine
+registry (`engines.registry.check_run`) when a configuration is made.
+"""
 
 from __future__ import annotations
 
@@ -7,68 +12,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtad_energy.specs import RANDOM_NOTE, DecoderSpec, ModelSpec, random_weights
+
+__all__ = ["GPU_METERS", "MITIGATE_CHOICES", "RANDOM_NOTE", "DecoderSpec", "MeasureConfig",
+           "ModelSpec", "NoEnergyError", "RunConfig", "compile_arg", "compile_identity",
+           "compile_label", "random_weights"]
+
 MITIGATE_CHOICES = ("auto", "on", "off")
 # Meters whose part-time sensors need the Yang et al. protocol; "auto" mitigates only on these.
 GPU_METERS = frozenset({"nvml-counter", "nvml-power", "zeus"})
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """A decoder by registry name with parameter overrides (values as given: str or typed)."""
-
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def of(cls, name: str, **params: Any) -> DecoderSpec:
-        return cls(name, tuple(sorted(params.items())))
-
-    @property
-    def param_dict(self) -> dict[str, Any]:
-        return dict(self.params)
-
-    @property
-    def label(self) -> str:
-        if not self.params:
-            return self.name
-        return f"{self.name}(" + ",".join(f"{k}={v}" for k, v in self.params) + ")"
-
-    def build(self):
-        from mtad_energy.decoding.registry import get_decoder
-
-        return get_decoder(self.name, **self.param_dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "params": self.param_dict}
-
-
-RANDOM_NOTE = ("random weights at real shapes (random:SHAPE): time and energy per forward are "
-               "real; acceptance, block efficiency and quality are not")
-
-
-def random_weights(spec: Any) -> bool:
-    """Whether a model spec holds random weights: a ``random:SHAPE`` model, or a draft spec
-    naming random heads (``eagle:random``, ``eagle:random-v1``, ``medusa:random``; comma-joined
-    with others, as ``--draft`` and a row's ``draft_id`` are)."""
-    parts = [p.strip() for p in str(spec or "").split(",")] if isinstance(spec, str) else []
-    return any(p.startswith("random:") or p.partition(":")[2].startswith("random") for p in parts)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    alias: str | None = "smollm2"
-    target: str | None = None
-    draft: str | None = None
-    device: str = "auto"
-    dtype: str | None = None
-
-    @property
-    def label(self) -> str:
-        """The alias; a ``random:SHAPE`` target without one is named by its shape (random
-        weights are never pooled with a real model's rows), any other "custom"."""
-        if self.alias:
-            return self.alias
-        return self.target if self.target and self.target.startswith("random:") else "custom"
 
 
 class NoEnergyError(ValueError):
@@ -193,25 +145,11 @@ class RunConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.compile_backend or self.compile_dynamic:  # without --compile: refused, with
             compile_arg(self.compile, self.compile_backend, self.compile_dynamic)  # the fix
-        if self.engine != "hf":  # what the engine cannot honour, refused before anything loads
-            from mtad_energy.engines.registry import engine_kind
+        from mtad_energy.engines.registry import check_run
 
-            kind = engine_kind(self.engine)
-            kind.check_compile(self.compile)
-            kind.check_batch_size(self.batch_size)
-            for d in self.decoders:
-                kind.decoder_params(d.name, d.param_dict)
-            kind.options(dict(self.engine_options))
-            kind.check_ops(self.ops)
-        elif self.engine_options:
-            from mtad_energy.engines.registry import UnsupportedError
-
-            raise UnsupportedError("--engine-option sets an engine's own settings; hf (the "
-                                   "project's own decoders) has none: drop it or add --engine")
-        elif self.batch_size > 1:
-            from mtad_energy.decoding.registry import DECODERS, check_batched
-
-            check_batched(DECODERS[d.name] for d in self.decoders if d.name in DECODERS)
+        # what the engine cannot honour, refused before anything loads
+        check_run(self.engine, self.decoders, self.batch_size, self.compile, self.ops,
+                  dict(self.engine_options))
 
     @property
     def compile_arg(self):

@@ -118,6 +118,7 @@ def test_a_size_that_cannot_fit_is_skipped_before_its_rows_are_hashed(tmp_path, 
     saying the size cannot fit."""
     from mtad_energy.bench import decode_batch
     from mtad_energy.config import DecoderSpec
+    from mtad_energy.decoding.runtime import memory
     from mtad_energy.measure.none import NoneMeter
     from mtad_energy.results import ResultStore
 
@@ -125,7 +126,7 @@ def test_a_size_that_cannot_fit_is_skipped_before_its_rows_are_hashed(tmp_path, 
     real = decode_batch.stable_key
     monkeypatch.setattr(decode_batch, "stable_key",
                         lambda identity: hashed.append(len(identity.get("ids", ()))) or real(identity))
-    monkeypatch.setattr(decode_batch, "free_memory_bytes", lambda device: 1 << 30)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 1 << 30)
     decode_batch.decode_batch_sweep(
         llama_pair, [DecoderSpec("ar")], [1, 10_000_000], [[5, 9, 4]], ResultStore(tmp_path / "s"),
         NoneMeter(), max_new_tokens=2, on_skip=lambda label, b, why: skipped.append((label, b)))

@@ -157,7 +157,7 @@ def test_host_work_on_cuda_is_what_the_cpu_counts(model_dirs, name):
     iteration (the read-back) and the ops the CPU budget allows, plus what only CUDA adds: a
     clone per CUDA-graph output and a pinned copy per host list sent to the device (two per
     forward at most)."""
-    from mtad_energy.bench.host_count import counted_generation
+    from mtad_energy.engines.hf import counted_generation
     from mtad_energy.measure.host_work import HostWorkSites
     from tests.decoding.host_reads import site_at_read_back
     from tests.decoding.test_host_syncs import OPS_BUDGET

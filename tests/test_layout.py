@@ -126,7 +126,9 @@ def test_the_cycle_finder_sees_a_circle():
     ("decoding", {"measure", "bench", "results", "cli"}),
     ("measure", {"decoding", "bench", "results", "cli", "models"}),
     ("energy", {"measure", "decoding", "bench", "results", "cli", "engines", "models", "config"}),
-    ("results", {"bench", "cli", "measure", "engines"}),
+    ("results", {"bench", "cli", "measure", "engines", "config"}),
+    ("engines", {"bench", "cli", "config"}),
+    ("specs", {"bench", "cli", "config", "engines", "results", "measure", "models"}),
     ("models", {"decoding", "measure", "bench", "results", "cli", "engines"}),
 ])
 def test_imports_go_one_way(package, never):
@@ -156,3 +158,56 @@ def test_command_line_modules_stay_short():
     long = {p.name: n for p in (ROOT / "cli").glob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def engine_branches(source: str) -> list[str]:
+    """The tests of which engine generates in ``source``: an engine compared with None or with
+    hf (``engine is None``, ``config.engine != HF``; not an attribute of an engine, such as
+    ``engine.context_length is None``) or an ``isinstance(..., <Engine class>)``: what `bench/`
+    must not hold (an engine is another source of generations under the same runner and
+    windows, never a second pipeline). One form is the default, not a branch: an engine not
+    given is the project's decoders (``engine if engine is not None else open_hf(...)``)."""
+    tree = ast.parse(source)
+    defaults = {id(n) for node in ast.walk(tree) if isinstance(node, ast.IfExp)
+                and "open_hf(" in ast.unparse(node.orelse) for n in ast.walk(node.test)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and id(node) not in defaults:
+            sides = [node.left, *node.comparators]
+            texts = [ast.unparse(s) for s in sides]
+            about_engine = any("engine" in t.rpartition(".")[2].lower() for t in texts)
+            against = any(t in ("None", "HF", "'hf'", '"hf"') for t in texts)
+            if about_engine and against:
+                found.append(ast.unparse(node))
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance"
+              and len(node.args) == 2 and "Engine" in ast.unparse(node.args[1])):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_bench_holds_every_engine_alike():
+    """No branch on the engine's kind in the runner, the batched sweep or anything else under
+    bench/: the project's decoders are the engine hf (`engines.hf`), behind the same contract."""
+    found = {p.name: b for p in sorted((ROOT / "bench").glob("*.py"))
+             if (b := engine_branches(p.read_text()))}
+    assert found == {}
+
+
+def test_the_engine_branch_finder_sees_a_branch():
+    assert engine_branches("if self.engine is not None:\n    pass") == ["self.engine is not None"]
+    assert engine_branches("x = a if config.engine != HF else b") == ["config.engine != HF"]
+    assert engine_branches("ok = isinstance(d, EngineDecoder)") == ["isinstance(d, EngineDecoder)"]
+    assert engine_branches("if engines != [ENGINE]:\n    pass") == []  # a check of the input
+    assert engine_branches("if runner.engine.context_length is None:\n    pass") == []
+    assert engine_branches("e = engine if engine is not None else open_hf(pair)") == []
+
+
+def test_a_decoder_imports_another_only_when_it_is_its_variant():
+    """What decoders share (the draft chain, tree structures) lives in the runtime; a decoder
+    file imports another only to build on it: MCSS is SpecInfer with its sampling, MMTAD is MTAD
+    over a tree (its parameters)."""
+    prefix = "mtad_energy.decoding.decoders."
+    reached = {(m.removeprefix(prefix), t.removeprefix(prefix))
+               for m, targets in import_graph().items() if m.startswith(prefix)
+               for t in targets if t.startswith(prefix)}
+    assert reached <= {("mcss", "specinfer"), ("mmtad", "mtad")}, sorted(reached)

@@ -227,8 +227,8 @@ def test_a_huge_gamma_with_few_new_tokens_runs_and_the_advice_is_never_negative(
 def test_the_memory_estimate_uses_the_draft_a_generation_can_make(llama_pair):
     """`sweep batch-size --decoder ar,spd --set gamma=100000 --max-new-tokens 4` skipped spd as
     needing 163.7 GiB: with 4 new tokens spd drafts at most 3, whatever its gamma."""
-    from mtad_energy.bench.decode_batch import rows_memory_bytes
     from mtad_energy.decoding.registry import get_decoder
+    from mtad_energy.decoding.runtime.memory import rows_memory_bytes
 
     rows = [[1, 2, 3]] * 4
     huge, three = (rows_memory_bytes(llama_pair, get_decoder("spd", gamma=g), rows, 4, False)

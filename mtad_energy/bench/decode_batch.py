@@ -39,20 +39,14 @@ from typing import Any
 import torch
 
 from mtad_energy.bench.budget import Budget
-from mtad_energy.bench.host_count import counted_generation, warm_up_tokens
-from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, PhaseWindows, compile_columns
+from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, measure_generation
 from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
-from mtad_energy.decoding.registry import check_batched
-from mtad_energy.decoding.runtime.decoder import Decoder
-from mtad_energy.decoding.runtime.generate import generate_rows, slots_needed
 from mtad_energy.decoding.runtime.stats import Generation
-from mtad_energy.engines import Engine, hf_columns
+from mtad_energy.engines import Engine, WarmUp, open_hf
 from mtad_energy.engines.base import EngineDecoder, with_perplexity
-from mtad_energy.measure import EnergyMeter, peak_memory, work_tap
+from mtad_energy.measure import EnergyMeter
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
-from mtad_energy.measure.host_work import NO_HOST_WORK
 from mtad_energy.models import ModelPair
-from mtad_energy.models.shapes import free_memory_bytes
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
 
@@ -127,90 +121,65 @@ def decode_batch_sweep(
         raise ValueError(f"batch sizes must be positive integers, got {list(sizes) or 'none'}")
     if not prompts:
         raise ValueError("give at least one prompt")
-    if engine is not None:  # refused before anything runs: a size or a parameter it lacks
-        engine.kind.check_compile(compile)
-        engine.kind.check_batch_size(max(sizes))
-        built = {spec: EngineDecoder(engine, spec) for spec in decoders}
-        desc = {"device": engine.device, "dtype": engine.dtype}
-    else:
-        built = {spec: spec.build() for spec in decoders}  # validates every parameter up front
-        if max(sizes) > 1:
-            check_batched(built.values())
-        desc = pair.describe()
-    columns = engine.columns() if engine is not None else hf_columns(compile)
-    probe = ContentionProbe(gpu_pids=gpu_processes(desc["device"]))  # others' share per window
+    # the project's decoders unless another engine is given; every engine is held alike below
+    engine = engine if engine is not None else open_hf(pair, compile=compiling, meter=meter)
+    # refused before anything runs: --compile, a parameter, a size the engine cannot honour
+    engine.check_compile(compiling)
+    params = {spec: engine.params(spec) for spec in decoders}  # validates every parameter
+    engine.check_batch(decoders, max(sizes))
+    columns = engine.columns()
+    probe = ContentionProbe(gpu_pids=gpu_processes(engine.device))  # others' share per window
     stored = store.load("decode_batch") if store.keys("decode_batch") else None
-    label = model + (f"+{engine.name}" if engine is not None else "") + (
+    label = model + engine.model_suffix + (
         compile_label(compile_backend, compile_dynamic) if compile else "")
     out, ran = [], 0
-    params = {spec: {k: v for k, v in d.config().items() if k != "decoder"}
-              for spec, d in built.items()}
     for b in dict.fromkeys(int(s) for s in sizes):
         rows = [prompts[i % len(prompts)] for i in range(b)]  # shared, cheap at any size
         # what cannot fit is said before the rows' keys are hashed (at B = 10^7, minutes)
-        skipped = _too_big(pair, built, rows, max_new_tokens, compile, on_skip) \
-            if engine is None else set()
-        if len(skipped) == len(built):
+        skipped = _too_big(engine, decoders, rows, max_new_tokens, on_skip)
+        if len(skipped) == len(decoders):
             continue
         rows = [list(r) for r in rows]
-        warm: set[DecoderSpec] = set()  # warmed up at this size
-        host: dict[DecoderSpec, dict[str, Any]] = {}  # host work per iteration, counted then
-        released = False
+        warm: dict[DecoderSpec, WarmUp] = {}  # warmed up at this size: what each warm-up left
         # decoders interleaved per repeat (drift and load hit them alike), each warmed up once
-        # at this size before its first measured row (compiled: every shape, after freeing the
-        # static caches of the other sizes once)
+        # at this size before its first measured row (compiled: every shape)
         for rep in range(first_repeat, first_repeat + repeats):
-            for spec, decoder in built.items():
+            for spec in decoders:
                 if spec in skipped:
                     continue
                 identity = {
-                    "model": label, "target_id": pair.target_id,
-                    "draft_id": (engine.draft_id(spec) if engine is not None
-                                 else pair.draft_id_for(decoder)),
+                    "model": label, "target_id": pair.target_id, "draft_id": engine.draft_id(spec),
                     "decoder": spec.name, "params_json": params_json(params[spec]),
                     "batch_size": b, "dataset": dataset, "prompts": stable_key({"ids": rows}),
                     "max_new_tokens": max_new_tokens, "seed": seed + rep, "repeat": rep,
-                    "meter": meter.name, "device": desc["device"], "dtype": desc["dtype"],
+                    "meter": meter.name, "device": engine.device, "dtype": engine.dtype,
                     # eager rows keep their keys, compiled rows with the defaults theirs
                     **(compile_identity(compile_backend, compile_dynamic) if compile else {}),
-                    **({"engine": columns} if engine is not None else {}),  # hf: old keys
+                    **engine.key_columns(),  # hf adds nothing: its rows keep their old keys
                 }
                 key = stable_key(identity)
                 row, measured = _stored_row(store, stored, key), False
                 if row is None and budget is not None and budget.skip():
                     continue
                 if row is None:
-                    why, warm_gens = None, []
-                    if spec not in warm:  # (what cannot fit was skipped above; an engine
-                        try:  # says when it is full)
-                            if engine is not None:
-                                engine.warm_up(spec, rows, max_new_tokens, seed)
-                            else:  # first calls (compiled: every shape), unmeasured
-                                if compile and not released:
-                                    _release()
-                                    released = True
-                                warm_gens, work = counted_generation(  # its host work
-                                    decoder, pair, rows, warm_up_tokens(max_new_tokens, compiling),
-                                    seed, compiling)
-                                host[spec] = work.columns()
-                        except torch.OutOfMemoryError as error:
-                            why = _out_of_memory(b, error)
-                    if why is None:
-                        warm.add(spec)
-                        try:  # the warm-up's compile cost goes to the row measured right after it
-                            row = _measure(decoder, pair, rows, max_new_tokens, seed + rep, meter,
-                                           key, compiling, warm_gens, probe)
-                        except torch.OutOfMemoryError as error:
-                            why = _out_of_memory(b, error)
-                    if why is not None:
+                    try:  # first calls (compiled: every shape), unmeasured; then the row, which
+                        # gets the warm-up's compile cost (what cannot fit was skipped above; an
+                        # engine says when it is full)
+                        fresh = spec not in warm
+                        if fresh:
+                            warm[spec] = engine.warm_up(spec, rows, max_new_tokens, seed)
+                        row = _measure(EngineDecoder(engine, spec), pair, rows, max_new_tokens,
+                                       seed + rep, meter, key,
+                                       warm[spec].generations if fresh else (), probe)
+                    except torch.OutOfMemoryError as error:
                         skipped.add(spec)
                         if on_skip is not None:
-                            on_skip(spec.label, b, why)
+                            on_skip(spec.label, b, _out_of_memory(b, error))
                         continue
                     row = without_unseen_energy({  # compiled + simulated: static joules alone
                         "row_key": key, "created_unix_s": time.time(), "env_id": env_id,
                         **identity, **columns, "label": spec.label, "compile": compile, **row,
-                        **host.get(spec, NO_HOST_WORK)})
+                        **warm[spec].host_work})
                     try:
                         store.write("decode_batch", key, [row])
                         measured = True
@@ -234,20 +203,13 @@ def _stored_row(store: ResultStore, stored, key: str) -> dict[str, Any] | None:
     return None
 
 
-def _release() -> None:
-    """Free the static caches of the other batch sizes (compiled sweeps)."""
-    from mtad_energy.decoding.runtime.static import release_engines
-
-    release_engines()
-
-
-def _too_big(pair: ModelPair, built: dict, rows: list, max_new_tokens: int, compile: bool,
+def _too_big(engine: Engine, decoders: Sequence[DecoderSpec], rows: list, max_new_tokens: int,
              on_skip: Callable[[str, int, str], object] | None) -> set[DecoderSpec]:
-    """The decoders whose caches and logits at ``len(rows)`` rows would not fit the free memory
-    (`does_not_fit`), each reported through ``on_skip``."""
+    """The decoders that ``engine`` says would not fit the free memory at ``len(rows)`` rows
+    (`Engine.does_not_fit`), each reported through ``on_skip``."""
     out = set()
-    for spec, decoder in built.items():
-        why = does_not_fit(pair, decoder, rows, max_new_tokens, compile)
+    for spec in decoders:
+        why = engine.does_not_fit(spec, rows, max_new_tokens)
         if why is not None:
             out.add(spec)
             if on_skip is not None:
@@ -261,82 +223,17 @@ def _out_of_memory(b: int, error: BaseException) -> str:
     return f"out of memory at batch size {b}: {str(error).splitlines()[0][:160]}"
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes one cached token of one row takes in ``model``'s KV cache (all layers)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    item = next(p.element_size() for p in model.parameters() if p.is_floating_point())
-    return cfg.num_hidden_layers * 2 * heads * head_dim * item
-
-
-def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int,
-                        compile: bool, max_new_tokens: int | None = None) -> int:
-    """An estimate (on the high side) of the memory B rows need beyond the weights: each model's
-    KV cache (compiled: rows padded to their bucket, times the rows a sequence expands to, over
-    the slot bucket; eager: twice, as a dynamic cache is copied when it grows) and the float32
-    logits of the widest forward with their warps."""
-    from mtad_energy.decoding.runtime.static import row_bucket, slot_bucket
-
-    total = 0
-    # a chain verifies its effective draft (`Decoder.lookahead_for`) plus one; a tree its nodes
-    chain = (decoder.lookahead_for(max_new_tokens) + 1
-             if max_new_tokens is not None and decoder.verify_width == decoder.lookahead + 1 else 0)
-    draft = decoder.draft_model(pair)  # a draft model, a head with a cache (EAGLE), or none
-    roles = [("target", pair.target)] + ([("draft", draft)] if draft is not None
-                                         and not getattr(draft, "cacheless", False) else [])
-    for role, model in roles:
-        r = (row_bucket(rows) if compile else rows) * decoder.cache_rows(role)
-        cache = kv_bytes_per_token(model) * r * (slot_bucket(slots) if compile else 2 * slots)
-        width = max(decoder.verify_width if not chain else chain, 32)  # trees: wider than deep
-        total += cache + 4 * r * width * model.config.vocab_size * 4
-    return total
-
-
-def rows_memory_bytes(pair: ModelPair, decoder: Decoder, rows: list[list[int]],
-                      max_new_tokens: int, compile: bool) -> int:
-    """`memory_needed_bytes` of decoding ``rows`` (token ids) for ``max_new_tokens``: compiled,
-    over the static caches' slots; eager, over what the rows write, with the effective draft
-    (`Decoder.lookahead_for`: ``gamma=100000`` with 4 new tokens drafts at most 3)."""
-    slots = slots_needed(decoder, [len(r) for r in rows], max_new_tokens)
-    if not compile:  # a dynamic cache grows with what the rows write
-        slots += decoder.lookahead_for(max_new_tokens) - decoder.lookahead
-    return memory_needed_bytes(pair, decoder, len(rows), slots, compile, max_new_tokens)
-
-
-def does_not_fit(pair: ModelPair, decoder: Decoder, rows: list[list[int]], max_new_tokens: int,
-                  compile: bool) -> str | None:
-    need = rows_memory_bytes(pair, decoder, rows, max_new_tokens, compile)
-    free = free_memory_bytes(pair.describe()["device"])
-    if free is None or need <= 0.9 * free:
-        return None
-    return (f"needs about {need / 2**30:.1f} GiB for its caches and logits at batch size "
-            f"{len(rows)}, {free / 2**30:.1f} GiB free")
-
-
-def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: int, seed: int,
-             meter: EnergyMeter, key: str, compile: bool = False,
+def _measure(decoder: EngineDecoder, pair: ModelPair, rows: list[list[int]],
+             max_new_tokens: int, seed: int, meter: EnergyMeter, key: str,
              warm: Sequence[Generation] = (),
              probe: ContentionProbe | None = None) -> dict[str, Any]:
-    windows = PhaseWindows(meter, key, probe,  # an engine's processes are the window's own
-                           decoder.engine.processes(decoder.spec)
-                           if isinstance(decoder, EngineDecoder) else ())
-    with peak_memory(pair.describe()["device"]) as peak:
-        try:
-            if isinstance(decoder, EngineDecoder):
-                gens = decoder.engine.generate(decoder.spec, rows, max_new_tokens, seed, windows)
-            else:
-                with work_tap(meter, pair.target, decoder.draft_model(pair), compiled=bool(compile)):
-                    gens = generate_rows(decoder, pair, rows, max_new_tokens, seed=seed,
-                                         on_phase=windows, compile=compile)
-        finally:
-            windows.close()
-    if isinstance(decoder, EngineDecoder):  # outside the window, under the HF target
-        gens = [with_perplexity(g, pair, r) for g, r in zip(gens, rows, strict=True)]
-    m = windows.measurements["decode"]
-    compiling = compile_columns(warm, gens)
-    flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if compiling["compile_in_window_s"] > 0
+    """One row of the sweep: the batch measured (`measure_generation`), its perplexities scored
+    under the HF target outside the window, and the batch's figures."""
+    measured = measure_generation(decoder.engine, decoder.spec, rows, max_new_tokens, seed, meter,
+                                  key, probe, warm)
+    gens = [with_perplexity(g, pair, r) for g, r in zip(measured.generations, rows, strict=True)]
+    m = measured.windows.measurements["decode"]
+    flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if measured.compiled_in_window
                                  else set())
     tokens = sum(g.stats.tokens_emitted for g in gens)
     # the decode window's tokens (a streaming engine's first tokens are the prefill window's)
@@ -362,7 +259,7 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         "energy_per_token_j": energy / in_window if energy is not None and in_window else None,
         "energy_reason": m.reason if energy is None else None,
         "energy_flags": json.dumps(sorted(flags)),
-        "peak_memory_bytes": peak.bytes, **compiling,
+        "peak_memory_bytes": measured.peak_memory_bytes, **measured.compiling,
         "time_draft_s": last.time_draft_s, "time_target_s": last.time_target_s,
         "time_other_s": last.time_other_s, "draft_flops": last.draft_flops,
         "draft_bytes": last.draft_bytes, "target_flops": last.target_flops,
@@ -370,5 +267,5 @@ def _measure(decoder, pair: ModelPair, rows: list[list[int]], max_new_tokens: in
         "draft_proposed": sum(g.stats.draft_proposed for g in gens),
         "draft_accepted": sum(g.stats.draft_accepted for g in gens),
         "rows_iterations": sum(g.stats.iterations for g in gens),
-        **windows.contention_columns(("decode",)),  # the decode window's, as its time and joules
+        **measured.windows.contention_columns(("decode",)),  # the decode window's, as its time and joules
     }

@@ -1,21 +1,26 @@
-"""What the measurement windows of one generation give its stored row: `PhaseWindows` (a
-"prefill" and a "decode" window opened at the generate loop's phase hooks, with what other
-processes took meanwhile), the row's energy columns from those two windows (`energy_columns`),
-and what compiling cost it (`compile_columns`, `FLAG_COMPILED_IN_WINDOW`). The profile runner
-(`runner`) and the decoding batch-size sweep (`decode_batch`) both store rows through them.
+"""One measured generation and what its windows give its stored row: `measure_generation` (any
+engine's generation of B rows inside `PhaseWindows`, a "prefill" and a "decode" window opened at
+the engine's phase hooks, with what other processes took meanwhile, under the peak-memory
+reading), the row's energy columns from those two windows (`energy_columns`), and what compiling
+cost it (`compile_columns`, `FLAG_COMPILED_IN_WINDOW`). The profile runner (`runner`) and the
+decoding batch-size sweep (`decode_batch`) both measure and store rows through them, whichever
+engine generates (the project's decoders are the engine ``hf``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mtad_energy.measure import EnergyMeter, Measurement
+from mtad_energy.measure import EnergyMeter, Measurement, peak_memory
 from mtad_energy.measure.contention import Contention, ContentionProbe, row_contention
 
-if TYPE_CHECKING:  # the rows' generations; this module runs no decoder
+if TYPE_CHECKING:  # the rows' generations and who makes them
+    from mtad_energy.config import DecoderSpec
     from mtad_energy.decoding.runtime.stats import Generation
+    from mtad_energy.engines import Engine
 
 # a compiled run that still compiled a shape inside its measurement windows: its time excludes
 # the compilation (`compile_in_window_s`), its joules do not
@@ -93,3 +98,35 @@ def energy_columns(windows: dict[str, Measurement]) -> dict[str, Any]:
         "energy_flags": json.dumps(flags),
     }
 
+
+@dataclass
+class Measured:
+    """One measured generation of B rows: its generations, its windows (``measurements`` per
+    phase, contention), the peak memory of the device meanwhile and what compiling cost it
+    (`compile_columns`)."""
+
+    generations: list[Generation]
+    windows: PhaseWindows
+    peak_memory_bytes: int | None
+    compiling: dict[str, Any]
+
+    @property
+    def compiled_in_window(self) -> bool:
+        return self.compiling["compile_in_window_s"] > 0
+
+
+def measure_generation(engine: Engine, spec: DecoderSpec, prompts: Sequence[list[int]],
+                       max_new_tokens: int, seed: int, meter: EnergyMeter, key: str,
+                       probe: ContentionProbe | None = None,
+                       warm: Sequence[Generation] = ()) -> Measured:
+    """``engine`` decodes ``prompts`` together inside one pair of windows named by ``key`` (its
+    processes counted as the measurement's own, `Engine.processes`), under the peak-memory
+    reading; ``warm``: the warm-up generations that ran for these shapes (their compile cost goes
+    to this row). The windows close in a finally: an exception never leaks one."""
+    windows = PhaseWindows(meter, key, probe, engine.processes(spec))
+    with peak_memory(engine.device) as peak:
+        try:
+            gens = engine.generate(spec, prompts, max_new_tokens, seed, windows)
+        finally:
+            windows.close()
+    return Measured(gens, windows, peak.bytes, compile_columns(warm, gens))

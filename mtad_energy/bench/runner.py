@@ -20,12 +20,10 @@ from typing import Any
 import torch
 
 from mtad_energy.bench.budget import Budget
-from mtad_energy.bench.host_count import counted_generation, warm_up_tokens
 from mtad_energy.bench.phase_windows import (
     FLAG_COMPILED_IN_WINDOW,
-    PhaseWindows,
-    compile_columns,
     energy_columns,
+    measure_generation,
 )
 from mtad_energy.bench.prompts import Prompt
 from mtad_energy.bench.work_units import (
@@ -37,30 +35,12 @@ from mtad_energy.bench.work_units import (
     work_units,
 )
 from mtad_energy.config import DecoderSpec, RunConfig, compile_identity
-from mtad_energy.decoding.registry import head_kinds
-from mtad_energy.decoding.runtime.decoder import Decoder
-from mtad_energy.decoding.runtime.generate import encode_prompt, generate_ids, generate_rows, slots_needed
+from mtad_energy.decoding.runtime.generate import encode_prompt
 from mtad_energy.decoding.runtime.stats import Generation, perplexity
-from mtad_energy.engines import (
-    HF,
-    Engine,
-    check_engine_options,
-    hf_columns,
-    load_engine,
-)
-from mtad_energy.measure import (
-    EnergyMeter,
-    MitigationConfig,
-    measure_mitigated,
-    meter_for,
-    peak_memory,
-    profile_ops,
-    snapshot,
-    work_tap,
-)
+from mtad_energy.engines import Engine, WarmUp, check_engine_options, open_engine, pair_roles
+from mtad_energy.measure import EnergyMeter, MitigationConfig, measure_mitigated, meter_for, snapshot
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.measure.env import calibrated
-from mtad_energy.measure.host_work import NO_HOST_WORK
 from mtad_energy.models import ModelPair, load_pair
 from mtad_energy.results.schema import params_json, stable_key, without_unseen_energy
 from mtad_energy.results.store import ResultStore, RowExistsError
@@ -90,40 +70,33 @@ class Runner:
                  meter: EnergyMeter | None = None, meter_reason: str = "",
                  scorer: Scorer | None = None, sleep: Callable[[float], object] = time.sleep):
         self.config, self.store, self.scorer, self.sleep = config, store, scorer, sleep
-        self.engine: Engine | None = None  # None: the project's own decoders (engine "hf")
-        if config.engine != HF:  # refuses what the engine cannot honour, before loading
-            check_engine_options(config.engine, [d.name for d in config.decoders],
-                                 config.batch_size, config.compile,
-                                 {d.name: d.param_dict for d in config.decoders})
-        built = ([d.build() for d in config.decoders]  # validates params early
-                 if config.engine == HF else [])
-        needs_draft = any(d.needs_draft for d in built)
+        # refuses what the engine cannot honour (hf: the decoders' parameters), before loading
+        check_engine_options(config.engine, [d.name for d in config.decoders],
+                             config.batch_size, config.compile,
+                             {d.name: d.param_dict for d in config.decoders})
+        with_draft, heads = pair_roles(config.engine, config.decoders)
         if meter is None:
             meter, meter_reason = meter_for(config.measure.meter)
-        self.meter, self.meter_reason = meter, meter_reason
         # before loading anything: refuses --require-energy / --mitigate on without energy readings
         self.mitigate = config.measure.mitigation_for(meter)
         m = config.model
+        # the HF pair gives every engine the same prompt ids and scores perplexity outside the
+        # windows (and is what the project's decoders, the engine hf, decode with)
         self.pair = pair or load_pair(m.alias, target=m.target, draft=m.draft, device=m.device,
-                                      dtype=m.dtype, with_draft=needs_draft,
-                                      heads=head_kinds(built))
-        # the engine loads once per configuration, outside every window; the HF pair above
-        # gives every engine the same prompt ids and scores perplexity outside the windows
-        self.engine = load_engine(config.engine, m, dict(config.engine_options))
+                                      dtype=m.dtype, with_draft=with_draft, heads=heads)
         # a calibrated device: its record in the snapshot, windows below its minimum flagged
-        self.meter, snap = calibrated(self.meter, snapshot())
+        self.meter, snap = calibrated(meter, snapshot())
+        self.meter_reason = meter_reason
         self.env_id = snap.snapshot_id
         store.write_env(self.env_id, snap.to_dict())
-        desc = self.pair.describe()
-        self.device, self.dtype = desc["device"], desc["dtype"]
-        self.probe = ContentionProbe(gpu_pids=gpu_processes(self.device))
-        if self.engine is not None:
-            self.device, self.dtype = self.engine.device, self.engine.dtype
-        self.engine_columns = (self.engine.columns() if self.engine is not None
-                               else hf_columns(config.compile))
-        self._decoders: dict[DecoderSpec, Decoder] = dict(zip(config.decoders, built, strict=False))
-        self._warm: set[tuple] = set()  # `warm_key`s warmed up
-        self._host: dict[tuple, dict[str, Any]] = {}  # host work per iteration, per `warm_key`
+        # the engine starts once per configuration, outside every window
+        self.engine: Engine = open_engine(config.engine, m, dict(config.engine_options),
+                                          pair=self.pair, specs=config.decoders,
+                                          compile=config.compile_arg, meter=self.meter)
+        self.device, self.dtype = self.engine.device, self.engine.dtype
+        self.probe = ContentionProbe(gpu_pids=gpu_processes(self.pair.describe()["device"]))
+        self.engine_columns = self.engine.columns()
+        self._warm: dict[tuple, WarmUp] = {}  # `warm_key` -> what its warm-up left
         self.budget: Budget | None = None  # once spent, `iter_run` starts no new batch
 
     @property
@@ -133,19 +106,13 @@ class Runner:
     # -- identity -----------------------------------------------------------------------------
     def _params(self, spec: DecoderSpec) -> dict[str, Any]:
         """Every parameter of the decoder, defaults included (what identifies its rows)."""
-        if self.engine is not None:
-            return self.engine.params(spec)
-        return {k: v for k, v in self._decoders[spec].config().items() if k != "decoder"}
+        return self.engine.params(spec)
 
     def _draft_id(self, spec: DecoderSpec) -> str | None:
-        if self.engine is not None:
-            return self.engine.draft_id(spec)
-        return self.pair.draft_id_for(self._decoders[spec])
+        return self.engine.draft_id(spec)
 
     def lookahead(self, spec: DecoderSpec) -> int:
-        if self.engine is not None:
-            return self.engine.lookahead(spec)
-        return self._decoders[spec].lookahead
+        return self.engine.lookahead(spec)
 
     def run_key(self, unit: WorkUnit) -> str:
         c = self.config
@@ -160,7 +127,7 @@ class Runner:
             # eager rows keep their old keys, and compiled rows with the defaults theirs
             **(compile_identity(c.compile_backend, c.compile_dynamic) if c.compile else {}),
             **({"batch_size": c.batch_size} if c.batch_size > 1 else {}),
-            **({"engine": self.engine_columns} if self.engine is not None else {}),  # hf: old keys
+            **self.engine.key_columns(),  # hf adds nothing: its rows keep their old keys
         })
 
     # -- running ------------------------------------------------------------------------------
@@ -177,28 +144,14 @@ class Runner:
         if key in self._warm:
             return []
         c = self.config
-        if self.engine is not None:
-            self.engine.warm_up(spec, prompts, c.max_new_tokens, seed=c.seed)
-            self._warm.add(key)
-            return []
-        gens, work = counted_generation(self._decoders[spec], self.pair, prompts,
-                                        warm_up_tokens(c.max_new_tokens, c.compile), c.seed,
-                                        c.compile_arg)
-        self._warm.add(key)
-        self._host[key] = work.columns()  # the rows measured with these shapes carry it
-        return gens
+        self._warm[key] = warm = self.engine.warm_up(spec, prompts, c.max_new_tokens, seed=c.seed)
+        return list(warm.generations)
 
     def warm_key(self, spec: DecoderSpec, prompts: Sequence[list[int]]) -> tuple:
-        """What decides the shapes a batch runs at: eager, the decoder and the batch size;
-        compiled, the decoder, the row bucket and the static cache's slot bucket (prompts of
-        similar length share graphs)."""
-        if not self.config.compile or self.engine is not None:
-            return spec, len(prompts)
-        from mtad_energy.decoding.runtime.static import row_bucket, slot_bucket
-
-        slots = slots_needed(self._decoders[spec], [len(p) for p in prompts],
-                             self.config.max_new_tokens)
-        return spec, row_bucket(len(prompts)), slot_bucket(slots)
+        """What decides the shapes a batch runs at (`Engine.shape_key`): eager, the decoder and
+        the batch size; compiled, the decoder, the row bucket and the static cache's slot bucket
+        (prompts of similar length share graphs)."""
+        return (spec, *self.engine.shape_key(spec, prompts, self.config.max_new_tokens))
 
     def run_unit(self, unit: WorkUnit) -> dict[str, Any]:
         return self.run_batch([unit])[0]
@@ -221,25 +174,21 @@ class Runner:
         warm = self.warm_up(spec, prompts) if c.warmup else []
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
-        windows = PhaseWindows(self.meter, batch_key, self.probe,  # an engine's processes: own
-                               self.engine.processes(spec) if self.engine is not None else ())
-        with peak_memory(self.device) as peak:
-            try:
-                gens = self._generate(spec, prompts, seed, windows)
-            finally:
-                windows.close()
-        energy = energy_columns(windows.measurements)
-        compiling = compile_columns(warm, gens)
-        if compiling["compile_in_window_s"] > 0:  # a shape the warm-up did not cover
+        measured = measure_generation(self.engine, spec, prompts, c.max_new_tokens, seed,
+                                      self.meter, batch_key, self.probe, warm)
+        gens = measured.generations
+        energy = energy_columns(measured.windows.measurements)
+        if measured.compiled_in_window:  # a shape the warm-up did not cover
             energy["energy_flags"] = json.dumps(
                 sorted({*json.loads(energy["energy_flags"]), FLAG_COMPILED_IN_WINDOW}))
-        measured = {"peak_memory_bytes": peak.bytes, **compiling,
-                    **windows.contention_columns()}
+        host = self._warm.get(self.warm_key(spec, prompts), WarmUp()).host_work  # not warm: none
+        measured_columns = {"peak_memory_bytes": measured.peak_memory_bytes,
+                            **measured.compiling, **measured.windows.contention_columns()}
 
         mitigation: dict[str, Any] = {"mitigated": False}
         if self.mitigate:
             m = measure_mitigated(
-                lambda: self._generate(spec, prompts, seed),
+                lambda: self.engine.generate(spec, prompts, c.max_new_tokens, seed),
                 self.meter,
                 MitigationConfig(min_repetitions=c.measure.mitigation_repetitions,
                                  min_duration_s=c.measure.mitigation_min_s),
@@ -261,23 +210,10 @@ class Runner:
         for unit, key, ids, gen in zip(units, keys, prompts, gens, strict=False):  # not the fill
             share = 1.0 if len(gens) == 1 else (
                 gen.stats.tokens_emitted / total_tokens if total_tokens else 1.0 / len(gens))
-            rows.append(self._store_row(unit, key, ids, gen, seed, {
-                **energy, **measured, **self._host.get(self.warm_key(spec, prompts), NO_HOST_WORK)},
-                mitigation, share, len(gens)))
+            rows.append(self._store_row(unit, key, ids, gen, seed,
+                                        {**energy, **measured_columns, **host},
+                                        mitigation, share, len(gens)))
         return rows
-
-    def _generate(self, spec: DecoderSpec, prompts: list[list[int]], seed: int,
-                  on_phase: PhaseWindows | None = None) -> list[Generation]:
-        """One measured generation of ``prompts`` together: the engine's, or the project's
-        decoder (under `work_tap`: the simulated roofline device sees the forwards' work)."""
-        c = self.config
-        if self.engine is not None:
-            return self.engine.generate(spec, prompts, c.max_new_tokens, seed, on_phase)
-        decoder = self._decoders[spec]
-        with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
-                      compiled=bool(c.compile)):
-            return generate_rows(decoder, self.pair, prompts, c.max_new_tokens, seed=seed,
-                                 compute_perplexity=False, on_phase=on_phase, compile=c.compile_arg)
 
     def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
                    energy: dict[str, Any], mitigation: dict[str, Any], share: float,
@@ -344,29 +280,24 @@ class Runner:
         return row
 
     def profile_ops(self, spec: DecoderSpec, prompt: Prompt) -> dict[str, Any] | None:
-        """FLOP/byte accounting of one generation (unmeasured) into the ``ops`` table."""
+        """FLOP/byte accounting of one generation (unmeasured) into the ``ops`` table (the
+        project's forwards: an engine running its own refuses, `Engine.profile_ops`)."""
         c = self.config
-        if self.engine is not None:
-            self.engine.kind.check_ops(True)  # refuses: an engine runs its own forwards
+        self.engine.kind.check_ops(True)
         params = params_json(self._params(spec))
+        draft_id = self._draft_id(spec)
         key = stable_key({"model": c.model.label, "target_id": self.pair.target_id,
-                          "draft_id": self.pair.draft_id_for(self._decoders[spec]),
-                          "decoder": spec.name, "params": params,
+                          "draft_id": draft_id, "decoder": spec.name, "params": params,
                           "device": self.device, "dtype": self.dtype, "prompt_id": prompt.id,
                           "max_new_tokens": c.max_new_tokens, "seed": c.seed})
         if self.store.has("ops", key):
             return None
-        ids = self._prompt_ids(prompt)
-        out: list[Generation] = []
-        device = "cuda" if self.device.startswith("cuda") else "cpu"
-        prof = profile_ops(lambda: out.append(generate_ids(
-            self._decoders[spec], self.pair, ids, c.max_new_tokens, seed=c.seed,
-            compute_perplexity=False)), device=device)
+        prof, gen = self.engine.profile_ops(spec, self._prompt_ids(prompt), c.max_new_tokens,
+                                            seed=c.seed)
         row = {"ops_key": key, "created_unix_s": time.time(), "env_id": self.env_id,
-               "model": c.model.label, "target_id": self.pair.target_id,
-               "draft_id": self.pair.draft_id_for(self._decoders[spec]),
+               "model": c.model.label, "target_id": self.pair.target_id, "draft_id": draft_id,
                "decoder": spec.name, "label": spec.label, "params_json": params, "device": self.device,
-               "dtype": self.dtype, "prompt_id": prompt.id, "tokens": out[0].stats.tokens_emitted,
+               "dtype": self.dtype, "prompt_id": prompt.id, "tokens": gen.stats.tokens_emitted,
                "flops": prof.total_flops, "bytes": prof.total_bytes, "wall_time_s": prof.wall_time_s,
                "t_flop_s": prof.t_flop_s, "t_mem_s": prof.t_mem_s, "t_other_s": prof.t_other_s,
                "ridge_flop_per_byte": prof.peaks.ridge_flop_per_byte}
@@ -424,7 +355,7 @@ def check_prompt_lengths(runner: Runner, units: Sequence[WorkUnit]) -> None:
     and the decoder's lookahead: one ValueError naming every such prompt id with its length in
     tokens, and the fix. (Otherwise a long prompt would abort every re-run at the same row.)"""
     ctx = runner.pair.context_length
-    if runner.engine is not None and runner.engine.context_length is not None:
+    if runner.engine.context_length is not None:  # an engine's own context, where it has one
         ctx = min(ctx or runner.engine.context_length, runner.engine.context_length)
     if ctx is None:
         return

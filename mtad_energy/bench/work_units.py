@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mtad_energy.bench.prompts import Prompt, load_prompts
 from mtad_energy.config import DecoderSpec, RunConfig
-from mtad_energy.engines import HF
+from mtad_energy.engines import model_suffix
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def model_label(config: RunConfig) -> str:
     """The stored ``model``: compiled or batched runs are another system (other times, other
     joules), so reports, baselines and plots keep them apart as ``<model>+compile`` /
     ``<model>+batch<B>``; every row stored under ``+batch<B>`` was decoded with B rows."""
-    return (config.model.label + (f"+{config.engine}" if config.engine != HF else "")
+    return (config.model.label + model_suffix(config.engine)
             + config.compile_label
             + (f"+batch{config.batch_size}" if config.batch_size > 1 else ""))
 

@@ -98,21 +98,22 @@ def sweep_engines(engines: str, specs, sizes: list[int], compile: bool) -> list[
     return names
 
 
-def each_engine(names: list[str], model, run, options: dict[str, dict[str, str]] | None = None):
-    """``run(engine)`` for each engine in turn (None for hf), loaded once (with its
-    ``--engine-option`` settings) and closed after; the reports' rows joined (``rows``, ``ran``,
-    ``skipped``)."""
+def each_engine(names: list[str], model, run, options: dict[str, dict[str, str]] | None = None,
+                *, pair=None, meter=None, compile: object = False):
+    """``run(engine)`` for each engine in turn, opened once (`engines.open_engine`: hf over
+    ``pair`` with ``compile`` and ``meter``, another with its ``--engine-option`` settings) and
+    closed after; the reports' rows joined (``rows``, ``ran``, ``skipped``)."""
     from mtad_energy.bench.decode_batch import DecodeBatchReport
-    from mtad_energy.engines import load_engine
+    from mtad_energy.engines import open_engine
 
     total = DecodeBatchReport([], 0, 0)
     for name in names:
-        engine = load_engine(name, model, (options or {}).get(name))
+        engine = open_engine(name, model, (options or {}).get(name), pair=pair, compile=compile,
+                             meter=meter)
         try:
             rep = run(engine)
         finally:
-            if engine is not None:
-                engine.close()
+            engine.close()
         total = DecodeBatchReport(total.rows + rep.rows, total.ran + rep.ran,
                                   total.skipped + rep.skipped)
     return total

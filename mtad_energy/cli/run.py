@@ -165,9 +165,8 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
                                                f"({runner.dtype}), loaded in {pair.load_time_s:.1f} s"))
         console.print(runner.pair.draft_line(), markup=False, highlight=False)
         console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(short_reason(runner.meter_reason))}")
-        if runner.engine is not None:
-            console.print(f"[bold]engine[/] {esc(runner.engine.name)} {esc(runner.engine.version)}: "
-                          f"{esc(runner.engine.config_json())}", highlight=False)
+        console.print(f"[bold]engine[/] {esc(runner.engine.name)} {esc(runner.engine.version)}: "
+                      f"{esc(runner.engine.config_json())}", highlight=False)
     try:
         with progress_bar() as bar:
             task = bar.add_task(esc(config.sweep), total=len(runner.unique(work_units(config, prompts))),
@@ -185,8 +184,7 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
     except (ValueError, RuntimeError) as error:
         fail(error)
     finally:
-        if runner.engine is not None:
-            runner.engine.close()
+        runner.engine.close()
     return runner, rep
 
 

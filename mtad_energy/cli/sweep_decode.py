@@ -121,7 +121,8 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
                 max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
                 env_id=snap.snapshot_id, progress=step, compile=compile, on_skip=skip, engine=e,
                 budget=budget, compile_backend=compile_backend, compile_dynamic=dynamic_shapes),
-                settings)
+                settings, pair=pair, meter=m,
+                compile=compile_arg(compile, compile_backend, dynamic_shapes))
     except KeyboardInterrupt:
         fail(f"interrupted: {done['ran']} row(s) measured and stored in {out} ({done['skipped']} "
              f"were stored before), {total - done['ran'] - done['skipped']} left; re-run the same "

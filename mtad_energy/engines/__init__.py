@@ -11,10 +11,13 @@ The contract (DESIGN.md section 10):
   A pairing, parameter, batch size or option an engine lacks is refused by name
   (`UnsupportedError`), never ignored; an engine not installed is one line naming the extra
   (`EngineNotInstalledError`: ``pip install -e ".[llamacpp]"`` / ``".[vllm]"``).
-- ``hf`` is the project's own decoders over Hugging Face models: the runner's own path,
-  unchanged (`load_engine` returns None for it); its rows carry ``engine="hf"`` too.
-- **Loading** (`load_engine`): once per (engine, configuration), by the constructor, outside
-  every window; the runner then warms each decoder up (`Engine.warm_up`) before the first row.
+- ``hf`` is the project's own decoders over Hugging Face models (`hf.HfEngine`), behind the same
+  contract: the runner and the batched sweep hold every engine alike (`bench.measured`: one
+  window sequence for all). Its rows carry ``engine="hf"`` too and keep their old keys and labels.
+- **Loading** (`open_engine`): once per (engine, configuration), outside every window: hf over the
+  loaded pair, another engine by `load_engine`; the runner then warms each decoder up
+  (`Engine.warm_up`, which returns what the rows after it carry: compile seconds, host work)
+  before the first row.
 - **Generating** (`Engine.generate`): one prompt (B = 1) or a batch where the engine can, as
   token ids (the HF tokenizer's chat template: every engine decodes the same prompt ids), into
   the same `decoding.runtime.stats.Generation` the project's decoders return, built by
@@ -32,12 +35,11 @@ The contract (DESIGN.md section 10):
 from __future__ import annotations
 
 import importlib
-import json
-import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mtad_energy.engines.base import Engine, Iteration, build_generation
+from mtad_energy.engines.base import Engine, Iteration, WarmUp, build_generation, thread_settings
+from mtad_energy.engines.hf import HfEngine, open_hf, pair_roles
 from mtad_energy.engines.registry import (
     ENGINES,
     HF,
@@ -46,36 +48,18 @@ from mtad_energy.engines.registry import (
     EngineNotInstalledError,
     UnsupportedError,
     engine_kind,
+    model_suffix,
     parse_engines,
 )
 
-if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
-    from mtad_energy.config import ModelSpec
+if TYPE_CHECKING:  # types only
+    from mtad_energy.models import ModelPair
+    from mtad_energy.specs import DecoderSpec, ModelSpec
 
 __all__ = ["ENGINES", "HF", "Engine", "EngineError", "EngineKind", "EngineNotInstalledError",
-           "Iteration", "UnsupportedError", "build_generation", "check_engine_options",
-           "engine_kind", "hf_columns", "load_engine", "parse_engines", "thread_settings"]
-
-
-def thread_settings() -> dict[str, Any]:
-    """The thread count and OpenMP wait policy this process computes with (recorded per row for
-    every engine, the project's decoders included: spinning threads on shared cores cost up to
-    8x)."""
-    import torch
-
-    return {"threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
-
-
-def hf_columns(compile: bool = False) -> dict[str, Any]:
-    """The engine columns of a row decoded by the project's own decoders."""
-    import transformers
-
-    config = {"decoders": "mtad-energy", "compile": bool(compile), **thread_settings()}
-    return {"engine": HF, "engine_version": f"transformers {transformers.__version__}",
-            "engine_config": json.dumps(config, sort_keys=True, separators=(",", ":"))}
+           "HfEngine", "Iteration", "UnsupportedError", "WarmUp", "build_generation",
+           "check_engine_options", "engine_kind", "load_engine", "model_suffix",
+           "open_engine", "open_hf", "pair_roles", "parse_engines", "thread_settings"]
 
 
 def check_engine_options(name: str, decoders: list[str] | tuple = (), batch_size: int = 1,
@@ -122,10 +106,22 @@ def _check_project_params(params: Mapping[str, Mapping[str, Any]]) -> None:
                 "without hf")
 
 
+def open_engine(name: str, model: ModelSpec | None, options: Mapping[str, Any] | None, *,
+                pair: ModelPair, specs: Sequence[DecoderSpec] = (), compile: Any = False,
+                meter: Any = None) -> Engine:
+    """Engine ``name`` ready to generate, outside every window: the project's decoders over the
+    loaded ``pair`` (hf: `open_hf`, ``specs``' parameters checked, ``compile`` its path, ``meter``
+    tapped), or the engine `load_engine` starts for ``model`` with ``options``."""
+    if name == HF:
+        return open_hf(pair, specs, compile=compile, meter=meter)
+    return load_engine(name, model, options)  # type: ignore[return-value]
+
+
 def load_engine(name: str, model: ModelSpec, options: Mapping[str, Any] | None = None
                 ) -> Engine | None:
-    """Load engine ``name`` for ``model`` (None for hf: the project's own path). Raises
-    `EngineNotInstalledError` (one line, the extra to install) or `EngineError`."""
+    """Load engine ``name`` for ``model`` (None for hf: the project's decoders need a loaded pair,
+    `open_engine`). Raises `EngineNotInstalledError` (one line, the extra to install) or
+    `EngineError`."""
     kind = engine_kind(name)
     if name == HF:
         return None

@@ -5,17 +5,19 @@ from __future__ import annotations
 import abc
 import importlib
 import json
+import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from mtad_energy.decoding.runtime.generate import PhaseHook
 from mtad_energy.decoding.runtime.stats import Generation, GenerationStats, StepStats
-from mtad_energy.engines.registry import EngineError, EngineKind, engine_kind
+from mtad_energy.engines.registry import EngineError, EngineKind, engine_kind, model_suffix
+from mtad_energy.measure.host_work import NO_HOST_WORK
 
-if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
-    from mtad_energy.config import DecoderSpec, ModelSpec
+if TYPE_CHECKING:  # types only
+    from mtad_energy.specs import DecoderSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,28 @@ class Iteration:
     time_target_s: float | None = None
     time_draft_s: float | None = None
     time_other_s: float | None = None
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What an unmeasured warm-up generation leaves for the rows measured after it: its
+    generations (their ``compile_s``: what compiling cost before the windows) and the host work
+    it counted per decode iteration (`measure.host_work`; not counted: `NO_HOST_WORK`)."""
+
+    generations: tuple[Generation, ...] = ()
+    host_work: Mapping[str, Any] = field(default_factory=lambda: dict(NO_HOST_WORK))
+
+
+def thread_settings() -> dict[str, Any]:
+    """The thread count and OpenMP wait policy this process computes with (recorded per row for
+    every engine, the project's decoders included: spinning threads on shared cores cost up to
+    8x)."""
+    import torch
+
+    return {"threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
 
 def _sum(values: Sequence[Any]) -> Any:
@@ -110,6 +134,16 @@ class Engine(abc.ABC):
         return {"engine": self.name, "engine_version": self.version,
                 "engine_config": self.config_json()}
 
+    def key_columns(self) -> dict[str, Any]:
+        """What the engine adds to a row's key: its columns (rows of two engines or two
+        configurations never share a key); hf adds nothing, so its rows keep their old keys."""
+        return {"engine": self.columns()}
+
+    @property
+    def model_suffix(self) -> str:
+        """What the engine adds to the stored model label (``smollm2+llamacpp``; hf: nothing)."""
+        return model_suffix(self.name)
+
     @abc.abstractmethod
     def draft_id(self, spec: DecoderSpec) -> str | None:
         """What drafts for ``spec`` (stored as the row's ``draft_id``); None without a draft."""
@@ -117,6 +151,28 @@ class Engine(abc.ABC):
     def lookahead(self, spec: DecoderSpec) -> int:
         """Context positions past max_new_tokens the decoder may fill (its draft length)."""
         return int(self.params(spec).get("gamma", 0))
+
+    # -- what a batch needs ---------------------------------------------------------------
+    def check_batch(self, specs: Sequence[DecoderSpec], batch_size: int,
+                    option: str = "--batch-size") -> None:
+        """Refuse, before anything runs, ``batch_size`` rows of ``specs`` where the engine cannot
+        decode them together (advising ``option``, the command's own)."""
+        self.kind.check_batch_size(batch_size, option)
+
+    def check_compile(self, compile: object) -> None:
+        """Refuse ``compile`` (the project's compiled path) where the engine cannot honour it."""
+        self.kind.check_compile(bool(compile))
+
+    def shape_key(self, spec: DecoderSpec, prompts: Sequence[list[int]],
+                  max_new_tokens: int) -> tuple:
+        """What decides the shapes ``prompts`` decode at (one warm-up per key): the batch size."""
+        return (len(prompts),)
+
+    def does_not_fit(self, spec: DecoderSpec, prompts: Sequence[list[int]],
+                     max_new_tokens: int) -> str | None:
+        """Why ``prompts`` would not fit the free memory (said before they run), or None: an
+        engine that allocates its own says when it is full, by raising."""
+        return None
 
     # -- running --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -139,9 +195,18 @@ class Engine(abc.ABC):
         return ()
 
     def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
-                seed: int = 0) -> None:
-        """One unmeasured generation (first-call allocations), as the project's decoders get."""
+                seed: int = 0) -> WarmUp:
+        """One unmeasured generation (first-call allocations), as the project's decoders get; its
+        host work is not counted (the engine's loop is not this process's Python)."""
         self.generate(spec, prompts, min(8, max_new_tokens), seed)
+        return WarmUp()
+
+    def profile_ops(self, spec: DecoderSpec, prompt_ids: list[int], max_new_tokens: int,
+                    seed: int = 0) -> tuple[Any, Generation]:
+        """FLOP/byte accounting of one unmeasured generation (`measure.profile_ops`) and the
+        generation: the project's forwards only, refused for an engine running its own."""
+        self.kind.check_ops(True)
+        raise NotImplementedError  # check_ops refuses every engine but hf
 
     def close(self) -> None:  # noqa: B027 (an engine with nothing to free need not override)
         """Free the engine (processes, memory); idempotent."""
@@ -149,8 +214,8 @@ class Engine(abc.ABC):
 
 @dataclass(frozen=True)
 class EngineDecoder:
-    """A decoder name run by an engine, where a sweep holds `Decoder`s: its ``config()`` is the
-    engine's full parameter set (what identifies its rows)."""
+    """A decoder run by an engine (what a sweep measures a row of): its ``config()`` is the
+    engine's full parameter set for it (what identifies its rows)."""
 
     engine: Engine
     spec: DecoderSpec
@@ -167,8 +232,9 @@ def with_perplexity(gen: Generation, pair: Any, prompt_ids: list[int]) -> Genera
 
     from mtad_energy.decoding.runtime.stats import perplexity
 
-    full = torch.tensor(list(prompt_ids) + gen.token_ids, device=pair.device)
-    ppl = perplexity(pair.target, full, len(prompt_ids))
+    with torch.inference_mode():
+        full = torch.tensor(list(prompt_ids) + gen.token_ids, device=pair.device)
+        ppl = perplexity(pair.target, full, len(prompt_ids))
     return dataclasses.replace(gen, stats=dataclasses.replace(gen.stats, perplexity=ppl))
 
 

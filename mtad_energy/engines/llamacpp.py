@@ -39,8 +39,8 @@ from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
 from mtad_energy.engines.registry import EngineError, UnsupportedError
 
-if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
-    from mtad_energy.config import DecoderSpec, ModelSpec
+if TYPE_CHECKING:  # types only
+    from mtad_energy.specs import DecoderSpec, ModelSpec
 
 
 def gguf_path(model: ModelSpec) -> Path:

@@ -256,6 +256,36 @@ ENGINES: dict[str, EngineKind] = {
 }
 
 
+def check_run(name: str, decoders: Any, batch_size: int = 1, compile: bool = False,
+              ops: bool = False, options: Mapping[str, Any] | None = None) -> None:
+    """What a run configuration (`config.RunConfig`) asks of engine ``name``, refused when it is
+    made, before anything loads: for another engine, ``--compile``, the batch size, each
+    decoder's parameters (``decoders``: `specs.DecoderSpec`s), its options and ``--ops``; for hf
+    (the project's decoders), engine options (it has none) and decoders that cannot batch."""
+    kind = engine_kind(name)
+    if name != HF:
+        kind.check_compile(compile)
+        kind.check_batch_size(batch_size)
+        for d in decoders:
+            kind.decoder_params(d.name, d.param_dict)
+        kind.options(dict(options or {}))
+        kind.check_ops(ops)
+    elif options:
+        raise UnsupportedError("--engine-option sets an engine's own settings; hf (the "
+                               "project's own decoders) has none: drop it or add --engine")
+    elif batch_size > 1:
+        from mtad_energy.decoding.registry import DECODERS, check_batched
+
+        check_batched(DECODERS[d.name] for d in decoders if d.name in DECODERS)
+
+
+def model_suffix(name: str) -> str:
+    """What engine ``name`` adds to the stored model label: rows of two engines never pool
+    (``smollm2+llamacpp``); the project's decoders (hf) add nothing, so their labels stay."""
+    engine_kind(name)
+    return "" if name == HF else f"+{name}"
+
+
 def engine_kind(name: str) -> EngineKind:
     if name not in ENGINES:
         raise UnsupportedError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")

@@ -48,8 +48,8 @@ from mtad_energy.engines import thread_settings
 from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
 from mtad_energy.engines.registry import EngineError, UnsupportedError
 
-if TYPE_CHECKING:  # types only: the run configuration imports the engine registry
-    from mtad_energy.config import DecoderSpec, ModelSpec
+if TYPE_CHECKING:  # types only
+    from mtad_energy.specs import DecoderSpec, ModelSpec
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")

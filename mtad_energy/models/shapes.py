@@ -45,7 +45,7 @@ SHAPES: dict[str, Shape] = {
     "tiny-llama-draft": Shape("llama", 32, 64, 1, 4, 2, 256, note="CPU smoke runs"),
     "tiny-opt": Shape("opt", 64, 128, 2, 4, 4, 256, tie_embeddings=True, note="CPU smoke runs"),
     # the layer counts of Llama-3.1-8B / 3.2-1B at a tiny width: host work per iteration (cache
-    # bookkeeping per layer) is the real pair's, forwards cost nothing (`bench.host_count`)
+    # bookkeeping per layer) is the real pair's, forwards cost nothing (`engines.hf.counted_generation`)
     "tiny-llama-l32": Shape("llama", 32, 64, 32, 4, 2, 256, note="host-work counts (8B's layers)"),
     "tiny-llama-l16": Shape("llama", 32, 64, 16, 4, 2, 256, tie_embeddings=True,
                             note="host-work counts (1B's layers)"),

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mtad_energy.config import random_weights
+from mtad_energy.specs import random_weights
 
 # a row per configuration: the draft is part of it (two drafts are two systems, never pooled)
 GROUP_KEYS = ("model", "dataset", "draft_id", "decoder", "params_json")

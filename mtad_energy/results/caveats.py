@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from mtad_energy.config import RANDOM_NOTE
 from mtad_energy.results import analysis
+from mtad_energy.specs import RANDOM_NOTE
 
 SPEED_METRICS = ("tokens_per_s", "tokens_per_s_pooled", "speedup", "speedup_total",
                  "tokens_per_s_total")  # what an implausible speed-up makes doubtful

@@ -88,8 +88,8 @@ def draft_flags(rows: pd.DataFrame) -> str:
 
 def draft_notes(rows: pd.DataFrame) -> list[str]:
     """What the marks of `draft_flags` in ``rows`` mean, one line each (as under every table)."""
-    from mtad_energy.config import RANDOM_NOTE
     from mtad_energy.results.analysis import IMPLAUSIBLE_NOTE
+    from mtad_energy.specs import RANDOM_NOTE
 
     contended = pd.to_numeric(rows["n_contended"], errors="coerce").fillna(0)
     return ([f"*: {int(contended.sum())} of {int(rows['n_runs'].sum())} runs were measured on a "

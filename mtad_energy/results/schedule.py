@@ -47,9 +47,9 @@ from typing import Any
 
 import pandas as pd
 
-from mtad_energy.config import RANDOM_NOTE
 from mtad_energy.results.analysis import contended_mask, random_rows
 from mtad_energy.results.store_files import beside_store
+from mtad_energy.specs import RANDOM_NOTE
 
 OBJECTIVES = ("speed", "energy")
 BASELINE = "ar"

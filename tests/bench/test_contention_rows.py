@@ -12,7 +12,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from mtad_energy.bench.runner import PhaseWindows
+from mtad_energy.bench.phase_windows import PhaseWindows
 from mtad_energy.bench.work_units import with_baseline
 from mtad_energy.cli import app
 from mtad_energy.measure.contention import ContentionProbe

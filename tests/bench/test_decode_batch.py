@@ -276,8 +276,9 @@ def test_a_batch_size_that_would_not_fit_is_not_run_and_says_why(tmp_path, model
     free memory is not run (the reason is printed and in --json), nor is one that runs out of
     memory anyway; the other sizes are measured."""
     from mtad_energy.bench import decode_batch
+    from mtad_energy.decoding.runtime import memory
 
-    monkeypatch.setattr(decode_batch, "free_memory_bytes", lambda device: 3_000_000)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 3_000_000)
     real = decode_batch._measure
 
     def oom_at_3(decoder, pair, rows, *args, **kwargs):

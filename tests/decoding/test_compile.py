@@ -193,8 +193,7 @@ def test_fused_calls_return_and_leave_what_the_separate_calls_do(llama_pair):
     (after the generation that met them, `compile_pending`): the same tokens, probabilities,
     cache columns, validity and KV as the separate calls, for 3 rows in a bucket of 4 with a
     ragged first input, after the call ran twice (its untimed warm-up)."""
-    from mtad_energy.decoding.decoders.spd import draft_next
-    from mtad_energy.decoding.runtime.decoder import next_token
+    from mtad_energy.decoding.runtime.decoder import draft_next, next_token
     from mtad_energy.decoding.runtime.kernels import Kernels
 
     g = torch.Generator().manual_seed(0)

@@ -106,7 +106,7 @@ def test_the_statistics_contract(llama_pair):
     (capped by what the row can still emit), accepted <= depth and emitted = accepted + 1; the
     head's forwards are draft forwards (Medusa one per drafting iteration; EAGLE one catch-up
     and one per expansion), with draft time."""
-    from mtad_energy.decoding.decoders.specinfer import tree_nodes
+    from mtad_energy.decoding.runtime.tree import tree_nodes
 
     cases = [  # decoder, params, depth of the full tree, (nodes, head forwards) at depth d
         ("medusa", {}, 3, lambda d: (tree_nodes((4, 2, 2)[:d]), 1)),

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from mtad_energy.bench.host_count import counted_generation
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from mtad_energy.decoding.runtime.compiled import CompileOptions
+from mtad_energy.engines.hf import counted_generation
 from mtad_energy.measure.host_work import HostWorkSites, is_host_read
 from tests.decoding.host_reads import site_at_read_back
 from tests.tiny import skip_without_head
@@ -191,7 +191,7 @@ def test_a_kernel_that_cannot_compile_runs_eagerly_with_a_warning():
 
 @pytest.mark.parametrize("name", ["ar", "spd"])
 def test_a_fused_call_met_first_counts_as_the_call_it_will_be(model_dirs, name):
-    """The runners count their warm-up generation (`bench.host_count`), where each fused call
+    """The runners count their warm-up generation (`engines.hf.counted_generation`), where each fused call
     (`ModelRunner.then` / `chain`) is met for the first time: it runs with its forwards compiled
     and the kernels between them eagerly, and compiles after the generation. The counter sees it
     as the one graph call it will be, so the warm-up counts what every later generation does."""

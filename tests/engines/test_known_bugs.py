@@ -69,9 +69,9 @@ class _DyingEngine(Engine):
 def test_an_engine_that_dies_while_running_exits_1_with_one_document(vllm_cpu, model_dirs,
                                                                       tmp_path, monkeypatch):
     """(was: exit 2, the code of bad input)."""
-    from mtad_energy.bench import runner as runner_mod
+    import mtad_energy.engines as engines_mod
 
-    monkeypatch.setattr(runner_mod, "load_engine",
+    monkeypatch.setattr(engines_mod, "load_engine",
                         lambda name, model, options: _DyingEngine(ModelSpec()))
     res = runner.invoke(app, ["profile", "--engine", "vllm", "--decoder", "pld", "--baseline",
                               "none", "--set", "temperature=0", "--target", model_dirs["llama"],

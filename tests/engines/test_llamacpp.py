@@ -133,12 +133,12 @@ def test_a_warp_llamacpp_cannot_match_is_refused(engine, prompt_ids):
 @pytest.mark.slow
 def test_rows_in_the_store_carry_the_engine(tmp_path, engine, monkeypatch):
     """The real runner, the real HF pair for prompts and perplexity, the module's engine."""
-    from mtad_energy.bench import runner as runner_mod
+    import mtad_energy.engines as engines_mod
     from mtad_energy.bench.runner import run_profile
     from mtad_energy.config import MeasureConfig, RunConfig
     from mtad_energy.results import ResultStore
 
-    monkeypatch.setattr(runner_mod, "load_engine", lambda name, model, options: engine)
+    monkeypatch.setattr(engines_mod, "load_engine", lambda name, model, options: engine)
     config = RunConfig(decoders=(DecoderSpec.of("ar", **GREEDY), DecoderSpec.of("spd", **GREEDY)),
                        n_prompts=1, max_new_tokens=8, engine="llamacpp",
                        measure=MeasureConfig(meter="none"))

@@ -288,6 +288,7 @@ def test_engine_options_go_to_each_engine_that_has_them_and_into_its_configurati
 
 
 def test_the_runner_starts_the_engine_with_its_settings(tmp_path, llama_pair, monkeypatch):
+    import mtad_energy.engines as engines_mod
     from mtad_energy.bench import runner as runner_mod
     from mtad_energy.config import MeasureConfig
     from mtad_energy.measure.simulated import SimClock, SimulatedGPU
@@ -299,7 +300,7 @@ def test_the_runner_starts_the_engine_with_its_settings(tmp_path, llama_pair, mo
         started.append((name, options))
         return _ScriptedEngine(SimulatedGPU(clock=SimClock()))
 
-    monkeypatch.setattr(runner_mod, "load_engine", load)
+    monkeypatch.setattr(engines_mod, "load_engine", load)
     monkeypatch.setattr(type(engine_kind("vllm")), "installed", lambda self: True)
     owns = recorded_owns(monkeypatch)
     config = RunConfig(decoders=(DecoderSpec("ar"),), n_prompts=1, max_new_tokens=4,

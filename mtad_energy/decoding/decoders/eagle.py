@@ -31,14 +31,20 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.decoders.specinfer import MAX_TREE_NODES, rooted_tree, set_branching, tree_nodes
 from mtad_energy.decoding.rules.tree import tree_candidates_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.head_runner import prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
 from mtad_energy.decoding.runtime.step import StepResult
-from mtad_energy.decoding.runtime.tree import ancestors, tree_forward
+from mtad_energy.decoding.runtime.tree import (
+    MAX_TREE_NODES,
+    ancestors,
+    rooted_tree,
+    set_branching,
+    tree_forward,
+    tree_nodes,
+)
 
 TREES = ("dynamic", "static")
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.decoders.specinfer import rooted_tree, set_branching, tree_nodes
 from mtad_energy.decoding.rules.sampling import sample, warp_probs
 from mtad_energy.decoding.rules.tree import tree_candidates_accept, tree_typical_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
@@ -33,7 +32,7 @@ from mtad_energy.decoding.runtime.head_runner import hidden_at, prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
 from mtad_energy.decoding.runtime.step import StepResult
-from mtad_energy.decoding.runtime.tree import tree_forward
+from mtad_energy.decoding.runtime.tree import rooted_tree, set_branching, tree_forward, tree_nodes
 
 ACCEPTANCE = ("typical", "speculative")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.rules.chain import speculative_accept_u
-from mtad_energy.decoding.rules.sampling import Warp, sample_u, warp_probs
-from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.rules.sampling import warp_probs
+from mtad_energy.decoding.runtime.decoder import Decoder, draft_chain, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
@@ -20,24 +20,6 @@ class SpdParams(DecoderParams):
 
     def validate(self) -> None:
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
-
-
-def draft_next(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
-               top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel: warped q at the last position of ``logits [B, k, V]`` and a token drawn from it
-    with uniforms ``u [B, 1]``: ``(token [B, 1], q [B, V])``."""
-    q = warp_probs(logits[:, -1], temperature, top_k, top_p)
-    return sample_u(q, u)[:, None], q
-
-
-def draft_chain(s: DecodeState, pending: torch.Tensor, gamma: int, warp: Warp,
-                counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample gamma tokens per row autoregressively from warped q after feeding ``pending
-    [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`) to the draft:
-    ``(draft [B, gamma], q [B, gamma, V])``. The chain's uniforms are drawn at once; compiled,
-    the chain is one graph call (`ModelRunner.chain`)."""
-    return s.draft.chain(s.kernels, pending, counts, draft_next, s.uniform(gamma, s.batch, 1),
-                         *warp.args)
 
 
 def spd_verify(logits: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,

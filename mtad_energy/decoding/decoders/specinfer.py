@@ -12,7 +12,6 @@ accepted path length.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -21,13 +20,17 @@ import torch
 from mtad_energy.decoding.rules.sampling import Warp, log_probs, on_vocab, sample
 from mtad_energy.decoding.rules.tree import tree_speculative_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
-from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.params import DecoderParams, param
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult
-from mtad_energy.decoding.runtime.tree import ancestors, level_parents, tree_forward
-
-MAX_TREE_NODES = 1024
+from mtad_energy.decoding.runtime.tree import (
+    ancestors,
+    level_parents,
+    set_branching,
+    tree_forward,
+    tree_nodes,
+)
 
 
 @dataclass(frozen=True)
@@ -36,39 +39,6 @@ class SpecInferParams(DecoderParams):
 
     def validate(self) -> None:
         set_branching(self)
-
-
-def set_branching(params: DecoderParams, name: str = "branching") -> None:
-    """Check a static tree's ``branching`` parameter (children per node at each level) and
-    normalise it to a tuple on the frozen ``params``: ints >= 1, at least one level, at most
-    `MAX_TREE_NODES` nodes."""
-    value = getattr(params, name)
-    try:
-        branching = tuple(int(b) for b in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a list of ints such as 4,2,2, got {value!r}") from None
-    object.__setattr__(params, name, branching)  # frozen: normalise lists to a tuple
-    require(len(branching) >= 1, f"{name} must name at least one level, e.g. 4,2,2")
-    require(all(b >= 1 for b in branching),
-            f"every branching factor must be >= 1, got {branching}")
-    nodes = tree_nodes(branching)
-    require(nodes <= MAX_TREE_NODES, f"{name} {branching} gives {nodes} tree nodes; at "
-            f"most {MAX_TREE_NODES} fit one verification forward")
-
-
-@lru_cache(maxsize=32)
-def rooted_tree(branching: tuple[int, ...], device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(parents [1 + N], anc [1 + N, 1 + N])`` of the static tree with the last emitted token
-    at the root (index 0): the tree a target verifies."""
-    parents = torch.cat([torch.full((1,), -1, device=device),
-                         level_parents(branching, device) + 1])
-    return parents, ancestors(parents)
-
-
-def tree_nodes(branching: tuple[int, ...]) -> int:
-    """Nodes of a static tree (4, 2, 2: 4 + 8 + 16 = 28)."""
-    return sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
 
 
 @lru_cache(maxsize=32)

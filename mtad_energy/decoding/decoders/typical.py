@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.decoders.spd import draft_chain
 from mtad_energy.decoding.rules.chain import typical_accept_length
 from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
-from mtad_energy.decoding.runtime.decoder import Decoder, target_step
+from mtad_energy.decoding.runtime.decoder import Decoder, draft_chain, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens

@@ -25,6 +25,25 @@ def next_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k:
     return sample_u(warp_probs(logits[:, -1], temperature, top_k, top_p), u)[:, None]
 
 
+def draft_next(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
+               top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: warped q at the last position of ``logits [B, k, V]`` and a token drawn from it
+    with uniforms ``u [B, 1]``: ``(token [B, 1], q [B, V])``."""
+    q = warp_probs(logits[:, -1], temperature, top_k, top_p)
+    return sample_u(q, u)[:, None], q
+
+
+def draft_chain(s: DecodeState, pending: torch.Tensor, gamma: int, warp: Warp,
+                counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain step spd and typical share: sample gamma tokens per row autoregressively from
+    warped q after feeding ``pending [B, k]`` (row b's last counts[b] tokens real, see
+    `DecodeState.draft_feed`) to the draft: ``(draft [B, gamma], q [B, gamma, V])``. The
+    chain's uniforms are drawn at once; compiled, the chain is one graph call
+    (`ModelRunner.chain`)."""
+    return s.draft.chain(s.kernels, pending, counts, draft_next, s.uniform(gamma, s.batch, 1),
+                         *warp.args)
+
+
 def target_step(s: DecodeState, warp: Warp) -> StepResult:
     """One token per row sampled from warped p after the sequence: ``ar``'s step, and what a
     drafting decoder does when only one token is left (drafting would be wasted)."""

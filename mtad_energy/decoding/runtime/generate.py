@@ -47,16 +47,22 @@ def encode_prompt(pair: ModelPair, prompt: str | Sequence[int] | torch.Tensor,
         return [int(t) for t in prompt.reshape(-1).tolist()]
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
-    tok = pair.tokenizer
+    return text_ids(pair.tokenizer, prompt, chat)
+
+
+def text_ids(tokenizer, text: str, chat: bool | None = None) -> list[int]:
+    """Token ids of a text prompt under ``tokenizer``: through its chat template (one user turn,
+    the generation prompt added) when it has one (chat=None) or when chat=True. Every engine
+    decodes these ids (`encode_prompt` for a pair's tokenizer)."""
     if chat is None:
-        chat = bool(getattr(tok, "chat_template", None))
+        chat = bool(getattr(tokenizer, "chat_template", None))
     if chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                      add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)
-    return tok(prompt)["input_ids"]
+    return tokenizer(text)["input_ids"]
 
 
 def _check_lengths(pair: ModelPair, decoder: Decoder, prompt_len: int, max_new_tokens: int) -> None:

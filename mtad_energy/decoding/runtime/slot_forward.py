@@ -8,7 +8,7 @@ runs back to back into one graph:
 * `forward_then`: a forward and the pure tensor function that reads its logits (a verify's
   warp and acceptance rule, ``ar``'s sampling): one call instead of two;
 * `forward_chain`: a draft's autoregressive loop, S forwards each followed by the function that
-  draws the next token from its logits (`spd.draft_next`), the token fed to the next forward
+  draws the next token from its logits (`decoder.draft_next`), the token fed to the next forward
   inside the graph: one call instead of 2 S.
 
 The functions are the decoders' own (`kernels`), the same on the eager path; only where they run

@@ -18,10 +18,12 @@ transformers' custom-mask path (``masking_utils`` returns a 4-D mask as-is) with
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
 from mtad_energy.decoding.runtime.masks import additive_mask
+from mtad_energy.decoding.runtime.params import DecoderParams, require
 from mtad_energy.decoding.runtime.runner import ModelRunner
 
 # model_type values whose HF implementation takes a custom 4-D additive mask plus position_ids
@@ -115,3 +117,39 @@ def level_parents(branching: tuple[int, ...], device: torch.device | None = None
         parents.append(par + prev_off if prev_off >= 0 else torch.full_like(par, -1))
         prev_off, width = off, width * b
     return torch.cat(parents)
+
+
+MAX_TREE_NODES = 1024
+
+
+def set_branching(params: DecoderParams, name: str = "branching") -> None:
+    """Check a static tree's ``branching`` parameter (children per node at each level) and
+    normalise it to a tuple on the frozen ``params``: ints >= 1, at least one level, at most
+    `MAX_TREE_NODES` nodes."""
+    value = getattr(params, name)
+    try:
+        branching = tuple(int(b) for b in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of ints such as 4,2,2, got {value!r}") from None
+    object.__setattr__(params, name, branching)  # frozen: normalise lists to a tuple
+    require(len(branching) >= 1, f"{name} must name at least one level, e.g. 4,2,2")
+    require(all(b >= 1 for b in branching),
+            f"every branching factor must be >= 1, got {branching}")
+    nodes = tree_nodes(branching)
+    require(nodes <= MAX_TREE_NODES, f"{name} {branching} gives {nodes} tree nodes; at "
+            f"most {MAX_TREE_NODES} fit one verification forward")
+
+
+@lru_cache(maxsize=32)
+def rooted_tree(branching: tuple[int, ...], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(parents [1 + N], anc [1 + N, 1 + N])`` of the static tree with the last emitted token
+    at the root (index 0): the tree a target verifies."""
+    parents = torch.cat([torch.full((1,), -1, device=device),
+                         level_parents(branching, device) + 1])
+    return parents, ancestors(parents)
+
+
+def tree_nodes(branching: tuple[int, ...]) -> int:
+    """Nodes of a static tree (4, 2, 2: 4 + 8 + 16 = 28)."""
+    return sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
