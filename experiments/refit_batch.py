@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 def count_work(batch: pd.DataFrame, elem_bytes: int = 2) -> pd.DataFrame:
     """``counted_flops`` / ``counted_bytes`` of every row's window, from its model shape, batch
     size, context, new tokens and forwards (the kit's run definition)."""
+    from mtad_energy.bench.batch_sweep import run_shapes
     from mtad_energy.energy.work import ModelDims, shapes_work
     from mtad_energy.models.shapes import config_for
 
@@ -32,8 +33,8 @@ def count_work(batch: pd.DataFrame, elem_bytes: int = 2) -> pd.DataFrame:
     for _, r in batch.iterrows():
         dims = ModelDims.from_config(config_for(r["model"]), elem_bytes)
         n = int(r.get("new_tokens", 1) or 1) if "new_tokens" in r else 1
-        shapes = [(int(r["batch_size"]), n, int(r["context_len"]) + (k + 1) * n)
-                  for k in range(int(r["forwards_per_run"]))]
+        shapes = run_shapes(int(r["batch_size"]), int(r["context_len"]),
+                            int(r["forwards_per_run"]), n)
         work = shapes_work(dims, shapes)
         flops.append(work.flops * int(r["runs"]))
         nbytes.append(work.bytes * int(r["runs"]))

@@ -107,6 +107,14 @@ def device_sync(device: torch.device) -> SyncFn:
     return sync
 
 
+def run_shapes(batch_size: int, context_len: int, forwards_per_run: int, new_tokens: int = 1
+               ) -> list[tuple[int, int, int]]:
+    """(rows, new tokens, KV columns attended) of each forward of one run of a point
+    (`BatchWorkload`): what its counted work is computed from, here or from a stored row."""
+    return [(batch_size, new_tokens, context_len + (k + 1) * new_tokens)
+            for k in range(forwards_per_run)]
+
+
 class BatchWorkload:
     """The fixed work of one point: a prefilled KV cache and `run()` (one run).
 
@@ -160,9 +168,7 @@ class BatchWorkload:
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """(rows, new tokens, KV columns attended) of a run's forwards (`mtad_energy.energy.work`)."""
-        n = self.new_tokens
-        return [(self.batch_size, n, self.context_len + (k + 1) * n)
-                for k in range(self.forwards_per_run)]
+        return run_shapes(self.batch_size, self.context_len, self.forwards_per_run, self.new_tokens)
 
     def cache_len(self) -> int:
         """Cached positions now (`context_len` between runs)."""

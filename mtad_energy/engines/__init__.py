@@ -12,8 +12,9 @@ The contract (DESIGN.md section 10):
   (`UnsupportedError`), never ignored; an engine not installed is one line naming the extra
   (`EngineNotInstalledError`: ``pip install -e ".[llamacpp]"`` / ``".[vllm]"``).
 - ``hf`` is the project's own decoders over Hugging Face models (`hf.HfEngine`), behind the same
-  contract: the runner and the batched sweep hold every engine alike (`bench.measured`: one
-  window sequence for all). Its rows carry ``engine="hf"`` too and keep their old keys and labels.
+  contract: the runner and the batched sweep hold every engine alike (one window sequence for
+  all: `bench.phase_windows.measure_generation`). Its rows carry ``engine="hf"`` too and keep
+  their old keys and labels.
 - **Loading** (`open_engine`): once per (engine, configuration), outside every window: hf over the
   loaded pair, another engine by `load_engine`; the runner then warms each decoder up
   (`Engine.warm_up`, which returns what the rows after it carry: compile seconds, host work)
