@@ -16,6 +16,9 @@ hooks (so no prefill, no warm-up of other shapes):
   (``nonzero``, boolean masks), and ``.tolist()`` / ``.cpu()`` / ``.numpy()`` (a
   `TorchFunctionMode`: on the CPU these never reach the dispatcher). Each stalls a GPU host until
   the device is done; the loop's contract is exactly one per iteration, the token read-back.
+  A read that only the CPU path makes (a shortcut reading a CPU tensor where that is free, taken
+  only on the CPU: `decoding.rules.counted.cpu_only`) is counted apart, in ``cpu_only_reads``: a
+  GPU takes another path there and makes no read, so it is not among the reads per iteration.
 
 The counts are the same on any device for the same code path, so the CPU tests hold every decoder
 to a budget and the GPU's host time per iteration follows from them. Counting costs host time
@@ -78,6 +81,7 @@ class HostWork:
     reads: int
     graph_calls: int
     iterations: int
+    cpu_only_reads: int = 0  # reads only the CPU path makes (not in ``reads``; not stored)
 
     def columns(self) -> dict[str, float | None]:
         """Per decode iteration, the stored row's columns (None without iterations)."""
@@ -123,6 +127,8 @@ class HostWorkCounter:
         self.ops = 0
         self.reads = 0
         self.graph_calls = 0
+        self.cpu_only_reads = 0
+        self._cpu_only = 0  # inside `cpu_only` (nested: a depth)
         self._modes: list[Any] = []
 
     # -- the hook ------------------------------------------------------------------------------
@@ -153,7 +159,7 @@ class HostWorkCounter:
             self.stop()
 
     def result(self, iterations: int) -> HostWork:
-        return HostWork(self.ops, self.reads, self.graph_calls, iterations)
+        return HostWork(self.ops, self.reads, self.graph_calls, iterations, self.cpu_only_reads)
 
     # -- compiled calls (`GraphFunction`) ------------------------------------------------------
     @contextmanager
@@ -172,6 +178,16 @@ class HostWorkCounter:
         finally:
             self._enter()
 
+    @contextmanager
+    def cpu_only(self) -> Iterator[None]:
+        """Reads inside are ones only the CPU path makes: counted in ``cpu_only_reads``, not in
+        ``reads`` (their ops still count as ops)."""
+        self._cpu_only += 1
+        try:
+            yield
+        finally:
+            self._cpu_only -= 1
+
     def _enter(self) -> None:
         for mode in self._modes:
             mode.__enter__()
@@ -184,12 +200,18 @@ class HostWorkCounter:
     def _op(self, func: Any, args: tuple) -> None:
         self.ops += 1
         read = is_host_read(func, args)
-        self.reads += read
-        self._note(str(func.overloadpacket), read)
+        self._read(read)
+        self._note(str(func.overloadpacket), read and not self._cpu_only)
 
     def _method_read(self, func: Any) -> None:
-        self.reads += 1
-        self._note(f"Tensor.{func.__name__}", True)
+        self._read(True)
+        self._note(f"Tensor.{func.__name__}", not self._cpu_only)
+
+    def _read(self, read: bool) -> None:
+        if self._cpu_only:
+            self.cpu_only_reads += read
+        else:
+            self.reads += read
 
     def _note(self, name: str, read: bool) -> None:
         """Called for every counted op (``read``: a host read); the base class keeps totals."""

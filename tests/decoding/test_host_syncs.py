@@ -95,6 +95,35 @@ def test_the_counter_counts_ops_reads_and_pauses_inside_graph_calls():
                                            "graph_calls_per_iter": 0.5}
 
 
+def test_a_read_only_the_cpu_path_makes_is_counted_apart():
+    """A shortcut that reads CPU tensors where that is free (`rules.counted.cpu_only`) is not a
+    read a GPU makes: counted in ``cpu_only_reads``, not in the reads per iteration."""
+    import torch
+
+    from mtad_energy.decoding.rules.counted import cpu_only
+    from mtad_energy.measure.host_work import HostWorkCounter
+
+    counter, x = HostWorkCounter(), torch.ones(3)
+    assert cpu_only(lambda: int(x.sum())) == 3  # no counter: a plain call
+    with counter.counting():
+        assert cpu_only(lambda: bool((x > 0).all()))
+        x.sum().item()
+    assert (counter.reads, counter.cpu_only_reads) == (1, 1)
+    assert counter.ops >= 4  # gt, all, sum and both reads' ops: still the host's ops
+
+
+@pytest.mark.parametrize("name", ["ar", "specinfer", "spectr"])
+def test_the_default_warp_reads_once_per_iteration(llama_pair, name):
+    """With the default warp (top-k 10) on the CPU, the warp's and Spectr's CPU-only shortcuts
+    read values (free here; a GPU takes the other path): those reads are counted apart, and the
+    reads per iteration are the loop's read-back alone, as on a GPU."""
+    decoder = get_decoder(name)  # temperature 1, top_k 10, top_p 0.9
+    counter = HostWorkSites()
+    gens, work = counted_generation(decoder, llama_pair, [PROMPT], 8, counter=counter)
+    _check_reads(name, gens, work, counter)
+    assert work.cpu_only_reads > 0  # the shortcut ran, and was set apart
+
+
 def _check_reads(name: str, gens, work, counter: HostWorkSites) -> None:
     """Exactly one host read per iteration, at the loop's read-back (BiLD: plus its own)."""
     iterations = max(g.stats.iterations for g in gens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mtad_energy.decoding.rules.counted import cpu_only
 from mtad_energy.decoding.rules.sampling import residual, sample, sample_shape, sample_u, uniforms
 
 
@@ -97,7 +98,8 @@ def spectr_rho(p: torch.Tensor, q: torch.Tensor, k: int | torch.Tensor, iters: i
     bf16 logits) uses the whole vocabulary, so rho stays exact. On a GPU the whole vocabulary is
     always used: it costs little there, and checking would read a value back to the host.
     """
-    if 0 < support < q.shape[-1] and q.device.type == "cpu" and int((q > 0).sum(-1).max()) <= support:
+    if (0 < support < q.shape[-1] and q.device.type == "cpu"
+            and cpu_only(lambda: int((q > 0).sum(-1).max())) <= support):
         idx = q.topk(support, -1).indices
         p, q = p.gather(-1, idx), q.gather(-1, idx)
     k = torch.as_tensor(k, dtype=p.dtype, device=p.device).expand(p.shape[:-1])

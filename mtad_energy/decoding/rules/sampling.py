@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtad_energy.decoding.rules.counted import cpu_only
+
 NEG_INF = float("-inf")
 
 
@@ -119,7 +121,8 @@ def _only_top_k(logits: torch.Tensor, values: torch.Tensor, top_k: int) -> bool:
     """Where `_may_read`: whether no token ties the k-th logit beyond the k ``values`` topk
     returned (then the warp's support is exactly those k). Elsewhere False: checking would read a
     value back to the host."""
-    return _may_read(logits) and not bool(((logits >= values[..., -1:]).sum(-1) > top_k).any())
+    return _may_read(logits) and not cpu_only(
+        lambda: bool(((logits >= values[..., -1:]).sum(-1) > top_k).any()))
 
 
 def _top_k_probs(values: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -94,8 +94,7 @@ def _read_back(result: StepResult, tokens: torch.Tensor
     counts the decoder left on the device (a depth known only on the device: EAGLE's dynamic
     tree)."""
     rows = tokens.shape[0]
-    depth = result.depth if isinstance(result.depth, torch.Tensor) else None
-    fields = (result.accepted, result.length, result.draft_cache_len, depth)
+    fields = (result.accepted, result.length, result.draft_cache_len, result.device_depth)
     on_device = [x if x.dtype == tokens.dtype else x.to(tokens.dtype)
                  for x in fields if isinstance(x, torch.Tensor)]
     if on_device:  # [B, F + m]: the counts, then the tokens (one op each, whatever F)
@@ -113,13 +112,14 @@ def _read_back(result: StepResult, tokens: torch.Tensor
         accepted, length, draft_valid, row_depth = host
         if length is not None:
             row = row[:length]
-        out.append((row, int(accepted), math.inf if draft_valid is None else draft_valid,
-                    row_depth))
+        out.append((row, 0 if accepted is None else int(accepted),
+                    math.inf if draft_valid is None else draft_valid, row_depth))
     return out
 
 
-def _of_row(value: int | list[int], b: int) -> int:
-    return value[b] if isinstance(value, list) else value
+def _of_row(values: Sequence[int], b: int) -> int:
+    """Row b's count of a per-row sequence (``()``: none, 0)."""
+    return values[b] if values else 0
 
 
 def slots_needed(decoder: Decoder, prompt_lens: Sequence[int], max_new_tokens: int) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from mtad_energy.decoding.rules.counted import counter_on_stack
 
 
 class GraphFunction:
@@ -31,17 +31,9 @@ class GraphFunction:
     def _under(self, how: str, args: tuple, kwargs: dict):
         """The call inside the counter's ``how`` context (`graph_call` or `paused`), if one
         counts; a plain call otherwise."""
-        counter = _counter()
+        counter = counter_on_stack()
         if counter is None:
             return self.fn(*args, **kwargs)
         with getattr(counter, how)():
             return self.fn(*args, **kwargs)
 
-
-def _counter():
-    """The host-work counter on the dispatch mode stack, if one counts."""
-    for mode in _get_current_dispatch_mode_stack():
-        counter = getattr(mode, "counter", None)
-        if counter is not None and hasattr(counter, "graph_call"):
-            return counter
-    return None

@@ -3,6 +3,7 @@ buffer as a pure function."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,38 +11,49 @@ import torch
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one decoder iteration produced.
+    """What one decoder iteration produced, one type per field (B rows; one sequence: a 1-D
+    ``tokens`` and 0-d counts).
 
     A decoder whose block length depends on sampled values (how many draft tokens were accepted)
-    does not read that length back itself: it returns a padded ``tokens`` buffer with a 0-d
-    device tensor ``length`` (and may give ``accepted`` as a 0-d device tensor too), and the
-    generate loop reads both back together with the tokens, in its one host sync per iteration.
+    does not read that length back itself: it returns a padded ``tokens`` buffer with a device
+    tensor ``length`` (and ``accepted`` on the device too), and the generate loop reads them back
+    together with the tokens, in its one host sync per iteration. Counts the host knows when the
+    step is built (what was proposed, how deep each row drafted) are per-row sequences.
+    `StepResult.block` builds one from a drafted block, accepting a count for every row.
     """
 
-    # [m] tokens to append, m >= 1 (or a padded buffer, see `length`); [B, m] for B rows
-    tokens: torch.Tensor
-    # draft tokens shown to the target per row (tree nodes, k*gamma: Spectr); a list: per row
-    proposed: int | list[int] = 0
-    accepted: int | torch.Tensor = 0  # of those, accepted (an int, or a 0-d / [B] device tensor)
-    length: torch.Tensor | None = None  # 0-d / [B] device tensor: only tokens[..., :length] count
-    # 0-d device tensor: the draft cache is valid only up to this many positions (the loop crops
+    tokens: torch.Tensor  # [B, m] tokens to append per row, m >= 1 ([m]: one sequence)
+    proposed: Sequence[int] = ()  # [B] draft tokens shown to the target (tree nodes, k*gamma); (): none
+    accepted: torch.Tensor | None = None  # [B] (0-d) device: of those, accepted; None: none
+    length: torch.Tensor | None = None  # [B] (0-d) device: only tokens[..., :length] count; None: all
+    # [B] (0-d) device: the draft cache is valid only up to this many positions (the loop crops
     # it there, after the read-back), for drafts whose kept row diverges from the emitted path
     draft_cache_len: torch.Tensor | None = None
-    # draft tokens on one path that could have been accepted (the drafted depth); list: per row;
-    # a [B] device tensor where only the device knows it (read back with the tokens)
-    depth: int | list[int] | torch.Tensor = 0
+    depth: Sequence[int] = ()  # [B] draft tokens on one path that could have been accepted; (): none
+    # [B] device: the depth where only the device knows it (EAGLE-2's dynamic tree; read back
+    # with the tokens, and then used instead of ``depth``)
+    device_depth: torch.Tensor | None = None
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
-              proposed: int | list[int], draft_cache_len: torch.Tensor | None = None,
-              depth: int | list[int] | torch.Tensor | None = None) -> StepResult:
+              proposed: int | Sequence[int], draft_cache_len: torch.Tensor | None = None,
+              depth: int | Sequence[int] | torch.Tensor | None = None) -> StepResult:
         """``draft[:n]`` followed by ``nxt``, with ``n`` left on the device: the buffer is
         ``draft`` with ``nxt`` written at index n, of which n + 1 count. One sequence: draft
-        ``[gamma]``, n and nxt 0-d; B rows: draft ``[B, gamma]``, n and nxt ``[B]``. ``depth``
-        (default: the draft's length) may be per row (`Decoder.draft_lens`)."""
+        ``[gamma]``, n and nxt 0-d; B rows: draft ``[B, gamma]``, n and nxt ``[B]``. ``proposed``
+        and ``depth`` (default: the draft's length) per row, or one count for every row; a
+        ``depth`` tensor is one only the device knows (`device_depth`)."""
         buf, length = block_tokens(draft, n, nxt)
-        return cls(buf, proposed, n, length, draft_cache_len,
-                   depth=draft.shape[-1] if depth is None else depth)
+        rows = draft.shape[0] if draft.dim() > 1 else 1
+        depth = draft.shape[-1] if depth is None else depth
+        on_device = depth if isinstance(depth, torch.Tensor) else None
+        return cls(buf, _per_row(proposed, rows), n, length, draft_cache_len,
+                   () if on_device is not None else _per_row(depth, rows),  # type: ignore[arg-type]
+                   on_device)
+
+
+def _per_row(value: int | Sequence[int], rows: int) -> tuple[int, ...]:
+    return (value,) * rows if isinstance(value, int) else tuple(value)
 
 
 def block_tokens(draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor
