@@ -283,7 +283,6 @@ class Runner:
         """FLOP/byte accounting of one generation (unmeasured) into the ``ops`` table (the
         project's forwards: an engine running its own refuses, `Engine.profile_ops`)."""
         c = self.config
-        self.engine.kind.check_ops(True)
         params = params_json(self._params(spec))
         draft_id = self._draft_id(spec)
         key = stable_key({"model": c.model.label, "target_id": self.pair.target_id,

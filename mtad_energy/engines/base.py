@@ -214,14 +214,10 @@ class Engine(abc.ABC):
 
 @dataclass(frozen=True)
 class EngineDecoder:
-    """A decoder run by an engine (what a sweep measures a row of): its ``config()`` is the
-    engine's full parameter set for it (what identifies its rows)."""
+    """A decoder run by an engine: what a sweep measures a row of."""
 
     engine: Engine
     spec: DecoderSpec
-
-    def config(self) -> dict[str, Any]:
-        return {"decoder": self.spec.name, **self.engine.params(self.spec)}
 
 
 def with_perplexity(gen: Generation, pair: Any, prompt_ids: list[int]) -> Generation:
