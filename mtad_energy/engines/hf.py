@@ -125,7 +125,7 @@ class HfEngine(Engine):
         (prompts of similar length share graphs)."""
         if not self.compile:
             return (len(prompts),)
-        from mtad_energy.decoding.runtime.static import row_bucket, slot_bucket
+        from mtad_energy.decoding.runtime.static_engine import row_bucket, slot_bucket
 
         slots = slots_needed(self.decoder(spec), [len(p) for p in prompts], max_new_tokens)
         return row_bucket(len(prompts)), slot_bucket(slots)
@@ -152,7 +152,7 @@ class HfEngine(Engine):
         """One unmeasured generation, full length when compiled, its host work counted; a
         compiled warm-up at a new row bucket first frees the static caches of the others."""
         if self.compile:
-            from mtad_energy.decoding.runtime.static import release_engines, row_bucket
+            from mtad_energy.decoding.runtime.static_engine import release_engines, row_bucket
 
             bucket = row_bucket(len(prompts))
             if self._row_bucket != bucket:  # the caches of other buckets (and engines) freed

@@ -9,6 +9,7 @@ inductor, the backend ``--compile`` runs.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch._dynamo.utils import counters
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.runtime import static
+from mtad_energy.decoding.runtime import static, static_engine
 from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.decoding.runtime.generate import generate_ids
 from mtad_energy.decoding.runtime.runner import ModelRunner
@@ -102,7 +103,7 @@ def test_static_runner_matches_the_eager_runner_op_by_op(llama_pair, opt_pair):
 
 
 def test_static_cache_grows_mid_generation_and_keeps_its_contents(llama_pair, monkeypatch):
-    monkeypatch.setattr(static, "MIN_SLOTS", 4)
+    monkeypatch.setattr(static_engine, "MIN_SLOTS", 4)
     decoder = get_decoder("spd", temperature=0)
     eager = generate_ids(decoder, llama_pair, PROMPT, 20, compute_perplexity=False)
     runner_cls = static.StaticRunner
@@ -233,3 +234,47 @@ def test_fused_calls_return_and_leave_what_the_separate_calls_do(llama_pair):
     torch.testing.assert_close(kv_b.transpose(2, 3)[:, valid], kv_a.transpose(2, 3)[:, valid],
                                atol=1e-6, rtol=0)
     assert int(fused.cache.start) == int(separate.cache.start)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_a_fused_beam_search_returns_and_leaves_what_its_steps_do(llama_pair, stochastic):
+    """`StaticRunner.beam_search` of the full draft length in one graph call (`forward_beams`:
+    the rows expanded to the beams and reordered inside the graph, and the finished tree read by
+    `best_at`): for 3 rows in a bucket of 4 with a ragged first input, W = 3 beams of depth 4,
+    the same tree, final beams, cache columns, validity and KV (every beam's row) as the search
+    step by step. Beam search (no draws) compares with `ModelRunner.beam_search`; sampled, the
+    fused graph draws its uniforms up front for the whole vocabulary, so it compares with its
+    own first run (met first: its forwards compiled, its steps eager, the same uniforms)."""
+    from mtad_energy.decoding.rules.beam import best_at
+    from mtad_energy.decoding.runtime.kernels import Kernels
+
+    pending, counts = torch.tensor([[1, 2], [0, 3], [4, 5]]), [2, 1, 2]
+    depth = torch.tensor([4, 2, 3])
+    warp = (1.0, 0, 1.0, stochastic)
+
+    def run(role: str, fused: bool):
+        runner = StaticRunner(llama_pair.draft, PhaseTimer("cpu"), role, slots=32, options=TRACE,
+                              seqs=3, shape=ForwardShape(rows_per_seq=3, max_chain=5))
+        runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
+        search = runner.beam_search if fused else partial(ModelRunner.beam_search, runner)
+        out = search(Kernels(), pending, counts, 4, 3, warp, torch.Generator().manual_seed(0),
+                     None, best_at, depth)
+        return runner, out
+
+    assert run("fused", True)[0].compile_pending() > 0  # met first: compiled after it
+    first, ref = run("steps", stochastic)  # sampled: met first (another engine), so unfused
+    (fused, out), key = run("fused", True), "forward_beams"
+    assert fused.compile_pending() == 0 and any(key in k for k in fused.cache.warmed)
+    assert first.cache is not fused.cache
+    assert len(out) == 7 and out[0].shape == (3, 4, 3) and out[3].shape == (3, 3, 4)
+    for a, b in zip(ref, out, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    assert fused.cols == first.cols and len(fused) == len(first) == 4 + 2 + 3
+    assert fused.width == first.width == 3 and fused.forwards == first.forwards
+    assert fused.forward_shapes == first.forward_shapes
+    n, rows = len(fused), 3 * 3  # the real sequences' beams
+    assert torch.equal(fused.cache.valid[:rows, :n], first.cache.valid[:rows, :n])
+    valid = fused.cache.valid[:rows, :n]
+    kv_a, kv_b = (r.cache.kv[:, :rows, :, :n] for r in (first, fused))
+    torch.testing.assert_close(kv_b.transpose(2, 3)[:, valid], kv_a.transpose(2, 3)[:, valid],
+                               atol=1e-6, rtol=0)

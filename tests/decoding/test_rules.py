@@ -27,6 +27,7 @@ from mtad_energy.decoding.decoders.mtad import Mtad, MtadParams
 from mtad_energy.decoding.rules.chain import speculative_accept
 from mtad_energy.decoding.rules.sampling import Warp, residual, warp_probs
 from mtad_energy.decoding.runtime.beams import beam_sample
+from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.hf_cache import cache_of
 from mtad_energy.models import ModelPair
 from tests import tiny
@@ -120,6 +121,8 @@ class TableRunner:
 
     def crop(self, length: int) -> None:
         self.rows = [r[:length] for r in self.rows]
+
+    beam_search = ModelRunner.beam_search  # the runner's search, over this table's forwards
 
 
 def _draws_without_replacement(weights: dict, k: int):

@@ -13,6 +13,7 @@ from mtad_energy.decoding.registry import get_decoder
 from mtad_energy.decoding.rules import chain
 from mtad_energy.decoding.rules.chain import (
     spectr_accept,
+    spectr_accept_u,
     spectr_beta,
     spectr_residual,
     spectr_rho,
@@ -160,7 +161,7 @@ def test_caches_keep_the_row_of_the_emitted_prefix(lossless_pair):
     rows = []
 
     def recording(*args, **kwargs):
-        out = spectr_accept(*args, **kwargs)
+        out = spectr_accept_u(*args, **kwargs)
         rows.append(int(out[2]))
         return out
 
@@ -181,7 +182,7 @@ def test_caches_keep_the_row_of_the_emitted_prefix(lossless_pair):
             return result
 
     decoder = Checked(spectr.SpectrParams(top_k=0, top_p=1.0))
-    with mock.patch.object(spectr, "spectr_accept", recording):
+    with mock.patch.object(spectr, "spectr_accept_u", recording):
         g = me.generate(decoder, lossless_pair, [1, 0], max_new_tokens=40, seed=1)
     assert g.stats.draft_accepted > 0 and any(r > 0 for r in rows)
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.rules.sampling import sample, warp_probs
-from mtad_energy.decoding.rules.tree import tree_candidates_accept, tree_typical_accept
+from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
+from mtad_energy.decoding.rules.tree import tree_candidates_accept_u, tree_typical_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.head_runner import hidden_at, prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
-from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 from mtad_energy.decoding.runtime.tree import rooted_tree, set_branching, tree_forward, tree_nodes
 
 ACCEPTANCE = ("typical", "speculative")
@@ -111,18 +111,36 @@ class Medusa(Decoder):
         parents, anc = rooted_tree(branching, s.ids.device)
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]: the root first
         logits = tree_forward(s.target, full, anc)  # [B, 1 + N, V]
-        caps = to_device(lens, s.ids.device)
-        if prm.acceptance == "speculative":
-            depth, path, nxt, node = tree_candidates_accept(warp.probs(logits), full, parents,
-                                                            anc, caps, len(branching),
-                                                            s.generator)
-        else:
-            p_test = warp_probs(logits, prm.temperature, top_k=0, top_p=1.0)
-            depth, path, node = tree_typical_accept(p_test, full, parents, anc, caps,
-                                                    len(branching), prm.eps, prm.delta)
-            at = node[:, None, None].expand(-1, 1, logits.shape[-1])
-            nxt = sample(warp.probs(logits.gather(1, at)[:, 0]), s.generator)
-        s.target.keep_tree(full.shape[1], torch.cat([torch.zeros_like(path[:, :1]), path], 1))
+        speculative = prm.acceptance == "speculative"
+        block, depth, length, path, node = s.kernels(
+            medusa_verify, logits, full, parents, anc, to_device(lens, s.ids.device),
+            s.uniform(full.numel(), 1) if speculative else None, s.uniform(full.shape[0], 1),
+            len(branching), speculative, prm.eps, prm.delta, *warp.args)
+        s.target.keep_tree(full.shape[1], path)
         s.carry["hidden"] = hidden_at(s, node)
-        nodes = [tree_nodes(branching[:n]) for n in lens]
-        return StepResult.block(full.gather(1, path), depth, nxt, nodes, depth=lens)
+        nodes = tuple(tree_nodes(branching[:n]) for n in lens)
+        return StepResult(block, nodes, depth, length, depth=lens)
+
+
+def medusa_verify(logits: torch.Tensor, full: torch.Tensor, parents: torch.Tensor,
+                  anc: torch.Tensor, caps: torch.Tensor, u: torch.Tensor | None,
+                  u_next: torch.Tensor, levels: int, speculative: bool, eps: float, delta: float,
+                  temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+    """Kernel: the acceptance rule on the verified tree (``logits [B, 1 + N, V]`` of ``full [B,
+    1 + N]``, the root first; ``caps [B]``: each row's depth), speculative
+    (`tree_candidates_accept_u`, its uniforms ``u [B * (1 + N), 1]``) or typical
+    (`tree_typical_accept`), the next token (``u_next [B, 1]``) and the block: ``(block [B, L+1],
+    depth, length [B], path [B, 1+L], node [B])``, path: the nodes to keep (the root first),
+    node: the deepest accepted one."""
+    if speculative:
+        depth, path, nxt, node = tree_candidates_accept_u(
+            warp_probs(logits, temperature, top_k, top_p), full, parents, anc, caps, levels, u,
+            u_next)
+    else:
+        p_test = warp_probs(logits, temperature, top_k=0, top_p=1.0)
+        depth, path, node = tree_typical_accept(p_test, full, parents, anc, caps, levels, eps,
+                                                delta)
+        at = node[:, None, None].expand(-1, 1, logits.shape[-1])
+        nxt = sample_u(warp_probs(logits.gather(1, at)[:, 0], temperature, top_k, top_p), u_next)
+    block, length = block_tokens(full.gather(1, path), depth, nxt)
+    return block, depth, length, torch.cat([torch.zeros_like(path[:, :1]), path], 1), node

@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 from mtad_energy.decoding.decoders.mtad import MtadParams
+from mtad_energy.decoding.rules.beam import closest_beam
 from mtad_energy.decoding.rules.joint import tree_joint_accept_rows
-from mtad_energy.decoding.rules.sampling import sample
+from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
 from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
-from mtad_energy.decoding.runtime.state import DecodeState, cap_per_row, to_device
-from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 from mtad_energy.decoding.runtime.tree import ancestors, tree_forward
 
 
@@ -50,39 +51,63 @@ class Mmtad(Decoder):
             return target_step(s, warp)
         pending, counts = s.draft_feed()
         beams = beam_sample_rows(s.draft, pending, gamma, width, warp, s.generator,
-                                 counts=counts, kernels=s.kernels)  # fields [B, ...]
-        rows = beams.tokens.shape[0]
-        dev = beams.tokens.device
-        # flat target tree per sequence: root = last token (0), node (d, b) -> 1 + d*W + b
-        flat_par = torch.cat([beams.parents.new_full((rows, 1), -1),
-                              beams.parents.new_zeros(rows, width),
-                              1 + (torch.arange(gamma - 1, device=dev)[None, :, None] * width
-                                   + beams.parents[:, 1:]).reshape(rows, -1)], 1)  # [B, N]
-        anc = ancestors(flat_par)  # [B, N, N]
-        tokens = torch.cat([s.last_token, beams.tokens.reshape(rows, -1)], 1)  # [B, 1 + D*W]
-        p = warp.probs(tree_forward(s.target, tokens, anc))  # [B, 1 + D*W, V]
-        # p at each node's parent, of the node's token: the node's conditional log ~p
-        at_parent = p.gather(1, flat_par[:, 1:, None].expand(-1, -1, p.shape[-1]))
-        log_p_tok = at_parent.gather(2, tokens[:, 1:, None]).squeeze(2).log()
-        # each row over its own depth g (its search alone stops there; y* is then the best
-        # beam at depth g); a row that is done takes any depth
-        depth = to_device([max(n, 1) for n in lens], dev)  # [B]
-        best = beams.log_q.gather(1, (depth - 1)[:, None, None].expand(-1, 1, width))[:, 0]
-        eta, b, path = tree_joint_accept_rows(log_p_tok.view(rows, gamma, width), beams.log_q,
-                                         beams.parents, best.argmax(-1), depth,
-                                         prm.log_tau)  # [B], [B], [B, D]
-        eta = cap_per_row(eta, lens)  # a row with no draft of its own takes its token from p
-        d_idx = torch.arange(gamma, device=dev)
-        path_tok = beams.tokens.gather(2, path[:, :, None]).squeeze(2)  # [B, D]: first eta kept
-        node = torch.where(eta > 0, 1 + (eta - 1) * width + b, 0)  # [B]
-        nxt = sample(p.gather(1, node[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1),
-                     s.generator)
+                                 counts=counts, kernels=s.kernels, finish=beam_tree,
+                                 finish_args=(s.last_token,))  # fields [B, ...]
+        tokens, anc = beams.finished  # [B, 1 + D*W], [B, N, N]
+        logits = tree_forward(s.target, tokens, anc)  # [B, 1 + D*W, V]
+        # each row over its own depth (its search alone stops there; y* is then the best beam
+        # at that depth); a row with no draft of its own takes its token from p
+        block, eta, length, row, kept, path = s.kernels(
+            mmtad_verify, logits, tokens, beams.tokens, beams.parents, beams.log_q, beams.seqs,
+            to_device(lens, tokens.device), s.uniform(s.batch, 1), prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
-        kept = beams.keep_closest(s.draft, path_tok, eta)
+        beams.keep(s.draft, row)
         # target: keep the path's node at every depth; the loop crops to the accepted eta
-        path_nodes = 1 + d_idx[None] * width + path  # [B, D]
-        s.target.keep_tree(1 + gamma * width,
-                           torch.cat([path_nodes.new_zeros(rows, 1), path_nodes], 1))
-        return StepResult.block(path_tok, eta, nxt, [n * width for n in lens],
-                                s.lengths_on_device() + kept, depth=lens)
+        s.target.keep_tree(1 + gamma * width, path)
+        return StepResult(block, tuple(n * width for n in lens), eta, length,
+                          s.lengths_on_device() + kept, depth=lens)
+
+
+def beam_tree(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
+              last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: the beam tree (``tokens, parents, log_q [B, D, W]``) as the target's token tree
+    after the last emitted token ``last [B, 1]``: root 0, node (d, b) at 1 + d*W + b;
+    ``(tokens [B, N], ancestors [B, N, N])``, N = 1 + D*W."""
+    rows, gamma, width = tokens.shape
+    flat_par = torch.cat([parents.new_full((rows, 1), -1), parents.new_zeros(rows, width),
+                          1 + (torch.arange(gamma - 1, device=tokens.device)[None, :, None] * width
+                               + parents[:, 1:]).reshape(rows, -1)], 1)  # [B, N]
+    return torch.cat([last, tokens.reshape(rows, -1)], 1), ancestors(flat_par)
+
+
+def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
+                 parents: torch.Tensor, log_q: torch.Tensor, seqs: torch.Tensor,
+                 lens: torch.Tensor, u_next: torch.Tensor, log_tau: float, temperature: float,
+                 top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+    """Kernel: MMTAD's rule on the verified beam tree (``logits [B, N, V]`` of ``tree [B, N]``,
+    `beam_tree`; the draft's ``tokens, parents, log_q [B, D, W]`` and final beams ``seqs [B, W,
+    D]``), each row over its own draft length ``lens [B]`` (0: nothing accepted). Returns
+    ``(block [B, D+1], eta, length, beam, kept [B], path [B, 1+D])``: the emitted block, the
+    final beam whose draft cache to keep with the length it shares with the emitted draft, and
+    the target tree's nodes to keep (root first)."""
+    rows, gamma, width = tokens.shape
+    p = warp_probs(logits, temperature, top_k, top_p)  # [B, N, V]
+    # each node's conditional log ~p: p at its parent (its flat index: `beam_tree`), of its token
+    d_idx = torch.arange(gamma, device=tokens.device)
+    parent_at = torch.cat([parents.new_zeros(rows, 1, width),
+                           1 + (d_idx[None, :-1, None] * width + parents[:, 1:])], 1)  # [B, D, W]
+    at_parent = p.gather(1, parent_at.reshape(rows, -1, 1).expand(-1, -1, p.shape[-1]))
+    log_p_tok = at_parent.gather(2, tree[:, 1:, None]).squeeze(2).log()  # [B, D*W]
+    depth = lens.clamp_min(1)  # [B]
+    best = log_q.gather(1, (depth - 1)[:, None, None].expand(-1, 1, width))[:, 0]  # [B, W]
+    eta, b, path = tree_joint_accept_rows(log_p_tok.view(rows, gamma, width), log_q, parents,
+                                          best.argmax(-1), depth, log_tau)  # [B], [B], [B, D]
+    eta = torch.minimum(eta, lens)
+    path_tok = tokens.gather(2, path[:, :, None]).squeeze(2)  # [B, D]: first eta kept
+    node = torch.where(eta > 0, 1 + (eta - 1) * width + b, 0)  # [B]
+    nxt = sample_u(p.gather(1, node[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1), u_next)
+    block, length = block_tokens(path_tok, eta, nxt)
+    beam, kept = closest_beam(seqs, path_tok, eta)
+    nodes = torch.cat([path.new_zeros(rows, 1), 1 + d_idx[None] * width + path], 1)  # [B, 1+D]
+    return block, eta, length, beam, kept, nodes

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mtad_energy.decoding.rules.beam import best_at, closest_beam
 from mtad_energy.decoding.rules.joint import joint_accept_u
 from mtad_energy.decoding.rules.sampling import warp_probs
-from mtad_energy.decoding.runtime.beams import beam_sample_rows, best_at, closest_beam
+from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
@@ -60,13 +61,14 @@ class Mtad(Decoder):
         if gamma == 0:
             return target_step(s, warp)
         pending, counts = s.draft_feed()
-        beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
-                                 counts=counts, kernels=s.kernels)
-        # y*: each row's best beam at its own depth (what its search alone would end with); a
-        # row with no draft of its own (one token left) accepts nothing: its token is from p
+        # y*: each row's best beam at its own depth (what its search alone would end with; read
+        # off the tree with the search); a row with no draft of its own (one token left) accepts
+        # nothing: its token is from p
         depth = to_device(lens, pending.device)  # [B]
-        y, cum_log_q = s.kernels(best_at, beams.tokens, beams.parents, beams.log_q,
-                                 depth.clamp_min(1))  # [B, gamma]
+        beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
+                                 counts=counts, kernels=s.kernels, finish=best_at,
+                                 finish_args=(depth.clamp_min(1),))
+        y, cum_log_q = beams.finished  # [B, gamma] each
         # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
         tokens, eta, length, beam, kept = s.target.then(
             s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth,

@@ -17,13 +17,13 @@ from functools import lru_cache
 
 import torch
 
-from mtad_energy.decoding.rules.sampling import Warp, log_probs, on_vocab, sample
+from mtad_energy.decoding.rules.sampling import Warp, log_probs, on_vocab, sample_u, warp_probs
 from mtad_energy.decoding.rules.tree import tree_speculative_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 from mtad_energy.decoding.runtime.tree import (
     ancestors,
     level_parents,
@@ -124,16 +124,29 @@ class SpecInfer(Decoder):
         pending, counts = s.draft_feed()
         tokens, q = draft_tree(s.draft, pending, branching, anc_d, warp, s.generator,
                                self.without_replacement, counts)  # [B, N], [B, 1 + N_int, V]
-        n_nodes = tokens.shape[1]
-        p = warp.probs(tree_forward(s.target, torch.cat([s.last_token, tokens], 1), anc_t))
-        u = torch.rand(tokens.shape, generator=s.generator, device=tokens.device)
-        depth, path, dist = tree_speculative_accept(p, q, tokens, branching, u,
-                                                    self.without_replacement)  # [B], [B, L]
-        nxt = sample(dist, s.generator)
+        logits = tree_forward(s.target, torch.cat([s.last_token, tokens], 1), anc_t)
+        block, depth, length, path = s.kernels(
+            specinfer_verify, logits, q, tokens, s.uniform(*tokens.shape),
+            s.uniform(tokens.shape[0], 1), branching, self.without_replacement, *warp.args)
         # keep the chosen node of every level; the loop then crops both caches to the accepted
         # depth, so depth never has to be read back here
-        s.target.keep_tree(1 + n_nodes, torch.cat([path.new_zeros(path.shape[0], 1), 1 + path],
-                                                  1))
-        s.draft.keep_tree(q.shape[1] - 1, path[:, :len(branching) - 1])  # internal nodes fed
-        nodes = [tree_nodes(self.params.branching[:n]) for n in lens]
-        return StepResult.block(tokens.gather(1, path), depth, nxt, nodes, depth=lens)
+        s.target.keep_tree(1 + tokens.shape[1], path)
+        s.draft.keep_tree(q.shape[1] - 1, path[:, 1:len(branching)] - 1)  # internal nodes fed
+        nodes = tuple(tree_nodes(self.params.branching[:n]) for n in lens)
+        return StepResult(block, nodes, depth, length, depth=lens)
+
+
+def specinfer_verify(logits: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor,
+                     u: torch.Tensor, u_next: torch.Tensor, branching: tuple[int, ...],
+                     without_replacement: bool, temperature: float, top_k: int, top_p: float
+                     ) -> tuple[torch.Tensor, ...]:
+    """Kernel: the target's warped p at the root and every node (``logits [B, 1 + N, V]``),
+    `tree_speculative_accept` of the draft's tree (``q [B, 1 + N_int, V]``, ``tokens [B, N]``,
+    one uniform per node ``u [B, N]``), the next token from the distribution it leaves
+    (``u_next [B, 1]``), and the block: ``(block [B, L+1], depth, length [B], path [B, 1+L])``,
+    path: the target tree's node per level (the root 0 first)."""
+    p = warp_probs(logits, temperature, top_k, top_p)
+    depth, path, dist = tree_speculative_accept(p, q, tokens, branching, u,
+                                                without_replacement)  # [B], [B, L], [B, V]
+    block, length = block_tokens(tokens.gather(1, path), depth, sample_u(dist, u_next))
+    return block, depth, length, torch.cat([path.new_zeros(path.shape[0], 1), 1 + path], 1)

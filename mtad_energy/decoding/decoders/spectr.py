@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.rules.chain import spectr_accept
-from mtad_energy.decoding.rules.sampling import Warp, sample
+from mtad_energy.decoding.rules.chain import spectr_accept_u
+from mtad_energy.decoding.rules.sampling import Warp, sample, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 
 
 @dataclass(frozen=True)
@@ -87,17 +87,30 @@ class Spectr(Decoder):
             s.target.repeat_rows(k)
         ids = torch.cat([s.last_token.repeat_interleave(k, 0), drafts.reshape(rows * k, gamma)],
                         1)  # [B*k, gamma+1]
-        p = warp.probs(s.target(ids)).view(rows, k, gamma + 1, -1)  # [B, k, gamma+1, V]
         # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
-        support = 2 * self.params.top_k
-        n, nxt, row = spectr_accept(p, q, drafts, s.generator, support)  # [B] each
+        block, n, length, keep = s.target.then(
+            s.kernels, ids, spectr_verify, q, drafts, s.uniform(*drafts.shape),
+            s.uniform(rows, 1), 2 * self.params.top_k, *warp.args)
         # back to one row per sequence, the one consistent with the emitted prefix (the loop
         # then crops)
         if k > 1:
-            keep = torch.arange(rows, device=row.device) * k + row
             s.target.select_rows(keep)
             if gamma > 1:
                 s.draft.select_rows(keep)
-        kept = drafts.gather(1, row[:, None, None].expand(-1, 1, gamma)).squeeze(1)  # [B, gamma]
         # proposed = every draft token shown to the target (k * gamma), as for tree decoders
-        return StepResult.block(kept, n, nxt, [k * g for g in lens], depth=lens)
+        return StepResult(block, tuple(k * g for g in lens), n, length, depth=lens)
+
+
+def spectr_verify(logits: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
+                  u_next: torch.Tensor, support: int, temperature: float, top_k: int,
+                  top_p: float) -> tuple[torch.Tensor, ...]:
+    """Kernel: the target's warped p along each draft (``logits [B*k, gamma+1, V]``), Spectr's
+    selection (`spectr_accept_u`; ``q [B, k, gamma, V]``, ``drafts [B, k, gamma]``) and the
+    block: ``(block [B, gamma+1], n, length [B], keep [B])``, keep: the cache row of the draft
+    each sequence keeps (row b*k + the chosen draft)."""
+    rows, k, gamma = drafts.shape
+    p = warp_probs(logits, temperature, top_k, top_p).view(rows, k, gamma + 1, -1)
+    n, nxt, row = spectr_accept_u(p, q, drafts, u, u_next, support)  # [B] each
+    kept = drafts.gather(1, row[:, None, None].expand(-1, 1, gamma)).squeeze(1)  # [B, gamma]
+    block, length = block_tokens(kept, n, nxt)
+    return block, n, length, torch.arange(rows, device=row.device) * k + row

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mtad_energy.decoding.rules.counted import cpu_only
-from mtad_energy.decoding.rules.sampling import residual, sample, sample_shape, sample_u, uniforms
+from mtad_energy.decoding.rules.sampling import residual, sample_shape, sample_u, uniforms
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
@@ -99,6 +99,7 @@ def spectr_rho(p: torch.Tensor, q: torch.Tensor, k: int | torch.Tensor, iters: i
     always used: it costs little there, and checking would read a value back to the host.
     """
     if (0 < support < q.shape[-1] and q.device.type == "cpu"
+            and not torch.compiler.is_compiling()
             and cpu_only(lambda: int((q > 0).sum(-1).max())) <= support):
         idx = q.topk(support, -1).indices
         p, q = p.gather(-1, idx), q.gather(-1, idx)
@@ -149,6 +150,16 @@ def spectr_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     if drafts.dim() == 2:  # one sequence: a batch of one
         n, nxt, row = spectr_accept(p[None], q[None], drafts[None], generator, support)
         return n[0], nxt[0], row[0]
+    u = uniforms(drafts.shape, generator, p.device)
+    return spectr_accept_u(p, q, drafts, u, uniforms((drafts.shape[0], 1), generator, p.device),
+                           support)
+
+
+def spectr_accept_u(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
+                    u_next: torch.Tensor, support: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`spectr_accept` of B sequences with its uniforms given (a kernel): ``u [B, k, gamma]``,
+    one per draft token, and ``u_next [B, 1]`` for the next token."""
     rows, k, gamma = drafts.shape
     # same[b, r, j, t]: drafts r and j agree on their first t tokens, t = 0..gamma
     eq = (drafts[:, :, None, :] == drafts[:, None, :, :]).long()  # [B, k, k, gamma]
@@ -157,7 +168,6 @@ def spectr_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     rho = spectr_rho(p[:, :, :gamma], q, k_alive, support=support)  # [B, k, gamma]
     p_x = p[:, :, :gamma].gather(-1, drafts[..., None])[..., 0]  # [B, k, gamma]
     q_x = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(rows, k, gamma, generator=generator, device=p.device)
     ok = (u * rho * q_x <= p_x) & (p_x > 0)  # [B, k, gamma] each draft's coin at each position
     going = torch.ones(rows, dtype=torch.bool, device=p.device)  # every position so far accepted
     n = torch.zeros(rows, dtype=torch.long, device=p.device)
@@ -178,7 +188,7 @@ def spectr_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     next_dist = spectr_residual(p.reshape(rows, -1, vocab).gather(1, at_v)[:, 0],
                                 q_pad.reshape(rows, -1, vocab).gather(1, at_v)[:, 0],
                                 rho_pad.reshape(rows, -1).gather(1, at)[:, 0])
-    return n, sample(next_dist, generator), row
+    return n, sample_u(next_dist, u_next), row
 
 
 # --- Medusa's typical acceptance and BiLD's rollback ---------------------------------------------

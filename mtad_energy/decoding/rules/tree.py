@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from mtad_energy.decoding.rules.sampling import residual, sample
+from mtad_energy.decoding.rules.sampling import residual, sample_shape, sample_u, uniforms
 
 
 def level_offsets(branching: tuple[int, ...]) -> list[int]:
@@ -148,19 +148,30 @@ def tree_candidates_accept(p: torch.Tensor, tokens: torch.Tensor, parents: torch
     level 1..L (padded past the depth with the last), the next token, and the deepest accepted
     node (0: the root).
     """
+    u = uniforms(sample_shape(p), generator, p.device)
+    return tree_candidates_accept_u(p, tokens, parents, anc, caps, levels, u,
+                                    uniforms((tokens.shape[0], 1), generator, p.device))
+
+
+def tree_candidates_accept_u(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                             anc: torch.Tensor, caps: torch.Tensor, levels: int, u: torch.Tensor,
+                             u_next: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tree_candidates_accept` with its uniforms given (a kernel): ``u [B * (1 + N), 1]``, one
+    per node's draw, and ``u_next [B, 1]`` for the next token."""
     rows = tokens.shape[0]
     parents = parents.expand(rows, -1)
     anc = anc.expand(rows, -1, -1)
     depth = node_depths(anc)  # [B, 1 + N]
     allowed = depth <= caps[:, None]
-    y = sample(p, generator)  # [B, 1 + N]: one draw per node
+    y = sample_u(p, u)  # [B, 1 + N]: one draw per node
     match = tokens == y.gather(1, parents.clamp_min(0))
     ok = (match | (parents < 0)) & allowed
     on_path = ~(anc & ~ok[:, None, :]).any(-1)  # every ancestor-or-self ok
     node = _deepest(on_path, depth)
     p_node = p.gather(1, node[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]
     kids = _children_mask(tokens, parents, allowed, node, p.shape[-1])
-    nxt = sample(residual(p_node, kids), generator)
+    nxt = sample_u(residual(p_node, kids), u_next)
     return depth.gather(1, node[:, None])[:, 0], _path(anc, depth, node, levels), nxt, node
 
 

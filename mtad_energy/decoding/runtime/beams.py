@@ -1,19 +1,20 @@
-"""Stochastic beam sampling, shared by ``beam``, ``mtjd`` (over the target) and ``mtad`` / ``mmtad``
-(over the draft).
-
-Step 1 samples W distinct tokens from the warped distribution; each later step samples W
-(beam, token) pairs without replacement with weights proportional to the *joint* warped
-probability of the extended beam (Gumbel-top-k on the joint log-probability).
+"""Stochastic beam sampling over a runner's model, shared by ``beam``, ``mtjd`` (over the target)
+and ``mtad`` / ``mmtad`` (over the draft): `beam_sample_rows` runs the runner's beam search
+(`ModelRunner.beam_search`: eagerly step by step, or on the compiled path one graph call for a
+full-length draft) and returns the tree as a `BeamDraft`. The steps' rule (Gumbel-top-k on the
+joint warped log-probability) is `rules.beam`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from mtad_energy.decoding.rules.joint import lineage
-from mtad_energy.decoding.rules.sampling import Warp, gumbel_topk_u, log_probs, take, uniforms
+from mtad_energy.decoding.rules.beam import beam_rows, best_at, closest_beam
+from mtad_energy.decoding.rules.sampling import Warp, take
 from mtad_energy.decoding.runtime.kernels import Kernels
 from mtad_energy.decoding.runtime.runner import ModelRunner
 
@@ -27,6 +28,7 @@ class BeamDraft:
     of its parent at depth d-1, and its cumulative warped log-probability. Dead nodes (fewer than
     W candidates with positive probability) have ``log_q == -inf``.
     ``seqs[b]`` / ``path_log_q[b]`` are final beam b's tokens and cumulative log-probs per depth.
+    ``finished``: what the search's ``finish`` function returned (`beam_sample_rows`).
     """
 
     tokens: torch.Tensor  # [(B,) D, W]
@@ -34,7 +36,12 @@ class BeamDraft:
     log_q: torch.Tensor  # [(B,) D, W]
     seqs: torch.Tensor  # [(B,) W, D]
     path_log_q: torch.Tensor  # [(B,) W, D]
-    best: torch.Tensor  # [(B,)]: index of the final beam with the highest joint log-prob
+    finished: tuple = ()
+
+    @property
+    def best(self) -> torch.Tensor:  # [(B,)]
+        """The final beam with the highest joint log-prob (the first on ties)."""
+        return self.log_q[..., -1, :].argmax(-1)
 
     @property
     def best_seq(self) -> torch.Tensor:  # [(B,) D]
@@ -45,7 +52,7 @@ class BeamDraft:
         return _pick(self.path_log_q, self.best)
 
     def best_at(self, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`best_at` of this tree (B sequences)."""
+        """`rules.beam.best_at` of this tree (B sequences)."""
         return best_at(self.tokens, self.parents, self.log_q, depth)
 
     def keep_closest(self, runner: ModelRunner, tokens: torch.Tensor, n: torch.Tensor
@@ -65,39 +72,8 @@ class BeamDraft:
     def squeeze(self) -> BeamDraft:
         """The one sequence of a batch of 1, without the batch dim."""
         return BeamDraft(*(x[0] for x in (self.tokens, self.parents, self.log_q, self.seqs,
-                                          self.path_log_q, self.best)))
-
-
-def beam_rows(beam: torch.Tensor, width: int) -> torch.Tensor:
-    """``[B]``: the cache row of sequence b's beam ``beam[b]`` (rows b*W + w)."""
-    return torch.arange(beam.shape[0], device=beam.device) * width + beam
-
-
-def best_at(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
-            depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence of a beam tree (`BeamDraft`'s ``tokens, parents, log_q [B, D, W]``), the beam
-    a search of ``depth[b]`` steps would end with (the highest joint log-prob among the W beams
-    after that step, traced through its ancestors; beam search is sequential, so those are
-    exactly the beams it would hold): ``(tokens [B, D], cumulative log ~q [B, D])``, entries
-    past depth[b] meaningless. ``depth [B]`` in 1..D. A kernel."""
-    width, full = tokens.shape[-1], tokens.shape[-2]
-    d = (depth - 1)[:, None, None]  # [B, 1, 1]
-    at_d = log_q.gather(1, d.expand(-1, 1, width))[:, 0]  # [B, W]
-    w = at_d.argmax(-1)  # [B]: first index on ties, as `best`
-    lin = lineage(parents)  # [B, D, W, D]
-    path = lin.gather(1, d[..., None].expand(-1, 1, width, full))[:, 0]  # [B, W, D]
-    path = path.gather(1, w[:, None, None].expand(-1, 1, full))[:, 0]  # [B, D]: node per depth
-    return tokens.gather(2, path[..., None])[..., 0], log_q.gather(2, path[..., None])[..., 0]
-
-
-def closest_beam(seqs: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, the final beam (of ``seqs [B, W, D]``) sharing the longest prefix with
-    ``tokens[b, :n[b]]`` and that prefix's length: ``(beam [B], length [B])``. A kernel."""
-    valid = torch.arange(tokens.shape[-1], device=n.device)[None] < n[:, None]  # [B, D]
-    lcp = ((seqs == tokens[:, None]) & valid[:, None]).long().cumprod(2).sum(2)  # [B, W]
-    row = lcp.argmax(1)  # [B]
-    return row, lcp.gather(1, row[:, None])[:, 0]
+                                          self.path_log_q)),
+                         tuple(x[0] for x in self.finished))
 
 
 def _pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -105,82 +81,6 @@ def _pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     if i.dim() == 0:
         return take(x, i)
     return x.gather(-2, i[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(-2)
-
-
-def candidates(warp: Warp, logits: torch.Tensor, stochastic: bool, least: int = 1
-               ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The tokens a beam step draws from, per row of ``logits [R, V]``: ``(tokens [R, C],
-    log ~q [R, C])`` holding every token of positive warped probability (`Warp.support`: the
-    top-k candidates on the CPU, eagerly), or ``(None, log ~q [R, V])`` for the whole vocabulary.
-    Gumbel-top-k over every positive-probability entry draws the same law whether the zeros
-    are there or not; so a stochastic beam step draws from the C candidates only (keys for W x k
-    joint entries instead of W x V). A deterministic one (beam search) keeps the vocabulary:
-    equal weights keep their order. ``least``: fewer candidates than that (a first step of W
-    beams from a top-k < W) fall back to the vocabulary, whose zeros fill the dead beams."""
-    tokens, q = warp.support(logits) if stochastic else (None, warp.probs(logits))
-    if tokens is not None and tokens.shape[-1] < least:
-        tokens, q = None, warp.probs(logits)
-    return tokens, log_probs(q)
-
-
-def first_scores(logits: torch.Tensor, width: int, temperature: float, top_k: int, top_p: float,
-                 stochastic: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Kernel: a beam search's first step's candidates and their log ~q after the last position
-    of ``logits [B, k, V]``: `candidates` (at least W of them)."""
-    return candidates(Warp(temperature, top_k, top_p), logits[:, -1], stochastic, width)
-
-
-def first_select(cand: torch.Tensor | None, log_q: torch.Tensor, u: torch.Tensor | None,
-                 width: int) -> tuple[torch.Tensor, ...]:
-    """Kernel: W distinct first tokens by Gumbel-top-k (``u`` None: the W largest):
-    ``(tok, parent, cum [B, W], seqs, paths [B, W, 1])``."""
-    pick = gumbel_topk_u(log_q, width, u)  # [B, W] distinct tokens
-    tok = pick if cand is None else cand.gather(1, pick)
-    cum = log_q.gather(1, pick)  # [B, W]
-    return tok, torch.zeros_like(tok), cum, tok[..., None], cum[..., None]
-
-
-def step_scores(logits: torch.Tensor, cum: torch.Tensor, tok: torch.Tensor, temperature: float,
-                top_k: int, top_p: float, stochastic: bool, eos_token_id: int | None
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Kernel: a later beam step's candidates ``[B, W, C]`` (or None: the vocabulary) and the
-    joint log ~q of every (beam, candidate) ``[B, W*C]``, from the W beams' forward ``logits
-    [B*W, 1, V]``, their cumulative log ~q and last tokens ``cum, tok [B, W]``. A beam that
-    emitted ``eos_token_id`` is frozen: its one continuation is EOS, at no cost."""
-    rows, width = tok.shape
-    cand, log_q = candidates(Warp(temperature, top_k, top_p), logits[:, -1], stochastic)
-    n_cand = log_q.shape[-1]
-    log_q = log_q.view(rows, width, n_cand)
-    if cand is not None:
-        cand = cand.view(rows, width, n_cand)
-    if eos_token_id is not None:
-        done = (tok == eos_token_id)[..., None]  # [B, W, 1]
-        if cand is None:  # built with a comparison: no host-to-device copy
-            frozen = torch.where(torch.arange(n_cand, device=tok.device) == eos_token_id, 0.0,
-                                 float("-inf"))  # [V]
-            log_q = torch.where(done, frozen.to(log_q.dtype), log_q)
-        else:  # a finished beam's one candidate: EOS, at no cost
-            only = torch.arange(n_cand, device=tok.device) == 0
-            log_q = torch.where(done, torch.where(only, 0.0, float("-inf")), log_q)
-            cand = torch.where(done, eos_token_id, cand)
-    return cand, (cum[..., None] + log_q).reshape(rows, width * n_cand)
-
-
-def step_select(cand: torch.Tensor | None, joint: torch.Tensor, u: torch.Tensor | None,
-                seqs: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Kernel: W (beam, token) pairs of ``joint [B, W*C]`` by Gumbel-top-k (``u`` None: the W
-    largest), and the beams they extend: ``(tok, parent, cum [B, W], seqs, paths [B, W, d+1],
-    rows [B*W])``, rows: the cache rows to keep (`beam_rows` of each parent)."""
-    rows, width = seqs.shape[:2]
-    n_cand = joint.shape[-1] // width
-    idx = gumbel_topk_u(joint, width, u)  # [B, W]
-    parent, cum = idx // n_cand, joint.gather(1, idx)
-    tok = idx % n_cand if cand is None else cand.reshape(rows, -1).gather(1, idx)
-    at = parent[..., None]
-    seqs = torch.cat([seqs.gather(1, at.expand(-1, -1, seqs.shape[-1])), tok[..., None]], -1)
-    paths = torch.cat([paths.gather(1, at.expand(-1, -1, paths.shape[-1])), cum[..., None]], -1)
-    base = torch.arange(rows, device=joint.device)[:, None] * width
-    return tok, parent, cum, seqs, paths, (base + parent).reshape(-1)
 
 
 def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width: int, warp: Warp,
@@ -194,33 +94,21 @@ def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width:
 def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width: int,
                      warp: Warp, generator: torch.Generator, stochastic: bool = True,
                      eos_token_id: int | None = None, counts: list[int] | None = None,
-                     kernels: Kernels | None = None) -> BeamDraft:
+                     kernels: Kernels | None = None,
+                     finish: Callable[..., tuple] | None = None, finish_args: tuple[Any, ...] = ()
+                     ) -> BeamDraft:
     """Run ``depth`` beam steps of ``runner``'s model for B sequences after feeding ``first_ids
     [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`); the steps'
     arithmetic runs as ``kernels`` (`DecodeState.kernels`; default eager), their uniforms drawn
-    from ``generator``.
+    from ``generator``. ``finish(tokens, parents, log_q, *finish_args)``: a kernel reading the
+    finished tree (MTAD's `rules.beam.best_at`), run with the search (in its graph, compiled);
+    its outputs are `BeamDraft.finished`.
 
     The runner's B-row cache is expanded to W rows per sequence (row b*W + w); on return row
     b*W + w holds sequence b's prefix plus the first depth-1 tokens of its final beam w (the last
     token is not fed). Beams that emitted ``eos_token_id`` are frozen: they repeat EOS at no cost.
     """
-    run = kernels or Kernels()
-    warp_args = (*warp.args, stochastic)
-
-    def draws(joint: torch.Tensor) -> torch.Tensor | None:
-        return uniforms(joint.shape, generator, joint.device) if stochastic else None
-
-    cand, log_q = run(first_scores, runner(first_ids, counts), width, *warp_args)  # [B, C]
-    tok, parent, cum, seqs, paths = run(first_select, cand, log_q, draws(log_q), width)
-    tokens, parents, cums = [tok], [parent], [cum]
-    if depth > 1:
-        runner.repeat_rows(width)
-    for _ in range(1, depth):
-        logits = runner(tok.reshape(-1, 1))  # [B*W, 1, V]
-        cand, joint = run(step_scores, logits, cum, tok, *warp_args, eos_token_id)
-        tok, parent, cum, seqs, paths, rows = run(step_select, cand, joint, draws(joint), seqs,
-                                                  paths)
-        runner.select_rows(rows)
-        tokens.append(tok), parents.append(parent), cums.append(cum)
-    return BeamDraft(torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), seqs,
-                     paths, cum.argmax(-1))
+    out = runner.beam_search(kernels or Kernels(), first_ids, counts, depth, width,
+                             (*warp.args, stochastic), generator, eos_token_id, finish,
+                             *finish_args)
+    return BeamDraft(*out[:5], tuple(out[5:]))

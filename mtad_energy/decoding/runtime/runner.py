@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from mtad_energy.decoding.rules.beam import first_scores, first_select, step_scores, step_select
+from mtad_energy.decoding.rules.sampling import uniforms
 from mtad_energy.decoding.runtime import cache as kv
 from mtad_energy.decoding.runtime.masks import additive_mask, tree_inputs
 from mtad_energy.decoding.runtime.timer import PhaseTimer
@@ -99,6 +101,39 @@ class ModelRunner:
             outs.append(kernels(fn, self(outs[-1][0]), us[i], *args))
         return (torch.cat([o[0] for o in outs], 1),
                 *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
+
+    def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
+                    depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
+                    eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
+                    *finish_args: Any) -> tuple[torch.Tensor, ...]:
+        """``depth`` steps of stochastic beam sampling (`rules.beam`) of W = ``width`` beams per
+        sequence after feeding ``first_ids [B, k]`` (``counts``: as in `__call__`): the first
+        forward, W first tokens, the rows expanded to W per sequence (`repeat_rows`), then per
+        step a forward of the W beams' last tokens ``[B*W, 1]``, W (beam, token) pairs and the
+        rows reordered to their beams (`select_rows`). ``warp_args``: ``(*Warp.args,
+        stochastic)``; the draws' uniforms come from ``generator``, drawn per step for the
+        scores it ranks. Returns ``(tokens, parents, log_q [B, D, W], seqs, path_log_q [B, W, D],
+        *finish(tokens, parents, log_q, *finish_args))`` (`beams.BeamDraft`'s fields). The
+        compiled runner runs a full-length search in one graph call
+        (`static.StaticRunner.beam_search`)."""
+        def draws(scores: torch.Tensor) -> torch.Tensor | None:
+            return uniforms(scores.shape, generator, scores.device) if warp_args[-1] else None
+
+        cand, log_q = kernels(first_scores, self(first_ids, counts), width, *warp_args)  # [B, C]
+        tok, parent, cum, seqs, paths = kernels(first_select, cand, log_q, draws(log_q), width)
+        tokens, parents, cums = [tok], [parent], [cum]
+        if depth > 1:
+            self.repeat_rows(width)
+        for _ in range(1, depth):
+            logits = self(tok.reshape(-1, 1))  # [B*W, 1, V]
+            cand, joint = kernels(step_scores, logits, cum, tok, *warp_args, eos_token_id)
+            tok, parent, cum, seqs, paths, rows = kernels(step_select, cand, joint, draws(joint),
+                                                          seqs, paths)
+            self.select_rows(rows)
+            tokens.append(tok), parents.append(parent), cums.append(cum)
+        tree = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1))
+        done = kernels(finish, *tree, *finish_args) if finish is not None else ()
+        return (*tree, seqs, paths, *done)
 
     def compile_pending(self) -> float:
         """Compile what this generation met for the first time, after it (nothing here; the

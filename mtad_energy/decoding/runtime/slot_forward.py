@@ -9,7 +9,10 @@ runs back to back into one graph:
   warp and acceptance rule, ``ar``'s sampling): one call instead of two;
 * `forward_chain`: a draft's autoregressive loop, S forwards each followed by the function that
   draws the next token from its logits (`decoder.draft_next`), the token fed to the next forward
-  inside the graph: one call instead of 2 S.
+  inside the graph: one call instead of 2 S;
+* `forward_beams`: a beam search of D steps (`rules.beam`), the rows expanded to the beams and
+  reordered to them inside the graph, and the function reading the finished tree: one call
+  instead of 3 D + 1 and the row copies between them.
 
 The functions are the decoders' own (`kernels`), the same on the eager path; only where they run
 changes. The fused calls leave the cache exactly as the separate calls would (the same KV and
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mtad_energy.decoding.rules.beam import first_scores, first_select, step_scores, step_select
 from mtad_energy.decoding.runtime.compiled import signature
 from mtad_energy.decoding.runtime.masks import additive_mask
 from mtad_energy.decoding.runtime.runner import model_kwargs, pick_hidden
@@ -110,33 +114,66 @@ def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.T
             *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
 
 
+def forward_beams(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                  real: torch.Tensor, rows: int, k: int, width: int, depth: int,
+                  u: torch.Tensor | None, temperature: float, top_k: int, top_p: float,
+                  stochastic: bool, eos_token_id: int | None, finish: Callable[..., tuple] | None,
+                  *finish_args: Any, forward: Callable[..., torch.Tensor] = slot_forward
+                  ) -> tuple[torch.Tensor, ...]:
+    """`ModelRunner.beam_search` of ``depth`` >= 2 steps and W = ``width`` beams: the first
+    forward of ``input_ids [R, C]`` (R cache rows at one per sequence, the first ``rows`` real;
+    ``new [R, C]``; the first k tokens the input), the cache's R rows expanded to R*W (every
+    slot: no host count of the columns in use enters the graph), then D-1 forwards of the beams'
+    last tokens (``real [R*W, 1]``: which rows are real), each followed by the step's draw and
+    the beams' columns reordered. Only the columns this search wrote differ between a sequence's
+    beams, so a reorder moves those (their validity is the same in every beam). ``u [rows, V +
+    (D-1) W V]`` (None: beam search, no draws): the uniforms of the first draw, then of each
+    step's, for the whole vocabulary; each draw takes the first of its share. Returns what
+    `ModelRunner.beam_search` returns. ``forward``: as in `forward_then`."""
+    start = cache.start.clone()  # [] the first forward's slot
+    seqs = input_ids.shape[0]
+    warp = (temperature, top_k, top_p, stochastic)
+    logits = forward(model, cache, input_ids, new)
+    cand, log_q = first_scores(logits[:rows, :k], width, *warp)  # [rows, C]
+    vocab = logits.shape[-1]
+    tok, parent, cum, beams, paths = first_select(cand, log_q, _share(u, 0, vocab), width)
+    tokens, parents, cums = [tok], [parent], [cum]
+    kv, valid = cache.kv, cache.valid  # kv [2 * layers, rows, H, L, D]
+    kv[:, :seqs * width] = kv[:, :seqs].repeat_interleave(width, 1)
+    valid[:seqs * width] = valid[:seqs].repeat_interleave(width, 0)
+    fixed = torch.arange(rows * width, seqs * width, device=kv.device)  # padding rows stay
+    for i in range(1, depth):
+        cache.start.copy_(start + k + i - 1)
+        ids = F.pad(tok.reshape(-1, 1), (0, 0, 0, (seqs - rows) * width))  # [R*W, 1]
+        logits = forward(model, cache, ids, real)[:rows * width]  # [rows*W, 1, V]
+        cand, joint = step_scores(logits, cum, tok, *warp, eos_token_id)
+        tok, parent, cum, beams, paths, keep = step_select(
+            cand, joint, _share(u, 1 + (i - 1) * width, vocab, width), beams, paths)
+        cols = start + k + torch.arange(i, device=kv.device)  # [i]: the steps' columns
+        part = kv.index_select(3, cols).index_select(1, torch.cat([keep, fixed]))
+        kv.narrow(1, 0, seqs * width).index_copy_(3, cols, part)
+        tokens.append(tok), parents.append(parent), cums.append(cum)
+    tree = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1))
+    done = finish(*tree, *finish_args) if finish is not None else ()
+    return (*tree, beams, paths, *done)
+
+
+def _share(u: torch.Tensor | None, at: int, vocab: int, n: int = 1) -> torch.Tensor | None:
+    """A draw's uniforms: ``n`` vocabularies' worth of ``u``'s columns from vocabulary ``at``."""
+    return None if u is None else u[:, at * vocab:(at + n) * vocab]
+
+
 @dataclass(frozen=True, eq=False)
 class Fused:
-    """What a runner fuses into a forward's graph (`slot_forward`'s fused calls): ``fn`` after
-    the forward with its own arguments ``extra`` (`forward_then`), or, with uniforms ``u [S,
-    B, 1]``, a chain of S forwards, ``fn`` after each (`forward_chain`)."""
+    """What a runner fuses into a forward's graph: ``call`` (`forward_then`, `forward_chain`,
+    `forward_beams`) with its arguments after the first forward's ids and validity (``args``),
+    running ``more`` forwards of one column after the first, at ``width`` rows per sequence."""
 
-    fn: Callable[..., Any]
-    extra: tuple
-    u: torch.Tensor | None = None
+    call: Callable[..., Any]
+    args: tuple
+    more: int = 0
+    width: int = 1
 
-    @property
-    def call(self) -> Callable[..., Any]:
-        return forward_then if self.u is None else forward_chain
-
-    @property
-    def more(self) -> int:
-        """Forwards (one column each) the call runs after the first."""
-        return 0 if self.u is None else self.u.shape[0] - 1
-
-    def args(self, real: torch.Tensor, rows: int, k: int) -> tuple:
-        """The call's arguments after the first forward's ids and validity (``real [R, 1]``:
-        which of the R cache rows are real)."""
-        if self.u is None:
-            return (self.fn, rows, k, *self.extra)
-        return (real, self.fn, rows, k, self.u, *self.extra)
-
-    def key(self, rows: int, k: int) -> tuple:
-        """What decides the fused graph besides the forward's shape."""
-        return (self.call.__name__, self.fn, rows, k, signature(
-            self.extra if self.u is None else (self.u, *self.extra)))
+    def key(self) -> tuple:
+        """What decides the fused graph besides the first forward's shape."""
+        return (self.call.__name__, signature(self.args))

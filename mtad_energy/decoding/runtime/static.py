@@ -30,9 +30,10 @@ the rows, a per-row validity mask, compaction). Differences from the eager runne
   clock skips them, and `Generation.stats.compile_s` reports them;
 * dead columns are reclaimed by compaction when the next forward would not fit.
 
-The compiled forward and its cache live in a `StaticEngine` per (model, role) that outlives a
-generation, so later generations reuse the graphs (and the cache, when they need the same rows
-and slots). The prefill runs the same function uncompiled (its length differs per prompt).
+The compiled forward and its cache live in a `static_engine.StaticEngine` per (model, role)
+that outlives a generation, so later generations reuse the graphs (and the cache, when they need
+the same rows and slots). The prefill runs the same function uncompiled (its length differs per
+prompt).
 """
 
 from __future__ import annotations
@@ -48,28 +49,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mtad_energy.decoding.rules.sampling import uniforms
 from mtad_energy.decoding.runtime.batch import RowLayout, rows_runner
-from mtad_energy.decoding.runtime.compiled import CompileOptions, configure_dynamo, graphs_compiled
-from mtad_energy.decoding.runtime.graph_call import GraphFunction
+from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.runner import ModelRunner
-from mtad_energy.decoding.runtime.slot_cache import SlotCache
-from mtad_energy.decoding.runtime.slot_forward import Fused, forward_then, slot_forward
+from mtad_energy.decoding.runtime.slot_forward import (
+    Fused,
+    forward_beams,
+    forward_chain,
+    forward_then,
+    slot_forward,
+)
 from mtad_energy.decoding.runtime.state import to_device
+from mtad_energy.decoding.runtime.static_engine import engine_for, row_bucket
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.decoding.runtime.tree import TREE_ATTN, TREE_MODEL_TYPES
 from mtad_energy.energy.work import Forward
-
-MIN_SLOTS = 256
-
-
-def slot_bucket(n: int) -> int:
-    """The power of two >= n (at least MIN_SLOTS): prompts of similar length share graphs."""
-    return max(MIN_SLOTS, 1 << (max(n, 1) - 1).bit_length())
-
-
-def row_bucket(n: int) -> int:
-    """The power of two >= n: a batch of n sequences runs padded to it (1, 2, 4, ... 128)."""
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -86,98 +81,6 @@ class ForwardShape:
     hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
 
 
-class StaticEngine:
-    """A model's compiled forward and its `SlotCache`, shared by the generations that use it."""
-
-    def __init__(self, model, device: torch.device, options: CompileOptions):
-        self.model = model
-        self.device = device
-        self.options = options
-        mode = options.mode
-        if mode is None and device.type == "cuda" and options.backend == "inductor":
-            mode = "reduce-overhead"
-        self.mode = mode
-        configure_dynamo(options)
-        # function (`slot_forward` or a fused call) -> its compiled form, made on first use
-        self._compiled: dict = {}
-        # (rows, slots) -> cache: decoders that expand to other row counts (beams, drafts) keep
-        # their own buffers, so alternating between them neither reallocates nor, on CUDA,
-        # re-records graphs; `release` frees them
-        self.caches: dict[tuple[int, int], SlotCache] = {}
-        # (decoder key, rows, earlier tree nodes) -> tree widths run so far
-        self.tree_widths: dict[tuple[str, int, int], set[int]] = {}
-
-    @property
-    def warm_calls(self) -> int:
-        """Untimed calls of a new shape: compile (CUDA graphs: warm up, record, replay once)."""
-        return 3 if self.mode == "reduce-overhead" else 1
-
-    def cache_for(self, rows: int, slots: int) -> SlotCache:
-        """A cache of exactly ``rows`` rows and ``slot_bucket(slots)`` slots, emptied (its graphs'
-        buffers: the same shape always gets the same cache)."""
-        key = (rows, slot_bucket(slots))
-        cache = self.caches.get(key)
-        if cache is None:
-            cache = self.caches[key] = SlotCache(self.model, *key, self.device)
-        cache.valid.zero_()
-        return cache
-
-    def grow(self, cache: SlotCache, slots: int) -> SlotCache:
-        """``cache`` with at least ``slots`` slots, its contents kept (mid-generation)."""
-        new = self.cache_for(cache.rows, slots)
-        new.kv[..., :cache.slots, :] = cache.kv
-        new.valid[:, :cache.slots] = cache.valid
-        new.start.copy_(cache.start)
-        return new
-
-    def release(self) -> None:
-        """Free every cache (the graphs stay compiled; a later cache of a shape seen before
-        compiles nothing, and on CUDA records its graphs again, untimed)."""
-        self.caches.clear()
-
-    @property
-    def cache_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches.values())
-
-    def compiled(self, call):
-        """``call`` (`slot_forward`, `forward_then`, `forward_chain`) compiled for this model."""
-        fn = self._compiled.get(call)
-        if fn is None:
-            # fullgraph: a graph break would split every layer into its own graphs (and
-            # recompile them per layer index), slower than eager; better an error naming it
-            fn = self._compiled[call] = GraphFunction(torch.compile(
-                call, backend=self.options.backend, mode=self.mode,
-                dynamic=self.options.dynamic, fullgraph=True))
-        return fn
-
-    def unfused(self, cache: SlotCache, args: tuple, kwargs: dict | None = None,
-                call=forward_then) -> Any:
-        """A fused ``call`` not compiled yet: its Python function with its forwards compiled
-        (graphs of their own, `forward`) and the functions between them eager, counted by a
-        host-work counter as the one graph call it will be."""
-        def forward(model, cache_, ids, new):
-            return self.forward(cache_, (ids, new))
-
-        return GraphFunction(call)(self.model, cache, *args, **(kwargs or {}), forward=forward)
-
-    def warm(self, cache: SlotCache, args: tuple, kwargs: dict, call=slot_forward) -> None:
-        """The untimed calls of a new shape (compiling; on CUDA warming up, recording and
-        replaying its graph), uncounted by a host-work counter: not the loop's work."""
-        for _ in range(self.warm_calls):
-            self.compiled(call).uncounted(self.model, cache, *args, **kwargs)
-
-    def forward(self, cache: SlotCache, args: tuple, compiled: bool = True,
-                kwargs: dict | None = None, call=slot_forward):
-        """``call`` (compiled or not) of ``args`` and the keyword ``kwargs`` (features, hidden):
-        logits, (logits, hidden states), or what a fused call returns."""
-        fn = self.compiled(call) if compiled else call
-        out = fn(self.model, cache, *args, **(kwargs or {}))
-        # a CUDA graph's outputs are overwritten by its next replay
-        if compiled and self.mode == "reduce-overhead":
-            return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
-        return out
-
-
 def eager_reason(model) -> str | None:
     """Why ``model`` stays on the eager path under ``compile`` (None: it compiles). Dynamically
     quantized int8 layers (the CPU self-draft ``self:int8``) call quantized kernels dynamo cannot
@@ -189,29 +92,6 @@ def eager_reason(model) -> str | None:
         return (f"{type(model).__name__} has dynamically quantized int8 layers, which "
                 "torch.compile cannot trace: it runs eager, on a dynamic cache")
     return None
-
-
-# (model, role) -> engine; weak on the model, so an engine goes with its model
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def engine_for(model, role: str, device: torch.device,
-               options: CompileOptions | None = None) -> StaticEngine:
-    """The engine of ``model`` in ``role`` ("target" / "draft": a model that is both gets two
-    caches), created on first use."""
-    options = options or CompileOptions()
-    per_model = _ENGINES.setdefault(model, {})
-    eng = per_model.get(role)
-    if eng is None or eng.options != options:
-        eng = per_model[role] = StaticEngine(model, device, options)
-    return eng
-
-
-def release_engines() -> None:
-    """Free the static caches of every engine (between the batch sizes of a sweep, say)."""
-    for per_model in list(_ENGINES.values()):
-        for eng in per_model.values():
-            eng.release()
 
 
 def check_static_support(model) -> None:
@@ -390,19 +270,20 @@ class StaticRunner(RowLayout, ModelRunner):
             self.cache.warmed.add(key)
         forward = partial(self.engine.forward, compiled=compiled)
         if fused is not None:
-            args += fused.args(self._real_rows(rows), rows, k)
-            fused_key = key + fused.key(rows, k)
+            args += fused.args
+            fused_key = key + fused.key()
             if fused_key in self.cache.warmed:
                 forward = partial(self.engine.forward, call=fused.call)
             else:  # met first: its forwards' graphs now, the fused graph after the generation
-                if more:  # the chain's later forwards: one token each
-                    self._warm_widths((1,))
+                if more:  # the call's later forwards: one token each
+                    self._warm_widths((1,), fused.width)
                 self._pending[fused_key] = (args, kwargs, fused.call)
                 forward = partial(self.engine.unfused, call=fused.call)
         self.forwards += 1 + more
         self.forward_shapes.append(Forward(total, width, self.cache.slots,
                                            0 if features is None else features.shape[-1]))
-        self.forward_shapes += [Forward(total, 1, self.cache.slots, 0)] * more
+        self.forward_shapes += [Forward(total * (fused.width if more else 1), 1,
+                                        self.cache.slots, 0)] * more
         before = graphs_compiled()
         with self._timer(self._phase):
             out = forward(self.cache, args, kwargs=kwargs)
@@ -425,12 +306,13 @@ class StaticRunner(RowLayout, ModelRunner):
             ones = self._ones[rows, k] = torch.ones(rows, k, dtype=torch.bool, device=self.device)
         return ones
 
-    def _real_rows(self, rows: int) -> torch.Tensor:
-        """``[R, 1]``: True for the first ``rows`` of the R cache rows (made once per count)."""
-        real = self._ones.get(("rows", rows))
+    def _real_rows(self, rows: int, width: int = 1) -> torch.Tensor:
+        """``[R * width, 1]``: True for the first ``rows * width`` of the R cache rows at
+        ``width`` rows per sequence (made once per count)."""
+        real = self._ones.get(("rows", rows, width))
         if real is None:
-            real = self._ones["rows", rows] = torch.arange(
-                self._rows, device=self.device)[:, None] < rows
+            real = self._ones["rows", rows, width] = torch.arange(
+                (len(self.cols) + self.pad) * width, device=self.device)[:, None] < rows * width
         return real
 
     def _graph_key(self, rows: int, width: int, m: int | None, per_row: bool = False,
@@ -446,12 +328,13 @@ class StaticRunner(RowLayout, ModelRunner):
         `_warm_widths`). Returns the seconds it took (in ``compile_s``)."""
         return self._warm_widths(self.shape.warm_widths)
 
-    def _warm_widths(self, widths: tuple[int, ...]) -> float:
-        """Compile chain forwards of ``widths`` at the bucket's rows: dummy tokens marked not
-        real, written at the first free slot (nothing becomes valid, the next forward
-        overwrites them); a width that does not fit waits for the cache to grow, which warms
-        again. Returns the seconds it took (in ``compile_s``)."""
-        rows = len(self.cols) + self.pad
+    def _warm_widths(self, widths: tuple[int, ...], per_seq: int = 1) -> float:
+        """Compile chain forwards of ``widths`` at the bucket's rows (times ``per_seq`` rows a
+        sequence: a beam search's): dummy tokens marked not real, written at the first free slot
+        (nothing becomes valid, the next forward overwrites them); a width that does not fit
+        waits for the cache to grow, which warms again. Returns the seconds it took (in
+        ``compile_s``)."""
+        rows = (len(self.cols) + self.pad) * per_seq
         todo = [w for w in widths if self._graph_key(rows, w, None) not in self.cache.warmed
                 and self.n + w <= self.cache.slots]
         kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
@@ -511,7 +394,8 @@ class StaticRunner(RowLayout, ModelRunner):
         k = input_ids.shape[1]
         if self.hidden_layers or k not in (1, self.shape.max_chain):  # heads: not fused (yet)
             return super().then(kernels, input_ids, fn, *args)
-        out = self._run(input_ids, None, fused=Fused(fn, args))
+        out = self._run(input_ids, None, fused=Fused(forward_then, (fn, input_ids.shape[0], k,
+                                                                   *args)))
         self._append_cols(self.n - k, k, None)
         return out
 
@@ -522,13 +406,41 @@ class StaticRunner(RowLayout, ModelRunner):
         iterations) runs forward by forward, as `then` does a shorter verify."""
         if self.hidden_layers or self.width != 1 or u.shape[0] != self.shape.max_chain - 1:
             return super().chain(kernels, input_ids, counts, fn, u, *args)
-        k, more = input_ids.shape[1], u.shape[0] - 1
-        out = self._run(input_ids, self._new(k, counts), fused=Fused(fn, args, u))
+        (rows, k), more = input_ids.shape, u.shape[0] - 1
+        fused = Fused(forward_chain, (self._real_rows(rows), fn, rows, k, u, *args), more)
+        out = self._run(input_ids, self._new(k, counts), fused=fused)
+        self._append_chain(k, more, counts)
+        return out
+
+    def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
+                    depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
+                    eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
+                    *finish_args: Any) -> tuple[torch.Tensor, ...]:
+        """`ModelRunner.beam_search` in one graph call (`forward_beams`) for a search of the
+        decoder's full draft length (``max_chain - 1`` steps, at least 2); a shorter one (a
+        generation's last iterations) runs step by step. The uniforms are drawn up front for the
+        whole vocabulary (what a compiled step ranks)."""
+        if self.hidden_layers or self.width != 1 or not 2 <= depth == self.shape.max_chain - 1:
+            return super().beam_search(kernels, first_ids, counts, depth, width, warp_args,
+                                       generator, eos_token_id, finish, *finish_args)
+        (rows, k), vocab = first_ids.shape, _vocab(self.model)
+        u = uniforms((rows, vocab * (1 + (depth - 1) * width)), generator, self.device) \
+            if warp_args[-1] else None
+        fused = Fused(forward_beams, (self._real_rows(rows, width), rows, k, width, depth, u,
+                                      *warp_args, eos_token_id, finish, *finish_args),
+                      depth - 1, width)
+        out = self._run(first_ids, self._new(k, counts), fused=fused)
+        self._append_chain(k, depth - 1, counts)
+        self.width = width
+        return out
+
+    def _append_chain(self, k: int, more: int, counts: list[int] | None) -> None:
+        """The host mirror after a fused call: the first forward's k columns, then ``more``
+        of one column each."""
         t = self.n - k - more
         self._append_cols(t, k, counts)
         for i in range(more):
             self._append_cols(t + k + i, 1, None)
-        return out
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
@@ -584,3 +496,8 @@ class StaticRunner(RowLayout, ModelRunner):
         valid[:seqs * n_rows, :n] = valid[:seqs, :n].repeat_interleave(n_rows, 0)
         self.width = n_rows
 
+
+def _vocab(model) -> int:
+    """The width of ``model``'s logits (its output embedding's rows)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head.weight.shape[0] if head is not None else model.config.vocab_size

@@ -1,0 +1,145 @@
+"""A model's compiled forward and its static caches (`StaticEngine`), kept per (model, role)
+across generations (`engine_for`), and the buckets their shapes round to (`slot_bucket`,
+`row_bucket`): what `static.StaticRunner` runs on. Later generations reuse the graphs and, when
+they need the same rows and slots, the cache; `release_engines` frees the caches.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from mtad_energy.decoding.runtime.compiled import CompileOptions, configure_dynamo
+from mtad_energy.decoding.runtime.graph_call import GraphFunction
+from mtad_energy.decoding.runtime.slot_cache import SlotCache
+from mtad_energy.decoding.runtime.slot_forward import forward_then, slot_forward
+
+MIN_SLOTS = 256
+
+
+def slot_bucket(n: int) -> int:
+    """The power of two >= n (at least MIN_SLOTS): prompts of similar length share graphs."""
+    return max(MIN_SLOTS, 1 << (max(n, 1) - 1).bit_length())
+
+
+def row_bucket(n: int) -> int:
+    """The power of two >= n: a batch of n sequences runs padded to it (1, 2, 4, ... 128)."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+
+class StaticEngine:
+    """A model's compiled forward and its `SlotCache`, shared by the generations that use it."""
+
+    def __init__(self, model, device: torch.device, options: CompileOptions):
+        self.model = model
+        self.device = device
+        self.options = options
+        mode = options.mode
+        if mode is None and device.type == "cuda" and options.backend == "inductor":
+            mode = "reduce-overhead"
+        self.mode = mode
+        configure_dynamo(options)
+        # function (`slot_forward` or a fused call) -> its compiled form, made on first use
+        self._compiled: dict = {}
+        # (rows, slots) -> cache: decoders that expand to other row counts (beams, drafts) keep
+        # their own buffers, so alternating between them neither reallocates nor, on CUDA,
+        # re-records graphs; `release` frees them
+        self.caches: dict[tuple[int, int], SlotCache] = {}
+        # (decoder key, rows, earlier tree nodes) -> tree widths run so far
+        self.tree_widths: dict[tuple[str, int, int], set[int]] = {}
+
+    @property
+    def warm_calls(self) -> int:
+        """Untimed calls of a new shape: compile (CUDA graphs: warm up, record, replay once)."""
+        return 3 if self.mode == "reduce-overhead" else 1
+
+    def cache_for(self, rows: int, slots: int) -> SlotCache:
+        """A cache of exactly ``rows`` rows and ``slot_bucket(slots)`` slots, emptied (its graphs'
+        buffers: the same shape always gets the same cache)."""
+        key = (rows, slot_bucket(slots))
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = SlotCache(self.model, *key, self.device)
+        cache.valid.zero_()
+        return cache
+
+    def grow(self, cache: SlotCache, slots: int) -> SlotCache:
+        """``cache`` with at least ``slots`` slots, its contents kept (mid-generation)."""
+        new = self.cache_for(cache.rows, slots)
+        new.kv[..., :cache.slots, :] = cache.kv
+        new.valid[:, :cache.slots] = cache.valid
+        new.start.copy_(cache.start)
+        return new
+
+    def release(self) -> None:
+        """Free every cache (the graphs stay compiled; a later cache of a shape seen before
+        compiles nothing, and on CUDA records its graphs again, untimed)."""
+        self.caches.clear()
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
+
+    def compiled(self, call):
+        """``call`` (`slot_forward`, `forward_then`, `forward_chain`) compiled for this model."""
+        fn = self._compiled.get(call)
+        if fn is None:
+            # fullgraph: a graph break would split every layer into its own graphs (and
+            # recompile them per layer index), slower than eager; better an error naming it
+            fn = self._compiled[call] = GraphFunction(torch.compile(
+                call, backend=self.options.backend, mode=self.mode,
+                dynamic=self.options.dynamic, fullgraph=True))
+        return fn
+
+    def unfused(self, cache: SlotCache, args: tuple, kwargs: dict | None = None,
+                call=forward_then) -> Any:
+        """A fused ``call`` not compiled yet: its Python function with its forwards compiled
+        (graphs of their own, `forward`) and the functions between them eager, counted by a
+        host-work counter as the one graph call it will be."""
+        def forward(model, cache_, ids, new):
+            return self.forward(cache_, (ids, new))
+
+        return GraphFunction(call)(self.model, cache, *args, **(kwargs or {}), forward=forward)
+
+    def warm(self, cache: SlotCache, args: tuple, kwargs: dict, call=slot_forward) -> None:
+        """The untimed calls of a new shape (compiling; on CUDA warming up, recording and
+        replaying its graph), uncounted by a host-work counter: not the loop's work."""
+        for _ in range(self.warm_calls):
+            self.compiled(call).uncounted(self.model, cache, *args, **kwargs)
+
+    def forward(self, cache: SlotCache, args: tuple, compiled: bool = True,
+                kwargs: dict | None = None, call=slot_forward):
+        """``call`` (compiled or not) of ``args`` and the keyword ``kwargs`` (features, hidden):
+        logits, (logits, hidden states), or what a fused call returns."""
+        fn = self.compiled(call) if compiled else call
+        out = fn(self.model, cache, *args, **(kwargs or {}))
+        # a CUDA graph's outputs are overwritten by its next replay
+        if compiled and self.mode == "reduce-overhead":
+            return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        return out
+
+
+# (model, role) -> engine; weak on the model, so an engine goes with its model
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_for(model, role: str, device: torch.device,
+               options: CompileOptions | None = None) -> StaticEngine:
+    """The engine of ``model`` in ``role`` ("target" / "draft": a model that is both gets two
+    caches), created on first use."""
+    options = options or CompileOptions()
+    per_model = _ENGINES.setdefault(model, {})
+    eng = per_model.get(role)
+    if eng is None or eng.options != options:
+        eng = per_model[role] = StaticEngine(model, device, options)
+    return eng
+
+
+def release_engines() -> None:
+    """Free the static caches of every engine (between the batch sizes of a sweep, say)."""
+    for per_model in list(_ENGINES.values()):
+        for eng in per_model.values():
+            eng.release()
