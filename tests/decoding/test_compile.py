@@ -278,3 +278,40 @@ def test_a_fused_beam_search_returns_and_leaves_what_its_steps_do(llama_pair, st
     kv_a, kv_b = (r.cache.kv[:, :rows, :, :n] for r in (first, fused))
     torch.testing.assert_close(kv_b.transpose(2, 3)[:, valid], kv_a.transpose(2, 3)[:, valid],
                                atol=1e-6, rtol=0)
+
+
+def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama_pair):
+    """`StaticRunner.tree_then` (a token tree's forward and the rule reading its logits) in one
+    graph call, once compiled: the same result, cache columns, validity and KV as the tree
+    forward and the kernel apart (`ModelRunner.tree_then`), for 3 rows in a bucket of 4."""
+    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.tree import ancestors, depths
+
+    anc = ancestors(torch.tensor([-1, 0, 0, 1, 2]))  # [5, 5]: a root, two children, two more
+
+    def rule(logits, scale):  # a verify's kernel: reads every node's logits
+        return logits.softmax(-1).amax(-1) * scale, logits.argmax(-1)
+
+    def run(role: str, fused: bool):
+        runner = StaticRunner(llama_pair.target, PhaseTimer("cpu"), role, slots=32,
+                              options=TRACE, seqs=3, shape=ForwardShape(key="tree"))
+        runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
+        ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [3, 3, 2, 2, 1]])
+        call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
+        return runner, call(Kernels(), ids, anc, depths(anc), rule, 2.0)
+
+    first, _ = run("fused", True)
+    assert first.compile_pending() > 0  # met first: compiled after it
+    separate, ref = run("separate", False)
+    fused, out = run("fused", True)
+    assert fused.compile_pending() == 0
+    assert any("forward_tree_then" in k for k in fused.cache.warmed)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
+    assert torch.equal(out[1], ref[1])
+    assert fused.cols == separate.cols and fused.forward_shapes == separate.forward_shapes
+    n = len(fused)
+    assert torch.equal(fused.cache.valid[:3, :n], separate.cache.valid[:3, :n])
+    valid = fused.cache.valid[:3, :n]
+    kv_a, kv_b = (r.cache.kv[:, :3, :, :n] for r in (separate, fused))
+    torch.testing.assert_close(kv_b.transpose(2, 3)[:, valid], kv_a.transpose(2, 3)[:, valid],
+                               atol=1e-6, rtol=0)

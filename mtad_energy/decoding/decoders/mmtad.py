@@ -24,7 +24,7 @@ from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
-from mtad_energy.decoding.runtime.tree import ancestors, tree_forward
+from mtad_energy.decoding.runtime.tree import ancestors, tree_verify
 
 
 class Mmtad(Decoder):
@@ -54,12 +54,13 @@ class Mmtad(Decoder):
                                  counts=counts, kernels=s.kernels, finish=beam_tree,
                                  finish_args=(s.last_token,))  # fields [B, ...]
         tokens, anc = beams.finished  # [B, 1 + D*W], [B, N, N]
-        logits = tree_forward(s.target, tokens, anc)  # [B, 1 + D*W, V]
-        # each row over its own depth (its search alone stops there; y* is then the best beam
-        # at that depth); a row with no draft of its own takes its token from p
-        block, eta, length, row, kept, path = s.kernels(
-            mmtad_verify, logits, tokens, beams.tokens, beams.parents, beams.log_q, beams.seqs,
-            to_device(lens, tokens.device), s.uniform(s.batch, 1), prm.log_tau, *warp.args)
+        # the target scores the whole tree in one forward; each row over its own depth (its
+        # search alone stops there; y* is then the best beam at that depth); a row with no draft
+        # of its own takes its token from p
+        block, eta, length, row, kept, path = tree_verify(
+            s.target, s.kernels, tokens, anc, mmtad_verify, tokens, beams.tokens, beams.parents,
+            beams.log_q, beams.seqs, to_device(lens, tokens.device), s.uniform(s.batch, 1),
+            prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
         beams.keep(s.draft, row)

@@ -30,6 +30,7 @@ from mtad_energy.decoding.runtime.tree import (
     set_branching,
     tree_forward,
     tree_nodes,
+    tree_verify,
 )
 
 
@@ -124,10 +125,10 @@ class SpecInfer(Decoder):
         pending, counts = s.draft_feed()
         tokens, q = draft_tree(s.draft, pending, branching, anc_d, warp, s.generator,
                                self.without_replacement, counts)  # [B, N], [B, 1 + N_int, V]
-        logits = tree_forward(s.target, torch.cat([s.last_token, tokens], 1), anc_t)
-        block, depth, length, path = s.kernels(
-            specinfer_verify, logits, q, tokens, s.uniform(*tokens.shape),
-            s.uniform(tokens.shape[0], 1), branching, self.without_replacement, *warp.args)
+        block, depth, length, path = tree_verify(
+            s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, specinfer_verify,
+            q, tokens, s.uniform(*tokens.shape), s.uniform(tokens.shape[0], 1), branching,
+            self.without_replacement, *warp.args)
         # keep the chosen node of every level; the loop then crops both caches to the accepted
         # depth, so depth never has to be read back here
         s.target.keep_tree(1 + tokens.shape[1], path)

@@ -157,6 +157,13 @@ class ModelRunner:
         return self(input_ids, attention_mask=additive_mask(allowed, dtype), position_ids=pos,
                     features=features)
 
+    def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`forward_tree`, then ``fn(logits [B, K, V], *args)`` through ``kernels``: a tree
+        verify's rule (`then` for a token tree). The compiled runner runs both in one graph
+        call (`static.StaticRunner.tree_then`)."""
+        return kernels(fn, self.forward_tree(input_ids, anc_rows, depths), *args)
+
     def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
         """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node
         indices, root first; ``[B, m]`` per sequence in `batch.RowsRunner`), drop the rest:

@@ -5,8 +5,9 @@ On a GPU the host decides a compiled loop's speed (DESIGN.md section 7): every g
 launch, its input copies and the host's own bookkeeping. So the compiled path fuses what a step
 runs back to back into one graph:
 
-* `forward_then`: a forward and the pure tensor function that reads its logits (a verify's
-  warp and acceptance rule, ``ar``'s sampling): one call instead of two;
+* `forward_then` (`forward_tree_then` for a token tree): a forward and the pure tensor function
+  that reads its logits (a verify's warp and acceptance rule, ``ar``'s sampling): one call
+  instead of two;
 * `forward_chain`: a draft's autoregressive loop, S forwards each followed by the function that
   draws the next token from its logits (`decoder.draft_next`), the token fed to the next forward
   inside the graph: one call instead of 2 S;
@@ -88,6 +89,15 @@ def forward_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Te
     :k], *args)``: what ``fn`` returns (a verify's block, a sampled token). ``forward``: the
     forward to run (compiled on its own while the fused call is not, `StaticEngine.unfused`)."""
     return fn(forward(model, cache, input_ids, new)[:rows, :k], *args)
+
+
+def forward_tree_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                      anc: torch.Tensor, depths: torch.Tensor, fn: Callable[..., Any], rows: int,
+                      k: int, *args: Any,
+                      forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
+    """`forward_then` for a token tree (``anc``, ``depths``: `slot_forward`'s): a tree verify's
+    forward and its rule in one call."""
+    return fn(forward(model, cache, input_ids, new, anc, depths)[:rows, :k], *args)
 
 
 def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,

@@ -58,6 +58,7 @@ from mtad_energy.decoding.runtime.slot_forward import (
     forward_beams,
     forward_chain,
     forward_then,
+    forward_tree_then,
     slot_forward,
 )
 from mtad_energy.decoding.runtime.state import to_device
@@ -458,6 +459,23 @@ class StaticRunner(RowLayout, ModelRunner):
         logits = self._run(input_ids, None, anc, depths, features=features)
         self._append_cols(self.n - k, k, None)
         return logits
+
+    def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`ModelRunner.tree_then` in one graph call (`forward_tree_then`) for a tree fed at once
+        (no earlier nodes) as wide as the widest this decoder ran at these rows; a smaller one (a
+        generation's last iterations) runs as two calls, as `then` does a shorter verify."""
+        k = input_ids.shape[1]
+        seen = self.engine.tree_widths.get((self.shape.key, self._rows, 0), set())
+        if (self.hidden_layers or anc_rows.shape[-1] != k or self.width != 1
+                or k < max(seen, default=k)):
+            return super().tree_then(kernels, input_ids, anc_rows, depths, fn, *args)
+        anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, K]
+        depths = depths if depths.dim() == 2 else depths[None]
+        fused = Fused(forward_tree_then, (fn, input_ids.shape[0], k, *args))
+        out = self._run(input_ids, None, anc, depths, fused=fused)
+        self._append_cols(self.n - k, k, None)
+        return out
 
     def __len__(self) -> int:
         return self.n

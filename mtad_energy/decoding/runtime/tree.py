@@ -18,7 +18,9 @@ transformers' custom-mask path (``masking_utils`` returns a 4-D mask as-is) with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -99,6 +101,15 @@ def tree_forward(runner: ModelRunner, tokens: torch.Tensor, anc: torch.Tensor,
     rows = anc[..., m:, :]  # [(B,) K, M + K]: one tree shape for all, or one per sequence
     logits = runner.forward_tree(tokens.reshape(-1, k), rows, depths(rows))
     return logits if tokens.dim() == 2 else logits[0]
+
+
+def tree_verify(runner: ModelRunner, kernels, tokens: torch.Tensor, anc: torch.Tensor,
+                fn: Callable[..., Any], *args: Any) -> Any:
+    """`tree_forward` of B sequences' trees fed at once (``tokens [B, K]``, ``anc [(B,) K, K]``),
+    then ``fn(logits [B, K, V], *args)`` through ``kernels`` (a verify's rule): one graph call
+    on the compiled path (`ModelRunner.tree_then`)."""
+    check_tree_support(runner.model)
+    return runner.tree_then(kernels, tokens, anc, depths(anc), fn, *args)
 
 
 def keep_path(runner: ModelRunner, prefix_len: int, nodes: torch.Tensor) -> None:
