@@ -35,6 +35,7 @@ from torch import nn
 
 from mtad_energy.energy.work import HeadDims
 from mtad_energy.hf_cache import cache_from, cache_kwargs
+from mtad_energy.models.shapes import output_size
 
 EAGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -379,7 +380,7 @@ def load_eagle(directory: Path, target) -> EagleHead:
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
     config = LlamaConfig(**{**fields, "num_hidden_layers": 1})
     config._attn_implementation = getattr(target.config, "_attn_implementation", None) or "sdpa"
-    t_hidden, t_vocab = _hidden_size(target.config), _vocab_size(target)
+    t_hidden, t_vocab = _hidden_size(target.config), output_size(target)
     if version == 1 or "embed_tokens.weight" not in state:  # it reads the target's embeddings
         _check(config.hidden_size == t_hidden, f"EAGLE-{version} head in {directory} has hidden "
                f"size {config.hidden_size}, the target {t_hidden}: use the head trained for it")
@@ -405,9 +406,6 @@ def load_eagle(directory: Path, target) -> EagleHead:
            f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
     return _place(head, target)
 
-
-def _vocab_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
 
 
 def _place(module: nn.Module, target) -> nn.Module:

@@ -23,6 +23,7 @@ from mtad_energy.models.shapes import (
     SHAPES,
     check_fits,
     get_shape,
+    output_size,
     random_model,
     synthetic_tokenizer,
 )
@@ -450,17 +451,12 @@ def check_tokenizers(target_tok, draft_tok, target_id: str = "target",
 
 
 def _check_vocab_sizes(target, draft) -> None:
-    tv, dv = _output_size(target), _output_size(draft)
+    tv, dv = output_size(target), output_size(draft)
     if tv != dv:
         raise TokenizerMismatchError(
             f"the target predicts {tv} token ids but the draft {dv}; their distributions cannot be "
             "compared token by token. Use a draft with the target's vocabulary.")
 
-
-def _output_size(model) -> int:
-    head = model.get_output_embeddings()
-    weight = head.weight() if callable(getattr(head, "weight", None)) else head.weight
-    return weight.shape[0]
 
 
 # --------------------------------------------------------------------------- the public entry

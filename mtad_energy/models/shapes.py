@@ -162,3 +162,11 @@ def synthetic_tokenizer(vocab: int):
     tk = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def output_size(model) -> int:
+    """The width of ``model``'s logits: its output embedding's rows (a dynamically quantized
+    head's packed weight included)."""
+    head = model.get_output_embeddings()
+    weight = head.weight() if callable(getattr(head, "weight", None)) else head.weight
+    return weight.shape[0]

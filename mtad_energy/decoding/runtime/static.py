@@ -66,6 +66,7 @@ from mtad_energy.decoding.runtime.static_engine import engine_for, row_bucket
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.decoding.runtime.tree import TREE_ATTN, TREE_MODEL_TYPES
 from mtad_energy.energy.work import Forward
+from mtad_energy.models.shapes import output_size
 
 
 @dataclass(frozen=True)
@@ -424,7 +425,7 @@ class StaticRunner(RowLayout, ModelRunner):
         if self.hidden_layers or self.width != 1 or not 2 <= depth == self.shape.max_chain - 1:
             return super().beam_search(kernels, first_ids, counts, depth, width, warp_args,
                                        generator, eos_token_id, finish, *finish_args)
-        (rows, k), vocab = first_ids.shape, _vocab(self.model)
+        (rows, k), vocab = first_ids.shape, output_size(self.model)
         u = uniforms((rows, vocab * (1 + (depth - 1) * width)), generator, self.device) \
             if warp_args[-1] else None
         fused = Fused(forward_beams, (self._real_rows(rows, width), rows, k, width, depth, u,
@@ -514,8 +515,3 @@ class StaticRunner(RowLayout, ModelRunner):
         valid[:seqs * n_rows, :n] = valid[:seqs, :n].repeat_interleave(n_rows, 0)
         self.width = n_rows
 
-
-def _vocab(model) -> int:
-    """The width of ``model``'s logits (its output embedding's rows)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head.weight.shape[0] if head is not None else model.config.vocab_size
