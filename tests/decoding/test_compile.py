@@ -300,14 +300,21 @@ def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama
         call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
         return runner, call(Kernels(), ids, anc, depths(anc), rule, 2.0)
 
+    out, ref = _fused_tree_against_separate(run)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
+    assert torch.equal(out[1], ref[1])
+
+
+def _fused_tree_against_separate(run) -> tuple:
+    """``run(role, fused) -> (runner, output)`` for 3 rows: met first, the fused call compiles
+    after it; once compiled, it leaves the columns, validity and KV the separate calls leave.
+    Returns the fused call's output and the separate calls'."""
     first, _ = run("fused", True)
     assert first.compile_pending() > 0  # met first: compiled after it
     separate, ref = run("separate", False)
     fused, out = run("fused", True)
     assert fused.compile_pending() == 0
     assert any("forward_tree_then" in k for k in fused.cache.warmed)
-    torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
-    assert torch.equal(out[1], ref[1])
     assert fused.cols == separate.cols and fused.forward_shapes == separate.forward_shapes
     n = len(fused)
     assert torch.equal(fused.cache.valid[:3, :n], separate.cache.valid[:3, :n])
@@ -315,3 +322,35 @@ def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama
     kv_a, kv_b = (r.cache.kv[:, :3, :, :n] for r in (separate, fused))
     torch.testing.assert_close(kv_b.transpose(2, 3)[:, valid], kv_a.transpose(2, 3)[:, valid],
                                atol=1e-6, rtol=0)
+    return out, ref
+
+
+def test_a_fused_tree_after_earlier_nodes_hands_the_kernel_the_hidden_states_it_would_get(
+        llama_pair):
+    """`StaticRunner.tree_then` for a head's expansion (EAGLE-2): K nodes after M earlier ones
+    of the same trees, the forward's hidden states handed to the kernel after the logits, in one
+    graph call once compiled: what the forward and the kernel apart return and leave (columns,
+    validity, KV), for 3 rows in a bucket of 4."""
+    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.tree import ancestors, depths
+
+    anc = ancestors(torch.tensor([-1, 0, 0, 1, 2]))  # [5, 5]: nodes 0-1 fed first, 2-4 after
+    deep = depths(anc)
+
+    def expand(logits, hidden, scale):  # an expansion's kernel: reads logits and features
+        return logits.softmax(-1).amax(-1) * scale, hidden.sum(-1), logits.argmax(-1)
+
+    def run(role: str, fused: bool):
+        runner = StaticRunner(llama_pair.target, PhaseTimer("cpu"), role, slots=32,
+                              options=TRACE, seqs=3,
+                              shape=ForwardShape(key="tree-after", hidden=(-1,)))
+        runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
+        ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [3, 3, 2, 2, 1]])
+        runner.forward_tree(ids[:, :2], anc[:2, :2], deep[:2])
+        call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
+        return runner, call(Kernels(), ids[:, 2:], anc[2:], deep[2:], expand, 2.0)
+
+    out, ref = _fused_tree_against_separate(run)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[1], ref[1], atol=1e-4, rtol=1e-5)
+    assert out[1].shape == (3, 3) and torch.equal(out[2], ref[2])

@@ -130,7 +130,7 @@ def _record_draft_trees(monkeypatch) -> tuple[list, list, list]:
     """Spies on EAGLE: the catch-up's logits, the head's tree forwards (fed tokens and output
     logits, in order) and the target's verified trees, one entry per call."""
     roots, draft_calls, verified = [], [], []
-    real_catch_up, real_tree = eagle_mod.Eagle._catch_up, eagle_mod.tree_forward
+    real_catch_up, real_tree = eagle_mod.Eagle._catch_up, eagle_mod.tree_verify
     real_forward_tree = ModelRunner.forward_tree
 
     def catch_up(self, s, counts):
@@ -145,13 +145,13 @@ def _record_draft_trees(monkeypatch) -> tuple[list, list, list]:
             draft_calls[-1].append((input_ids.clone(), out.clone()))
         return out
 
-    def tree(runner, tokens, anc, *args):
+    def tree(runner, kernels, tokens, anc, *args):
         verified.append((tokens.clone(), anc.clone()))
-        return real_tree(runner, tokens, anc, *args)
+        return real_tree(runner, kernels, tokens, anc, *args)
 
     monkeypatch.setattr(eagle_mod.Eagle, "_catch_up", catch_up)
     monkeypatch.setattr(ModelRunner, "forward_tree", forward_tree)
-    monkeypatch.setattr(eagle_mod, "tree_forward", tree)
+    monkeypatch.setattr(eagle_mod, "tree_verify", tree)
     return roots, draft_calls, verified
 
 

@@ -28,22 +28,24 @@ head's (catch-up + expansions), timed as draft.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from mtad_energy.decoding.rules.tree import tree_candidates_accept
+from mtad_energy.decoding.rules.sampling import warp_probs
+from mtad_energy.decoding.rules.tree import tree_candidates_accept_u
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.head_runner import prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
-from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 from mtad_energy.decoding.runtime.tree import (
     MAX_TREE_NODES,
     ancestors,
     rooted_tree,
     set_branching,
-    tree_forward,
     tree_nodes,
+    tree_verify,
 )
 
 TREES = ("dynamic", "static")
@@ -80,6 +82,104 @@ def _right_aligned(carry: torch.Tensor, counts: list[int], width: int) -> torch.
     shift = width - to_device(counts, dev)  # [B]
     idx = (torch.arange(width, device=dev)[None] - shift[:, None]).clamp(0, carry.shape[1] - 1)
     return carry.gather(1, idx[..., None].expand(-1, -1, carry.shape[-1]))
+
+
+def _to_target(ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
+    """Head vocabulary ids -> target ids (`EagleHead.to_target` as a pure function)."""
+    return ids if d2t is None else ids + d2t[ids]
+
+
+def eagle_root(logits: torch.Tensor, d2t: torch.Tensor | None, k: int
+               ) -> tuple[torch.Tensor, ...]:
+    """Kernel: the first frontier from the head's output at the root (``logits [B, V']``): its
+    k best tokens ``[B, k]``, their log-probabilities, parents (-1: the root), pool indices
+    (0..k-1) and depths (1), and their ancestors among the fed nodes ``[B, k, k]`` (none but
+    themselves), twice: the frontier's rows, and all fed nodes' (`eagle_expand`'s last two)."""
+    rows = logits.shape[0]
+    top = logits.float().log_softmax(-1).topk(k, -1)
+    eye = torch.eye(k, dtype=torch.bool, device=logits.device)[None].repeat(rows, 1, 1)
+    index = torch.arange(k, device=logits.device)[None].repeat(rows, 1)
+    return (_to_target(top.indices, d2t), top.values, torch.full_like(index, -1), index,
+            torch.ones_like(index), eye, eye)
+
+
+def eagle_expand(logits: torch.Tensor, feats: torch.Tensor, score: torch.Tensor,
+                 index: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, base: int,
+                 d2t: torch.Tensor | None, *choose: Any) -> tuple[torch.Tensor, ...]:
+    """Kernel: one expansion after the head's forward of the frontier (``logits [B, k, V']``,
+    output features ``feats [B, k, H]``; the frontier's cumulative log-probabilities ``score
+    [B, k]``, pool indices ``index [B, k]`` and depths ``depth [B, k]``; ``anc [B, M + k, M +
+    k]``: the ancestors among the fed nodes, the frontier last). Each frontier node's k best
+    children (scored strictly below their parent), pool indices from ``base``; the k best of
+    them are the next frontier. Returns ``(children [B, k*k], their scores, their parents' pool
+    indices, then the next frontier: tokens, scores, parents' output features [B, k, H], pool
+    indices, depths, ancestors [B, k, M + 2k], and every fed node's [B, M + 2k, M + 2k])``;
+    with ``choose`` (``caps, n`` and the pools so far, `eagle_choose`'s arguments): the last
+    expansion, what `eagle_choose` returns with these children in the pool."""
+    rows, k = score.shape
+    m = anc.shape[-1] - k  # nodes fed before this frontier
+    lp = logits.float().log_softmax(-1).topk(k, -1)  # children of each fed node
+    cu = (score[..., None] + lp.values - 1e-6).reshape(rows, k * k)  # strictly below parent
+    child = _to_target(lp.indices, d2t).reshape(rows, k * k)
+    parent = index.repeat_interleave(k, 1)
+    if choose:
+        caps, n, *pools = choose
+        s = len(pools) // 3
+        return eagle_choose(caps, n, *pools[:s], child, *pools[s:2 * s], cu, *pools[2 * s:],
+                            parent)
+    best = cu.topk(k, -1).indices  # [B, k]: the next frontier
+    up = best // k  # its parents among the frontier
+    feat = feats.gather(1, up[..., None].expand(-1, -1, feats.shape[-1]))
+    eye = torch.eye(k, dtype=torch.bool, device=anc.device).expand(rows, k, k)
+    new = torch.cat([anc.gather(1, (m + up)[..., None].expand(-1, -1, m + k)), eye], 2)
+    fed = torch.cat([torch.nn.functional.pad(anc, (0, k)), new], 1)  # [B, M + 2k, M + 2k]
+    return (child, cu, parent, child.gather(1, best), cu.gather(1, best), feat, base + best,
+            depth + 1, new, fed)
+
+
+def eagle_choose(caps: torch.Tensor, n: int, *pools: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Kernel: the verified tree, the ``n`` best candidates of the pool (EAGLE's
+    ``topK_genrate``) within each row's depth ``caps [B]``. ``pools``: the tokens of each
+    depth's candidates (the root's children first), then their scores, then their parents'
+    pool indices. Returns ``(tokens [B, n], parents [B, 1 + n], ancestors [B, 1 + n, 1 + n],
+    depth [B])``: parents before children (the root at 0), and the chosen tree's depth."""
+    s = len(pools) // 3
+    tok_all, score_all, parent_all = (torch.cat(pools[j * s:(j + 1) * s], 1) for j in range(3))
+    depth_all = torch.cat([torch.full((t.shape[1],), d + 1, device=caps.device)
+                           for d, t in enumerate(pools[:s])])  # [P]
+    rows = caps.shape[0]
+    score_all = score_all.masked_fill(depth_all[None] > caps[:, None], float("-inf"))
+    chosen = score_all.topk(n, -1).indices.sort(-1).values  # [B, N]: parents before children
+    parent = parent_all.gather(1, chosen)
+    pos = torch.searchsorted(chosen, parent.clamp_min(0))  # the parent's place among chosen
+    parents = torch.cat([torch.full((rows, 1), -1, device=caps.device, dtype=torch.long),
+                         torch.where(parent < 0, 0, pos + 1)], 1)
+    chosen_depth = depth_all[chosen]  # [B, N]
+    depth = chosen_depth.masked_fill(chosen_depth > caps[:, None], 0).amax(-1)  # [B]
+    return tok_all.gather(1, chosen), parents, ancestors(parents), depth
+
+
+def eagle_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,
+                 parents: torch.Tensor, anc: torch.Tensor, caps: torch.Tensor, levels: int,
+                 u: torch.Tensor, u_next: torch.Tensor, temperature: float, top_k: int,
+                 top_p: float) -> tuple[torch.Tensor, ...]:
+    """Kernel: the verify's warped p (``logits [B, 1 + N, V]``) and the rule for chosen
+    candidates (`tree_candidates_accept_u`) over ``full [B, 1 + N]`` (the root first; ``parents``,
+    ``anc``: its tree) -> ``(block [B, L + 1], accepted depth [B], length [B], kept nodes [B, 1
+    + L] (root first), their features [B, 1 + L, H] (``hidden``: every node's))``."""
+    p = warp_probs(logits, temperature, top_k, top_p)
+    depth, path, nxt, _ = tree_candidates_accept_u(p, full, parents, anc, caps, levels, u,
+                                                   u_next)
+    kept = torch.cat([torch.zeros_like(path[:, :1]), path], 1)  # [B, 1 + L]: root first
+    feat = hidden.gather(1, kept[..., None].expand(-1, -1, hidden.shape[-1]))
+    block, length = block_tokens(full.gather(1, path), depth, nxt)
+    return block, depth, length, kept, feat
+
+
+def _flat(pools: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Pools of (tokens, scores, parents) as `eagle_choose` takes them: every depth's tokens,
+    then scores, then parents."""
+    return tuple(t for j in range(3) for t in (p[j] for p in pools))
 
 
 class Eagle(Decoder):
@@ -152,17 +252,17 @@ class Eagle(Decoder):
             tokens, parents, anc, proposed = self._static(s, root_logits, root_feat, lens, head)
             depths = lens
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]
-        logits = tree_forward(s.target, full, anc)  # [B, 1 + N, V], features of every node
-        caps = to_device(lens, s.ids.device)
-        depth, path, nxt, _ = tree_candidates_accept(warp.probs(logits), full, parents, anc, caps,
-                                                     levels, s.generator)
-        kept = torch.cat([torch.zeros_like(path[:, :1]), path], 1)  # [B, 1 + L]: root first
+        # the verify's forward (returning every node's features) and its rule: one graph call
+        block, depth, length, kept, feat = tree_verify(
+            s.target, s.kernels, full, anc, eagle_verify, full, parents, anc,
+            to_device(lens, s.ids.device), levels, s.uniform(full.numel(), 1),
+            s.uniform(s.batch, 1), *warp.args)
         s.target.keep_tree(full.shape[1], kept)
-        hidden = s.target.hidden  # the root's and the accepted nodes' features: next catch-up
-        s.carry["feat"] = hidden.gather(1, kept[..., None].expand(-1, -1, hidden.shape[-1]))
+        s.carry["feat"] = feat  # the root's and the accepted nodes' features: next catch-up
         head_valid = s.lengths_on_device() - 1  # the head keeps its pairs, not the tree
-        return StepResult.block(full.gather(1, path), depth, nxt, proposed, head_valid,
-                                depth=depths)
+        depth_of = ({"device_depth": depths} if isinstance(depths, torch.Tensor)
+                    else {"depth": tuple(depths)})
+        return StepResult(block, tuple(proposed), depth, length, head_valid, **depth_of)
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the head the pairs it has not seen (tokens j + 1, carried features j), right-
@@ -178,63 +278,36 @@ class Eagle(Decoder):
                  lens: list[int], head) -> tuple[torch.Tensor, ...]:
         """EAGLE-2's tree: returns ``(tokens [B, N], parents [B, 1 + N], anc [B, 1 + N, 1 + N],
         proposed per row, depth [B])``: the depth of the chosen tree within each row's cap (a
-        tree of unsure drafts is wide and shallow; known on the device only)."""
+        tree of unsure drafts is wide and shallow; known on the device only). Each expansion is
+        the head's forward of the frontier and `eagle_expand` (one graph call on the compiled
+        path); the last one also chooses the tree (`eagle_choose`)."""
         prm = self.params
-        k, rows, dev = prm.expand, s.batch, s.ids.device
+        k = prm.expand
         steps = min(prm.depth, max(lens) - 1)  # expansions a row can still use
-        top = root_logits.float().log_softmax(-1).topk(k, -1)  # [B, k]
-        scores, tok = top.values, head.to_target(top.indices)  # [B, k]
-        pool_tok, pool_score = [tok], [scores]
-        pool_parent = [torch.full((rows, k), -1, device=dev, dtype=torch.long)]
-        pool_depth = [1]
-        front_feat = root_feat[:, None].expand(-1, k, -1)  # parents' output features
-        front_tok, front_score = tok, scores
-        front_global = torch.arange(k, device=dev).expand(rows, k)  # pool index of the frontier
-        fed_anc = torch.zeros(rows, 0, 0, dtype=torch.bool, device=dev)
-        front_parent_fed = None
-        base = k
+        d2t = head.d2t if head.version == 3 else None
+        caps = to_device(lens, s.ids.device)
+        n = min(prm.total_tokens - 1, k + steps * k * k)
+        # the root's k best tokens: the first frontier (pool 0), fed next
+        tok, score, parent, index, depth, rows_anc, anc = s.kernels(eagle_root, root_logits,
+                                                                    d2t, k)
+        pools = [(tok, score, parent)]
+        feat = root_feat[:, None].expand(-1, k, -1)  # parents' output features
+        choose = (caps, n)
         for i in range(steps):
-            m = fed_anc.shape[-1]
-            new = torch.zeros(rows, k, m + k, dtype=torch.bool, device=dev)
-            if front_parent_fed is not None:  # a frontier node sees its parent's ancestors
-                new[:, :, :m] = fed_anc.gather(1, front_parent_fed[..., None].expand(-1, -1, m))
-            new[:, :, m:] = torch.eye(k, dtype=torch.bool, device=dev)
-            fed_anc = torch.cat([torch.nn.functional.pad(fed_anc, (0, k)), new], 1)
-            depths = torch.full((rows, k), i + 1, device=dev, dtype=torch.long)
-            out = s.draft.forward_tree(front_tok, new, depths, front_feat)  # [B, k, V']
-            out_feat = s.draft.hidden  # [B, k, H]
-            lp = out.float().log_softmax(-1).topk(k, -1)  # children of each fed node
-            cu = front_score[..., None] + lp.values - 1e-6  # [B, k, k]: strictly below parent
-            child_tok = head.to_target(lp.indices).reshape(rows, k * k)
-            cu = cu.reshape(rows, k * k)
-            pool_tok.append(child_tok)
-            pool_score.append(cu)
-            pool_parent.append(front_global.repeat_interleave(k, 1))
-            pool_depth.append(i + 2)
-            best = cu.topk(k, -1).indices  # [B, k]: the next frontier
-            front_parent_fed = m + best // k  # its parents' index among the fed nodes
-            front_feat = out_feat.gather(1, (best // k)[..., None].expand(-1, -1, out_feat.shape[-1]))
-            front_tok, front_score = child_tok.gather(1, best), cu.gather(1, best)
-            front_global = base + best
-            base += k * k
-        tok_all = torch.cat(pool_tok, 1)  # [B, P]
-        score_all = torch.cat(pool_score, 1)
-        parent_all = torch.cat(pool_parent, 1)
-        depth_all = torch.cat([torch.full((t.shape[1],), d, device=dev)
-                               for t, d in zip(pool_tok, pool_depth, strict=True)])  # [P]
-        caps = to_device(lens, dev)
-        score_all = score_all.masked_fill(depth_all[None] > caps[:, None], float("-inf"))
-        n = min(prm.total_tokens - 1, tok_all.shape[1])
-        chosen = score_all.topk(n, -1).indices.sort(-1).values  # [B, N]: parents before children
-        parent = parent_all.gather(1, chosen)
-        pos = torch.searchsorted(chosen, parent.clamp_min(0))  # the parent's place among chosen
-        parents = torch.cat([torch.full((rows, 1), -1, device=dev, dtype=torch.long),
-                             torch.where(parent < 0, 0, pos + 1)], 1)
+            base = k + i * k * k  # pool index of this expansion's first child
+            last = () if i + 1 < steps else (*choose, *_flat(pools))
+            out = s.draft.tree_then(s.kernels, tok, rows_anc, depth, eagle_expand, score,
+                                    index, anc, depth, base, d2t, *last, features=feat)
+            if last:
+                tokens, parents, tree_anc, chosen_depth = out
+                break
+            child, cu, parent, tok, score, feat, index, depth, rows_anc, anc = out
+            pools.append((child, cu, parent))
+        else:  # no expansion: the tree is the root's children
+            tokens, parents, tree_anc, chosen_depth = s.kernels(eagle_choose, *choose,
+                                                                *_flat(pools))
         live = [k + (cap - 1) * k * k if cap else 0 for cap in lens]  # candidates within depth
-        proposed = [min(n, c) for c in live]
-        chosen_depth = depth_all[chosen]  # [B, N]
-        depth = chosen_depth.masked_fill(chosen_depth > caps[:, None], 0).amax(-1)  # [B]
-        return tok_all.gather(1, chosen), parents, ancestors(parents), proposed, depth
+        return tokens, parents, tree_anc, [min(n, c) for c in live], chosen_depth
 
     def _static(self, s: DecodeState, root_logits: torch.Tensor, root_feat: torch.Tensor,
                 lens: list[int], head) -> tuple[torch.Tensor, ...]:

@@ -158,11 +158,16 @@ class ModelRunner:
                     features=features)
 
     def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
-        """`forward_tree`, then ``fn(logits [B, K, V], *args)`` through ``kernels``: a tree
-        verify's rule (`then` for a token tree). The compiled runner runs both in one graph
-        call (`static.StaticRunner.tree_then`)."""
-        return kernels(fn, self.forward_tree(input_ids, anc_rows, depths), *args)
+                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
+                  features: torch.Tensor | None = None) -> Any:
+        """`forward_tree` (``features``: a head's input), then ``fn(logits [B, K, V], *args)``
+        through ``kernels`` (a runner returning hidden states: ``fn(logits, hidden [B, K, H],
+        *args)``): a tree verify's rule, a head's expansion of its tree (`then` for a token
+        tree). The compiled runner runs both in one graph call (`static.StaticRunner.tree_then`).
+        """
+        logits = self.forward_tree(input_ids, anc_rows, depths, features)
+        outs = (logits, self.hidden) if self.hidden_layers else (logits,)
+        return kernels(fn, *outs, *args)
 
     def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
         """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node

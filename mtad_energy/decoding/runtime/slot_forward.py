@@ -93,11 +93,15 @@ def forward_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Te
 
 def forward_tree_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
                       anc: torch.Tensor, depths: torch.Tensor, fn: Callable[..., Any], rows: int,
-                      k: int, *args: Any,
+                      k: int, *args: Any, features: torch.Tensor | None = None,
+                      hidden: tuple[int, ...] = (),
                       forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
-    """`forward_then` for a token tree (``anc``, ``depths``: `slot_forward`'s): a tree verify's
-    forward and its rule in one call."""
-    return fn(forward(model, cache, input_ids, new, anc, depths)[:rows, :k], *args)
+    """`forward_then` for a token tree (``anc``, ``depths``, ``features``, ``hidden``:
+    `slot_forward`'s): a tree verify's forward and its rule, or a head's tree forward and its
+    expansion, in one call; with ``hidden``, ``fn(logits, hidden states, *args)``."""
+    out = forward(model, cache, input_ids, new, anc, depths, features=features, hidden=hidden)
+    outs = out if hidden else (out,)
+    return fn(*(o[:rows, :k] for o in outs), *args)
 
 
 def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,

@@ -253,14 +253,14 @@ class StaticRunner(RowLayout, ModelRunner):
                                          value=False)))
         if anc is not None:  # padded nodes see only themselves, at depth 1
             pad_n = width - k
-            anc = F.pad(anc, (0, pad_n, 0, pad_n))
             if pad_n:
+                anc = F.pad(anc, (0, pad_n, 0, pad_n))
                 anc[..., k:, m + k:] |= torch.eye(pad_n, dtype=torch.bool, device=anc.device)
-            depths = F.pad(depths, (0, pad_n), value=1)
-            if anc.shape[0] > 1:  # one tree per sequence: padding rows take the first's
+                depths = F.pad(depths, (0, pad_n), value=1)
+            if anc.shape[0] > 1 and total > rows:  # a tree per sequence: padding takes the first's
                 anc = torch.cat([anc, anc[:1].expand(total - rows, -1, -1)])
                 depths = torch.cat([depths, depths[:1].expand(total - rows, -1)])
-            args += (anc, depths)
+            args += (_dense(anc), _dense(depths))
         kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
         if features is not None:  # a head's input, padded as the tokens
             kwargs["features"] = _dense(F.pad(features, (0, 0, *grow)) if padded else features)
@@ -279,7 +279,7 @@ class StaticRunner(RowLayout, ModelRunner):
             else:  # met first: its forwards' graphs now, the fused graph after the generation
                 if more:  # the call's later forwards: one token each
                     self._warm_widths((1,), fused.width)
-                self._pending[fused_key] = (args, kwargs, fused.call)
+                self._pending[fused_key] = (args, kwargs, fused.call, m or 0)
                 forward = partial(self.engine.unfused, call=fused.call)
         self.forwards += 1 + more
         self.forward_shapes.append(Forward(total, width, self.cache.slots,
@@ -352,13 +352,14 @@ class StaticRunner(RowLayout, ModelRunner):
         """Compile the fused calls this generation met for the first time (they ran with their
         forwards compiled, the functions between them eagerly), on the inputs it met them with,
         at the cache's first slots: after the generation, whose cache they overwrite (the next
-        generation empties it). Returns the seconds it took."""
+        generation empties it; a token tree after M earlier nodes at slot M, past them). Returns
+        the seconds it took."""
         if not self._pending:
             return 0.0
         t0 = time.perf_counter()
-        for key, (args, kwargs, call) in self._pending.items():
+        for key, (args, kwargs, call, start) in self._pending.items():
             if key not in self.cache.warmed:
-                self.cache.start.fill_(0)
+                self.cache.start.fill_(start)
                 self.engine.warm(self.cache, args, kwargs, call)
                 self.cache.warmed.add(key)
         _sync(self.device)
@@ -462,19 +463,22 @@ class StaticRunner(RowLayout, ModelRunner):
         return logits
 
     def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
-        """`ModelRunner.tree_then` in one graph call (`forward_tree_then`) for a tree fed at once
-        (no earlier nodes) as wide as the widest this decoder ran at these rows; a smaller one (a
-        generation's last iterations) runs as two calls, as `then` does a shorter verify."""
+                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
+                  features: torch.Tensor | None = None) -> Any:
+        """`ModelRunner.tree_then` in one graph call (`forward_tree_then`) for K nodes after M
+        earlier ones as wide as the widest this decoder ran at these rows after M; a smaller
+        one (a generation's last iterations) runs as two calls, as `then` does a shorter
+        verify."""
         k = input_ids.shape[1]
-        seen = self.engine.tree_widths.get((self.shape.key, self._rows, 0), set())
-        if (self.hidden_layers or anc_rows.shape[-1] != k or self.width != 1
-                or k < max(seen, default=k)):
-            return super().tree_then(kernels, input_ids, anc_rows, depths, fn, *args)
-        anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, K]
+        m = anc_rows.shape[-1] - k
+        seen = self.engine.tree_widths.get((self.shape.key, self._rows, m), set())
+        if self.width != 1 or k < max(seen, default=k):
+            return super().tree_then(kernels, input_ids, anc_rows, depths, fn, *args,
+                                     features=features)
+        anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, M + K]
         depths = depths if depths.dim() == 2 else depths[None]
         fused = Fused(forward_tree_then, (fn, input_ids.shape[0], k, *args))
-        out = self._run(input_ids, None, anc, depths, fused=fused)
+        out = self._run(input_ids, None, anc, depths, features=features, fused=fused)
         self._append_cols(self.n - k, k, None)
         return out
 

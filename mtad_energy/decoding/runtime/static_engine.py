@@ -99,8 +99,8 @@ class StaticEngine:
         """A fused ``call`` not compiled yet: its Python function with its forwards compiled
         (graphs of their own, `forward`) and the functions between them eager, counted by a
         host-work counter as the one graph call it will be."""
-        def forward(model, cache_, *args_):  # ids and validity (a tree: ancestors, depths)
-            return self.forward(cache_, args_)
+        def forward(model, cache_, *args_, **kwargs_):  # ids, validity (a tree: ancestors,
+            return self.forward(cache_, args_, kwargs=kwargs_)  # depths); features, hidden
 
         return GraphFunction(call)(self.model, cache, *args, **(kwargs or {}), forward=forward)
 
