@@ -81,19 +81,19 @@ def test_medusa_verifies_the_cartesian_tree_of_its_heads(llama_pair, monkeypatch
     at that iteration (the heads' logits recorded as they ran)."""
     heads = llama_pair.heads["medusa"]
     seen_logits, seen_trees = [], []
-    real_forward, real_tree = heads.forward, medusa_mod.tree_forward
+    real_forward, real_tree = heads.forward, medusa_mod.tree_verify
 
     def heads_spy(hidden):
         out = real_forward(hidden)
         seen_logits.append(out.clone())
         return out
 
-    def tree_spy(runner, tokens, anc, *args):
+    def tree_spy(runner, kernels, tokens, anc, *args):
         seen_trees.append((tokens.clone(), anc.clone()))
-        return real_tree(runner, tokens, anc, *args)
+        return real_tree(runner, kernels, tokens, anc, *args)
 
     monkeypatch.setattr(heads, "forward", heads_spy)
-    monkeypatch.setattr(medusa_mod, "tree_forward", tree_spy)
+    monkeypatch.setattr(medusa_mod, "tree_verify", tree_spy)
     me.generate("medusa", llama_pair, [5, 9, 11, 3], max_new_tokens=12, seed=1,
                 branching=branching, compute_perplexity=False)
     assert len(seen_logits) == len(seen_trees) >= 3

@@ -255,14 +255,14 @@ class Eagle(Decoder):
         # the verify's forward (returning every node's features) and its rule: one graph call
         block, depth, length, kept, feat = tree_verify(
             s.target, s.kernels, full, anc, eagle_verify, full, parents, anc,
-            to_device(lens, s.ids.device), levels, s.uniform(full.numel(), 1),
+            s.on_device(lens), levels, s.uniform(full.numel(), 1),
             s.uniform(s.batch, 1), *warp.args)
         s.target.keep_tree(full.shape[1], kept)
         s.carry["feat"] = feat  # the root's and the accepted nodes' features: next catch-up
-        head_valid = s.lengths_on_device() - 1  # the head keeps its pairs, not the tree
+        s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
         depth_of = ({"device_depth": depths} if isinstance(depths, torch.Tensor)
                     else {"depth": tuple(depths)})
-        return StepResult(block, tuple(proposed), depth, length, head_valid, **depth_of)
+        return StepResult(block, tuple(proposed), depth, length, **depth_of)
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the head the pairs it has not seen (tokens j + 1, carried features j), right-
@@ -285,7 +285,7 @@ class Eagle(Decoder):
         k = prm.expand
         steps = min(prm.depth, max(lens) - 1)  # expansions a row can still use
         d2t = head.d2t if head.version == 3 else None
-        caps = to_device(lens, s.ids.device)
+        caps = s.on_device(lens)
         n = min(prm.total_tokens - 1, k + steps * k * k)
         # the root's k best tokens: the first frontier (pool 0), fed next
         tok, score, parent, index, depth, rows_anc, anc = s.kernels(eagle_root, root_logits,

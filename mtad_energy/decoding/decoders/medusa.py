@@ -28,11 +28,11 @@ import torch
 from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
 from mtad_energy.decoding.rules.tree import tree_candidates_accept_u, tree_typical_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
-from mtad_energy.decoding.runtime.head_runner import hidden_at, prefill_features
+from mtad_energy.decoding.runtime.head_runner import prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
-from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
-from mtad_energy.decoding.runtime.tree import rooted_tree, set_branching, tree_forward, tree_nodes
+from mtad_energy.decoding.runtime.tree import rooted_tree, set_branching, tree_nodes, tree_verify
 
 ACCEPTANCE = ("typical", "speculative")
 
@@ -110,28 +110,30 @@ class Medusa(Decoder):
         tokens = candidate_tokens(s.draft(s.carry["hidden"]), branching)  # [B, N]
         parents, anc = rooted_tree(branching, s.ids.device)
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]: the root first
-        logits = tree_forward(s.target, full, anc)  # [B, 1 + N, V]
         speculative = prm.acceptance == "speculative"
-        block, depth, length, path, node = s.kernels(
-            medusa_verify, logits, full, parents, anc, to_device(lens, s.ids.device),
-            s.uniform(full.numel(), 1) if speculative else None, s.uniform(full.shape[0], 1),
-            len(branching), speculative, prm.eps, prm.delta, *warp.args)
+        # the verify's forward (returning every node's features) and its rule: one graph call
+        block, depth, length, path, feat = tree_verify(
+            s.target, s.kernels, full, anc, medusa_verify, full, parents, anc,
+            s.on_device(lens), s.uniform(full.numel(), 1) if speculative else None,
+            s.uniform(full.shape[0], 1), len(branching), speculative, prm.eps, prm.delta,
+            *warp.args)
         s.target.keep_tree(full.shape[1], path)
-        s.carry["hidden"] = hidden_at(s, node)
+        s.carry["hidden"] = feat  # the deepest accepted node's: the heads' next input
         nodes = tuple(tree_nodes(branching[:n]) for n in lens)
         return StepResult(block, nodes, depth, length, depth=lens)
 
 
-def medusa_verify(logits: torch.Tensor, full: torch.Tensor, parents: torch.Tensor,
-                  anc: torch.Tensor, caps: torch.Tensor, u: torch.Tensor | None,
-                  u_next: torch.Tensor, levels: int, speculative: bool, eps: float, delta: float,
-                  temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+def medusa_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,
+                  parents: torch.Tensor, anc: torch.Tensor, caps: torch.Tensor,
+                  u: torch.Tensor | None, u_next: torch.Tensor, levels: int, speculative: bool,
+                  eps: float, delta: float, temperature: float, top_k: int, top_p: float
+                  ) -> tuple[torch.Tensor, ...]:
     """Kernel: the acceptance rule on the verified tree (``logits [B, 1 + N, V]`` of ``full [B,
     1 + N]``, the root first; ``caps [B]``: each row's depth), speculative
     (`tree_candidates_accept_u`, its uniforms ``u [B * (1 + N), 1]``) or typical
     (`tree_typical_accept`), the next token (``u_next [B, 1]``) and the block: ``(block [B, L+1],
-    depth, length [B], path [B, 1+L], node [B])``, path: the nodes to keep (the root first),
-    node: the deepest accepted one."""
+    depth, length [B], path [B, 1+L], features [B, F])``, path: the nodes to keep (the root
+    first), features: ``hidden [B, 1 + N, F]`` (every node's) at the deepest accepted node."""
     if speculative:
         depth, path, nxt, node = tree_candidates_accept_u(
             warp_probs(logits, temperature, top_k, top_p), full, parents, anc, caps, levels, u,
@@ -143,4 +145,5 @@ def medusa_verify(logits: torch.Tensor, full: torch.Tensor, parents: torch.Tenso
         at = node[:, None, None].expand(-1, 1, logits.shape[-1])
         nxt = sample_u(warp_probs(logits.gather(1, at)[:, 0], temperature, top_k, top_p), u_next)
     block, length = block_tokens(full.gather(1, path), depth, nxt)
-    return block, depth, length, torch.cat([torch.zeros_like(path[:, :1]), path], 1), node
+    feat = hidden.gather(1, node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+    return block, depth, length, torch.cat([torch.zeros_like(path[:, :1]), path], 1), feat

@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 
 from mtad_energy.decoding.decoders.mtad import MtadParams
-from mtad_energy.decoding.rules.beam import closest_beam
+from mtad_energy.decoding.rules.beam import beam_rows, closest_beam
 from mtad_energy.decoding.rules.joint import tree_joint_accept_rows
 from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
 from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
-from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 from mtad_energy.decoding.runtime.tree import ancestors, tree_verify
 
@@ -59,15 +59,14 @@ class Mmtad(Decoder):
         # of its own takes its token from p
         block, eta, length, row, kept, path = tree_verify(
             s.target, s.kernels, tokens, anc, mmtad_verify, tokens, beams.tokens, beams.parents,
-            beams.log_q, beams.seqs, to_device(lens, tokens.device), s.uniform(s.batch, 1),
+            beams.log_q, beams.seqs, s.on_device(lens), s.uniform(s.batch, 1),
             prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
-        beams.keep(s.draft, row)
+        beams.keep_rows(s.draft, row)
         # target: keep the path's node at every depth; the loop crops to the accepted eta
         s.target.keep_tree(1 + gamma * width, path)
-        return StepResult(block, tuple(n * width for n in lens), eta, length,
-                          s.lengths_on_device() + kept, depth=lens)
+        return StepResult(block, tuple(n * width for n in lens), eta, length, kept, depth=lens)
 
 
 def beam_tree(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
@@ -89,9 +88,9 @@ def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
     """Kernel: MMTAD's rule on the verified beam tree (``logits [B, N, V]`` of ``tree [B, N]``,
     `beam_tree`; the draft's ``tokens, parents, log_q [B, D, W]`` and final beams ``seqs [B, W,
     D]``), each row over its own draft length ``lens [B]`` (0: nothing accepted). Returns
-    ``(block [B, D+1], eta, length, beam, kept [B], path [B, 1+D])``: the emitted block, the
-    final beam whose draft cache to keep with the length it shares with the emitted draft, and
-    the target tree's nodes to keep (root first)."""
+    ``(block [B, D+1], eta, length, row, kept [B], path [B, 1+D])``: the emitted block, the
+    final beam whose draft cache to keep, as its cache row (`beam_rows`), with the length it
+    shares with the emitted draft, and the target tree's nodes to keep (root first)."""
     rows, gamma, width = tokens.shape
     p = warp_probs(logits, temperature, top_k, top_p)  # [B, N, V]
     # each node's conditional log ~p: p at its parent (its flat index: `beam_tree`), of its token
@@ -111,4 +110,4 @@ def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
     block, length = block_tokens(path_tok, eta, nxt)
     beam, kept = closest_beam(seqs, path_tok, eta)
     nodes = torch.cat([path.new_zeros(rows, 1), 1 + d_idx[None] * width + path], 1)  # [B, 1+D]
-    return block, eta, length, beam, kept, nodes
+    return block, eta, length, beam_rows(beam, width), kept, nodes

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.rules.beam import best_at, closest_beam
+from mtad_energy.decoding.rules.beam import beam_rows, best_at, closest_beam
 from mtad_energy.decoding.rules.joint import joint_accept_u
 from mtad_energy.decoding.rules.sampling import warp_probs
 from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
-from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 
 
@@ -64,17 +64,17 @@ class Mtad(Decoder):
         # y*: each row's best beam at its own depth (what its search alone would end with; read
         # off the tree with the search); a row with no draft of its own (one token left) accepts
         # nothing: its token is from p
-        depth = to_device(lens, pending.device)  # [B]
+        depth = s.on_device(lens)  # [B]
         beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
                                  counts=counts, kernels=s.kernels, finish=best_at,
-                                 finish_args=(depth.clamp_min(1),))
+                                 finish_args=(s.on_device([max(1, n) for n in lens]),))
         y, cum_log_q = beams.finished  # [B, gamma] each
         # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
-        tokens, eta, length, beam, kept = s.target.then(
+        tokens, eta, length, row, kept = s.target.then(
             s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth,
             beams.seqs, s.uniform(s.batch, 1), prm.log_tau, *warp.args)
-        beams.keep(s.draft, beam)  # the draft cache holds y*_1..y*_kept
-        return StepResult(tokens, lens, eta, length, s.lengths_on_device() + kept, depth=lens)
+        beams.keep_rows(s.draft, row)  # the draft cache holds y*_1..y*_kept
+        return StepResult(tokens, lens, eta, length, kept, depth=lens)
 
 
 def mtad_verify(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,
@@ -82,10 +82,10 @@ def mtad_verify(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,
                 temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: the verify's warped p (``logits [B, gamma+1, V]``), MTAD's rule on y*
     (`joint_accept_u`), the block, and the final beam (of ``seqs [B, W, gamma]``) whose draft
-    cache to keep with the length it shares with the emitted draft: ``(tokens [B, gamma+1], eta,
-    length, beam, kept [B])``."""
+    cache to keep, as its cache row (`beam_rows`), with the length it shares with the emitted
+    draft: ``(tokens [B, gamma+1], eta, length, row [B], kept [B])``."""
     p = warp_probs(logits, temperature, top_k, top_p)
     eta, nxt = joint_accept_u(p, y, cum_log_q, log_tau, u_next, depth)
     tokens, length = block_tokens(y, eta, nxt)
     beam, kept = closest_beam(seqs, y, eta)
-    return tokens, eta, length, beam, kept
+    return tokens, eta, length, beam_rows(beam, seqs.shape[1]), kept

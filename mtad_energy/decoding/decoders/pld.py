@@ -90,7 +90,7 @@ class PromptLookup(Decoder):
                           dev).view(s.batch, gamma)  # [B, gamma], padded
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
         tokens, n, length = s.target.then(s.kernels, torch.cat([s.last_token, draft], 1),
-                                          pld_verify, draft, to_device(lens, dev),
+                                          pld_verify, draft, s.on_device(lens),
                                           s.uniform(*draft.shape), s.uniform(s.batch, 1),
                                           *prm.warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)

@@ -20,7 +20,7 @@ from mtad_energy.decoding.rules.chain import typical_accept_length
 from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, draft_chain, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
-from mtad_energy.decoding.runtime.state import DecodeState, to_device
+from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 
 
@@ -59,7 +59,7 @@ class Typical(Decoder):
         # logits [B, gamma+1, V] -> the block (compiled: one graph call)
         tokens, n, length = s.target.then(
             s.kernels, torch.cat([s.last_token, draft], 1), typical_verify, draft,
-            to_device(lens, s.ids.device), s.uniform(s.batch, 1), prm.eps, prm.delta, *warp.args)
+            s.on_device(lens), s.uniform(s.batch, 1), prm.eps, prm.delta, *warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)
 
 

@@ -66,8 +66,13 @@ class BeamDraft:
 
     def keep(self, runner: ModelRunner, beam: torch.Tensor) -> None:
         """Shrink the runner's W rows per sequence back to final beam ``beam [(B,)]``."""
+        self.keep_rows(runner, beam_rows(beam.reshape(-1), self.tokens.shape[-1]))
+
+    def keep_rows(self, runner: ModelRunner, rows: torch.Tensor) -> None:
+        """`keep` of the beams in cache rows ``rows [B]`` (`rules.beam.beam_rows`: a verify's
+        kernel gives them)."""
         if self.tokens.shape[-2] > 1:  # depth 1 never expanded the cache
-            runner.select_rows(beam_rows(beam.reshape(-1), self.tokens.shape[-1]))
+            runner.select_rows(rows)
 
     def squeeze(self) -> BeamDraft:
         """The one sequence of a batch of 1, without the batch dim."""

@@ -89,12 +89,12 @@ def _check_lengths(pair: ModelPair, decoder: Decoder, prompt_len: int, max_new_t
 
 def _read_back(result: StepResult, tokens: torch.Tensor
                ) -> list[tuple[list[int], int, float, int]]:
-    """Per row: (emitted tokens, accepted count, valid draft-cache length, draft depth) on the
+    """Per row: (emitted tokens, accepted count, draft-cache positions kept, draft depth) on the
     host, in one device-to-host copy of the tokens (``result.tokens`` as ``[B, m]``) and whatever
     counts the decoder left on the device (a depth known only on the device: EAGLE's dynamic
     tree)."""
     rows = tokens.shape[0]
-    fields = (result.accepted, result.length, result.draft_cache_len, result.device_depth)
+    fields = (result.accepted, result.length, result.draft_kept, result.device_depth)
     on_device = [x if x.dtype == tokens.dtype else x.to(tokens.dtype)
                  for x in fields if isinstance(x, torch.Tensor)]
     if on_device:  # [B, F + m]: the counts, then the tokens (one op each, whatever F)
@@ -319,7 +319,7 @@ def _loop(run: _Run, trace: Trace) -> None:
     (the target holds all but the last token)."""
     state, target, draft, timer = run.state, run.target, run.draft, run.timer
     while state.remaining > 0:
-        before = run.forwards()
+        before, lengths = run.forwards(), list(state.lengths)
         result = run.decoder.step(state)
         block = result.tokens  # [B, m] ([m]: one sequence)
         block = block if block.dim() == 2 else block.reshape(run.rows, -1)
@@ -337,8 +337,8 @@ def _loop(run: _Run, trace: Trace) -> None:
         # roll the caches back to the cache invariant: target sees all but the last token
         target.crop_rows([n - 1 for n in state.lengths])
         if draft is not None:
-            draft.crop_rows([min(c, n - 1, r[2]) for c, n, r in
-                             zip(draft.row_lengths, state.lengths, read, strict=True)])
+            draft.crop_rows([min(c, n - 1, m + r[2]) for c, n, m, r in
+                             zip(draft.row_lengths, state.lengths, lengths, read, strict=True)])
         trace.bounds.append(run.clock())
     timer.sync()
     # the closing sync belongs to the last iteration: iterations tile decode

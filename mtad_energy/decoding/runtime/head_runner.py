@@ -109,9 +109,3 @@ def prefill_features(s: DecodeState, width: int) -> torch.Tensor:
 
 def _dtype(s: DecodeState) -> torch.dtype:
     return next(p.dtype for p in s.target.model.parameters() if p.is_floating_point())
-
-
-def hidden_at(s: DecodeState, node: torch.Tensor) -> torch.Tensor:
-    """``[B, F]``: the last target forward's features at tree node ``node [B]``."""
-    hidden = s.target.hidden  # [B, K, F]
-    return hidden.gather(1, node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]

@@ -1,5 +1,5 @@
 """`DecodeState`: the B sequences of one generation as a decoder's `step` sees them, and the
-host-list helpers around it (`to_device`, `ids_width`, `cap_per_row`)."""
+host-list helpers around it (`to_device`, `ids_width`)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class DecodeState:
     def __post_init__(self) -> None:
         self.active = self.active or [True] * len(self.lengths)
         self._lengths_dev: torch.Tensor | None = None
+        self._uploaded: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
     def batch(self) -> int:
@@ -77,11 +78,21 @@ class DecodeState:
         return max((self.row_remaining(b) for b in range(self.batch) if self.active[b]),
                    default=0)
 
+    def on_device(self, values: list[int]) -> torch.Tensor:
+        """``[B]`` long: per-row host values (a decoder's draft lengths, its rows' caps) on the
+        model device, copied once per distinct list in this generation: they change only as rows
+        near their end, so most iterations copy nothing. Read-only (shared between calls)."""
+        key = tuple(values)
+        t = self._uploaded.get(key)
+        if t is None:
+            t = self._uploaded[key] = to_device(list(key), self.ids.device)
+        return t
+
     def row_depths(self, depth: int) -> torch.Tensor:
         """``[B]`` long on the device: ``depth`` capped by what each row still wants (a row that
         is done: 1), the depth a row's own search of at most ``depth`` tokens would run to."""
-        return to_device([max(1, min(depth, self.row_remaining(b))) if self.active[b] else 1
-                          for b in range(self.batch)], self.ids.device)
+        return self.on_device([max(1, min(depth, self.row_remaining(b))) if self.active[b] else 1
+                               for b in range(self.batch)])
 
     def lengths_on_device(self) -> torch.Tensor:
         """``[B]`` long: `lengths` on the model device (copied once per change of lengths)."""
@@ -134,9 +145,3 @@ def ids_width(prompt_lens: list[int], max_new_tokens: int, lookahead: int) -> in
     1 tokens after any row's last (`DecodeState.append_rows` writes blocks whole)."""
     return max(prompt_lens) + max_new_tokens + lookahead + 1
 
-
-def cap_per_row(n: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """``n [B]`` capped at each row's own draft length (a no-op when no row's is shorter)."""
-    if len(set(lens)) == 1:  # all draft max(lens): n cannot exceed it
-        return n
-    return torch.minimum(n, to_device(lens, n.device))

@@ -26,9 +26,10 @@ class StepResult:
     proposed: Sequence[int] = ()  # [B] draft tokens shown to the target (tree nodes, k*gamma); (): none
     accepted: torch.Tensor | None = None  # [B] (0-d) device: of those, accepted; None: none
     length: torch.Tensor | None = None  # [B] (0-d) device: only tokens[..., :length] count; None: all
-    # [B] (0-d) device: the draft cache is valid only up to this many positions (the loop crops
-    # it there, after the read-back), for drafts whose kept row diverges from the emitted path
-    draft_cache_len: torch.Tensor | None = None
+    # [B] (0-d) device: the draft cache stays valid only up to the row's length before this step
+    # plus this many positions (the loop crops it there, after the read-back), for drafts whose
+    # kept row diverges from the emitted path
+    draft_kept: torch.Tensor | None = None
     depth: Sequence[int] = ()  # [B] draft tokens on one path that could have been accepted; (): none
     # [B] device: the depth where only the device knows it (EAGLE-2's dynamic tree; read back
     # with the tokens, and then used instead of ``depth``)
@@ -36,7 +37,7 @@ class StepResult:
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
-              proposed: int | Sequence[int], draft_cache_len: torch.Tensor | None = None,
+              proposed: int | Sequence[int], draft_kept: torch.Tensor | None = None,
               depth: int | Sequence[int] | torch.Tensor | None = None) -> StepResult:
         """``draft[:n]`` followed by ``nxt``, with ``n`` left on the device: the buffer is
         ``draft`` with ``nxt`` written at index n, of which n + 1 count. One sequence: draft
@@ -47,7 +48,7 @@ class StepResult:
         rows = draft.shape[0] if draft.dim() > 1 else 1
         depth = draft.shape[-1] if depth is None else depth
         on_device = depth if isinstance(depth, torch.Tensor) else None
-        return cls(buf, _per_row(proposed, rows), n, length, draft_cache_len,
+        return cls(buf, _per_row(proposed, rows), n, length, draft_kept,
                    () if on_device is not None else _per_row(depth, rows),  # type: ignore[arg-type]
                    on_device)
 
