@@ -44,7 +44,7 @@ PROMPT = [5, 6, 7, 8, 9]
 # ar <= 10 ops; graph calls <= 2 for chains, <= 3 for trees).
 OPS_BUDGET = {"ar": 24, "spd": 58, "typical": 48, "pld": 24, "bild": 100, "mtad": 65,
               "beam": 380, "mtjd": 150, "mcss": 160, "spectr": 170, "specinfer": 140,
-              "mmtad": 55, "eagle": 90, "medusa": 50}
+              "mmtad": 55, "eagle": 90, "medusa": 35}
 GRAPHS_BUDGET = {"ar": 1, "spd": 3, "typical": 3, "pld": 2, "bild": 3, "mtad": 4,
                  "beam": 50, "mtjd": 14, "mcss": 4, "spectr": 5, "specinfer": 4, "mmtad": 3,
                  "eagle": 8, "medusa": 2}

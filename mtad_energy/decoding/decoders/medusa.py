@@ -56,8 +56,8 @@ class MedusaParams(DecoderParams):
 
 
 def candidate_tokens(logits: torch.Tensor, branching: tuple[int, ...]) -> torch.Tensor:
-    """``logits [B, K, V]`` of the heads -> the tree's node tokens ``[B, N]``, levels in order:
-    node j of level k is the (j mod b_k)-th most likely token of head k."""
+    """Kernel: ``logits [B, K, V]`` of the heads -> the tree's node tokens ``[B, N]``, levels in
+    order: node j of level k is the (j mod b_k)-th most likely token of head k."""
     levels, width = [], 1
     for k, b in enumerate(branching):
         top = logits[:, k].topk(b, -1).indices  # [B, b]
@@ -107,7 +107,7 @@ class Medusa(Decoder):
             out = target_step(s, warp)
             s.carry["hidden"] = s.target.hidden[:, -1]
             return out
-        tokens = candidate_tokens(s.draft(s.carry["hidden"]), branching)  # [B, N]
+        tokens = s.draft.then(s.kernels, s.carry["hidden"], candidate_tokens, branching)  # [B, N]
         parents, anc = rooted_tree(branching, s.ids.device)
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]: the root first
         speculative = prm.acceptance == "speculative"

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -21,8 +24,14 @@ from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
 
-# head -> (compiled forward, shapes run so far): kept across generations, like the engines
+# head -> {(backend, mode): ({function: the head, or the head then it, compiled}, signatures run
+# so far)}: kept across generations, like the engines
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _head_then(head, fn: Callable[..., Any], features: torch.Tensor, *args: Any) -> Any:
+    """``fn(head(features) as float32, *args)``: what `HeadRunner.then` compiles as one call."""
+    return fn(head(features).float(), *args)
 
 
 class HeadRunner(ModelRunner):
@@ -52,36 +61,63 @@ class HeadRunner(ModelRunner):
             device = next(head.parameters()).device
             mode = opts.mode or ("reduce-overhead" if device.type == "cuda"
                                  and opts.backend == "inductor" else None)
-            key = (opts.backend, mode)
-            entry = _COMPILED.setdefault(head, {})
-            if key not in entry:
-                entry[key] = (GraphFunction(torch.compile(head, backend=opts.backend, mode=mode,
-                                                          dynamic=False, fullgraph=True)), set())
-            self._fn, self._warmed = entry[key]
+            self._key = (opts.backend, mode)
+            self._calls, self._warmed = _COMPILED.setdefault(head, {}).setdefault(
+                self._key, ({}, set()))
             self._graphs = mode == "reduce-overhead"
             self._device = device
 
     def __call__(self, features: torch.Tensor, counts: list[int] | None = None,
                  **kwargs) -> torch.Tensor:
+        return self._run(None, features)
+
+    def then(self, kernels, features: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`ModelRunner.then` for the head: its forward of ``features [B, F]``, then ``fn(logits
+        [B, K, V], *args)`` through ``kernels`` (Medusa's candidate tree); compiled, the two are
+        one graph call."""
+        if not self.compiled:
+            return kernels(fn, self(features), *args)
+        return self._run(fn, features, *args)
+
+    def _run(self, fn: Callable[..., Any] | None, features: torch.Tensor, *args: Any) -> Any:
+        """The head's forward (``fn`` None: its float32 logits), or the head and ``fn`` in one
+        compiled call (one graph per function and input signature, compiled untimed on first
+        use)."""
         self.forwards += 1
         self.forward_shapes.append(Forward(features.shape[0], 1, 1, features.shape[-1]))
         if not self.compiled:
             with self._timer(self._phase):
                 return self.model(features).float()
+        from mtad_energy.decoding.runtime.compiled import signature
+
         features = features.contiguous()
-        shape = (tuple(features.shape), features.dtype)
+        call = self._compiled(fn)
+        shape = (fn, tuple(features.shape), features.dtype, signature(args))
         if shape not in self._warmed:  # compile (and record) untimed
             sync = torch.cuda.synchronize if self._device.type == "cuda" else (lambda: None)
             sync()
             t0 = time.perf_counter()
             for _ in range(3 if self._graphs else 1):
-                self._fn(features)
+                call(features, *args)
             sync()
             self.compile_s += time.perf_counter() - t0
             self._warmed.add(shape)
         with self._timer(self._phase):
-            out = self._fn(features)
-            return (out.clone() if self._graphs else out).float()
+            out = call(features, *args)
+            if self._graphs:  # a CUDA graph's outputs are overwritten by its next replay
+                out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+            return out if fn is not None else out.float()
+
+    def _compiled(self, fn: Callable[..., Any] | None) -> GraphFunction:
+        """The head (``fn`` None) or the head then ``fn``, compiled for this runner's options."""
+        call = self._calls.get(fn)
+        if call is None:
+            backend, mode = self._key
+            head = self.model
+            target = head if fn is None else partial(_head_then, head, fn)
+            call = self._calls[fn] = GraphFunction(torch.compile(
+                target, backend=backend, mode=mode, dynamic=False, fullgraph=True))
+        return call
 
     def __len__(self) -> int:
         return 0
