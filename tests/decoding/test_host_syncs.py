@@ -34,8 +34,9 @@ PROMPT = [5, 6, 7, 8, 9]
 # typical, mtad and spectr fuse a forward with the kernel that reads it (`ModelRunner.then`),
 # spd's and typical's draft loop is one call (`ModelRunner.chain`), and so is MTAD's and MMTAD's
 # beam search with its row moves and what reads the finished tree (`ModelRunner.beam_search`),
-# and a tree verify with its rule (`ModelRunner.tree_then`: mmtad, specinfer, mcss, eagle, whose
-# every expansion is one call too, its forward handing the kernel its hidden states): a full
+# and a tree verify with its rule (`ModelRunner.tree_then`: mmtad, specinfer, mcss, medusa, eagle,
+# whose every expansion is one call too, its forward handing the kernel its hidden states), and
+# Medusa's heads with the candidate tree they propose (`HeadRunner.then`): a full
 # iteration is 1 graph call for ar and pld, 2 for spd, typical, mtad and mmtad. The last,
 # shorter iterations (and pld's shorter drafts) are not fused, which 16 tokens show in the
 # averages. The trees' rules are one kernel each (mmtad, specinfer, mcss, spectr, medusa);
