@@ -206,9 +206,14 @@ class EagleHead(nn.Module):
         n = self.target_layers_total
         return (-1,) if self.version == 1 else tuple(sorted({2, n // 2, n - 3}))
 
+    @property
+    def d2t_map(self) -> torch.Tensor | None:
+        """EAGLE-3's draft-to-target offsets ``[V']`` (None: EAGLE-1 shares the vocabulary)."""
+        return self.d2t if self.version == 3 else None
+
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        """Head vocabulary ids -> target ids (EAGLE-3's d2t; the identity for EAGLE-1)."""
-        return ids + self.d2t[ids] if self.version == 3 else ids
+        """Head vocabulary ids -> target ids (`draft_to_target` with `d2t_map`)."""
+        return draft_to_target(ids, self.d2t_map)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
@@ -237,6 +242,12 @@ class EagleHead(nn.Module):
         out = self.layer(emb, feature, pos, attention_mask, cache)
         logits = self.lm_head(out if self.version == 1 else self.norm(out))
         return EagleOutput(logits, (out,))
+
+
+def draft_to_target(ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
+    """Head vocabulary ids -> target ids: ``ids + d2t[ids]`` (EAGLE-3's offsets), or ``ids``
+    (``d2t`` None). Pure: a compiled kernel maps its draws with it."""
+    return ids if d2t is None else ids + d2t[ids]
 
 
 def _params(*modules: nn.Module) -> tuple[int, int]:

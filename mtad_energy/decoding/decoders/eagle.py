@@ -47,6 +47,7 @@ from mtad_energy.decoding.runtime.tree import (
     tree_nodes,
     tree_verify,
 )
+from mtad_energy.models.heads import draft_to_target
 
 TREES = ("dynamic", "static")
 
@@ -84,11 +85,6 @@ def _right_aligned(carry: torch.Tensor, counts: list[int], width: int) -> torch.
     return carry.gather(1, idx[..., None].expand(-1, -1, carry.shape[-1]))
 
 
-def _to_target(ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
-    """Head vocabulary ids -> target ids (`EagleHead.to_target` as a pure function)."""
-    return ids if d2t is None else ids + d2t[ids]
-
-
 def eagle_root(logits: torch.Tensor, d2t: torch.Tensor | None, k: int
                ) -> tuple[torch.Tensor, ...]:
     """Kernel: the first frontier from the head's output at the root (``logits [B, V']``): its
@@ -99,7 +95,7 @@ def eagle_root(logits: torch.Tensor, d2t: torch.Tensor | None, k: int
     top = logits.float().log_softmax(-1).topk(k, -1)
     eye = torch.eye(k, dtype=torch.bool, device=logits.device)[None].repeat(rows, 1, 1)
     index = torch.arange(k, device=logits.device)[None].repeat(rows, 1)
-    return (_to_target(top.indices, d2t), top.values, torch.full_like(index, -1), index,
+    return (draft_to_target(top.indices, d2t), top.values, torch.full_like(index, -1), index,
             torch.ones_like(index), eye, eye)
 
 
@@ -120,7 +116,7 @@ def eagle_expand(logits: torch.Tensor, feats: torch.Tensor, score: torch.Tensor,
     m = anc.shape[-1] - k  # nodes fed before this frontier
     lp = logits.float().log_softmax(-1).topk(k, -1)  # children of each fed node
     cu = (score[..., None] + lp.values - 1e-6).reshape(rows, k * k)  # strictly below parent
-    child = _to_target(lp.indices, d2t).reshape(rows, k * k)
+    child = draft_to_target(lp.indices, d2t).reshape(rows, k * k)
     parent = index.repeat_interleave(k, 1)
     if choose:
         caps, n, *pools = choose
@@ -284,7 +280,7 @@ class Eagle(Decoder):
         prm = self.params
         k = prm.expand
         steps = min(prm.depth, max(lens) - 1)  # expansions a row can still use
-        d2t = head.d2t if head.version == 3 else None
+        d2t = head.d2t_map
         caps = s.on_device(lens)
         n = min(prm.total_tokens - 1, k + steps * k * k)
         # the root's k best tokens: the first frontier (pool 0), fed next
