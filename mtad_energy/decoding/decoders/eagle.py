@@ -38,7 +38,7 @@ from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.head_runner import prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_tokens, depth_fields
 from mtad_energy.decoding.runtime.tree import (
     MAX_TREE_NODES,
     ancestors,
@@ -256,9 +256,8 @@ class Eagle(Decoder):
         s.target.keep_tree(full.shape[1], kept)
         s.carry["feat"] = feat  # the root's and the accepted nodes' features: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
-        depth_of = ({"device_depth": depths} if isinstance(depths, torch.Tensor)
-                    else {"depth": tuple(depths)})
-        return StepResult(block, tuple(proposed), depth, length, **depth_of)
+        return StepResult(block, tuple(proposed), depth, length,
+                          **depth_fields(depths, s.batch))
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the head the pairs it has not seen (tokens j + 1, carried features j), right-

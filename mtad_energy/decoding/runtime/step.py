@@ -37,7 +37,7 @@ class StepResult:
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
-              proposed: int | Sequence[int], draft_kept: torch.Tensor | None = None,
+              proposed: int | Sequence[int],
               depth: int | Sequence[int] | torch.Tensor | None = None) -> StepResult:
         """``draft[:n]`` followed by ``nxt``, with ``n`` left on the device: the buffer is
         ``draft`` with ``nxt`` written at index n, of which n + 1 count. One sequence: draft
@@ -47,10 +47,15 @@ class StepResult:
         buf, length = block_tokens(draft, n, nxt)
         rows = draft.shape[0] if draft.dim() > 1 else 1
         depth = draft.shape[-1] if depth is None else depth
-        on_device = depth if isinstance(depth, torch.Tensor) else None
-        return cls(buf, _per_row(proposed, rows), n, length, draft_kept,
-                   () if on_device is not None else _per_row(depth, rows),  # type: ignore[arg-type]
-                   on_device)
+        return cls(buf, _per_row(proposed, rows), n, length, **depth_fields(depth, rows))
+
+
+def depth_fields(depth: int | Sequence[int] | torch.Tensor, rows: int) -> dict:
+    """`StepResult`'s depth keywords: a tensor (a depth only the device knows) as
+    ``device_depth``, else per row (one count for every row, or a count each) as ``depth``."""
+    if isinstance(depth, torch.Tensor):
+        return {"device_depth": depth}
+    return {"depth": _per_row(depth, rows)}
 
 
 def _per_row(value: int | Sequence[int], rows: int) -> tuple[int, ...]:
