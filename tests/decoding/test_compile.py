@@ -293,29 +293,105 @@ def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama
         return logits.softmax(-1).amax(-1) * scale, logits.argmax(-1)
 
     def run(role: str, fused: bool):
-        runner = StaticRunner(llama_pair.target, PhaseTimer("cpu"), role, slots=32,
-                              options=TRACE, seqs=3, shape=ForwardShape(key="tree"))
-        runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
-        ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [3, 3, 2, 2, 1]])
+        runner = _three_rows(llama_pair.target, role, ForwardShape(key="tree"))
         call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
-        return runner, call(Kernels(), ids, anc, depths(anc), rule, 2.0)
+        return runner, call(Kernels(), TREE_IDS, anc, depths(anc), rule, 2.0)
 
     out, ref = _fused_tree_against_separate(run)
     torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
     assert torch.equal(out[1], ref[1])
 
 
-def _fused_tree_against_separate(run) -> tuple:
-    """``run(role, fused) -> (runner, output)`` for 3 rows: met first, the fused call compiles
-    after it; once compiled, it leaves the columns, validity and KV the separate calls leave.
-    Returns the fused call's output and the separate calls'."""
+@torch.inference_mode()
+@pytest.mark.parametrize("truncated", [False, True])
+def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, truncated):
+    """`StaticRunner.verify_tree`: the verify's rule returns the path to keep and the block's
+    length, and the graph call keeps exactly the first length[b] path nodes of row b; the loop's
+    crop then has nothing left to do on the device. It leaves the columns, validity and KV that
+    the tree forward, the rule, `keep_tree` and the crop leave apart, for 3 rows in a bucket of
+    4, also when a row takes less than its block (EOS: the crop does the rest)."""
+    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.tree import ancestors, depths
+
+    anc = ancestors(torch.tensor([-1, 0, 0, 1, 2]))  # [5, 5]: root -> 1 -> 3, root -> 2 -> 4
+    paths = torch.tensor([[0, 1, 3], [0, 2, 4], [0, 1, 3]])
+    length = torch.tensor([1, 3, 2])  # root only; the whole path; root and one node
+
+    def rule(logits, path, n):  # a verify's kernel: (block, accepted, length, path)
+        return logits.argmax(-1)[:, :3], n - 1, n, path
+
+    def run(role: str, fused: bool):
+        runner = _three_rows(llama_pair.target, role, ForwardShape(key="verify"))
+        call = runner.verify_tree if fused else partial(ModelRunner.verify_tree, runner)
+        out = call(Kernels(), TREE_IDS, anc, depths(anc), rule, paths, length)
+        takes = [1, 2, 2] if truncated else [1, 3, 2]  # row 1: EOS after two of its three
+        runner.crop_rows([n + t for n, t in zip([4, 3, 2], takes, strict=True)],
+                         kept=length.tolist())
+        return runner, out
+
+    out, ref = _fused_tree_against_separate(run, "forward_tree_verify")
+    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    fused, _ = run("fused", True)
+    assert fused.row_lengths == ([5, 5, 4] if truncated else [5, 6, 4])
+    assert fused.cache.valid[:3].sum(1).tolist() == fused.row_lengths  # exactly, on the device
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("without_replacement", [False, True])
+def test_a_fused_draft_tree_returns_and_leaves_what_its_levels_do(llama_pair,
+                                                                  without_replacement):
+    """`StaticRunner.tree_levels` (SpecInfer's draft tree: the first forward, then per level the
+    draws and the children's tree forward) in one graph call, once compiled: the same tokens,
+    q, cache columns, validity and KV as the levels one by one (`ModelRunner.tree_levels`), for
+    3 rows in a bucket of 4 with a ragged first input, branching (2, 2, 2)."""
+    from mtad_energy.decoding.decoders.specinfer import draw_level, tree_structure
+    from mtad_energy.decoding.runtime.kernels import Kernels
+
+    branching = (2, 2, 2)
+    anc = tree_structure(branching, torch.device("cpu"))[0]  # [14, 14]
+    vocab = llama_pair.draft.config.vocab_size
+    u = torch.rand(3, 1 + 2 + 4, vocab if without_replacement else 2,
+                   generator=torch.Generator().manual_seed(0))
+    pending, counts = torch.tensor([[1, 2], [0, 3], [4, 5]]), [2, 1, 2]
+
+    def run(role: str, fused: bool):
+        runner = _three_rows(llama_pair.draft, role, ForwardShape(max_chain=4))
+        call = runner.tree_levels if fused else partial(ModelRunner.tree_levels, runner)
+        return runner, call(Kernels(), pending, counts, branching, anc, draw_level, u,
+                            without_replacement, 1.0, 0, 1.0)
+
+    out, ref = _fused_tree_against_separate(run, "forward_tree_levels")
+    assert out[0].shape == (3, 14) and out[1].shape == (3, 7, vocab)
+    assert torch.equal(out[0], ref[0])
+    torch.testing.assert_close(out[1], ref[1], atol=1e-6, rtol=0)
+    runner, _ = run("fused", True)
+    assert runner.forwards == 1 + 3  # the prefill, the input, two levels of internal nodes
+    assert len(runner) == 4 + 2 + 2 + 4
+
+
+TREE_IDS = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [3, 3, 2, 2, 1]])  # 3 rows' trees
+
+
+def _three_rows(model, role: str, shape: ForwardShape) -> StaticRunner:
+    """A compiled runner of 3 rows in a bucket of 4, prefilled with prompts of 4, 3 and 2."""
+    runner = StaticRunner(model, PhaseTimer("cpu"), role, slots=32, options=TRACE, seqs=3,
+                          shape=shape)
+    runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
+    return runner
+
+
+def _fused_tree_against_separate(run, call: str = "forward_tree_then") -> tuple:
+    """``run(role, fused) -> (runner, output)`` for 3 rows: met first, the fused ``call``
+    compiles after it; once compiled, it leaves the columns, validity and KV the separate calls
+    leave. Returns the fused call's output and the separate calls'."""
     first, _ = run("fused", True)
     assert first.compile_pending() > 0  # met first: compiled after it
     separate, ref = run("separate", False)
     fused, out = run("fused", True)
     assert fused.compile_pending() == 0
-    assert any("forward_tree_then" in k for k in fused.cache.warmed)
+    assert any(call in k for k in fused.cache.warmed)
     assert fused.cols == separate.cols and fused.forward_shapes == separate.forward_shapes
+    assert fused.forwards == separate.forwards
     n = len(fused)
     assert torch.equal(fused.cache.valid[:3, :n], separate.cache.valid[:3, :n])
     valid = fused.cache.valid[:3, :n]

@@ -36,18 +36,19 @@ PROMPT = [5, 6, 7, 8, 9]
 # beam search with its row moves and what reads the finished tree (`ModelRunner.beam_search`),
 # and a tree verify with its rule (`ModelRunner.tree_then`: mmtad, specinfer, mcss, medusa, eagle,
 # whose every expansion is one call too, its forward handing the kernel its hidden states), and
-# Medusa's heads with the candidate tree they propose (`HeadRunner.then`): a full
-# iteration is 1 graph call for ar and pld, 2 for spd, typical, mtad and mmtad. The last,
-# shorter iterations (and pld's shorter drafts) are not fused, which 16 tokens show in the
-# averages. The trees' rules are one kernel each (mmtad, specinfer, mcss, spectr, medusa);
-# specinfer's and mcss's draft trees still grow op by op. The budgets
-# are what each does now, a little over (the issue's targets: chains <= 25, trees <= 50,
-# ar <= 10 ops; graph calls <= 2 for chains, <= 3 for trees).
+# Medusa's heads with the candidate tree they propose (`HeadRunner.then`), and specinfer's and
+# mcss's draft tree, level by level with its draws (`ModelRunner.tree_levels`): a full
+# iteration is 1 graph call for ar and pld, 2 for spd, typical, mtad, mmtad, specinfer and mcss.
+# The last, shorter iterations (and pld's shorter drafts) are not fused, which 16 tokens show in
+# the averages. The trees' rules are one kernel each (mmtad, specinfer, mcss, spectr, medusa);
+# what is left outside the graphs is mostly keeping a tree's path and the rows' cache columns.
+# The budgets are what each does now, a little over (the issue's targets: chains <= 25, trees
+# <= 50, ar <= 10 ops; graph calls <= 2 for chains, <= 3 for trees).
 OPS_BUDGET = {"ar": 24, "spd": 58, "typical": 48, "pld": 24, "bild": 100, "mtad": 65,
-              "beam": 380, "mtjd": 150, "mcss": 160, "spectr": 170, "specinfer": 140,
+              "beam": 380, "mtjd": 150, "mcss": 95, "spectr": 170, "specinfer": 95,
               "mmtad": 55, "eagle": 90, "medusa": 35}
 GRAPHS_BUDGET = {"ar": 1, "spd": 3, "typical": 3, "pld": 2, "bild": 3, "mtad": 4,
-                 "beam": 50, "mtjd": 14, "mcss": 4, "spectr": 5, "specinfer": 4, "mmtad": 3,
+                 "beam": 50, "mtjd": 14, "mcss": 3, "spectr": 5, "specinfer": 3, "mmtad": 3,
                  "eagle": 8, "medusa": 2}
 
 

@@ -253,7 +253,6 @@ class Eagle(Decoder):
             s.target, s.kernels, full, anc, eagle_verify, full, parents, anc,
             s.on_device(lens), levels, s.uniform(full.numel(), 1),
             s.uniform(s.batch, 1), *warp.args)
-        s.target.keep_tree(full.shape[1], kept)
         s.carry["feat"] = feat  # the root's and the accepted nodes' features: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
         return StepResult(block, tuple(proposed), depth, length,

@@ -117,7 +117,6 @@ class Medusa(Decoder):
             s.on_device(lens), s.uniform(full.numel(), 1) if speculative else None,
             s.uniform(full.shape[0], 1), len(branching), speculative, prm.eps, prm.delta,
             *warp.args)
-        s.target.keep_tree(full.shape[1], path)
         s.carry["hidden"] = feat  # the deepest accepted node's: the heads' next input
         nodes = tuple(tree_nodes(branching[:n]) for n in lens)
         return StepResult(block, nodes, depth, length, depth=lens)

@@ -57,15 +57,14 @@ class Mmtad(Decoder):
         # the target scores the whole tree in one forward; each row over its own depth (its
         # search alone stops there; y* is then the best beam at that depth); a row with no draft
         # of its own takes its token from p
-        block, eta, length, row, kept, path = tree_verify(
+        # (compiled: the target's rollback to the kept path in the same graph call)
+        block, eta, length, _, row, kept = tree_verify(
             s.target, s.kernels, tokens, anc, mmtad_verify, tokens, beams.tokens, beams.parents,
             beams.log_q, beams.seqs, s.on_device(lens), s.uniform(s.batch, 1),
             prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
         beams.keep_rows(s.draft, row)
-        # target: keep the path's node at every depth; the loop crops to the accepted eta
-        s.target.keep_tree(1 + gamma * width, path)
         return StepResult(block, tuple(n * width for n in lens), eta, length, kept, depth=lens)
 
 
@@ -88,9 +87,9 @@ def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
     """Kernel: MMTAD's rule on the verified beam tree (``logits [B, N, V]`` of ``tree [B, N]``,
     `beam_tree`; the draft's ``tokens, parents, log_q [B, D, W]`` and final beams ``seqs [B, W,
     D]``), each row over its own draft length ``lens [B]`` (0: nothing accepted). Returns
-    ``(block [B, D+1], eta, length, row, kept [B], path [B, 1+D])``: the emitted block, the
-    final beam whose draft cache to keep, as its cache row (`beam_rows`), with the length it
-    shares with the emitted draft, and the target tree's nodes to keep (root first)."""
+    ``(block [B, D+1], eta, length, path [B, 1+D], row, kept [B])``: the emitted block, the
+    target tree's nodes to keep (root first), and the final beam whose draft cache to keep, as
+    its cache row (`beam_rows`), with the length it shares with the emitted draft."""
     rows, gamma, width = tokens.shape
     p = warp_probs(logits, temperature, top_k, top_p)  # [B, N, V]
     # each node's conditional log ~p: p at its parent (its flat index: `beam_tree`), of its token
@@ -110,4 +109,4 @@ def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
     block, length = block_tokens(path_tok, eta, nxt)
     beam, kept = closest_beam(seqs, path_tok, eta)
     nodes = torch.cat([path.new_zeros(rows, 1), 1 + d_idx[None] * width + path], 1)  # [B, 1+D]
-    return block, eta, length, beam_rows(beam, width), kept, nodes
+    return block, eta, length, nodes, beam_rows(beam, width), kept

@@ -3,8 +3,10 @@
 The draft builds a static tree level by level (branching per level, default 4,2,2 = 28 nodes):
 children are drawn i.i.d. from ~q at their parent. Each level is one draft forward with tree
 attention over the draft cache (the leaves need none), so depth L costs L draft forwards, as a
-chain of L tokens does in spd. The target scores root + all nodes in one tree-attention forward;
-``rules.tree.tree_speculative_accept`` walks the tree. Lossless w.r.t. ~p.
+chain of L tokens does in spd; each level's draws are a kernel (`draw_level`, its uniforms drawn
+up front), so compiled, the whole tree is one graph call (`ModelRunner.tree_levels`). The
+target scores root + all nodes in one tree-attention forward; ``rules.tree.tree_speculative_accept``
+walks the tree. Lossless w.r.t. ~p.
 
 Stats: ``proposed`` = all draft tree nodes shown to the target (28 by default); ``accepted`` =
 accepted path length.
@@ -17,21 +19,30 @@ from functools import lru_cache
 
 import torch
 
-from mtad_energy.decoding.rules.sampling import Warp, log_probs, on_vocab, sample_u, warp_probs
+from mtad_energy.decoding.rules.sampling import (
+    gumbel_topk_u,
+    log_probs,
+    on_vocab,
+    sample_n_u,
+    sample_u,
+    uniforms,
+    warp_probs,
+    warp_support,
+)
 from mtad_energy.decoding.rules.tree import tree_speculative_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param
-from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 from mtad_energy.decoding.runtime.tree import (
     ancestors,
+    check_tree_support,
     level_parents,
     set_branching,
-    tree_forward,
     tree_nodes,
     tree_verify,
 )
+from mtad_energy.models.shapes import output_size
 
 
 @dataclass(frozen=True)
@@ -51,56 +62,55 @@ def tree_structure(branching: tuple[int, ...], device: torch.device
     return ancestors(parents), ancestors(torch.cat([parents.new_full((1,), -1), parents + 1]))
 
 
-def draw_children(q: torch.Tensor, b: int, generator: torch.Generator,
-                  without_replacement: bool,
-                  support: tuple[torch.Tensor | None, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
-    """``[C, V]`` -> ``[C, b]`` children per row: i.i.d., or without replacement (Gumbel-top-k:
-    exactly sequential sampling; slots beyond q's support get q = 0 tokens). ``support``:
-    `Warp.support`'s ``(tokens [C, k], probs [C, k])`` of the same q (tokens None: the whole
-    vocabulary): the draws run over those k candidates, which hold all of q's mass (the same
-    law; without replacement only where k >= b, so that the b slots fit)."""
+def draw_children_u(q: torch.Tensor, b: int, u: torch.Tensor, without_replacement: bool,
+                    support: tuple[torch.Tensor | None, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
+    """``q [..., V]`` -> ``[..., b]`` children per row, with their uniforms ``u`` given (a
+    kernel's form): i.i.d. by inverse CDF (``u [..., >= b]``, the first b taken), or without
+    replacement by Gumbel-top-k over every token (``u [..., V]``; exactly sequential sampling;
+    slots beyond q's support get q = 0 tokens). ``support``: `Warp.support`'s ``(tokens [...,
+    k], probs [..., k])`` of the same q (tokens None: the whole vocabulary): the draws run over
+    those k candidates, which hold all of q's mass (the same law; without replacement only where
+    k >= b, so that the b slots fit), with the first k of the uniforms."""
     tokens, probs = support if support is not None else (None, q)
     if tokens is not None and without_replacement and tokens.shape[-1] < b:
         tokens, probs = None, q
     if not without_replacement:
-        pick = torch.multinomial(probs, b, replacement=True, generator=generator)
+        pick = sample_n_u(probs, u[..., :b])
     else:
-        u = torch.rand(probs.shape, generator=generator, device=probs.device)
-        keys = log_probs(probs) - torch.log(-torch.log(u.clamp_min(1e-20)))
-        pick = keys.topk(b, -1).indices
+        pick = gumbel_topk_u(log_probs(probs), b, u[..., :probs.shape[-1]])
     return pick if tokens is None else tokens.gather(-1, pick)
 
 
-def draft_tree(draft: ModelRunner, pending: torch.Tensor, branching: tuple[int, ...],
-               anc: torch.Tensor, warp: Warp, generator: torch.Generator,
-               without_replacement: bool, counts: list[int] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grow one tree per sequence level by level after feeding ``pending [B, k]`` (row b's last
-    counts[b] tokens real) -> ``(tokens [B, N], q [B, 1 + N_int, V])``.
+def draw_children(q: torch.Tensor, b: int, generator: torch.Generator,
+                  without_replacement: bool,
+                  support: tuple[torch.Tensor | None, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+    """`draw_children_u` with its uniforms drawn from ``generator`` (``[..., V]`` of them)."""
+    u = uniforms(q.shape if without_replacement else (*q.shape[:-1], b), generator, q.device)
+    return draw_children_u(q, b, u, without_replacement, support)
 
-    The draft cache ends as prefix + the internal nodes (in index order). anc: ``[N, N]``.
-    """
-    rows = pending.shape[0]
-    logits = draft(pending, counts)[:, -1:]  # [B, 1, V] at the root
-    vocab = logits.shape[-1]
-    tokens: list[torch.Tensor] = []
-    qs: list[torch.Tensor] = []
-    fed = 0
-    for level, b in enumerate(branching):
-        cand, probs = warp.support(logits)  # [B, C, k] (or the vocabulary)
-        q = on_vocab(cand, probs, vocab)  # [B, C, V]
-        qs.append(q)
-        flat = None if cand is None else cand.reshape(-1, cand.shape[-1])
-        children = draw_children(q.reshape(-1, vocab), b, generator, without_replacement,
-                                 (flat, probs.reshape(-1, probs.shape[-1]))
-                                 ).reshape(rows, -1)  # [B, C*b]
-        tokens.append(children)
-        if level + 1 < len(branching):
-            end = fed + children.shape[1]
-            logits = tree_forward(draft, children, anc[:end, :end])
-            fed = end
-    return torch.cat(tokens, 1), torch.cat(qs, 1)
+
+def draw_level(logits: torch.Tensor, u: torch.Tensor, b: int, without_replacement: bool,
+               temperature: float, top_k: int, top_p: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: one level of the draft tree. Warped q at each of a level's C nodes (``logits
+    [B, C, V]``) and ``b`` children per node drawn from it (`draw_children_u`, uniforms ``u [B,
+    C, n]``): ``(children [B, C*b] in node order, q [B, C, V])``. Compiled, the top-k shortcut
+    (`Warp.support`) reads nothing back, so the draws run over the vocabulary."""
+    cand, probs = warp_support(logits, temperature, top_k, top_p)  # [B, C, k] (or the vocabulary)
+    q = on_vocab(cand, probs, logits.shape[-1])  # [B, C, V]
+    children = draw_children_u(q, b, u, without_replacement, (cand, probs))  # [B, C, b]
+    return children.reshape(children.shape[0], -1), q
+
+
+def level_uniforms(s: DecodeState, branching: tuple[int, ...], vocab: int,
+                   without_replacement: bool) -> torch.Tensor:
+    """``[B, 1 + N_int, n]``: the uniforms of a draft tree's draws, a row of n per node that
+    has children (the root, then the internal nodes in index order): n = ``vocab`` without
+    replacement (Gumbel keys), else the most children of any node."""
+    nodes = 1 + tree_nodes(branching[:-1])
+    return s.uniform(s.batch, nodes, vocab if without_replacement else max(branching))
 
 
 class SpecInfer(Decoder):
@@ -122,16 +132,18 @@ class SpecInfer(Decoder):
         if not branching:  # one token left: no point drafting
             return target_step(s, warp)
         anc_d, anc_t = tree_structure(branching, s.ids.device)
+        check_tree_support(s.draft.model)
         pending, counts = s.draft_feed()
-        tokens, q = draft_tree(s.draft, pending, branching, anc_d, warp, s.generator,
-                               self.without_replacement, counts)  # [B, N], [B, 1 + N_int, V]
+        u = level_uniforms(s, branching, output_size(s.draft.model), self.without_replacement)
+        # the tree grown level by level (compiled: one graph call), [B, N], [B, 1 + N_int, V]
+        tokens, q = s.draft.tree_levels(s.kernels, pending, counts, branching, anc_d, draw_level,
+                                        u, self.without_replacement, *warp.args)
         block, depth, length, path = tree_verify(
             s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, specinfer_verify,
             q, tokens, s.uniform(*tokens.shape), s.uniform(tokens.shape[0], 1), branching,
             self.without_replacement, *warp.args)
-        # keep the chosen node of every level; the loop then crops both caches to the accepted
-        # depth, so depth never has to be read back here
-        s.target.keep_tree(1 + tokens.shape[1], path)
+        # both caches keep the chosen node of every level (the target's inside the verify) and
+        # the loop crops them to the accepted depth: depth is never read back here
         s.draft.keep_tree(q.shape[1] - 1, path[:, 1:len(branching)] - 1)  # internal nodes fed
         nodes = tuple(tree_nodes(self.params.branching[:n]) for n in lens)
         return StepResult(block, nodes, depth, length, depth=lens)

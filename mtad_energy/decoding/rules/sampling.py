@@ -224,6 +224,14 @@ def sample_u(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_max(flat.shape[-1] - 1).reshape(probs.shape[:-1])
 
 
+def sample_n_u(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """n i.i.d. draws per row: probs ``[..., V]`` (need not be normalised) and uniforms ``u [...,
+    n]`` -> token ids ``[..., n]`` (`sample_u`'s inverse CDF, one cumulative sum for the n)."""
+    cdf = probs.cumsum(-1)  # [..., V]
+    idx = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[..., -1:], right=True)
+    return idx.clamp_max(probs.shape[-1] - 1)
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) along the last axis; falls back to p where the residual is empty.
 

@@ -73,10 +73,14 @@ class RowLayout:
         # whether `cols` names each sequence's columns exactly (False after a tree keep, which
         # records an upper bound; compaction makes them exact again)
         self._exact = True
+        # after a tree verify that rolled back on the device (`verify_tree`): per sequence, its
+        # columns before the tree; the device holds those plus the block's length, no more
+        self._held: list[int] | None = None
 
     # -- storage (subclasses) ------------------------------------------------------------------
     def _valid(self) -> torch.Tensor:
-        """``[R, T]`` bool, T = the columns in use (`len(self)`)."""
+        """``[R, T]`` bool, T = the columns in use (`len(self)`): the runner's own, written in
+        place by a tree keep."""
         raise NotImplementedError
 
     def _set_valid(self, valid: torch.Tensor) -> None:
@@ -106,14 +110,21 @@ class RowLayout:
         for seq, c in enumerate(counts or [k] * len(self.cols)):
             self.cols[seq].extend(range(t + k - c, t + k))
 
-    def crop_rows(self, lengths: list[int]) -> None:
+    def crop_rows(self, lengths: list[int], kept: list[int] | None = None) -> None:
         """Keep the first lengths[b] tokens of row b; cut the columns no row holds; compact when
-        too many dead columns have piled up (`_should_compact`)."""
+        too many dead columns have piled up (`_should_compact`). ``kept``: the iteration's
+        block lengths read back; after a tree verify that rolled back on the device, where
+        every row keeps its whole block, the device holds those tokens already."""
+        held, self._held = self._held, None
+        on_device = held is not None and kept is not None and all(
+            h + k == n for h, k, n in zip(held, kept, lengths, strict=True))
         if any(len(c) > n for c, n in zip(self.cols, lengths, strict=True)):
             dropped = [c[n:] for c, n in zip(self.cols, lengths, strict=True)]
             self.cols = [c[:n] for c, n in zip(self.cols, lengths, strict=True)]
             end = max((c[-1] + 1 for c in self.cols if c), default=0)
-            if not self._exact:  # which columns a sequence holds is known on the device only
+            if on_device:  # rolled back in the verify's graph call: the host mirror only
+                pass
+            elif not self._exact:  # which columns a sequence holds is known on the device only
                 valid = self._valid()
                 self._set_valid(valid & (valid.long().cumsum(1)
                                          <= self._per_row(lengths)[:, None]))
@@ -155,13 +166,18 @@ class RowLayout:
         sequence (root first) valid and invalidate the rest: no KV moves."""
         assert self.width == 1, "a token tree while beams are expanded"
         nodes = nodes.reshape(len(self.cols), -1)  # one sequence may give [m]
-        t = len(self)
         valid = self._valid()
-        keep = torch.zeros(valid.shape[0], n_tree, dtype=torch.bool, device=valid.device)
-        keep[:nodes.shape[0]].scatter_(1, nodes.to(keep.device), True)  # padding: none
-        self._set_valid(torch.cat([valid[:, :t - n_tree], keep], 1))
-        m = nodes.shape[1]
-        self.cols = [c[:len(c) - n_tree] + [t - 1] * m for c in self.cols]  # columns: bound
+        tree = valid[:, len(self) - n_tree:]  # [R, n_tree]: a view, written in place
+        tree.fill_(False)  # padding rows: none
+        tree[:nodes.shape[0]].scatter_(1, nodes, True)
+        self._kept_tree(n_tree, nodes.shape[1])
+
+    def _kept_tree(self, n_tree: int, m: int) -> None:
+        """The host mirror after keeping m of the last ``n_tree`` columns (one tree per
+        sequence): which ones only the device knows, so each sequence records the tree's last
+        column m times (an upper bound, so cutting stays safe)."""
+        t = len(self)
+        self.cols = [c[:len(c) - n_tree] + [t - 1] * m for c in self.cols]
         self._exact = False
 
     def _tree_prefix(self, m: int) -> list[int]:
@@ -330,7 +346,7 @@ class PerRowRunner(ModelRunner):
     def row_lengths(self) -> list[int]:
         return [len(r) for r in self.rows]
 
-    def crop_rows(self, lengths: list[int]) -> None:
+    def crop_rows(self, lengths: list[int], kept: list[int] | None = None) -> None:
         for r, n in zip(self.rows, lengths, strict=True):
             r.crop(n)
 

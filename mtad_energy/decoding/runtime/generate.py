@@ -335,7 +335,7 @@ def _loop(run: _Run, trace: Trace) -> None:
             trace.bounds.append(run.clock())
             break
         # roll the caches back to the cache invariant: target sees all but the last token
-        target.crop_rows([n - 1 for n in state.lengths])
+        target.crop_rows([n - 1 for n in state.lengths], kept=[len(r[0]) for r in read])
         if draft is not None:
             draft.crop_rows([min(c, n - 1, m + r[2]) for c, n, m, r in
                              zip(draft.row_lengths, state.lengths, lengths, read, strict=True)])

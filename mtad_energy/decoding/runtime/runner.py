@@ -102,6 +102,30 @@ class ModelRunner:
         return (torch.cat([o[0] for o in outs], 1),
                 *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
 
+    def tree_levels(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+                    branching: tuple[int, ...], anc: torch.Tensor, fn: Callable[..., Any],
+                    u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        """A draft token tree grown level by level (SpecInfer's): the forward of ``input_ids
+        [B, k]`` (``counts``: as in `__call__`), then per level ``fn(logits [B, C, V], u_l [B,
+        C, n], b, *args) -> (children [B, C*b], *extras [B, C, ...])`` at the level's C nodes
+        (the root: the input's last position) and, but after the leaves, a tree forward of the
+        children (`forward_tree`; ``anc [N, N]``: the whole tree's ancestors, levels in index
+        order). ``u [B, P, n]``: each node's uniforms, P = the root and the internal nodes.
+        Returns ``(tokens [B, N], *extras concatenated on dim 1: [B, P, ...])``; the cache ends
+        as prefix + the internal nodes. The compiled runner runs a full-depth tree in one graph
+        call (`static.StaticRunner.tree_levels`)."""
+        logits = self(input_ids, counts)[:, -1:]  # [B, 1, V] at the root
+        outs, fed, at = [], 0, 0  # at: the level's first node's row of uniforms
+        for level, b in enumerate(branching):
+            outs.append(kernels(fn, logits, u[:, at:at + logits.shape[1]], b, *args))
+            at += logits.shape[1]
+            if level + 1 < len(branching):
+                end = fed + outs[-1][0].shape[1]
+                rows = anc[fed:end, :end]  # [K, M + K]: the level after the M nodes fed
+                logits = self.forward_tree(outs[-1][0], rows, rows.sum(-1))
+                fed = end
+        return tuple(torch.cat([o[j] for o in outs], 1) for j in range(len(outs[0])))
+
     def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
                     depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
                     eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
@@ -169,6 +193,18 @@ class ModelRunner:
         outs = (logits, self.hidden) if self.hidden_layers else (logits,)
         return kernels(fn, *outs, *args)
 
+    def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                    depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
+                    features: torch.Tensor | None = None) -> Any:
+        """`tree_then` of a tree verify whose rule returns ``(block, accepted, length [B], path
+        [B, m], *rest)``, then the rollback: each row keeps its ``path`` (root first) of the tree
+        (`keep_tree`), which the loop crops to the block's length after the read-back. The
+        compiled runner keeps exactly the first length[b] nodes inside the verify's graph call
+        (`static.StaticRunner.verify_tree`)."""
+        out = self.tree_then(kernels, input_ids, anc_rows, depths, fn, *args, features=features)
+        self.keep_tree(input_ids.shape[1], out[3])
+        return out
+
     def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
         """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node
         indices, root first; ``[B, m]`` per sequence in `batch.RowsRunner`), drop the rest:
@@ -187,8 +223,10 @@ class ModelRunner:
         """Tokens cached per row (all rows alike here: one sequence or beams of one)."""
         return [len(self)]
 
-    def crop_rows(self, lengths: list[int]) -> None:
-        """Keep the first lengths[b] tokens of row b (rows of one sequence: one length)."""
+    def crop_rows(self, lengths: list[int], kept: list[int] | None = None) -> None:
+        """Keep the first lengths[b] tokens of row b (rows of one sequence: one length).
+        ``kept``: the iteration's block lengths read back (a runner that rolled a tree verify
+        back on the device, `verify_tree`, may find nothing left to do)."""
         self.crop(lengths[0])
 
     def select_rows(self, rows: torch.Tensor) -> None:

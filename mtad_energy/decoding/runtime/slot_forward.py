@@ -11,6 +11,10 @@ runs back to back into one graph:
 * `forward_chain`: a draft's autoregressive loop, S forwards each followed by the function that
   draws the next token from its logits (`decoder.draft_next`), the token fed to the next forward
   inside the graph: one call instead of 2 S;
+* `forward_tree_verify`: `forward_tree_then` for a tree verify, the rollback of the tree's
+  columns to the nodes its rule keeps inside the same graph;
+* `forward_tree_levels`: a draft token tree grown level by level (SpecInfer's), each level's
+  draws and its tree forward inside the graph: one call instead of 2 L;
 * `forward_beams`: a beam search of D steps (`rules.beam`), the rows expanded to the beams and
   reordered to them inside the graph, and the function reading the finished tree: one call
   instead of 3 D + 1 and the row copies between them.
@@ -104,6 +108,35 @@ def forward_tree_then(model, cache: SlotCache, input_ids: torch.Tensor, new: tor
     return fn(*(o[:rows, :k] for o in outs), *args)
 
 
+def forward_tree_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                        anc: torch.Tensor, depths: torch.Tensor, fn: Callable[..., Any],
+                        rows: int, k: int, *args: Any, features: torch.Tensor | None = None,
+                        hidden: tuple[int, ...] = (),
+                        forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
+    """`forward_tree_then` of a tree verify whose rule returns ``(block, accepted, length [rows],
+    path [rows, m], ...)`` (`tree.tree_verify`), then the rollback on the device: of the tree's
+    columns, row r keeps the first length[r] nodes of path[r] (root first) valid, the others
+    (and every padding row's) invalid, where `batch.RowLayout.keep_tree` and the loop's crop
+    would leave it."""
+    start = cache.start.clone()  # [] the tree's first slot
+    out = forward_tree_then(model, cache, input_ids, new, anc, depths, fn, rows, k, *args,
+                            features=features, hidden=hidden, forward=forward)
+    r, width = input_ids.shape
+    keep = kept_nodes(out[3], out[2], width)  # [rows, W]
+    cache.valid[:r].index_copy_(1, start + torch.arange(width, device=keep.device),
+                                F.pad(keep, (0, 0, 0, r - rows)))
+    return out
+
+
+def kept_nodes(path: torch.Tensor, length: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, width]`` bool: the tree nodes a row keeps, the first ``length [rows]`` of ``path
+    [rows, m]`` (a node listed twice is kept if either listing is)."""
+    m = path.shape[-1]
+    first = torch.arange(m, device=path.device) < length[:, None]  # [rows, m]
+    node = path[:, :, None] == torch.arange(width, device=path.device)  # [rows, m, W]
+    return (node & first[:, :, None]).any(1)
+
+
 def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
                   real: torch.Tensor, fn: Callable[..., Any], rows: int, k: int,
                   u: torch.Tensor, *args: Any,
@@ -126,6 +159,35 @@ def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.T
         at += 1
     return (torch.cat([o[0] for o in outs], 1),
             *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
+
+
+def forward_tree_levels(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                        real: torch.Tensor, fn: Callable[..., Any], rows: int, k: int,
+                        branching: tuple[int, ...], anc: torch.Tensor, u: torch.Tensor,
+                        *args: Any, forward: Callable[..., torch.Tensor] = slot_forward
+                        ) -> tuple[torch.Tensor, ...]:
+    """`ModelRunner.tree_levels`: the first forward of ``input_ids [R, W]`` (``new [R, W]``;
+    the first k tokens the input), then per level ``fn`` at the level's nodes and, but after the
+    leaves, a tree forward of the children ``[R, K]`` after the M nodes fed before them (``real
+    [R, 1]``: which rows are real; ``anc [N, N]``: the tree's ancestors). Returns what
+    `ModelRunner.tree_levels` returns. ``forward``: as in `forward_then`."""
+    start = cache.start.clone()  # [] the first forward's slot
+    r = input_ids.shape[0]
+    logits = forward(model, cache, input_ids, new)[:rows, k - 1:k]  # [rows, 1, V] at the root
+    outs, fed, at = [], 0, 0
+    for level, b in enumerate(branching):
+        outs.append(fn(logits, u[:, at:at + logits.shape[1]], b, *args))
+        at += logits.shape[1]
+        if level + 1 < len(branching):
+            children = outs[-1][0]  # [rows, K]
+            end = fed + children.shape[1]
+            tree = anc[fed:end, :end].contiguous()  # [K, M + K] (dense: a graph's input)
+            cache.start.copy_(start + k + fed)
+            logits = forward(model, cache, F.pad(children, (0, 0, 0, r - rows)),
+                             real.expand(r, children.shape[1]).contiguous(), tree[None],
+                             tree.sum(-1)[None])[:rows]
+            fed = end
+    return tuple(torch.cat([o[j] for o in outs], 1) for j in range(len(outs[0])))
 
 
 def forward_beams(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
@@ -180,13 +242,20 @@ def _share(u: torch.Tensor | None, at: int, vocab: int, n: int = 1) -> torch.Ten
 @dataclass(frozen=True, eq=False)
 class Fused:
     """What a runner fuses into a forward's graph: ``call`` (`forward_then`, `forward_chain`,
-    `forward_beams`) with its arguments after the first forward's ids and validity (``args``),
-    running ``more`` forwards of one column after the first, at ``width`` rows per sequence."""
+    `forward_beams`, `forward_tree_levels`) with its arguments after the first forward's ids and
+    validity (``args``), running forwards after the first one: ``later``, each one's ``(columns,
+    earlier tree nodes)`` (a chain's next token: ``(1, None)``; a tree level of K nodes after M:
+    ``(K, M)``), at ``width`` rows per sequence."""
 
     call: Callable[..., Any]
     args: tuple
-    more: int = 0
+    later: tuple[tuple[int, int | None], ...] = ()
     width: int = 1
+
+    @property
+    def columns(self) -> int:
+        """Columns the later forwards write."""
+        return sum(c for c, _ in self.later)
 
     def key(self) -> tuple:
         """What decides the fused graph besides the first forward's shape."""

@@ -38,6 +38,7 @@ prompt).
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 import weakref
@@ -58,7 +59,9 @@ from mtad_energy.decoding.runtime.slot_forward import (
     forward_beams,
     forward_chain,
     forward_then,
+    forward_tree_levels,
     forward_tree_then,
+    forward_tree_verify,
     slot_forward,
 )
 from mtad_energy.decoding.runtime.state import to_device
@@ -241,7 +244,8 @@ class StaticRunner(RowLayout, ModelRunner):
         total = self._rows
         m = None if anc is None else anc.shape[-1] - k
         width = self._width(total, k, m) if compiled else k
-        more = 0 if fused is None else fused.more  # a chain's later forwards, one column each
+        later = () if fused is None else fused.later  # the fused call's forwards after the first
+        more = sum(c for c, _ in later)
         self._fit(width + more)
         grow = (0, width - k, 0, total - rows)  # pad: tokens right, rows below
         padded = grow != (0, 0, 0, 0)
@@ -277,15 +281,14 @@ class StaticRunner(RowLayout, ModelRunner):
             if fused_key in self.cache.warmed:
                 forward = partial(self.engine.forward, call=fused.call)
             else:  # met first: its forwards' graphs now, the fused graph after the generation
-                if more:  # the call's later forwards: one token each
-                    self._warm_widths((1,), fused.width)
+                self._warm_later(later, fused.width)
                 self._pending[fused_key] = (args, kwargs, fused.call, m or 0)
                 forward = partial(self.engine.unfused, call=fused.call)
-        self.forwards += 1 + more
+        self.forwards += 1 + len(later)
         self.forward_shapes.append(Forward(total, width, self.cache.slots,
                                            0 if features is None else features.shape[-1]))
-        self.forward_shapes += [Forward(total * (fused.width if more else 1), 1,
-                                        self.cache.slots, 0)] * more
+        self.forward_shapes += [Forward(total * fused.width, c, self.cache.slots, 0)
+                                for c, _ in later]
         before = graphs_compiled()
         with self._timer(self._phase):
             out = forward(self.cache, args, kwargs=kwargs)
@@ -348,6 +351,27 @@ class StaticRunner(RowLayout, ModelRunner):
             self.cache.warmed.add(self._graph_key(rows, width, None))
         return self.compile_s - before
 
+    def _warm_later(self, later: tuple[tuple[int, int | None], ...], per_seq: int) -> None:
+        """Compile the forwards a fused call runs after its first (`Fused.later`), which run on
+        their own while the call is not compiled yet: chain widths (`_warm_widths`), and token
+        trees of K nodes after M (dummy nodes marked not real at the first free slot, or at M)."""
+        chains = tuple(sorted({c for c, m in later if m is None}))
+        if chains:
+            self._warm_widths(chains, per_seq)
+        rows = (len(self.cols) + self.pad) * per_seq
+        kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
+        for k, m in later:
+            key = self._graph_key(rows, k, m)
+            at = max(self.n, m or 0)  # room for the M earlier nodes' columns before it
+            if m is None or key in self.cache.warmed or at + k > self.cache.slots:
+                continue
+            ids = torch.zeros(rows, k, dtype=torch.long, device=self.device)
+            anc = torch.ones(1, k, m + k, dtype=torch.bool, device=self.device)
+            self.cache.start.fill_(at)
+            self._warm((ids, torch.zeros_like(ids, dtype=torch.bool), anc,
+                        torch.ones(1, k, dtype=torch.long, device=self.device)), kwargs)
+            self.cache.warmed.add(key)
+
     def compile_pending(self) -> float:
         """Compile the fused calls this generation met for the first time (they ran with their
         forwards compiled, the functions between them eagerly), on the inputs it met them with,
@@ -409,10 +433,28 @@ class StaticRunner(RowLayout, ModelRunner):
         iterations) runs forward by forward, as `then` does a shorter verify."""
         if self.hidden_layers or self.width != 1 or u.shape[0] != self.shape.max_chain - 1:
             return super().chain(kernels, input_ids, counts, fn, u, *args)
-        (rows, k), more = input_ids.shape, u.shape[0] - 1
-        fused = Fused(forward_chain, (self._real_rows(rows), fn, rows, k, u, *args), more)
+        rows, k = input_ids.shape
+        fused = Fused(forward_chain, (self._real_rows(rows), fn, rows, k, u, *args),
+                      ((1, None),) * (u.shape[0] - 1))
         out = self._run(input_ids, self._new(k, counts), fused=fused)
-        self._append_chain(k, more, counts)
+        self._append_later(k, fused, counts)
+        return out
+
+    def tree_levels(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+                    branching: tuple[int, ...], anc: torch.Tensor, fn: Callable[..., Any],
+                    u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        """`ModelRunner.tree_levels` in one graph call (`forward_tree_levels`) for a tree of
+        the decoder's full depth (``max_chain - 1`` levels); a shallower one (a generation's
+        last iterations) runs forward by forward, as `chain` does a shorter chain."""
+        if self.hidden_layers or self.width != 1 or len(branching) != self.shape.max_chain - 1:
+            return super().tree_levels(kernels, input_ids, counts, branching, anc, fn, u, *args)
+        rows, k = input_ids.shape
+        sizes = [math.prod(branching[:i + 1]) for i in range(len(branching) - 1)]  # fed levels
+        later = tuple((c, sum(sizes[:i])) for i, c in enumerate(sizes))
+        fused = Fused(forward_tree_levels, (self._real_rows(rows), fn, rows, k, branching, anc,
+                                            u, *args), later)
+        out = self._run(input_ids, self._new(k, counts), fused=fused)
+        self._append_later(k, fused, counts)
         return out
 
     def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
@@ -431,19 +473,21 @@ class StaticRunner(RowLayout, ModelRunner):
             if warp_args[-1] else None
         fused = Fused(forward_beams, (self._real_rows(rows, width), rows, k, width, depth, u,
                                       *warp_args, eos_token_id, finish, *finish_args),
-                      depth - 1, width)
+                      ((1, None),) * (depth - 1), width)
         out = self._run(first_ids, self._new(k, counts), fused=fused)
-        self._append_chain(k, depth - 1, counts)
+        self._append_later(k, fused, counts)
         self.width = width
         return out
 
-    def _append_chain(self, k: int, more: int, counts: list[int] | None) -> None:
-        """The host mirror after a fused call: the first forward's k columns, then ``more``
-        of one column each."""
-        t = self.n - k - more
+    def _append_later(self, k: int, fused: Fused, counts: list[int] | None) -> None:
+        """The host mirror after a fused call: the first forward's k columns, then the later
+        forwards' (`Fused.later`)."""
+        t = self.n - k - fused.columns
         self._append_cols(t, k, counts)
-        for i in range(more):
-            self._append_cols(t + k + i, 1, None)
+        t += k
+        for c, _ in fused.later:
+            self._append_cols(t, c, None)
+            t += c
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
@@ -469,15 +513,44 @@ class StaticRunner(RowLayout, ModelRunner):
         earlier ones as wide as the widest this decoder ran at these rows after M; a smaller
         one (a generation's last iterations) runs as two calls, as `then` does a shorter
         verify."""
-        k = input_ids.shape[1]
-        m = anc_rows.shape[-1] - k
-        seen = self.engine.tree_widths.get((self.shape.key, self._rows, m), set())
-        if self.width != 1 or k < max(seen, default=k):
+        if not self._fuses_tree(input_ids, anc_rows):
             return super().tree_then(kernels, input_ids, anc_rows, depths, fn, *args,
                                      features=features)
+        return self._fused_tree(forward_tree_then, input_ids, anc_rows, depths, fn, args,
+                                features)
+
+    def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                    depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
+                    features: torch.Tensor | None = None) -> Any:
+        """`ModelRunner.verify_tree` in one graph call (`forward_tree_verify`) where `tree_then`
+        fuses: the rule and the rollback to the kept nodes on the device, which the loop's
+        `crop_rows` then finds done (its ``kept``: the blocks' lengths read back)."""
+        if not self._fuses_tree(input_ids, anc_rows):
+            return super().verify_tree(kernels, input_ids, anc_rows, depths, fn, *args,
+                                       features=features)
+        prefix = self._tree_prefix(0)  # per sequence: its columns before the tree
+        out = self._fused_tree(forward_tree_verify, input_ids, anc_rows, depths, fn, args,
+                               features)
+        self._kept_tree(input_ids.shape[1], out[3].shape[-1])
+        self._held = prefix  # the device holds prefix + the block's length, no more
+        return out
+
+    def _fuses_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor) -> bool:
+        """Whether a tree of K nodes after M runs fused: as wide as the widest this decoder ran
+        at these rows after M (a smaller one, a generation's last iterations, runs as two
+        calls, as `then` does a shorter verify)."""
+        k = input_ids.shape[1]
+        seen = self.engine.tree_widths.get((self.shape.key, self._rows, anc_rows.shape[-1] - k),
+                                           set())
+        return self.width == 1 and k >= max(seen, default=k)
+
+    def _fused_tree(self, call: Callable[..., Any], input_ids: torch.Tensor,
+                    anc_rows: torch.Tensor, depths: torch.Tensor, fn: Callable[..., Any],
+                    args: tuple, features: torch.Tensor | None) -> Any:
+        k = input_ids.shape[1]
         anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, M + K]
         depths = depths if depths.dim() == 2 else depths[None]
-        fused = Fused(forward_tree_then, (fn, input_ids.shape[0], k, *args))
+        fused = Fused(call, (fn, input_ids.shape[0], k, *args))
         out = self._run(input_ids, None, anc, depths, features=features, fused=fused)
         self._append_cols(self.n - k, k, None)
         return out
