@@ -21,7 +21,8 @@ from mtad_energy.decoding.runtime import static, static_engine
 from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.decoding.runtime.generate import generate_ids
 from mtad_energy.decoding.runtime.runner import ModelRunner
-from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner, check_static_support
+from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner
+from mtad_energy.decoding.runtime.static_engine import check_static_support
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.decoding.runtime.tree import ancestors, keep_path, level_parents, tree_forward
 from tests.tiny import compile_test_decoder, skip_without_head
@@ -297,7 +298,7 @@ def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama
         call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
         return runner, call(Kernels(), TREE_IDS, anc, depths(anc), rule, 2.0)
 
-    out, ref = _fused_tree_against_separate(run)
+    out, ref = _fused_against_separate(run)
     torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
     assert torch.equal(out[1], ref[1])
 
@@ -329,11 +330,44 @@ def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, trunc
                          kept=length.tolist())
         return runner, out
 
-    out, ref = _fused_tree_against_separate(run, "forward_tree_verify")
+    out, ref = _fused_against_separate(run, "forward_tree_verify")
     assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
     fused, _ = run("fused", True)
     assert fused.row_lengths == ([5, 5, 4] if truncated else [5, 6, 4])
-    assert fused.cache.valid[:3].sum(1).tolist() == fused.row_lengths  # exactly, on the device
+    held = fused.cache.valid[:3, :len(fused)].sum(1).tolist()
+    assert held == fused.row_lengths  # exactly, on the device
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("truncated", [False, True])
+def test_a_fused_chain_verify_rolls_back_on_the_device(llama_pair, truncated):
+    """`StaticRunner.verify`: the verify's rule returns the block's length, and the graph call
+    keeps the first length[b] of row b's columns (the rest invalid, holes where other rows keep
+    more); the loop's crop then has nothing left to do on the device. It leaves the columns,
+    validity and KV of the verify and the crop apart, for 3 rows in a bucket of 4, also when a
+    row takes less than its block (EOS: the crop does the rest)."""
+    from mtad_energy.decoding.runtime.kernels import Kernels
+
+    length = torch.tensor([1, 4, 2])  # the last token only; every draft; one draft
+
+    def rule(logits, n):  # a verify's kernel: (block, accepted, length)
+        return logits.argmax(-1), n - 1, n
+
+    def run(role: str, fused: bool):
+        runner = _three_rows(llama_pair.target, role, ForwardShape(max_chain=4))
+        call = runner.verify if fused else partial(ModelRunner.verify, runner)
+        out = call(Kernels(), TREE_IDS[:, :4], rule, length)
+        takes = [1, 2, 2] if truncated else [1, 4, 2]  # row 1: EOS after two of its four
+        runner.crop_rows([n + t for n, t in zip([4, 3, 2], takes, strict=True)],
+                         kept=length.tolist())
+        return runner, out
+
+    out, ref = _fused_against_separate(run, "forward_verify")
+    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    fused, _ = run("fused", True)
+    assert fused.row_lengths == ([5, 5, 4] if truncated else [5, 7, 4])
+    held = fused.cache.valid[:3, :len(fused)].sum(1).tolist()
+    assert held == fused.row_lengths  # exactly, on the device
 
 
 @torch.inference_mode()
@@ -360,7 +394,7 @@ def test_a_fused_draft_tree_returns_and_leaves_what_its_levels_do(llama_pair,
         return runner, call(Kernels(), pending, counts, branching, anc, draw_level, u,
                             without_replacement, 1.0, 0, 1.0)
 
-    out, ref = _fused_tree_against_separate(run, "forward_tree_levels")
+    out, ref = _fused_against_separate(run, "forward_tree_levels")
     assert out[0].shape == (3, 14) and out[1].shape == (3, 7, vocab)
     assert torch.equal(out[0], ref[0])
     torch.testing.assert_close(out[1], ref[1], atol=1e-6, rtol=0)
@@ -380,7 +414,7 @@ def _three_rows(model, role: str, shape: ForwardShape) -> StaticRunner:
     return runner
 
 
-def _fused_tree_against_separate(run, call: str = "forward_tree_then") -> tuple:
+def _fused_against_separate(run, call: str = "forward_tree_then") -> tuple:
     """``run(role, fused) -> (runner, output)`` for 3 rows: met first, the fused ``call``
     compiles after it; once compiled, it leaves the columns, validity and KV the separate calls
     leave. Returns the fused call's output and the separate calls'."""
@@ -426,7 +460,7 @@ def test_a_fused_tree_after_earlier_nodes_hands_the_kernel_the_hidden_states_it_
         call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
         return runner, call(Kernels(), ids[:, 2:], anc[2:], deep[2:], expand, 2.0)
 
-    out, ref = _fused_tree_against_separate(run)
+    out, ref = _fused_against_separate(run)
     torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(out[1], ref[1], atol=1e-4, rtol=1e-5)
     assert out[1].shape == (3, 3) and torch.equal(out[2], ref[2])

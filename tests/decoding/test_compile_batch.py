@@ -210,8 +210,8 @@ def _track(monkeypatch, cls) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     real = cls.crop_rows
 
-    def crop_rows(self, lengths):
-        real(self, lengths)
+    def crop_rows(self, lengths, kept=None):
+        real(self, lengths, kept)
         seen.append((len(self), max(self.row_lengths)))
     monkeypatch.setattr(cls, "crop_rows", crop_rows)
     return seen

@@ -70,7 +70,7 @@ class Mtad(Decoder):
                                  finish_args=(s.on_device([max(1, n) for n in lens]),))
         y, cum_log_q = beams.finished  # [B, gamma] each
         # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
-        tokens, eta, length, row, kept = s.target.then(
+        tokens, eta, length, row, kept = s.target.verify(
             s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth,
             beams.seqs, s.uniform(s.batch, 1), prm.log_tau, *warp.args)
         beams.keep_rows(s.draft, row)  # the draft cache holds y*_1..y*_kept

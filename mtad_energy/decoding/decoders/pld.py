@@ -89,10 +89,10 @@ class PromptLookup(Decoder):
         draft = to_device([t for d in drafts for t in d + [0] * (gamma - len(d))],
                           dev).view(s.batch, gamma)  # [B, gamma], padded
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
-        tokens, n, length = s.target.then(s.kernels, torch.cat([s.last_token, draft], 1),
-                                          pld_verify, draft, s.on_device(lens),
-                                          s.uniform(*draft.shape), s.uniform(s.batch, 1),
-                                          *prm.warp.args)
+        tokens, n, length = s.target.verify(s.kernels, torch.cat([s.last_token, draft], 1),
+                                            pld_verify, draft, s.on_device(lens),
+                                            s.uniform(*draft.shape), s.uniform(s.batch, 1),
+                                            *prm.warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)
 
 

@@ -53,7 +53,7 @@ class SpeculativeDecoding(Decoder):
         pending, counts = s.draft_feed()
         draft, q = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma], [B, gamma, V]
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
-        tokens, n, length = s.target.then(s.kernels, torch.cat([s.last_token, draft], 1),
-                                          spd_verify, q, draft, s.uniform(*draft.shape),
-                                          s.uniform(s.batch, 1), *warp.args)
+        tokens, n, length = s.target.verify(s.kernels, torch.cat([s.last_token, draft], 1),
+                                            spd_verify, q, draft, s.uniform(*draft.shape),
+                                            s.uniform(s.batch, 1), *warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)

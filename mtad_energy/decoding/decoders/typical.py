@@ -57,7 +57,7 @@ class Typical(Decoder):
         pending, counts = s.draft_feed()
         draft, _ = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma]
         # logits [B, gamma+1, V] -> the block (compiled: one graph call)
-        tokens, n, length = s.target.then(
+        tokens, n, length = s.target.verify(
             s.kernels, torch.cat([s.last_token, draft], 1), typical_verify, draft,
             s.on_device(lens), s.uniform(s.batch, 1), prm.eps, prm.delta, *warp.args)
         return StepResult(tokens, lens, n, length, depth=lens)

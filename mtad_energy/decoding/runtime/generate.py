@@ -327,7 +327,7 @@ def _loop(run: _Run, trace: Trace) -> None:
         timer.flush()  # this iteration's events are complete now: reading them does not stall
         after = run.forwards()
         taken = _take_rows(run, trace, result, read, (after[0] - before[0], after[1] - before[1]))
-        state.append_rows(block, taken)
+        state.append_rows(block, taken, _counted(result, block, taken, read))
         trace.phase_times.append(draft_target(timer))
         trace.marks.append(shape_marks(target, draft))
         trace.iterations += 1
@@ -344,6 +344,16 @@ def _loop(run: _Run, trace: Trace) -> None:
     # the closing sync belongs to the last iteration: iterations tile decode
     trace.bounds[-1] = run.clock()
     run.hook("end")
+
+
+def _counted(result: StepResult, block: torch.Tensor, taken: list[list[int]],
+             read: list[tuple[list[int], int, float, int]]) -> torch.Tensor | int | None:
+    """The rows' new tokens as the device counts them (the block's ``length``, or all of its
+    columns) when every row took exactly that; None when one took less (EOS, max_new_tokens, a
+    row already done)."""
+    if any(len(t) != len(r[0]) for t, r in zip(taken, read, strict=True)):
+        return None
+    return block.shape[1] if result.length is None else result.length
 
 
 def _take_rows(run: _Run, trace: Trace, result: StepResult,

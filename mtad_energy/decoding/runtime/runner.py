@@ -88,6 +88,13 @@ class ModelRunner:
         runner runs both in one graph call (`static.StaticRunner.then`)."""
         return kernels(fn, self(input_ids), *args)
 
+    def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`then` of a chain verify whose rule returns ``(block, accepted, length [B], ...)``:
+        the loop crops the cache to each row's block after the read-back. The compiled runner
+        rolls the rejected columns back inside the verify's graph call
+        (`static.StaticRunner.verify`), where the crop then finds it done."""
+        return self.then(kernels, input_ids, fn, *args)
+
     def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
               fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         """A draft's autoregressive loop of S = ``u.shape[0]`` forwards: the first of

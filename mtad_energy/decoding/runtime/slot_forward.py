@@ -11,8 +11,8 @@ runs back to back into one graph:
 * `forward_chain`: a draft's autoregressive loop, S forwards each followed by the function that
   draws the next token from its logits (`decoder.draft_next`), the token fed to the next forward
   inside the graph: one call instead of 2 S;
-* `forward_tree_verify`: `forward_tree_then` for a tree verify, the rollback of the tree's
-  columns to the nodes its rule keeps inside the same graph;
+* `forward_verify` (`forward_tree_verify`): `forward_then` for a chain (tree) verify, the
+  rollback of its columns to the tokens (nodes) its rule keeps inside the same graph;
 * `forward_tree_levels`: a draft token tree grown level by level (SpecInfer's), each level's
   draws and its tree forward inside the graph: one call instead of 2 L;
 * `forward_beams`: a beam search of D steps (`rules.beam`), the rows expanded to the beams and
@@ -93,6 +93,22 @@ def forward_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Te
     :k], *args)``: what ``fn`` returns (a verify's block, a sampled token). ``forward``: the
     forward to run (compiled on its own while the fused call is not, `StaticEngine.unfused`)."""
     return fn(forward(model, cache, input_ids, new)[:rows, :k], *args)
+
+
+def forward_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                   fn: Callable[..., Any], rows: int, k: int, *args: Any,
+                   forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
+    """`forward_then` of a chain verify whose rule returns ``(block, accepted, length [rows],
+    ...)``, then the rollback on the device: row r keeps the first length[r] of the columns
+    written, the others invalid, where the loop's crop would leave them."""
+    start = cache.start.clone()  # [] the verify's first slot
+    out = forward_then(model, cache, input_ids, new, fn, rows, k, *args, forward=forward)
+    r, width = input_ids.shape
+    cols = torch.arange(width, device=input_ids.device)
+    keep = F.pad(cols[None, :] < out[2][:, None], (0, 0, 0, r - rows))  # [R, W]
+    valid = cache.valid[:r]
+    valid.index_copy_(1, start + cols, valid.index_select(1, start + cols) & keep)
+    return out
 
 
 def forward_tree_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,

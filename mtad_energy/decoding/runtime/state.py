@@ -50,7 +50,9 @@ class DecodeState:
     def __post_init__(self) -> None:
         self.active = self.active or [True] * len(self.lengths)
         self._lengths_dev: torch.Tensor | None = None
+        self._last: torch.Tensor | None = None  # [B, 1]: each row's last token, when known
         self._uploaded: dict[tuple[int, ...], torch.Tensor] = {}
+        self._aranges: dict[int, torch.Tensor] = {}
 
     @property
     def batch(self) -> int:
@@ -95,16 +97,26 @@ class DecodeState:
                                for b in range(self.batch)])
 
     def lengths_on_device(self) -> torch.Tensor:
-        """``[B]`` long: `lengths` on the model device (copied once per change of lengths)."""
+        """``[B]`` long: `lengths` on the model device (copied when the rows' lengths changed
+        otherwise than by what the device counted, `append_rows`)."""
         if self._lengths_dev is None:
             self._lengths_dev = to_device(self.lengths, self.ids.device)
         return self._lengths_dev
+
+    def _arange(self, k: int) -> torch.Tensor:
+        """``[k]``: 0 .. k-1 on the model device (made once per k; read-only)."""
+        t = self._aranges.get(k)
+        if t is None:
+            t = self._aranges[k] = torch.arange(k, device=self.ids.device)
+        return t
 
     @property
     def last_token(self) -> torch.Tensor:
         """``[B, 1]``: each row's one token the target cache has not seen."""
         if self.batch == 1:
             return self.ids[:, self.n - 1:self.n]
+        if self._last is not None:  # the last block was one token, taken by every row
+            return self._last
         return self.ids.gather(1, self.lengths_on_device()[:, None] - 1)
 
     def draft_pending(self) -> torch.Tensor:
@@ -119,25 +131,30 @@ class DecodeState:
             return self.draft_pending(), None
         counts = [n - c for n, c in zip(self.lengths, self.draft.row_lengths, strict=True)]
         k = max(counts)
-        idx = self.lengths_on_device()[:, None] - k + torch.arange(k, device=self.ids.device)
+        idx = self.lengths_on_device()[:, None] - k + self._arange(k)
         return self.ids.gather(1, idx.clamp_min(0)), counts
 
-    def append_rows(self, block: torch.Tensor, host: list[list[int]]) -> None:
+    def append_rows(self, block: torch.Tensor, host: list[list[int]],
+                    counts: torch.Tensor | int | None = None) -> None:
         """Append to each row b the first len(host[b]) tokens of ``block [B, M]`` (on the device;
         ``host[b]``: those tokens read back, [] for a row that takes none). One copy for all
         rows: the whole block lands after each row's tokens (``ids`` has M - 1 columns to spare,
-        `ids_width`), and only the first len(host[b]) count."""
+        `ids_width`), and only the first len(host[b]) count. ``counts``: when every row takes
+        what the device counted for it (the block's ``length [B]``, or all M), that count: the
+        lengths on the device advance by it, with no copy from the host."""
         m = block.shape[1]
         if self.batch == 1:
             self.ids[:, self.lengths[0]:self.lengths[0] + m].copy_(block)
         else:
-            at = self.lengths_on_device()[:, None] + torch.arange(m, device=block.device)
+            at = self.lengths_on_device()[:, None] + self._arange(m)
             self.ids.scatter_(1, at, block)
         for b, tokens in enumerate(host):
             self.lengths[b] += len(tokens)
             if self.tokens:
                 self.tokens[b].extend(tokens)
-        self._lengths_dev = None
+        moved = counts is not None and self._lengths_dev is not None
+        self._lengths_dev = self._lengths_dev + counts if moved else None
+        self._last = block if moved and m == 1 else None
 
 
 def ids_width(prompt_lens: list[int], max_new_tokens: int, lookahead: int) -> int:

@@ -62,12 +62,18 @@ from mtad_energy.decoding.runtime.slot_forward import (
     forward_tree_levels,
     forward_tree_then,
     forward_tree_verify,
+    forward_verify,
     slot_forward,
 )
 from mtad_energy.decoding.runtime.state import to_device
-from mtad_energy.decoding.runtime.static_engine import engine_for, row_bucket
+from mtad_energy.decoding.runtime.static_engine import (
+    check_static_support,
+    eager_reason,
+    engine_for,
+    install_capture_hooks,
+    row_bucket,
+)
 from mtad_energy.decoding.runtime.timer import PhaseTimer
-from mtad_energy.decoding.runtime.tree import TREE_ATTN, TREE_MODEL_TYPES
 from mtad_energy.energy.work import Forward
 from mtad_energy.models.shapes import output_size
 
@@ -84,33 +90,6 @@ class ForwardShape:
     # made, before the generation's windows open, so no warm-up has to be lucky to meet them
     warm_widths: tuple[int, ...] = ()
     hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
-
-
-def eager_reason(model) -> str | None:
-    """Why ``model`` stays on the eager path under ``compile`` (None: it compiles). Dynamically
-    quantized int8 layers (the CPU self-draft ``self:int8``) call quantized kernels dynamo cannot
-    trace: compiled, every layer would be a graph break, and a static cache without a compiled
-    forward only adds masked attention over empty slots."""
-    from torch.ao.nn.quantized import dynamic
-
-    if any(isinstance(m, dynamic.Linear) for m in model.modules()):
-        return (f"{type(model).__name__} has dynamically quantized int8 layers, which "
-                "torch.compile cannot trace: it runs eager, on a dynamic cache")
-    return None
-
-
-def check_static_support(model) -> None:
-    """Raise NotImplementedError naming the architecture if its forwards cannot run on a
-    `SlotCache` (a custom 4-D mask and explicit position ids, as token trees need)."""
-    cfg = model.config
-    model_type = getattr(cfg, "model_type", "?")
-    attn = getattr(cfg, "_attn_implementation", None) or "eager"
-    if model_type not in TREE_MODEL_TYPES or attn not in TREE_ATTN:
-        raise NotImplementedError(
-            f"compile: the static-cache path runs every forward with a custom 4-D mask, which "
-            f"{type(model).__name__} (model_type={model_type!r}, attn_implementation={attn!r}) "
-            f"is not known to accept; supported: model types {', '.join(sorted(TREE_MODEL_TYPES))} "
-            f"with attn_implementation {' or '.join(sorted(TREE_ATTN))}. Run without --compile.")
 
 
 # models already warned about staying eager (Python's own once-per-location filter is reset by
@@ -130,16 +109,6 @@ def make_runner(model, timer: PhaseTimer, phase: str, rows: int, slots: int,
         _WARNED_EAGER.add(model)
         warnings.warn(f"compile ({phase}): {why}", stacklevel=3)
     return rows_runner(model, timer, phase, rows, (shape or ForwardShape()).hidden)
-
-
-def install_capture_hooks(model) -> None:
-    """Install transformers' hidden-state capturing hooks now (it does so on the first forward
-    asking for hidden states, under a lock a compiled forward cannot trace)."""
-    from transformers import PreTrainedModel
-    from transformers.utils.output_capturing import maybe_install_capturing_hooks
-
-    if isinstance(model, PreTrainedModel):  # on the module whose forward captures (as it does)
-        maybe_install_capturing_hooks(model.get_decoder())
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +155,7 @@ class StaticRunner(RowLayout, ModelRunner):
         self._init_layout(seqs, pad=bucket - seqs)
         self.cache = self.engine.cache_for(bucket * self.shape.rows_per_seq, slots)
         self.n = 0  # columns in use (host side: set by forwards, cuts and compaction)
-        self._ones: dict[tuple[int, int], torch.Tensor] = {}
+        self._ones: dict[tuple, torch.Tensor] = {}  # constant masks, made once per shape
         self._pending: dict[tuple, tuple] = {}  # fused calls to compile after the generation
         self.prewarm_s = self._prewarm()  # before any window opens: not the generation's
         self.compile_s -= self.prewarm_s
@@ -203,7 +172,8 @@ class StaticRunner(RowLayout, ModelRunner):
         self.cache.valid[:self._rows, :self.n] = valid
 
     def _cut(self, end: int) -> None:
-        self.cache.valid[:, end:self.n].fill_(False)
+        # no forward reads a column at or past the write position before writing it (its KV and
+        # validity): moving the position back drops the columns from ``end`` on
         self.n = end
 
     def _gather_columns(self, order: torch.Tensor) -> None:
@@ -251,10 +221,11 @@ class StaticRunner(RowLayout, ModelRunner):
         padded = grow != (0, 0, 0, 0)
         # dense inputs (dynamo guards on strides, and a slice of the ids buffer has the
         # buffer's, which grow with the prompt); nothing copied that is dense already
-        args: tuple = (_dense(F.pad(input_ids, grow) if padded else input_ids),
-                       self._real(total, width) if new is None and not padded
-                       else _dense(F.pad(self._real(rows, k) if new is None else new, grow,
-                                         value=False)))
+        if not padded:
+            real = self._real(total, width) if new is None else new
+        else:
+            real = F.pad(self._real(rows, k) if new is None else new, grow, value=False)
+        args: tuple = (_dense(F.pad(input_ids, grow) if padded else input_ids), _dense(real))
         if anc is not None:  # padded nodes see only themselves, at depth 1
             pad_n = width - k
             if pad_n:
@@ -400,11 +371,17 @@ class StaticRunner(RowLayout, ModelRunner):
         self.compile_s += time.perf_counter() - t0
 
     def _new(self, k: int, counts: list[int] | None) -> torch.Tensor | None:
+        """``[B, k]``: which tokens of a ragged input are real (row b's last counts[b]), made once
+        per distinct counts (a draft's catch-up repeats a few patterns; read-only)."""
         if counts is None:
             return None
         assert self.width == 1, "ragged input while beams are expanded"
-        return torch.arange(k, device=self.device)[None, :] >= k - to_device(
-            counts, self.device)[:, None]
+        key = ("new", k, *counts)
+        new = self._ones.get(key)
+        if new is None:
+            new = self._ones[key] = torch.arange(k, device=self.device)[None, :] >= k - to_device(
+                counts, self.device)[:, None]
+        return new
 
     def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                  features: torch.Tensor | None = None) -> torch.Tensor:
@@ -424,6 +401,20 @@ class StaticRunner(RowLayout, ModelRunner):
         out = self._run(input_ids, None, fused=Fused(forward_then, (fn, input_ids.shape[0], k,
                                                                    *args)))
         self._append_cols(self.n - k, k, None)
+        return out
+
+    def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`ModelRunner.verify` in one graph call (`forward_verify`) where `then` fuses: the
+        rule and the rollback to each row's block on the device, which the loop's `crop_rows`
+        then finds done (its ``kept``: the blocks' lengths read back)."""
+        k = input_ids.shape[1]
+        if self.hidden_layers or k not in (1, self.shape.max_chain):
+            return super().verify(kernels, input_ids, fn, *args)
+        prefix = self._tree_prefix(0)  # per sequence: its columns before the verify
+        out = self._run(input_ids, None, fused=Fused(forward_verify, (fn, input_ids.shape[0], k,
+                                                                     *args)))
+        self._append_cols(self.n - k, k, None)
+        self._held = prefix  # the device holds prefix + the block's length, no more
         return out
 
     def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,

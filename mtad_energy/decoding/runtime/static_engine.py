@@ -1,7 +1,8 @@
 """A model's compiled forward and its static caches (`StaticEngine`), kept per (model, role)
-across generations (`engine_for`), and the buckets their shapes round to (`slot_bucket`,
-`row_bucket`): what `static.StaticRunner` runs on. Later generations reuse the graphs and, when
-they need the same rows and slots, the cache; `release_engines` frees the caches.
+across generations (`engine_for`), the buckets their shapes round to (`slot_bucket`,
+`row_bucket`), and what a model needs to compile (`check_static_support`, `eager_reason`,
+`install_capture_hooks`): what `static.StaticRunner` runs on. Later generations reuse the
+graphs and, when they need the same rows and slots, the cache; `release_engines` frees them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from mtad_energy.decoding.runtime.compiled import CompileOptions, configure_dyna
 from mtad_energy.decoding.runtime.graph_call import GraphFunction
 from mtad_energy.decoding.runtime.slot_cache import SlotCache
 from mtad_energy.decoding.runtime.slot_forward import forward_then, slot_forward
+from mtad_energy.decoding.runtime.tree import TREE_ATTN, TREE_MODEL_TYPES
 
 MIN_SLOTS = 256
 
@@ -28,6 +30,42 @@ def row_bucket(n: int) -> int:
     """The power of two >= n: a batch of n sequences runs padded to it (1, 2, 4, ... 128)."""
     return 1 << (max(n, 1) - 1).bit_length()
 
+
+def eager_reason(model) -> str | None:
+    """Why ``model`` stays on the eager path under ``compile`` (None: it compiles). Dynamically
+    quantized int8 layers (the CPU self-draft ``self:int8``) call quantized kernels dynamo cannot
+    trace: compiled, every layer would be a graph break, and a static cache without a compiled
+    forward only adds masked attention over empty slots."""
+    from torch.ao.nn.quantized import dynamic
+
+    if any(isinstance(m, dynamic.Linear) for m in model.modules()):
+        return (f"{type(model).__name__} has dynamically quantized int8 layers, which "
+                "torch.compile cannot trace: it runs eager, on a dynamic cache")
+    return None
+
+
+def check_static_support(model) -> None:
+    """Raise NotImplementedError naming the architecture if its forwards cannot run on a
+    `SlotCache` (a custom 4-D mask and explicit position ids, as token trees need)."""
+    cfg = model.config
+    model_type = getattr(cfg, "model_type", "?")
+    attn = getattr(cfg, "_attn_implementation", None) or "eager"
+    if model_type not in TREE_MODEL_TYPES or attn not in TREE_ATTN:
+        raise NotImplementedError(
+            f"compile: the static-cache path runs every forward with a custom 4-D mask, which "
+            f"{type(model).__name__} (model_type={model_type!r}, attn_implementation={attn!r}) "
+            f"is not known to accept; supported: model types {', '.join(sorted(TREE_MODEL_TYPES))} "
+            f"with attn_implementation {' or '.join(sorted(TREE_ATTN))}. Run without --compile.")
+
+
+def install_capture_hooks(model) -> None:
+    """Install transformers' hidden-state capturing hooks now (it does so on the first forward
+    asking for hidden states, under a lock a compiled forward cannot trace)."""
+    from transformers import PreTrainedModel
+    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+    if isinstance(model, PreTrainedModel):  # on the module whose forward captures (as it does)
+        maybe_install_capturing_hooks(model.get_decoder())
 
 
 class StaticEngine:
