@@ -73,8 +73,8 @@ class RowLayout:
         # whether `cols` names each sequence's columns exactly (False after a tree keep, which
         # records an upper bound; compaction makes them exact again)
         self._exact = True
-        # after a tree verify that rolled back on the device (`verify_tree`): per sequence, its
-        # columns before the tree; the device holds those plus the block's length, no more
+        # after a verify that rolled back on the device (`verify`, `verify_tree`): per sequence,
+        # its columns before the verify; the device holds those plus the block's length
         self._held: list[int] | None = None
 
     # -- storage (subclasses) ------------------------------------------------------------------
@@ -113,8 +113,8 @@ class RowLayout:
     def crop_rows(self, lengths: list[int], kept: list[int] | None = None) -> None:
         """Keep the first lengths[b] tokens of row b; cut the columns no row holds; compact when
         too many dead columns have piled up (`_should_compact`). ``kept``: the iteration's
-        block lengths read back; after a tree verify that rolled back on the device, where
-        every row keeps its whole block, the device holds those tokens already."""
+        block lengths read back; after a verify that rolled back on the device, where every row
+        keeps its whole block, the device holds those tokens already."""
         held, self._held = self._held, None
         on_device = held is not None and kept is not None and all(
             h + k == n for h, k, n in zip(held, kept, lengths, strict=True))
