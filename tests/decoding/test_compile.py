@@ -325,17 +325,9 @@ def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, trunc
         runner = _three_rows(llama_pair.target, role, ForwardShape(key="verify"))
         call = runner.verify_tree if fused else partial(ModelRunner.verify_tree, runner)
         out = call(Kernels(), TREE_IDS, anc, depths(anc), rule, paths, length)
-        takes = [1, 2, 2] if truncated else [1, 3, 2]  # row 1: EOS after two of its three
-        runner.crop_rows([n + t for n, t in zip([4, 3, 2], takes, strict=True)],
-                         kept=length.tolist())
-        return runner, out
+        return _crop_taken(runner, [1, 2, 2] if truncated else [1, 3, 2], length), out  # EOS
 
-    out, ref = _fused_against_separate(run, "forward_tree_verify")
-    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
-    fused, _ = run("fused", True)
-    assert fused.row_lengths == ([5, 5, 4] if truncated else [5, 6, 4])
-    held = fused.cache.valid[:3, :len(fused)].sum(1).tolist()
-    assert held == fused.row_lengths  # exactly, on the device
+    _rolled_back(run, "forward_tree_verify", [5, 5, 4] if truncated else [5, 6, 4])
 
 
 @torch.inference_mode()
@@ -357,17 +349,27 @@ def test_a_fused_chain_verify_rolls_back_on_the_device(llama_pair, truncated):
         runner = _three_rows(llama_pair.target, role, ForwardShape(max_chain=4))
         call = runner.verify if fused else partial(ModelRunner.verify, runner)
         out = call(Kernels(), TREE_IDS[:, :4], rule, length)
-        takes = [1, 2, 2] if truncated else [1, 4, 2]  # row 1: EOS after two of its four
-        runner.crop_rows([n + t for n, t in zip([4, 3, 2], takes, strict=True)],
-                         kept=length.tolist())
-        return runner, out
+        return _crop_taken(runner, [1, 2, 2] if truncated else [1, 4, 2], length), out  # EOS
 
-    out, ref = _fused_against_separate(run, "forward_verify")
+    _rolled_back(run, "forward_verify", [5, 5, 4] if truncated else [5, 7, 4])
+
+
+def _crop_taken(runner: StaticRunner, takes: list[int], length: torch.Tensor) -> StaticRunner:
+    """The loop's crop after a verify of `_three_rows`: row b took takes[b] tokens of its block
+    of length[b] (fewer: EOS cut it)."""
+    runner.crop_rows([n + t for n, t in zip([4, 3, 2], takes, strict=True)],
+                     kept=length.tolist())
+    return runner
+
+
+def _rolled_back(run, call: str, lengths: list[int]) -> None:
+    """A verify fused with its rollback (``call``) and the crop leave what the separate calls and
+    the crop leave, return what they return, and the device holds exactly the rows' lengths."""
+    out, ref = _fused_against_separate(run, call)
     assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
     fused, _ = run("fused", True)
-    assert fused.row_lengths == ([5, 5, 4] if truncated else [5, 7, 4])
-    held = fused.cache.valid[:3, :len(fused)].sum(1).tolist()
-    assert held == fused.row_lengths  # exactly, on the device
+    assert fused.row_lengths == lengths
+    assert fused.cache.valid[:3, :len(fused)].sum(1).tolist() == lengths  # exactly, on the device
 
 
 @torch.inference_mode()

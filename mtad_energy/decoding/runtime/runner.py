@@ -232,8 +232,8 @@ class ModelRunner:
 
     def crop_rows(self, lengths: list[int], kept: list[int] | None = None) -> None:
         """Keep the first lengths[b] tokens of row b (rows of one sequence: one length).
-        ``kept``: the iteration's block lengths read back (a runner that rolled a tree verify
-        back on the device, `verify_tree`, may find nothing left to do)."""
+        ``kept``: the iteration's block lengths read back (a runner that rolled a verify back
+        on the device, `verify` or `verify_tree`, may find nothing left to do)."""
         self.crop(lengths[0])
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -103,11 +103,8 @@ def forward_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.
     written, the others invalid, where the loop's crop would leave them."""
     start = cache.start.clone()  # [] the verify's first slot
     out = forward_then(model, cache, input_ids, new, fn, rows, k, *args, forward=forward)
-    r, width = input_ids.shape
-    cols = torch.arange(width, device=input_ids.device)
-    keep = F.pad(cols[None, :] < out[2][:, None], (0, 0, 0, r - rows))  # [R, W]
-    valid = cache.valid[:r]
-    valid.index_copy_(1, start + cols, valid.index_select(1, start + cols) & keep)
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device)
+    _keep_columns(cache, start, input_ids.shape[0], cols[None, :] < out[2][:, None])
     return out
 
 
@@ -137,11 +134,15 @@ def forward_tree_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: t
     start = cache.start.clone()  # [] the tree's first slot
     out = forward_tree_then(model, cache, input_ids, new, anc, depths, fn, rows, k, *args,
                             features=features, hidden=hidden, forward=forward)
-    r, width = input_ids.shape
-    keep = kept_nodes(out[3], out[2], width)  # [rows, W]
-    cache.valid[:r].index_copy_(1, start + torch.arange(width, device=keep.device),
-                                F.pad(keep, (0, 0, 0, r - rows)))
+    _keep_columns(cache, start, input_ids.shape[0], kept_nodes(out[3], out[2], input_ids.shape[1]))
     return out
+
+
+def _keep_columns(cache: SlotCache, start: torch.Tensor, r: int, keep: torch.Tensor) -> None:
+    """The validity of the W columns a verify wrote from ``start`` in the cache's first ``r``
+    rows: ``keep [rows, W]`` for the real rows, none for the padding rows after them."""
+    cols = start + torch.arange(keep.shape[1], device=keep.device)
+    cache.valid[:r].index_copy_(1, cols, F.pad(keep, (0, 0, 0, r - keep.shape[0])))
 
 
 def kept_nodes(path: torch.Tensor, length: torch.Tensor, width: int) -> torch.Tensor:

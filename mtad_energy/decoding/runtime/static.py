@@ -395,26 +395,31 @@ class StaticRunner(RowLayout, ModelRunner):
         verify at the decoder's full width (`ForwardShape.max_chain`); a shorter verify (a
         generation's last, or a shorter draft) runs as two calls, the forward and the kernel:
         a fused graph per draft length would compile a target forward per length."""
-        k = input_ids.shape[1]
-        if self.hidden_layers or k not in (1, self.shape.max_chain):  # heads: not fused (yet)
+        if not self._fuses_chain(input_ids):
             return super().then(kernels, input_ids, fn, *args)
-        out = self._run(input_ids, None, fused=Fused(forward_then, (fn, input_ids.shape[0], k,
-                                                                   *args)))
-        self._append_cols(self.n - k, k, None)
-        return out
+        return self._fused_chain(forward_then, input_ids, fn, args)
 
     def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """`ModelRunner.verify` in one graph call (`forward_verify`) where `then` fuses: the
         rule and the rollback to each row's block on the device, which the loop's `crop_rows`
         then finds done (its ``kept``: the blocks' lengths read back)."""
-        k = input_ids.shape[1]
-        if self.hidden_layers or k not in (1, self.shape.max_chain):
+        if not self._fuses_chain(input_ids):
             return super().verify(kernels, input_ids, fn, *args)
-        prefix = self._tree_prefix(0)  # per sequence: its columns before the verify
-        out = self._run(input_ids, None, fused=Fused(forward_verify, (fn, input_ids.shape[0], k,
-                                                                     *args)))
-        self._append_cols(self.n - k, k, None)
+        prefix = self.row_lengths  # per sequence: its columns before the verify
+        out = self._fused_chain(forward_verify, input_ids, fn, args)
         self._held = prefix  # the device holds prefix + the block's length, no more
+        return out
+
+    def _fuses_chain(self, input_ids: torch.Tensor) -> bool:
+        """Whether a forward and its kernel run as one call: a one-token step or a verify at
+        the decoder's full width (heads' forwards are not fused yet)."""
+        return not self.hidden_layers and input_ids.shape[1] in (1, self.shape.max_chain)
+
+    def _fused_chain(self, call: Callable[..., Any], input_ids: torch.Tensor,
+                     fn: Callable[..., Any], args: tuple) -> Any:
+        k = input_ids.shape[1]
+        out = self._run(input_ids, None, fused=Fused(call, (fn, input_ids.shape[0], k, *args)))
+        self._append_cols(self.n - k, k, None)
         return out
 
     def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
@@ -519,7 +524,7 @@ class StaticRunner(RowLayout, ModelRunner):
         if not self._fuses_tree(input_ids, anc_rows):
             return super().verify_tree(kernels, input_ids, anc_rows, depths, fn, *args,
                                        features=features)
-        prefix = self._tree_prefix(0)  # per sequence: its columns before the tree
+        prefix = self.row_lengths  # per sequence: its columns before the tree
         out = self._fused_tree(forward_tree_verify, input_ids, anc_rows, depths, fn, args,
                                features)
         self._kept_tree(input_ids.shape[1], out[3].shape[-1])
