@@ -6,7 +6,8 @@ attention over the draft cache (the leaves need none), so depth L costs L draft 
 chain of L tokens does in spd; each level's draws are a kernel (`draw_level`, its uniforms drawn
 up front), so compiled, the whole tree is one graph call (`ModelRunner.tree_levels`). The
 target scores root + all nodes in one tree-attention forward; ``rules.tree.tree_speculative_accept``
-walks the tree. Lossless w.r.t. ~p.
+walks the tree. Lossless w.r.t. ~p. The draft then drops its tree (`DecodeState.draft_rewind`):
+the next iteration's first draft forward takes the accepted path with the bonus token.
 
 Stats: ``proposed`` = all draft tree nodes shown to the target (28 by default); ``accepted`` =
 accepted path length.
@@ -138,13 +139,13 @@ class SpecInfer(Decoder):
         # the tree grown level by level (compiled: one graph call), [B, N], [B, 1 + N_int, V]
         tokens, q = s.draft.tree_levels(s.kernels, pending, counts, branching, anc_d, draw_level,
                                         u, self.without_replacement, *warp.args)
-        block, depth, length, path = tree_verify(
+        block, depth, length, _ = tree_verify(
             s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, specinfer_verify,
             q, tokens, s.uniform(*tokens.shape), s.uniform(tokens.shape[0], 1), branching,
             self.without_replacement, *warp.args)
-        # both caches keep the chosen node of every level (the target's inside the verify) and
-        # the loop crops them to the accepted depth: depth is never read back here
-        s.draft.keep_tree(q.shape[1] - 1, path[:, 1:len(branching)] - 1)  # internal nodes fed
+        # the target keeps the chosen node of every level inside the verify (the loop crops it
+        # to the accepted depth); the draft drops its tree and is fed the accepted path next
+        s.draft_rewind()
         nodes = tuple(tree_nodes(self.params.branching[:n]) for n in lens)
         return StepResult(block, nodes, depth, length, depth=lens)
 

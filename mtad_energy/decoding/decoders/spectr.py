@@ -1,30 +1,36 @@
 """SpecTr (Sun et al. 2023): k i.i.d. draft sequences, k-sequential selection. Lossless w.r.t. ~p.
 
-Verification layout: the k drafts are verified as k *batch rows* (the target cache is expanded to
-k rows for one forward of ``[k, gamma+1]`` tokens, then the row of the accepted draft is kept),
-not as a token tree. Why: it needs nothing but the runner's ``repeat_rows``/``select_rows`` and
-works for every architecture (no custom 4-D attention mask); at batch 1 the forward is bound by
-reading the weights, which the k rows share, so its cost is close to one chain verification. The
-price is k copies of the KV cache per iteration (KV bytes are small next to the weights for the
-paper's contexts); a tree would also merge drafts that share a prefix.
+Layout: the k drafts are one token tree with branching ``(k, 1, ..., 1)``: the root (the last
+emitted token) has k children drawn i.i.d. from its ~q, and each draft continues with one child
+per node, so draft i is the nodes ``i, k + i, ..., (gamma - 1) k + i`` (levels stored one after
+another). That is exactly k i.i.d. sequences whose first distribution is shared. The draft grows
+it level by level (gamma forwards of k nodes at one row per sequence; compiled, one graph call:
+`ModelRunner.tree_levels`) and the target scores the root and the k gamma nodes in one tree
+forward whose rule selects a draft and whose rollback keeps that draft's path (compiled, one
+graph call with the rollback: `tree.tree_verify`); the draft drops its tree and takes the
+accepted tokens in its next first forward (`DecodeState.draft_rewind`). The drafts are not
+merged where they share a prefix: the rule needs each draft's p and q along its own positions,
+which a shared node holds alike.
 
-The draft does the same: its first distribution is shared by all k drafts (one batch-1 forward,
-k i.i.d. samples), then the draft cache is expanded to k rows for the remaining gamma-1 steps.
+Draws: each node's children come from its ~q by inverse CDF (the uniforms of the whole tree
+drawn up front, a row of k per node with children: the root takes k, the others one), the same
+law and, for one draft, the same draws as spd's chain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from mtad_energy.decoding.rules.chain import spectr_accept_u
-from mtad_energy.decoding.rules.sampling import Warp, sample, warp_probs
+from mtad_energy.decoding.rules.sampling import sample_n_u, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
-from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.tree import check_tree_support, rooted_tree, tree_verify
 
 
 @dataclass(frozen=True)
@@ -37,32 +43,35 @@ class SpectrParams(DecoderParams):
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
 
-def draft_sequences(draft: ModelRunner, pending: torch.Tensor, k: int, gamma: int, warp: Warp,
-                    generator: torch.Generator, counts: list[int] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k i.i.d. sequences of gamma tokens from ~q per sequence, after feeding ``pending [B, m]``
-    (row b's last counts[b] tokens real): ``(drafts [B, k, gamma], q [B, k, gamma, V])``.
+@lru_cache(maxsize=32)
+def drafts_tree(k: int, gamma: int, device: torch.device
+                ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """k drafts of gamma tokens as one tree: ``(branching (k, 1, ..., 1), the draft's ancestors
+    [N, N] (levels on the prefix), the target's [1 + N, 1 + N] (the last token at the root))``,
+    N = k gamma."""
+    branching = (k,) + (1,) * (gamma - 1)
+    anc = rooted_tree(branching, device)[1]
+    return branching, anc[1:, 1:].contiguous(), anc
 
-    Leaves the draft cache at k rows per sequence when gamma > 1 (row b*k + i holds draft i's
-    first gamma-1 tokens).
-    """
-    first = warp.probs(draft(pending, counts)[:, -1])  # [B, V], shared by the k drafts
-    rows = first.shape[0]
-    q = first[:, None].expand(rows, k, -1)  # [B, k, V]
-    tok = sample(q, generator)  # [B, k]
-    tokens, qs = [tok], [q]
-    if gamma > 1:
-        draft.repeat_rows(k)
-    for _ in range(1, gamma):
-        q = warp.probs(draft(tok.reshape(rows * k, 1))[:, -1]).view(rows, k, -1)  # [B, k, V]
-        tok = sample(q, generator)
-        tokens.append(tok), qs.append(q)
-    return torch.stack(tokens, 2), torch.stack(qs, 2)
+
+def by_draft(x: torch.Tensor, k: int) -> torch.Tensor:
+    """A tree's nodes in level order ``[B, gamma * k, ...]`` -> ``[B, k, gamma, ...]``, draft i's
+    nodes ``i, k + i, ...`` in its row."""
+    return x.unflatten(1, (-1, k)).transpose(1, 2)
+
+
+def draw_drafts(logits: torch.Tensor, u: torch.Tensor, b: int, temperature: float, top_k: int,
+                top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: one level of the drafts' tree. Warped q at each of the level's C nodes (``logits
+    [B, C, V]``) and ``b`` i.i.d. children per node by inverse CDF (uniforms ``u [B, C, >=
+    b]``, the first b taken): ``(children [B, C*b] in node order, q [B, C, V])``."""
+    q = warp_probs(logits, temperature, top_k, top_p)  # [B, C, V]
+    return sample_n_u(q, u[..., :b]).flatten(1), q
 
 
 class Spectr(Decoder):
     name = "spectr"
-    help = "SpecTr: k i.i.d. drafts verified as k rows, k-sequential selection (lossless)"
+    help = "SpecTr: k i.i.d. drafts verified as one token tree, k-sequential selection (lossless)"
     Params = SpectrParams
     needs_draft = True
     batched = True
@@ -71,8 +80,9 @@ class Spectr(Decoder):
     def lookahead(self) -> int:
         return self.params.gamma
 
-    def cache_rows(self, role: str) -> int:
-        return self.params.num_drafts
+    @property
+    def verify_width(self) -> int:
+        return 1 + self.params.num_drafts * self.params.gamma
 
     def step(self, s: DecodeState) -> StepResult:
         warp, k = self.params.warp, self.params.num_drafts
@@ -80,37 +90,42 @@ class Spectr(Decoder):
         gamma = max(lens)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
+        branching, anc_d, anc_t = drafts_tree(k, gamma, s.ids.device)
+        check_tree_support(s.draft.model)
         pending, counts = s.draft_feed()
-        drafts, q = draft_sequences(s.draft, pending, k, gamma, warp, s.generator, counts)
-        rows = drafts.shape[0]
-        if k > 1:
-            s.target.repeat_rows(k)
-        ids = torch.cat([s.last_token.repeat_interleave(k, 0), drafts.reshape(rows * k, gamma)],
-                        1)  # [B*k, gamma+1]
+        # the k drafts grown level by level (compiled: one graph call): tokens [B, k gamma] in
+        # level order, q [B, 1 + k (gamma - 1), V] at the root and the internal nodes
+        tokens, q = s.draft.tree_levels(s.kernels, pending, counts, branching, anc_d,
+                                        draw_drafts, s.uniform(s.batch, 1 + k * (gamma - 1), k),
+                                        *warp.args)
         # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
-        block, n, length, keep = s.target.then(
-            s.kernels, ids, spectr_verify, q, drafts, s.uniform(*drafts.shape),
-            s.uniform(rows, 1), 2 * self.params.top_k, *warp.args)
-        # back to one row per sequence, the one consistent with the emitted prefix (the loop
-        # then crops)
-        if k > 1:
-            s.target.select_rows(keep)
-            if gamma > 1:
-                s.draft.select_rows(keep)
+        block, n, length, _ = tree_verify(
+            s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, spectr_verify, q,
+            tokens, s.uniform(s.batch, k, gamma), s.uniform(s.batch, 1), k,
+            2 * self.params.top_k, *warp.args)
+        # the target keeps the selected draft inside the verify (the loop crops it to the
+        # accepted length); the draft drops its tree and is fed the accepted tokens next
+        s.draft_rewind()
         # proposed = every draft token shown to the target (k * gamma), as for tree decoders
         return StepResult(block, tuple(k * g for g in lens), n, length, depth=lens)
 
 
-def spectr_verify(logits: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
-                  u_next: torch.Tensor, support: int, temperature: float, top_k: int,
+def spectr_verify(logits: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor,
+                  u_next: torch.Tensor, k: int, support: int, temperature: float, top_k: int,
                   top_p: float) -> tuple[torch.Tensor, ...]:
-    """Kernel: the target's warped p along each draft (``logits [B*k, gamma+1, V]``), Spectr's
-    selection (`spectr_accept_u`; ``q [B, k, gamma, V]``, ``drafts [B, k, gamma]``) and the
-    block: ``(block [B, gamma+1], n, length [B], keep [B])``, keep: the cache row of the draft
-    each sequence keeps (row b*k + the chosen draft)."""
-    rows, k, gamma = drafts.shape
-    p = warp_probs(logits, temperature, top_k, top_p).view(rows, k, gamma + 1, -1)
+    """Kernel: the target's warped p at the root and each node (``logits [B, 1 + k gamma, V]``),
+    Spectr's selection (`spectr_accept_u`) of the drafts ``tokens [B, k gamma]`` (level order)
+    drawn from ``q [B, 1 + k (gamma - 1), V]`` (the root's, then each internal node's) and the
+    block: ``(block [B, gamma+1], n, length [B], path [B, gamma+1])``, path: the selected draft's
+    target tree nodes (the root 0 first)."""
+    rows, gamma = tokens.shape[0], tokens.shape[1] // k
+    p = warp_probs(logits, temperature, top_k, top_p)  # [B, 1 + k gamma, V]
+    root_p, root_q = p[:, :1, None].expand(-1, k, 1, -1), q[:, :1, None].expand(-1, k, 1, -1)
+    p = torch.cat([root_p, by_draft(p[:, 1:], k)], 2)  # [B, k, gamma+1, V] along each draft
+    q = torch.cat([root_q, by_draft(q[:, 1:], k)], 2)  # [B, k, gamma, V]
+    drafts = by_draft(tokens, k)  # [B, k, gamma]
     n, nxt, row = spectr_accept_u(p, q, drafts, u, u_next, support)  # [B] each
     kept = drafts.gather(1, row[:, None, None].expand(-1, 1, gamma)).squeeze(1)  # [B, gamma]
     block, length = block_tokens(kept, n, nxt)
-    return block, n, length, torch.arange(rows, device=row.device) * k + row
+    nodes = 1 + row[:, None] + k * torch.arange(gamma, device=row.device)  # [B, gamma]
+    return block, n, length, torch.cat([nodes.new_zeros(rows, 1), nodes], 1)

@@ -88,7 +88,7 @@ class Decoder:
 
     def cache_rows(self, role: str) -> int:
         """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):
-        the beam width of a beam search over that model, Spectr's k drafts; 1 otherwise."""
+        the beam width of a beam search over that model; 1 otherwise."""
         return 1
 
     def draft_len(self, s: DecodeState) -> int:

@@ -134,6 +134,14 @@ class DecodeState:
         idx = self.lengths_on_device()[:, None] - k + self._arange(k)
         return self.ids.gather(1, idx.clamp_min(0)), counts
 
+    def draft_rewind(self) -> None:
+        """Crop the draft back to the emitted tokens before this step, dropping what it drafted
+        after them (a token tree): the next `draft_feed` hands it the accepted tokens with the
+        bonus, up to depth + 1 of them, in the forward it runs anyway. Nothing to keep per row
+        on the device: compiled, the rollback only moves the write position (SGLang's EAGLE
+        worker extends its draft over the accepted tokens likewise)."""
+        self.draft.crop_rows(list(self.lengths))
+
     def append_rows(self, block: torch.Tensor, host: list[list[int]],
                     counts: torch.Tensor | int | None = None) -> None:
         """Append to each row b the first len(host[b]) tokens of ``block [B, M]`` (on the device;

@@ -11,7 +11,7 @@ the rows, a per-row validity mask, compaction). Differences from the eager runne
   **rollback is invalidating columns and moving the write position** (nothing is freed or
   copied);
 * the rows are padded to a **bucket** (1, 2, 4, 8, ... sequences, times the rows a sequence
-  expands to: beams, Spectr's drafts), so a sweep over batch sizes compiles a bounded number of
+  expands to: beams), so a sweep over batch sizes compiles a bounded number of
   graphs; padding rows hold no valid column and see only their own token; rows that finish
   keep riding in their slot;
 * every forward builds its 4-D additive mask and position ids inside the compiled graph from
@@ -83,7 +83,7 @@ class ForwardShape:
     """What a decoder tells the compiled runner of one of its models up front."""
 
     key: str = ""  # the decoder (name and parameters): tree widths are remembered per key
-    rows_per_seq: int = 1  # cache rows a sequence expands to at most (beams, Spectr's drafts)
+    rows_per_seq: int = 1  # cache rows a sequence expands to at most (beams)
     max_chain: int = 1  # widest chain forward (a verify of gamma + 1 tokens)
     # chain widths whose use depends on sampled values (a catch-up of 2 after a full accept, a
     # verify of 2 or a target step of 1 in the last iterations): compiled when the runner is
@@ -342,6 +342,8 @@ class StaticRunner(RowLayout, ModelRunner):
             self._warm((ids, torch.zeros_like(ids, dtype=torch.bool), anc,
                         torch.ones(1, k, dtype=torch.long, device=self.device)), kwargs)
             self.cache.warmed.add(key)
+            if at != self.n:  # the warm wrote past the columns in use (after M earlier nodes):
+                self.cache.start.fill_(self.n)  # the fused call that follows starts at them
 
     def compile_pending(self) -> float:
         """Compile the fused calls this generation met for the first time (they ran with their
