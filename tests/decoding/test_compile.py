@@ -380,8 +380,9 @@ def test_a_fused_draft_tree_returns_and_leaves_what_its_levels_do(llama_pair,
     draws and the children's tree forward) in one graph call, once compiled: the same tokens,
     q, cache columns, validity and KV as the levels one by one (`ModelRunner.tree_levels`), for
     3 rows in a bucket of 4 with a ragged first input, branching (2, 2, 2)."""
-    from mtad_energy.decoding.decoders.specinfer import draw_level, tree_structure
+    from mtad_energy.decoding.decoders.specinfer import draw_level
     from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.tree import tree_structure
 
     branching = (2, 2, 2)
     anc = tree_structure(branching, torch.device("cpu"))[0]  # [14, 14]

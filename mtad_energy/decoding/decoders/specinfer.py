@@ -16,7 +16,6 @@ accepted path length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -36,11 +35,10 @@ from mtad_energy.decoding.runtime.params import DecoderParams, param
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
 from mtad_energy.decoding.runtime.tree import (
-    ancestors,
     check_tree_support,
-    level_parents,
     set_branching,
     tree_nodes,
+    tree_structure,
     tree_verify,
 )
 from mtad_energy.models.shapes import output_size
@@ -52,15 +50,6 @@ class SpecInferParams(DecoderParams):
 
     def validate(self) -> None:
         set_branching(self)
-
-
-@lru_cache(maxsize=32)
-def tree_structure(branching: tuple[int, ...], device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ancestor matrices of the static tree: draft ``[N, N]`` (levels on the prefix) and target
-    ``[1 + N, 1 + N]`` (the last emitted token at the root)."""
-    parents = level_parents(branching, device)
-    return ancestors(parents), ancestors(torch.cat([parents.new_full((1,), -1), parents + 1]))
 
 
 def draw_children_u(q: torch.Tensor, b: int, u: torch.Tensor, without_replacement: bool,

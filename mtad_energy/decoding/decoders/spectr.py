@@ -20,7 +20,6 @@ law and, for one draft, the same draws as spd's chain.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -30,7 +29,7 @@ from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_tokens
-from mtad_energy.decoding.runtime.tree import check_tree_support, rooted_tree, tree_verify
+from mtad_energy.decoding.runtime.tree import check_tree_support, tree_structure, tree_verify
 
 
 @dataclass(frozen=True)
@@ -41,17 +40,6 @@ class SpectrParams(DecoderParams):
     def validate(self) -> None:
         require(self.num_drafts >= 1, f"num_drafts (k) must be >= 1, got {self.num_drafts}")
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
-
-
-@lru_cache(maxsize=32)
-def drafts_tree(k: int, gamma: int, device: torch.device
-                ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
-    """k drafts of gamma tokens as one tree: ``(branching (k, 1, ..., 1), the draft's ancestors
-    [N, N] (levels on the prefix), the target's [1 + N, 1 + N] (the last token at the root))``,
-    N = k gamma."""
-    branching = (k,) + (1,) * (gamma - 1)
-    anc = rooted_tree(branching, device)[1]
-    return branching, anc[1:, 1:].contiguous(), anc
 
 
 def by_draft(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -90,7 +78,8 @@ class Spectr(Decoder):
         gamma = max(lens)
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
-        branching, anc_d, anc_t = drafts_tree(k, gamma, s.ids.device)
+        branching = (k,) + (1,) * (gamma - 1)  # k drafts of gamma tokens as one tree
+        anc_d, anc_t = tree_structure(branching, s.ids.device)
         check_tree_support(s.draft.model)
         pending, counts = s.draft_feed()
         # the k drafts grown level by level (compiled: one graph call): tokens [B, k gamma] in

@@ -163,6 +163,16 @@ def rooted_tree(branching: tuple[int, ...], device: torch.device
     return parents, ancestors(parents)
 
 
+@lru_cache(maxsize=32)
+def tree_structure(branching: tuple[int, ...], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor matrices of a static tree a draft grows and a target verifies: the draft's ``[N,
+    N]`` (levels on the prefix) and the target's ``[1 + N, 1 + N]`` (the last emitted token at
+    the root)."""
+    parents = level_parents(branching, device)
+    return ancestors(parents), ancestors(torch.cat([parents.new_full((1,), -1), parents + 1]))
+
+
 def tree_nodes(branching: tuple[int, ...]) -> int:
     """Nodes of a static tree (4, 2, 2: 4 + 8 + 16 = 28)."""
     return sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
