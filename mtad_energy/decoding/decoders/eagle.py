@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from mtad_energy.decoding.rules.sampling import warp_probs
+from mtad_energy.decoding.rules.sampling import split_uniforms, warp_probs
 from mtad_energy.decoding.rules.tree import tree_candidates_accept_u
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.head_runner import prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens, depth_fields
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens, depth_fields
 from mtad_energy.decoding.runtime.tree import (
     MAX_TREE_NODES,
     ancestors,
@@ -157,19 +157,23 @@ def eagle_choose(caps: torch.Tensor, n: int, *pools: torch.Tensor) -> tuple[torc
 
 def eagle_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,
                  parents: torch.Tensor, anc: torch.Tensor, caps: torch.Tensor, levels: int,
-                 u: torch.Tensor, u_next: torch.Tensor, temperature: float, top_k: int,
-                 top_p: float) -> tuple[torch.Tensor, ...]:
+                 u: torch.Tensor, recent: torch.Tensor, tree_depth: torch.Tensor | None,
+                 temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: the verify's warped p (``logits [B, 1 + N, V]``) and the rule for chosen
-    candidates (`tree_candidates_accept_u`) over ``full [B, 1 + N]`` (the root first; ``parents``,
-    ``anc``: its tree) -> ``(block [B, L + 1], accepted depth [B], length [B], kept nodes [B, 1
-    + L] (root first), their features [B, 1 + L, H] (``hidden``: every node's))``."""
+    candidates (`tree_candidates_accept_u`; ``u``: its uniforms ``[B (1 + N), 1]`` then the next
+    token's ``[B, 1]``, flat) over ``full [B, 1 + N]`` (the root first; ``parents``, ``anc``:
+    its tree) -> ``(block [B, L + 1], accepted depth [B], length [B], kept nodes [B, 1 + L]
+    (root first), their features [B, 1 + L, H] (``hidden``: every node's), recent, read)``
+    (`block_out`; ``tree_depth [B]``: the depth only the device knows, or None)."""
     p = warp_probs(logits, temperature, top_k, top_p)
-    depth, path, nxt, _ = tree_candidates_accept_u(p, full, parents, anc, caps, levels, u,
-                                                   u_next)
+    depth, path, nxt, _ = tree_candidates_accept_u(
+        p, full, parents, anc, caps, levels, *split_uniforms(u, (full.numel(), 1),
+                                                              (full.shape[0], 1)))
     kept = torch.cat([torch.zeros_like(path[:, :1]), path], 1)  # [B, 1 + L]: root first
     feat = hidden.gather(1, kept[..., None].expand(-1, -1, hidden.shape[-1]))
     block, length = block_tokens(full.gather(1, path), depth, nxt)
-    return block, depth, length, kept, feat
+    counts = (depth, length) + (() if tree_depth is None else (tree_depth,))
+    return block, depth, length, kept, feat, *block_out(block, length, recent, *counts)
 
 
 def _flat(pools: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -220,8 +224,8 @@ class Eagle(Decoder):
             k = n_max - 2  # pairs 0 .. n-3 of the longest prompt
             if k >= 1:
                 counts = [max(0, n - 2) for n in s.prompt_lens]
-                idx = to_device([n - 1 - k for n in s.prompt_lens], s.ids.device)[:, None] \
-                    + torch.arange(k, device=s.ids.device)  # tokens 1 .. n-2, right-aligned
+                idx = to_device([n - 1 - k for n in s.prompt_lens], s.device)[:, None] \
+                    + torch.arange(k, device=s.device)  # tokens 1 .. n-2, right-aligned
                 feats = s.target.hidden[:, :k]
                 s.draft.prefill(s.ids.gather(1, idx.clamp_min(0)), counts if s.batch > 1 else None,
                                 features=feats)
@@ -249,21 +253,20 @@ class Eagle(Decoder):
             depths = lens
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]
         # the verify's forward (returning every node's features) and its rule: one graph call
-        block, depth, length, kept, feat = tree_verify(
+        block, depth, length, kept, feat, recent, read = tree_verify(
             s.target, s.kernels, full, anc, eagle_verify, full, parents, anc,
-            s.on_device(lens), levels, s.uniform(full.numel(), 1),
-            s.uniform(s.batch, 1), *warp.args)
+            s.on_device(lens), levels, s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent,
+            depths if isinstance(depths, torch.Tensor) else None, *warp.args)
         s.carry["feat"] = feat  # the root's and the accepted nodes' features: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
         return StepResult(block, tuple(proposed), depth, length,
-                          **depth_fields(depths, s.batch))
+                          **depth_fields(depths, s.batch), recent=recent, read=read)
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the head the pairs it has not seen (tokens j + 1, carried features j), right-
         aligned -> the output at each row's last pair: ``(logits [B, V'], feature [B, H])``."""
         k = max(counts)
-        idx = s.lengths_on_device()[:, None] - k + torch.arange(k, device=s.ids.device)
-        ids = s.ids.gather(1, idx.clamp_min(0))  # [B, k]: each row's last k tokens
+        ids = s.last_tokens(k)  # [B, k]
         feats = _right_aligned(s.carry["feat"], counts, k)
         logits = s.draft(ids, counts if s.batch > 1 else None, features=feats)
         return logits[:, -1], s.draft.hidden[:, -1]
@@ -307,7 +310,7 @@ class Eagle(Decoder):
                 lens: list[int], head) -> tuple[torch.Tensor, ...]:
         """EAGLE-1's tree: every node of a level gets the top tokens of its own output."""
         branching = self.params.branching[:max(lens)]
-        rows, dev = s.batch, s.ids.device
+        rows, dev = s.batch, s.device
         parents, anc = rooted_tree(branching, dev)
         level_tok = head.to_target(root_logits.topk(branching[0], -1).indices)  # [B, b0]
         tokens, fed = [level_tok], 0

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
+from mtad_energy.decoding.rules.sampling import sample_u, split_uniforms, warp_probs
 from mtad_energy.decoding.rules.tree import tree_candidates_accept_u, tree_typical_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.head_runner import prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 from mtad_energy.decoding.runtime.tree import rooted_tree, set_branching, tree_nodes, tree_verify
 
 ACCEPTANCE = ("typical", "speculative")
@@ -108,41 +108,46 @@ class Medusa(Decoder):
             s.carry["hidden"] = s.target.hidden[:, -1]
             return out
         tokens = s.draft.then(s.kernels, s.carry["hidden"], candidate_tokens, branching)  # [B, N]
-        parents, anc = rooted_tree(branching, s.ids.device)
+        parents, anc = rooted_tree(branching, s.device)
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]: the root first
         speculative = prm.acceptance == "speculative"
         # the verify's forward (returning every node's features) and its rule: one graph call
-        block, depth, length, path, feat = tree_verify(
+        draws = ((full.numel(), 1),) if speculative else ()  # the rule's, then the next token's
+        block, depth, length, path, feat, recent, read = tree_verify(
             s.target, s.kernels, full, anc, medusa_verify, full, parents, anc,
-            s.on_device(lens), s.uniform(full.numel(), 1) if speculative else None,
-            s.uniform(full.shape[0], 1), len(branching), speculative, prm.eps, prm.delta,
-            *warp.args)
+            s.on_device(lens), s.uniforms(*draws, (s.batch, 1)), s.recent, len(branching),
+            speculative, prm.eps, prm.delta, *warp.args)
         s.carry["hidden"] = feat  # the deepest accepted node's: the heads' next input
         nodes = tuple(tree_nodes(branching[:n]) for n in lens)
-        return StepResult(block, nodes, depth, length, depth=lens)
+        return StepResult(block, nodes, depth, length, depth=lens, recent=recent, read=read)
 
 
 def medusa_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,
                   parents: torch.Tensor, anc: torch.Tensor, caps: torch.Tensor,
-                  u: torch.Tensor | None, u_next: torch.Tensor, levels: int, speculative: bool,
+                  u: torch.Tensor, recent: torch.Tensor, levels: int, speculative: bool,
                   eps: float, delta: float, temperature: float, top_k: int, top_p: float
                   ) -> tuple[torch.Tensor, ...]:
     """Kernel: the acceptance rule on the verified tree (``logits [B, 1 + N, V]`` of ``full [B,
     1 + N]``, the root first; ``caps [B]``: each row's depth), speculative
-    (`tree_candidates_accept_u`, its uniforms ``u [B * (1 + N), 1]``) or typical
-    (`tree_typical_accept`), the next token (``u_next [B, 1]``) and the block: ``(block [B, L+1],
-    depth, length [B], path [B, 1+L], features [B, F])``, path: the nodes to keep (the root
-    first), features: ``hidden [B, 1 + N, F]`` (every node's) at the deepest accepted node."""
+    (`tree_candidates_accept_u`, its uniforms ``[B * (1 + N), 1]``) or typical
+    (`tree_typical_accept`), the next token (one uniform ``[B, 1]``; ``u``: the rule's, if
+    speculative, then these, flat) and the block: ``(block [B, L+1], depth, length [B], path [B,
+    1+L], features [B, F], recent, read)``, path: the nodes to keep (the root first), features:
+    ``hidden [B, 1 + N, F]`` (every node's) at the deepest accepted node (`block_out`:
+    ``recent``, ``read``)."""
+    rows = full.shape[0]
     if speculative:
         depth, path, nxt, node = tree_candidates_accept_u(
-            warp_probs(logits, temperature, top_k, top_p), full, parents, anc, caps, levels, u,
-            u_next)
+            warp_probs(logits, temperature, top_k, top_p), full, parents, anc, caps, levels,
+            *split_uniforms(u, (full.numel(), 1), (rows, 1)))
     else:
         p_test = warp_probs(logits, temperature, top_k=0, top_p=1.0)
         depth, path, node = tree_typical_accept(p_test, full, parents, anc, caps, levels, eps,
                                                 delta)
         at = node[:, None, None].expand(-1, 1, logits.shape[-1])
-        nxt = sample_u(warp_probs(logits.gather(1, at)[:, 0], temperature, top_k, top_p), u_next)
+        nxt = sample_u(warp_probs(logits.gather(1, at)[:, 0], temperature, top_k, top_p),
+                       u.view(rows, 1))
     block, length = block_tokens(full.gather(1, path), depth, nxt)
     feat = hidden.gather(1, node[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
-    return block, depth, length, torch.cat([torch.zeros_like(path[:, :1]), path], 1), feat
+    return (block, depth, length, torch.cat([torch.zeros_like(path[:, :1]), path], 1), feat,
+            *block_out(block, length, recent, depth, length))

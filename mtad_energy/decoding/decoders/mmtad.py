@@ -23,7 +23,7 @@ from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
 from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 from mtad_energy.decoding.runtime.tree import ancestors, tree_verify
 
 
@@ -58,14 +58,15 @@ class Mmtad(Decoder):
         # search alone stops there; y* is then the best beam at that depth); a row with no draft
         # of its own takes its token from p
         # (compiled: the target's rollback to the kept path in the same graph call)
-        block, eta, length, _, row, kept = tree_verify(
+        block, eta, length, _, row, kept, recent, read = tree_verify(
             s.target, s.kernels, tokens, anc, mmtad_verify, tokens, beams.tokens, beams.parents,
-            beams.log_q, beams.seqs, s.on_device(lens), s.uniform(s.batch, 1),
+            beams.log_q, beams.seqs, s.on_device(lens), s.uniform(s.batch, 1), s.recent,
             prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
         beams.keep_rows(s.draft, row)
-        return StepResult(block, tuple(n * width for n in lens), eta, length, kept, depth=lens)
+        return StepResult(block, tuple(n * width for n in lens), eta, length, kept, depth=lens,
+                          recent=recent, read=read)
 
 
 def beam_tree(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
@@ -82,14 +83,15 @@ def beam_tree(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
 
 def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
                  parents: torch.Tensor, log_q: torch.Tensor, seqs: torch.Tensor,
-                 lens: torch.Tensor, u_next: torch.Tensor, log_tau: float, temperature: float,
-                 top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+                 lens: torch.Tensor, u_next: torch.Tensor, recent: torch.Tensor, log_tau: float,
+                 temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: MMTAD's rule on the verified beam tree (``logits [B, N, V]`` of ``tree [B, N]``,
     `beam_tree`; the draft's ``tokens, parents, log_q [B, D, W]`` and final beams ``seqs [B, W,
     D]``), each row over its own draft length ``lens [B]`` (0: nothing accepted). Returns
-    ``(block [B, D+1], eta, length, path [B, 1+D], row, kept [B])``: the emitted block, the
-    target tree's nodes to keep (root first), and the final beam whose draft cache to keep, as
-    its cache row (`beam_rows`), with the length it shares with the emitted draft."""
+    ``(block [B, D+1], eta, length, path [B, 1+D], row, kept [B], recent, read)``: the emitted
+    block, the target tree's nodes to keep (root first), and the final beam whose draft cache to
+    keep, as its cache row (`beam_rows`), with the length it shares with the emitted draft
+    (`block_out`: ``recent``, ``read``)."""
     rows, gamma, width = tokens.shape
     p = warp_probs(logits, temperature, top_k, top_p)  # [B, N, V]
     # each node's conditional log ~p: p at its parent (its flat index: `beam_tree`), of its token
@@ -109,4 +111,5 @@ def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
     block, length = block_tokens(path_tok, eta, nxt)
     beam, kept = closest_beam(seqs, path_tok, eta)
     nodes = torch.cat([path.new_zeros(rows, 1), 1 + d_idx[None] * width + path], 1)  # [B, 1+D]
-    return block, eta, length, nodes, beam_rows(beam, width), kept
+    return (block, eta, length, nodes, beam_rows(beam, width), kept,
+            *block_out(block, length, recent, eta, length, kept))

@@ -20,7 +20,7 @@ from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 
 
 @dataclass(frozen=True)
@@ -70,22 +70,25 @@ class Mtad(Decoder):
                                  finish_args=(s.on_device([max(1, n) for n in lens]),))
         y, cum_log_q = beams.finished  # [B, gamma] each
         # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
-        tokens, eta, length, row, kept = s.target.verify(
+        tokens, eta, length, row, kept, recent, read = s.target.verify(
             s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth,
-            beams.seqs, s.uniform(s.batch, 1), prm.log_tau, *warp.args)
+            beams.seqs, s.uniform(s.batch, 1), s.recent, prm.log_tau, *warp.args)
         beams.keep_rows(s.draft, row)  # the draft cache holds y*_1..y*_kept
-        return StepResult(tokens, lens, eta, length, kept, depth=lens)
+        return StepResult(tokens, lens, eta, length, kept, depth=lens, recent=recent, read=read)
 
 
 def mtad_verify(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,
-                depth: torch.Tensor, seqs: torch.Tensor, u_next: torch.Tensor, log_tau: float,
-                temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+                depth: torch.Tensor, seqs: torch.Tensor, u_next: torch.Tensor,
+                recent: torch.Tensor, log_tau: float, temperature: float, top_k: int,
+                top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: the verify's warped p (``logits [B, gamma+1, V]``), MTAD's rule on y*
     (`joint_accept_u`), the block, and the final beam (of ``seqs [B, W, gamma]``) whose draft
     cache to keep, as its cache row (`beam_rows`), with the length it shares with the emitted
-    draft: ``(tokens [B, gamma+1], eta, length, row [B], kept [B])``."""
+    draft: ``(tokens [B, gamma+1], eta, length, row [B], kept [B], recent, read)``
+    (`block_out`)."""
     p = warp_probs(logits, temperature, top_k, top_p)
     eta, nxt = joint_accept_u(p, y, cum_log_q, log_tau, u_next, depth)
     tokens, length = block_tokens(y, eta, nxt)
     beam, kept = closest_beam(seqs, y, eta)
-    return tokens, eta, length, beam_rows(beam, seqs.shape[1]), kept
+    return (tokens, eta, length, beam_rows(beam, seqs.shape[1]), kept,
+            *block_out(tokens, length, recent, eta, length, kept))

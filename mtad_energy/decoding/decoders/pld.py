@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from mtad_energy.decoding.rules.chain import lookup_accept_u
-from mtad_energy.decoding.rules.sampling import warp_probs
+from mtad_energy.decoding.rules.sampling import split_uniforms, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_read, block_tokens
 
 
 @dataclass(frozen=True)
@@ -85,24 +85,26 @@ class PromptLookup(Decoder):
         gamma = max(lens)
         if gamma == 0:  # no row found an occurrence: one target step
             return target_step(s, prm.warp)
-        dev = s.ids.device
-        draft = to_device([t for d in drafts for t in d + [0] * (gamma - len(d))],
-                          dev).view(s.batch, gamma)  # [B, gamma], padded
+        # [B, 1 + gamma]: each row's last token (the host mirror has it), then its draft padded
+        chain = to_device([t for b, d in enumerate(drafts)
+                           for t in [s.tokens[b][-1], *d] + [0] * (gamma - len(d))],
+                          s.device).view(s.batch, 1 + gamma)
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
-        tokens, n, length = s.target.verify(s.kernels, torch.cat([s.last_token, draft], 1),
-                                            pld_verify, draft, s.on_device(lens),
-                                            s.uniform(*draft.shape), s.uniform(s.batch, 1),
-                                            *prm.warp.args)
-        return StepResult(tokens, lens, n, length, depth=lens)
+        tokens, n, length, read = s.target.verify(
+            s.kernels, chain, pld_verify, chain, s.on_device(lens),
+            s.uniforms((s.batch, gamma), (s.batch, 1)), *prm.warp.args)
+        return StepResult(tokens, lens, n, length, depth=lens, read=read)
 
 
-def pld_verify(logits: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor, u: torch.Tensor,
-               u_next: torch.Tensor, temperature: float, top_k: int, top_p: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kernel: warped p of the verify (``logits [B, gamma+1, V]``), speculative sampling of the
-    one-hot drafts ``draft [B, gamma]`` of lengths ``lens [B]`` (`lookup_accept_u`), and the
-    block: ``(tokens [B, gamma+1], accepted [B], length [B])``."""
+def pld_verify(logits: torch.Tensor, chain: torch.Tensor, lens: torch.Tensor, u: torch.Tensor,
+               temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+    """Kernel: warped p of the verify (``logits [B, gamma+1, V]`` of ``chain [B, 1 + gamma]``:
+    the last token, then the drafts), speculative sampling of the one-hot drafts of lengths
+    ``lens [B]`` (`lookup_accept_u`; ``u``: its uniforms ``[B, gamma]`` then ``[B, 1]``, flat),
+    and the block: ``(tokens [B, gamma+1], accepted [B], length [B], read)`` (`block_read`:
+    it drafts on the host, so it needs no `DecodeState.recent`)."""
+    draft = chain[:, 1:]  # [B, gamma]
     p = warp_probs(logits, temperature, top_k, top_p)
-    n, nxt = lookup_accept_u(p, draft, lens, u, u_next)
-    return block_tokens(draft, n, nxt)[0], n, n + 1
-
+    n, nxt = lookup_accept_u(p, draft, lens, *split_uniforms(u, draft.shape, (draft.shape[0], 1)))
+    tokens, length = block_tokens(draft, n, nxt)
+    return tokens, n, length, block_read(tokens, n, length)

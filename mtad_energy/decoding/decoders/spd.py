@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.rules.chain import speculative_accept_u
-from mtad_energy.decoding.rules.sampling import warp_probs
+from mtad_energy.decoding.rules.sampling import split_uniforms, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, draft_chain, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 
 
 @dataclass(frozen=True)
@@ -23,14 +23,17 @@ class SpdParams(DecoderParams):
 
 
 def spd_verify(logits: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,
-               u_next: torch.Tensor, temperature: float, top_k: int, top_p: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               recent: torch.Tensor, temperature: float, top_k: int, top_p: float
+               ) -> tuple[torch.Tensor, ...]:
     """Kernel: the verify's warped p (``logits [B, gamma+1, V]``), the speculative rule against
-    ``q [B, gamma, V]`` (`speculative_accept_u`), and the block: ``(tokens [B, gamma+1],
-    accepted [B], length [B])`` (`block_tokens`)."""
+    ``q [B, gamma, V]`` (`speculative_accept_u`; ``u``: its uniforms ``[B, gamma]`` then ``[B,
+    1]``, flat), and the block: ``(tokens [B, gamma+1], accepted [B], length [B], recent,
+    read)`` (`block_tokens`, `block_out`)."""
     p = warp_probs(logits, temperature, top_k, top_p)
-    n, nxt = speculative_accept_u(p, q, draft, u, u_next)
-    return (*block_tokens(draft, n, nxt)[:1], n, n + 1)
+    u_draft, u_next = split_uniforms(u, draft.shape, (draft.shape[0], 1))
+    n, nxt = speculative_accept_u(p, q, draft, u_draft, u_next)
+    tokens, length = block_tokens(draft, n, nxt)
+    return (tokens, n, length, *block_out(tokens, length, recent, n, length))
 
 
 class SpeculativeDecoding(Decoder):
@@ -53,7 +56,7 @@ class SpeculativeDecoding(Decoder):
         pending, counts = s.draft_feed()
         draft, q = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma], [B, gamma, V]
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
-        tokens, n, length = s.target.verify(s.kernels, torch.cat([s.last_token, draft], 1),
-                                            spd_verify, q, draft, s.uniform(*draft.shape),
-                                            s.uniform(s.batch, 1), *warp.args)
-        return StepResult(tokens, lens, n, length, depth=lens)
+        tokens, n, length, recent, read = s.target.verify(
+            s.kernels, torch.cat([s.last_token, draft], 1), spd_verify, q, draft,
+            s.uniforms(draft.shape, (s.batch, 1)), s.recent, *warp.args)
+        return StepResult(tokens, lens, n, length, depth=lens, recent=recent, read=read)

@@ -25,6 +25,7 @@ from mtad_energy.decoding.rules.sampling import (
     on_vocab,
     sample_n_u,
     sample_u,
+    split_uniforms,
     uniforms,
     warp_probs,
     warp_support,
@@ -33,7 +34,7 @@ from mtad_energy.decoding.rules.tree import tree_speculative_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 from mtad_energy.decoding.runtime.tree import (
     check_tree_support,
     set_branching,
@@ -121,35 +122,38 @@ class SpecInfer(Decoder):
         branching = self.params.branching[:max(lens)]
         if not branching:  # one token left: no point drafting
             return target_step(s, warp)
-        anc_d, anc_t = tree_structure(branching, s.ids.device)
+        anc_d, anc_t = tree_structure(branching, s.device)
         check_tree_support(s.draft.model)
         pending, counts = s.draft_feed()
         u = level_uniforms(s, branching, output_size(s.draft.model), self.without_replacement)
         # the tree grown level by level (compiled: one graph call), [B, N], [B, 1 + N_int, V]
         tokens, q = s.draft.tree_levels(s.kernels, pending, counts, branching, anc_d, draw_level,
                                         u, self.without_replacement, *warp.args)
-        block, depth, length, _ = tree_verify(
+        block, depth, length, _, recent, read = tree_verify(
             s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, specinfer_verify,
-            q, tokens, s.uniform(*tokens.shape), s.uniform(tokens.shape[0], 1), branching,
+            q, tokens, s.uniforms(tokens.shape, (s.batch, 1)), s.recent, branching,
             self.without_replacement, *warp.args)
         # the target keeps the chosen node of every level inside the verify (the loop crops it
         # to the accepted depth); the draft drops its tree and is fed the accepted path next
         s.draft_rewind()
         nodes = tuple(tree_nodes(self.params.branching[:n]) for n in lens)
-        return StepResult(block, nodes, depth, length, depth=lens)
+        return StepResult(block, nodes, depth, length, depth=lens, recent=recent, read=read)
 
 
 def specinfer_verify(logits: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor,
-                     u: torch.Tensor, u_next: torch.Tensor, branching: tuple[int, ...],
+                     u: torch.Tensor, recent: torch.Tensor, branching: tuple[int, ...],
                      without_replacement: bool, temperature: float, top_k: int, top_p: float
                      ) -> tuple[torch.Tensor, ...]:
     """Kernel: the target's warped p at the root and every node (``logits [B, 1 + N, V]``),
     `tree_speculative_accept` of the draft's tree (``q [B, 1 + N_int, V]``, ``tokens [B, N]``,
-    one uniform per node ``u [B, N]``), the next token from the distribution it leaves
-    (``u_next [B, 1]``), and the block: ``(block [B, L+1], depth, length [B], path [B, 1+L])``,
-    path: the target tree's node per level (the root 0 first)."""
+    one uniform per node ``[B, N]``), the next token from the distribution it leaves (one
+    uniform ``[B, 1]``; ``u``: the two, flat), and the block: ``(block [B, L+1], depth, length
+    [B], path [B, 1+L], recent, read)``, path: the target tree's node per level (the root 0
+    first; `block_out`: ``recent``, ``read``)."""
     p = warp_probs(logits, temperature, top_k, top_p)
-    depth, path, dist = tree_speculative_accept(p, q, tokens, branching, u,
+    u_nodes, u_next = split_uniforms(u, tokens.shape, (tokens.shape[0], 1))
+    depth, path, dist = tree_speculative_accept(p, q, tokens, branching, u_nodes,
                                                 without_replacement)  # [B], [B, L], [B, V]
     block, length = block_tokens(tokens.gather(1, path), depth, sample_u(dist, u_next))
-    return block, depth, length, torch.cat([path.new_zeros(path.shape[0], 1), 1 + path], 1)
+    return (block, depth, length, torch.cat([path.new_zeros(path.shape[0], 1), 1 + path], 1),
+            *block_out(block, length, recent, depth, length))

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.rules.chain import spectr_accept_u
-from mtad_energy.decoding.rules.sampling import sample_n_u, warp_probs
+from mtad_energy.decoding.rules.sampling import sample_n_u, split_uniforms, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 from mtad_energy.decoding.runtime.tree import check_tree_support, tree_structure, tree_verify
 
 
@@ -79,7 +79,7 @@ class Spectr(Decoder):
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         branching = (k,) + (1,) * (gamma - 1)  # k drafts of gamma tokens as one tree
-        anc_d, anc_t = tree_structure(branching, s.ids.device)
+        anc_d, anc_t = tree_structure(branching, s.device)
         check_tree_support(s.draft.model)
         pending, counts = s.draft_feed()
         # the k drafts grown level by level (compiled: one graph call): tokens [B, k gamma] in
@@ -88,33 +88,37 @@ class Spectr(Decoder):
                                         draw_drafts, s.uniform(s.batch, 1 + k * (gamma - 1), k),
                                         *warp.args)
         # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
-        block, n, length, _ = tree_verify(
+        block, n, length, _, recent, read = tree_verify(
             s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, spectr_verify, q,
-            tokens, s.uniform(s.batch, k, gamma), s.uniform(s.batch, 1), k,
+            tokens, s.uniforms((s.batch, k, gamma), (s.batch, 1)), s.recent, k,
             2 * self.params.top_k, *warp.args)
         # the target keeps the selected draft inside the verify (the loop crops it to the
         # accepted length); the draft drops its tree and is fed the accepted tokens next
         s.draft_rewind()
         # proposed = every draft token shown to the target (k * gamma), as for tree decoders
-        return StepResult(block, tuple(k * g for g in lens), n, length, depth=lens)
+        return StepResult(block, tuple(k * g for g in lens), n, length, depth=lens,
+                          recent=recent, read=read)
 
 
 def spectr_verify(logits: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor,
-                  u_next: torch.Tensor, k: int, support: int, temperature: float, top_k: int,
+                  recent: torch.Tensor, k: int, support: int, temperature: float, top_k: int,
                   top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: the target's warped p at the root and each node (``logits [B, 1 + k gamma, V]``),
     Spectr's selection (`spectr_accept_u`) of the drafts ``tokens [B, k gamma]`` (level order)
-    drawn from ``q [B, 1 + k (gamma - 1), V]`` (the root's, then each internal node's) and the
-    block: ``(block [B, gamma+1], n, length [B], path [B, gamma+1])``, path: the selected draft's
-    target tree nodes (the root 0 first)."""
+    drawn from ``q [B, 1 + k (gamma - 1), V]`` (the root's, then each internal node's; ``u``:
+    its uniforms ``[B, k, gamma]`` then ``[B, 1]``, flat) and the block: ``(block [B, gamma+1],
+    n, length [B], path [B, gamma+1], recent, read)``, path: the selected draft's target tree
+    nodes (the root 0 first; `block_out`: ``recent``, ``read``)."""
     rows, gamma = tokens.shape[0], tokens.shape[1] // k
     p = warp_probs(logits, temperature, top_k, top_p)  # [B, 1 + k gamma, V]
     root_p, root_q = p[:, :1, None].expand(-1, k, 1, -1), q[:, :1, None].expand(-1, k, 1, -1)
     p = torch.cat([root_p, by_draft(p[:, 1:], k)], 2)  # [B, k, gamma+1, V] along each draft
     q = torch.cat([root_q, by_draft(q[:, 1:], k)], 2)  # [B, k, gamma, V]
     drafts = by_draft(tokens, k)  # [B, k, gamma]
-    n, nxt, row = spectr_accept_u(p, q, drafts, u, u_next, support)  # [B] each
+    u_drafts, u_next = split_uniforms(u, drafts.shape, (rows, 1))
+    n, nxt, row = spectr_accept_u(p, q, drafts, u_drafts, u_next, support)  # [B] each
     kept = drafts.gather(1, row[:, None, None].expand(-1, 1, gamma)).squeeze(1)  # [B, gamma]
     block, length = block_tokens(kept, n, nxt)
     nodes = 1 + row[:, None] + k * torch.arange(gamma, device=row.device)  # [B, gamma]
-    return block, n, length, torch.cat([nodes.new_zeros(rows, 1), nodes], 1)
+    return (block, n, length, torch.cat([nodes.new_zeros(rows, 1), nodes], 1),
+            *block_out(block, length, recent, n, length))

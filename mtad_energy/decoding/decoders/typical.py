@@ -21,7 +21,7 @@ from mtad_energy.decoding.rules.sampling import sample_u, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, draft_chain, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
-from mtad_energy.decoding.runtime.step import StepResult, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 
 
 @dataclass(frozen=True)
@@ -57,22 +57,23 @@ class Typical(Decoder):
         pending, counts = s.draft_feed()
         draft, _ = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma]
         # logits [B, gamma+1, V] -> the block (compiled: one graph call)
-        tokens, n, length = s.target.verify(
+        tokens, n, length, recent, read = s.target.verify(
             s.kernels, torch.cat([s.last_token, draft], 1), typical_verify, draft,
-            s.on_device(lens), s.uniform(s.batch, 1), prm.eps, prm.delta, *warp.args)
-        return StepResult(tokens, lens, n, length, depth=lens)
+            s.on_device(lens), s.uniform(s.batch, 1), s.recent, prm.eps, prm.delta, *warp.args)
+        return StepResult(tokens, lens, n, length, depth=lens, recent=recent, read=read)
 
 
 def typical_verify(logits: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor,
-                   u_next: torch.Tensor, eps: float, delta: float, temperature: float,
-                   top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   u_next: torch.Tensor, recent: torch.Tensor, eps: float, delta: float,
+                   temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: the typical test of ``draft [B, gamma]`` on temperature-scaled, untruncated p
     (`typical_accept_length`), capped at each row's own draft length ``lens [B]``, then a token
     from warped p after the accepted prefix (only that position warped), and the block:
-    ``(tokens [B, gamma+1], accepted [B], length [B])``."""
+    ``(tokens [B, gamma+1], accepted [B], length [B], recent, read)`` (`block_out`)."""
     gamma = draft.shape[-1]
     p_test = warp_probs(logits[:, :gamma], temperature, top_k=0, top_p=1.0)
     n = torch.minimum(typical_accept_length(p_test, draft, eps, delta), lens)  # [B]
     at_n = n[:, None, None].expand(-1, 1, logits.shape[-1])
     nxt = sample_u(warp_probs(logits.gather(1, at_n)[:, 0], temperature, top_k, top_p), u_next)
-    return block_tokens(draft, n, nxt)[0], n, n + 1
+    tokens, length = block_tokens(draft, n, nxt)
+    return (tokens, n, length, *block_out(tokens, length, recent, n, length))

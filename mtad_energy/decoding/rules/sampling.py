@@ -199,6 +199,20 @@ def uniforms(shape: tuple[int, ...], generator: torch.Generator | None,
     return torch.rand(shape, generator=generator, device=device, dtype=dtype)
 
 
+def split_uniforms(u: torch.Tensor, *shapes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``u`` (flat, drawn once for several draws: `DecodeState.uniforms`) as one tensor of each
+    of ``shapes``, in order: on the CPU, exactly the draws separate `uniforms` calls of those
+    shapes make from the same generator state (its stream is serial)."""
+    out, at = [], 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append(u[at:at + n].view(shape))
+        at += n
+    return tuple(out)
+
+
 def sample_shape(probs: torch.Tensor) -> tuple[int, int]:
     """The uniforms `sample_u` takes for ``probs [..., V]``: one per row, ``(rows, 1)``."""
     return (probs.numel() // probs.shape[-1], 1)

@@ -139,13 +139,19 @@ class RowLayout:
 
     def _invalidate(self, holes: list[tuple[int, int]]) -> None:
         """Mark the columns ``(sequence, column)`` invalid in each of the sequence's rows, in one
-        indexed write."""
+        indexed write (of the validity's flat view: one copy of the indices, one fill)."""
         w = self.width
-        rows = [b * w + j for b, _ in holes for j in range(w)]
-        cols = [col for _, col in holes for _ in range(w)]
-        at = to_device(rows + cols, self._valid().device).view(2, -1)
-        self._valid().index_put_((at[0], at[1]), torch.zeros((), dtype=torch.bool,
-                                                             device=at.device))
+        flat, stride = self._flat_valid()
+        at = [(b * w + j) * stride + col for b, col in holes for j in range(w)]
+        flat.index_fill_(0, to_device(at, flat.device), False)
+
+    def _flat_valid(self) -> tuple[torch.Tensor, int]:
+        """The validity as one flat view of its storage, and the stride of its rows."""
+        valid = self._valid()
+        if not valid.is_contiguous():  # a cut's slice: own its storage from now on
+            valid = valid.contiguous()
+            self._set_valid(valid)
+        return valid.view(-1), valid.shape[1]
 
     def _should_compact(self) -> bool:
         return False

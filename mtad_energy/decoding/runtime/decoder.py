@@ -25,6 +25,15 @@ def next_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k:
     return sample_u(warp_probs(logits[:, -1], temperature, top_k, top_p), u)[:, None]
 
 
+def next_token_after(logits: torch.Tensor, u: torch.Tensor, recent: torch.Tensor,
+                     temperature: float, top_k: int, top_p: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: `next_token`, and each row's last T tokens after it (``recent [B, T]``: before
+    it, `DecodeState.recent`): ``(token [B, 1], recent [B, T])``."""
+    token = next_token(logits, u, temperature, top_k, top_p)
+    return token, torch.cat([recent[:, 1:], token], 1)
+
+
 def draft_next(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
                top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel: warped q at the last position of ``logits [B, k, V]`` and a token drawn from it
@@ -48,8 +57,9 @@ def target_step(s: DecodeState, warp: Warp) -> StepResult:
     """One token per row sampled from warped p after the sequence: ``ar``'s step, and what a
     drafting decoder does when only one token is left (drafting would be wasted)."""
     # logits [B, 1, V] -> [B, 1] (compiled: the forward and the draw one graph call)
-    return StepResult(s.target.then(s.kernels, s.last_token, next_token,
-                                    s.uniform(s.batch, 1), *warp.args))
+    token, recent = s.target.then(s.kernels, s.last_token, next_token_after,
+                                  s.uniform(s.batch, 1), s.recent, *warp.args)
+    return StepResult(token, recent=recent)
 
 
 class Decoder:

@@ -95,9 +95,13 @@ def _read_back(result: StepResult, tokens: torch.Tensor
     tree)."""
     rows = tokens.shape[0]
     fields = (result.accepted, result.length, result.draft_kept, result.device_depth)
-    on_device = [x if x.dtype == tokens.dtype else x.to(tokens.dtype)
-                 for x in fields if isinstance(x, torch.Tensor)]
-    if on_device:  # [B, F + m]: the counts, then the tokens (one op each, whatever F)
+    on_device = [x for x in fields if isinstance(x, torch.Tensor)]
+    if result.read is not None:  # packed by the kernel, inside its graph
+        assert result.read.shape == (rows, len(on_device) + tokens.shape[1]), (
+            "StepResult.read must hold the device counts, then the tokens")
+        tokens = result.read
+    elif on_device:  # [B, F + m]: the counts, then the tokens (one op each, whatever F)
+        on_device = [x if x.dtype == tokens.dtype else x.to(tokens.dtype) for x in on_device]
         tokens = torch.cat([torch.stack(on_device, -1).reshape(rows, -1), tokens], 1)
     values = tokens.tolist()
     out = []
@@ -274,7 +278,7 @@ def _set_up(decoder: Decoder, pair: ModelPair, prompts: list[list[int]], max_new
     kernels = _kernels(compile)
     state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
                         generator, pair.eos_token_id, tokens=[list(p) for p in prompts],
-                        kernels=kernels)
+                        kernels=kernels, recent_width=decoder.lookahead + 1)
     return _Run(decoder, pair, prompt_lens, compile, hook, timer, state, target, draft, kernels,
                 graphs_before)
 
@@ -327,7 +331,7 @@ def _loop(run: _Run, trace: Trace) -> None:
         timer.flush()  # this iteration's events are complete now: reading them does not stall
         after = run.forwards()
         taken = _take_rows(run, trace, result, read, (after[0] - before[0], after[1] - before[1]))
-        state.append_rows(block, taken, _counted(result, block, taken, read))
+        state.append_rows(block, taken, _counted(result, block, taken, read), result.recent)
         trace.phase_times.append(draft_target(timer))
         trace.marks.append(shape_marks(target, draft))
         trace.iterations += 1

@@ -138,7 +138,7 @@ def prefill_features(s: DecodeState, width: int) -> torch.Tensor:
     prefill (the prompt's second-to-last token), zero for a row whose prompt has one token."""
     hidden = s.target.hidden  # [B, W, F] right-aligned from the prefill, or None (no prefill)
     if hidden is None:
-        return torch.zeros(s.batch, 1, width, dtype=_dtype(s), device=s.ids.device)
+        return torch.zeros(s.batch, 1, width, dtype=_dtype(s), device=s.device)
     has = torch.tensor([n > 1 for n in s.prompt_lens], device=hidden.device)
     return hidden[:, -1:] * has[:, None, None].to(hidden.dtype)
 

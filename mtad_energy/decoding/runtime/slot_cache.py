@@ -74,6 +74,7 @@ class SlotCache(Cache):
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+        self.flat_valid = self.valid.view(-1)  # [rows * slots]: for indexed writes of columns
         n = cfg.num_hidden_layers
         # keys of layer i at kv[2i], values at kv[2i + 1]: contiguous views, as separate buffers
         self.kv = torch.zeros((2 * n, rows, heads, slots, head_dim), dtype=dtype, device=device)

@@ -3,6 +3,7 @@ host-list helpers around it (`to_device`, `ids_width`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ class DecodeState:
     (EOS or max_new_tokens) are no longer `active`: they still ride along in the forwards, their
     output ignored."""
 
-    ids: torch.Tensor  # [B, `ids_width`] on the model device
+    ids_buffer: torch.Tensor  # [B, `ids_width`] on the model device: `ids`, maybe stale
     lengths: list[int]
     prompt_lens: list[int]
     max_new_tokens: int
@@ -46,13 +47,31 @@ class DecodeState:
     carry: dict[str, Any] = field(default_factory=dict)
     # where the step's pure tensor functions run: eagerly, or compiled (`kernels`)
     kernels: Kernels = field(default_factory=Kernels)
+    # tokens per row `recent` holds: what a draft's catch-up and a verify's first token take
+    recent_width: int = 1
 
     def __post_init__(self) -> None:
         self.active = self.active or [True] * len(self.lengths)
         self._lengths_dev: torch.Tensor | None = None
         self._last: torch.Tensor | None = None  # [B, 1]: each row's last token, when known
+        self._recent: torch.Tensor | None = None  # [B, T]: `recent`, when a kernel made it
         self._uploaded: dict[tuple[int, ...], torch.Tensor] = {}
         self._aranges: dict[int, torch.Tensor] = {}
+        self._ids_stale = False  # the host mirror `tokens` is ahead of `ids_buffer`
+        self.device = self.ids_buffer.device
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[B, ids_width]`` on the model device: ``ids[b, :lengths[b]]`` are row b's tokens
+        (after them: any). A step whose kernel hands back `recent` leaves it behind, since the
+        next step reads no more than that: it is copied from the host mirror `tokens` when next
+        asked for, not written every iteration."""
+        if self._ids_stale:
+            width = self.ids_buffer.shape[1]
+            flat = [t for row in self.tokens for t in row + [0] * (width - len(row))]
+            self.ids_buffer = to_device(flat, self.device).view(self.batch, width)
+            self._ids_stale = False
+        return self.ids_buffer
 
     @property
     def batch(self) -> int:
@@ -69,7 +88,12 @@ class DecodeState:
     def uniform(self, *shape: int) -> torch.Tensor:
         """Uniforms in [0, 1) of ``shape`` on the model device, from the generation's generator:
         a kernel's draws (`kernels`)."""
-        return uniforms(shape, self.generator, self.ids.device)
+        return uniforms(shape, self.generator, self.device)
+
+    def uniforms(self, *shapes: tuple[int, ...]) -> torch.Tensor:
+        """The uniforms of several draws of ``shapes`` in one flat tensor (one host op, not one
+        per draw), which the kernel splits (`sampling.split_uniforms`)."""
+        return uniforms((sum(math.prod(s) for s in shapes),), self.generator, self.device)
 
     def row_remaining(self, b: int) -> int:
         return self.prompt_lens[b] + self.max_new_tokens - self.lengths[b]
@@ -87,7 +111,7 @@ class DecodeState:
         key = tuple(values)
         t = self._uploaded.get(key)
         if t is None:
-            t = self._uploaded[key] = to_device(list(key), self.ids.device)
+            t = self._uploaded[key] = to_device(list(key), self.device)
         return t
 
     def row_depths(self, depth: int) -> torch.Tensor:
@@ -100,23 +124,38 @@ class DecodeState:
         """``[B]`` long: `lengths` on the model device (copied when the rows' lengths changed
         otherwise than by what the device counted, `append_rows`)."""
         if self._lengths_dev is None:
-            self._lengths_dev = to_device(self.lengths, self.ids.device)
+            self._lengths_dev = to_device(self.lengths, self.device)
         return self._lengths_dev
 
     def _arange(self, k: int) -> torch.Tensor:
         """``[k]``: 0 .. k-1 on the model device (made once per k; read-only)."""
         t = self._aranges.get(k)
         if t is None:
-            t = self._aranges[k] = torch.arange(k, device=self.ids.device)
+            t = self._aranges[k] = torch.arange(k, device=self.device)
         return t
+
+    @property
+    def recent(self) -> torch.Tensor:
+        """``[B, T]`` (T = `recent_width`): each row's last T tokens (left of a short row's
+        first token: any, never real). A verify kernel hands back the next iteration's (`step.block_out`), so
+        a batch's last tokens and a draft's catch-up are slices of it, not gathers from
+        ``ids``; gathered from ``ids`` when no kernel did (the first iteration, a row that took
+        less than its block)."""
+        if self._recent is None:
+            t = self.recent_width
+            idx = self.lengths_on_device()[:, None] - t + self._arange(t)
+            self._recent = self.ids.gather(1, idx.clamp_min(0))
+        return self._recent
 
     @property
     def last_token(self) -> torch.Tensor:
         """``[B, 1]``: each row's one token the target cache has not seen."""
+        if self._last is not None:  # the last block was one token
+            return self._last
+        if self._recent is not None:
+            return self._recent[:, -1:]
         if self.batch == 1:
             return self.ids[:, self.n - 1:self.n]
-        if self._last is not None:  # the last block was one token, taken by every row
-            return self._last
         return self.ids.gather(1, self.lengths_on_device()[:, None] - 1)
 
     def draft_pending(self) -> torch.Tensor:
@@ -127,12 +166,18 @@ class DecodeState:
         """What the draft has not seen, for B rows: ``(ids [B, k], counts)`` with row b's
         counts[b] tokens right-aligned (left padding before them; `batch.RowsRunner` masks it);
         one sequence: ``(draft_pending(), None)``."""
-        if self.batch == 1:
+        if self.batch == 1 and self._recent is None:
             return self.draft_pending(), None
         counts = [n - c for n, c in zip(self.lengths, self.draft.row_lengths, strict=True)]
-        k = max(counts)
+        return self.last_tokens(max(counts)), (counts if self.batch > 1 else None)
+
+    def last_tokens(self, k: int) -> torch.Tensor:
+        """``[B, k]``: each row's last k tokens, right-aligned (left of a short row's first
+        token: any): a slice of `recent` when it holds them, else gathered from ``ids``."""
+        if k <= self.recent_width:
+            return self.recent[:, self.recent_width - k:]
         idx = self.lengths_on_device()[:, None] - k + self._arange(k)
-        return self.ids.gather(1, idx.clamp_min(0)), counts
+        return self.ids.gather(1, idx.clamp_min(0))
 
     def draft_rewind(self) -> None:
         """Crop the draft back to the emitted tokens before this step, dropping what it drafted
@@ -143,15 +188,23 @@ class DecodeState:
         self.draft.crop_rows(list(self.lengths))
 
     def append_rows(self, block: torch.Tensor, host: list[list[int]],
-                    counts: torch.Tensor | int | None = None) -> None:
+                    counts: torch.Tensor | int | None = None,
+                    recent: torch.Tensor | None = None) -> None:
         """Append to each row b the first len(host[b]) tokens of ``block [B, M]`` (on the device;
-        ``host[b]``: those tokens read back, [] for a row that takes none). One copy for all
-        rows: the whole block lands after each row's tokens (``ids`` has M - 1 columns to spare,
-        `ids_width`), and only the first len(host[b]) count. ``counts``: when every row takes
+        ``host[b]``: those tokens read back, [] for a row that takes none). ``recent``: the
+        kernel's `recent` after the block, or None. With it nothing is written on the device:
+        `ids` catches up from the host mirror when asked for. Else one copy for all rows: the
+        whole block lands after each row's tokens (``ids`` has M - 1 columns to spare,
+        `ids_width`), and only the first len(host[b]) count; ``counts``: when every row takes
         what the device counted for it (the block's ``length [B]``, or all M), that count: the
-        lengths on the device advance by it, with no copy from the host."""
+        lengths on the device advance by it, with no copy from the host. A row that takes less
+        than its block is done, so the rows that go on hold exactly ``recent`` (and a block of
+        one token: their last tokens)."""
         m = block.shape[1]
-        if self.batch == 1:
+        behind = bool(self.tokens) and recent is not None
+        if behind:
+            self._ids_stale = True
+        elif self.batch == 1:
             self.ids[:, self.lengths[0]:self.lengths[0] + m].copy_(block)
         else:
             at = self.lengths_on_device()[:, None] + self._arange(m)
@@ -160,9 +213,10 @@ class DecodeState:
             self.lengths[b] += len(tokens)
             if self.tokens:
                 self.tokens[b].extend(tokens)
-        moved = counts is not None and self._lengths_dev is not None
+        moved = not behind and counts is not None and self._lengths_dev is not None
         self._lengths_dev = self._lengths_dev + counts if moved else None
-        self._last = block if moved and m == 1 else None
+        self._last = block if m == 1 else None
+        self._recent = recent
 
 
 def ids_width(prompt_lens: list[int], max_new_tokens: int, lookahead: int) -> int:

@@ -155,7 +155,7 @@ class StaticRunner(RowLayout, ModelRunner):
         self._init_layout(seqs, pad=bucket - seqs)
         self.cache = self.engine.cache_for(bucket * self.shape.rows_per_seq, slots)
         self.n = 0  # columns in use (host side: set by forwards, cuts and compaction)
-        self._ones: dict[tuple, torch.Tensor] = {}  # constant masks, made once per shape
+        self._ones: dict[tuple, torch.Tensor] = {}  # constants, made once per shape (`_constant`)
         self._pending: dict[tuple, tuple] = {}  # fused calls to compile after the generation
         self.prewarm_s = self._prewarm()  # before any window opens: not the generation's
         self.compile_s -= self.prewarm_s
@@ -167,6 +167,9 @@ class StaticRunner(RowLayout, ModelRunner):
 
     def _valid(self) -> torch.Tensor:
         return self.cache.valid[:self._rows, :self.n]
+
+    def _flat_valid(self) -> tuple[torch.Tensor, int]:
+        return self.cache.flat_valid, self.cache.slots
 
     def _set_valid(self, valid: torch.Tensor) -> None:
         self.cache.valid[:self._rows, :self.n] = valid
@@ -277,19 +280,15 @@ class StaticRunner(RowLayout, ModelRunner):
 
     def _real(self, rows: int, k: int) -> torch.Tensor:
         """``[rows, k]`` all True: every token real (made once per shape, not per forward)."""
-        ones = self._ones.get((rows, k))
-        if ones is None:
-            ones = self._ones[rows, k] = torch.ones(rows, k, dtype=torch.bool, device=self.device)
-        return ones
+        return self._constant((rows, k), lambda: torch.ones(rows, k, dtype=torch.bool,
+                                                            device=self.device))
 
     def _real_rows(self, rows: int, width: int = 1) -> torch.Tensor:
         """``[R * width, 1]``: True for the first ``rows * width`` of the R cache rows at
         ``width`` rows per sequence (made once per count)."""
-        real = self._ones.get(("rows", rows, width))
-        if real is None:
-            real = self._ones["rows", rows, width] = torch.arange(
-                (len(self.cols) + self.pad) * width, device=self.device)[:, None] < rows * width
-        return real
+        r = (len(self.cols) + self.pad) * width
+        return self._constant(("rows", rows, width), lambda: torch.arange(
+            r, device=self.device)[:, None] < rows * width)
 
     def _graph_key(self, rows: int, width: int, m: int | None, per_row: bool = False,
                    features: int | None = None) -> tuple:
@@ -378,12 +377,8 @@ class StaticRunner(RowLayout, ModelRunner):
         if counts is None:
             return None
         assert self.width == 1, "ragged input while beams are expanded"
-        key = ("new", k, *counts)
-        new = self._ones.get(key)
-        if new is None:
-            new = self._ones[key] = torch.arange(k, device=self.device)[None, :] >= k - to_device(
-                counts, self.device)[:, None]
-        return new
+        return self._constant(("new", k, *counts), lambda: torch.arange(
+            k, device=self.device)[None, :] >= k - to_device(counts, self.device)[:, None])
 
     def __call__(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                  features: torch.Tensor | None = None) -> torch.Tensor:
@@ -567,15 +562,24 @@ class StaticRunner(RowLayout, ModelRunner):
         width = rows.shape[0] // len(self.cols)
         assert width * len(self.cols) == rows.shape[0], "rows must keep B sequences"
         rows = rows if rows.device == self.device else rows.to(self.device)
-        if self.pad:
-            rows = torch.cat([rows, to_device(self._padding_rows(width), self.device)])
-        r, n, kv = rows.shape[0], self.n, self.cache.kv  # every layer's keys and values at once
-        src = kv.narrow(3, 0, n).index_select(1, rows)
-        (kv if r == kv.shape[1] else kv.narrow(1, 0, r)).narrow(3, 0, n).copy_(src)
-        valid = self.cache.valid
-        src = valid.narrow(1, 0, n).index_select(0, rows)
-        (valid if r == valid.shape[0] else valid.narrow(0, 0, r)).narrow(1, 0, n).copy_(src)
+        if self.pad:  # the padding sequences' rows, in the current layout
+            pad = self._constant(("padding rows", self.width, width),
+                                 lambda: to_device(self._padding_rows(width), self.device))
+            rows = torch.cat([rows, pad])
+        r = rows.shape[0]
+        to = self._constant(("arange", r), lambda: torch.arange(r, device=self.device))
+        kv = self.cache.kv.narrow(3, 0, self.n)  # [2 * layers, R, H, n, D]: the columns in use
+        kv.index_copy_(1, to, kv.index_select(1, rows))  # every layer's keys and values at once
+        valid = self.cache.valid.narrow(1, 0, self.n)  # [R, n]
+        valid.index_copy_(0, to, valid.index_select(0, rows))
         self.width = width
+
+    def _constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A read-only device tensor made once per ``key`` (row indices, masks)."""
+        t = self._ones.get(key)
+        if t is None:
+            t = self._ones[key] = make()
+        return t
 
     def repeat_rows(self, n_rows: int) -> None:
         """Expand every sequence's one row to n_rows identical rows (row b*n_rows + w)."""

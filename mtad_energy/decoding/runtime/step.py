@@ -34,6 +34,13 @@ class StepResult:
     # [B] device: the depth where only the device knows it (EAGLE-2's dynamic tree; read back
     # with the tokens, and then used instead of ``depth``)
     device_depth: torch.Tensor | None = None
+    # [B, T] device: each row's last T tokens after the block (`DecodeState.recent`), made by the
+    # kernel (`block_out`); None: the state gathers them when asked
+    recent: torch.Tensor | None = None
+    # [B, F + m] device: what the loop reads back, packed by the kernel (`block_out`): the device
+    # counts above that are tensors (accepted, length, draft_kept, device_depth: F of them, in
+    # that order), then the tokens; None: the loop packs them (three host ops)
+    read: torch.Tensor | None = None
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,
@@ -60,6 +67,23 @@ def depth_fields(depth: int | Sequence[int] | torch.Tensor, rows: int) -> dict:
 
 def _per_row(value: int | Sequence[int], rows: int) -> tuple[int, ...]:
     return (value,) * rows if isinstance(value, int) else tuple(value)
+
+
+def block_out(tokens: torch.Tensor, length: torch.Tensor, recent: torch.Tensor,
+              *counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: what a verify's block ``tokens [B, m]`` (the first ``length [B]`` count) hands the
+    loop besides itself, made inside the verify's graph so the host makes neither: each row's
+    last T tokens after it (``recent [B, T]``: before it), `StepResult.recent`, and the read-back
+    packed, `StepResult.read` (``counts``: the step's device counts in `StepResult`'s order)."""
+    t = recent.shape[1]
+    at = length[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
+    return torch.cat([recent, tokens], 1).gather(1, at), block_read(tokens, *counts)
+
+
+def block_read(tokens: torch.Tensor, *counts: torch.Tensor) -> torch.Tensor:
+    """Kernel: `StepResult.read`, ``[B, F + m]``: the step's device ``counts`` (in
+    `StepResult`'s order), then its block ``tokens [B, m]``."""
+    return torch.cat([torch.stack(counts, -1).to(tokens.dtype), tokens], 1)
 
 
 def block_tokens(draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor
