@@ -11,7 +11,8 @@ Per row: each row looks up its own sequence and drafts its own length (capped by
 still emit); a batch verifies the longest, shorter drafts padded and never accepted.
 
 The lookup runs on the host over the loop's mirror of the tokens (`DecodeState.tokens`): no
-device read-back, no draft forward. Its time is bookkeeping ("other"); ``draft_forwards`` is 0.
+device read-back, no draft forward; the verify's input (each row's last token, then its draft)
+is copied from there in one copy. Its time is bookkeeping ("other"); ``draft_forwards`` is 0.
 Stats: ``proposed`` = ``draft_depth`` = the row's draft length (0 without a match).
 """
 
