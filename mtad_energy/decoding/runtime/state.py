@@ -137,10 +137,10 @@ class DecodeState:
     @property
     def recent(self) -> torch.Tensor:
         """``[B, T]`` (T = `recent_width`): each row's last T tokens (left of a short row's
-        first token: any, never real). A verify kernel hands back the next iteration's (`step.block_out`), so
-        a batch's last tokens and a draft's catch-up are slices of it, not gathers from
-        ``ids``; gathered from ``ids`` when no kernel did (the first iteration, a row that took
-        less than its block)."""
+        first token: any, never real). A verify kernel hands back the next iteration's
+        (`step.block_out`), so a batch's last tokens and a draft's catch-up are slices of it,
+        not gathers from ``ids``; gathered from ``ids`` when no kernel did (the first
+        iteration, a step whose kernels hand back none: BiLD's, a beam search's)."""
         if self._recent is None:
             t = self.recent_width
             idx = self.lengths_on_device()[:, None] - t + self._arange(t)
