@@ -12,6 +12,7 @@ generator forms draw the same uniforms in the same order and call it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -203,14 +204,8 @@ def split_uniforms(u: torch.Tensor, *shapes: tuple[int, ...]) -> tuple[torch.Ten
     """``u`` (flat, drawn once for several draws: `DecodeState.uniforms`) as one tensor of each
     of ``shapes``, in order: on the CPU, exactly the draws separate `uniforms` calls of those
     shapes make from the same generator state (its stream is serial)."""
-    out, at = [], 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        out.append(u[at:at + n].view(shape))
-        at += n
-    return tuple(out)
+    parts = u.split([math.prod(shape) for shape in shapes])
+    return tuple(part.view(shape) for part, shape in zip(parts, shapes, strict=True))
 
 
 def sample_shape(probs: torch.Tensor) -> tuple[int, int]:

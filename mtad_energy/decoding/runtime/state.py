@@ -142,9 +142,7 @@ class DecodeState:
         not gathers from ``ids``; gathered from ``ids`` when no kernel did (the first
         iteration, a step whose kernels hand back none: BiLD's, a beam search's)."""
         if self._recent is None:
-            t = self.recent_width
-            idx = self.lengths_on_device()[:, None] - t + self._arange(t)
-            self._recent = self.ids.gather(1, idx.clamp_min(0))
+            self._recent = self._gather_last(self.recent_width)
         return self._recent
 
     @property
@@ -152,30 +150,29 @@ class DecodeState:
         """``[B, 1]``: each row's one token the target cache has not seen."""
         if self._last is not None:  # the last block was one token
             return self._last
-        if self._recent is not None:
-            return self._recent[:, -1:]
-        if self.batch == 1:
-            return self.ids[:, self.n - 1:self.n]
-        return self.ids.gather(1, self.lengths_on_device()[:, None] - 1)
-
-    def draft_pending(self) -> torch.Tensor:
-        """``[1, k]``, k >= 1: the tokens the draft cache has not seen (one sequence)."""
-        return self.ids[:, self.draft.row_lengths[0]:self.n]
+        if self._recent is not None or self.batch == 1:
+            return self.last_tokens(1)
+        return self._gather_last(1)
 
     def draft_feed(self) -> tuple[torch.Tensor, list[int] | None]:
-        """What the draft has not seen, for B rows: ``(ids [B, k], counts)`` with row b's
-        counts[b] tokens right-aligned (left padding before them; `batch.RowsRunner` masks it);
-        one sequence: ``(draft_pending(), None)``."""
-        if self.batch == 1 and self._recent is None:
-            return self.draft_pending(), None
+        """What the draft has not seen: ``(ids [B, k], counts)`` with row b's counts[b] tokens
+        right-aligned (left padding before them; `batch.RowsRunner` masks it); one sequence:
+        ``(ids [1, k], None)``."""
         counts = [n - c for n, c in zip(self.lengths, self.draft.row_lengths, strict=True)]
         return self.last_tokens(max(counts)), (counts if self.batch > 1 else None)
 
     def last_tokens(self, k: int) -> torch.Tensor:
         """``[B, k]``: each row's last k tokens, right-aligned (left of a short row's first
-        token: any): a slice of `recent` when it holds them, else gathered from ``ids``."""
+        token: any): a slice of `recent` when it holds them, of ``ids`` for one sequence, else
+        gathered from ``ids``."""
+        if self.batch == 1 and self._recent is None:
+            return self.ids[:, self.n - k:self.n]
         if k <= self.recent_width:
             return self.recent[:, self.recent_width - k:]
+        return self._gather_last(k)
+
+    def _gather_last(self, k: int) -> torch.Tensor:
+        """``[B, k]``: each row's last k tokens gathered from ``ids``, right-aligned."""
         idx = self.lengths_on_device()[:, None] - k + self._arange(k)
         return self.ids.gather(1, idx.clamp_min(0))
 
