@@ -12,8 +12,10 @@ from mtad_energy.decoding.decoders.bild import draft_until_unsure, rollback_log_
 from mtad_energy.decoding.registry import get_decoder
 from mtad_energy.decoding.rules.chain import rollback_length
 from mtad_energy.decoding.rules.sampling import Warp
+from mtad_energy.decoding.runtime.kernels import Kernels
 
 PROMPT = [5, 9, 12, 3]
+KERNELS = Kernels()  # the eager path: the kernels called as they are
 
 
 
@@ -38,6 +40,9 @@ class TableRunner:
         self.forwards += 1
         return out
 
+    def then(self, kernels, input_ids: torch.Tensor, fn, *args):
+        return kernels(fn, self(input_ids), *args)
+
 
 SURE, UNSURE = [0.95, 0.05, 0.0], [0.5, 0.3, 0.2]
 
@@ -51,8 +56,8 @@ SURE, UNSURE = [0.95, 0.05, 0.0], [0.5, 0.3, 0.2]
 def test_fallback_stop(rows, cap, fallback, drafted, forwards):
     runner = TableRunner(rows)
     warp = Warp(1.0, 0, 1.0)  # no truncation: ~q is the table
-    draft, lengths = draft_until_unsure(runner, torch.tensor([[7]]), [cap], fallback, warp,
-                                        torch.Generator().manual_seed(0))
+    draft, lengths = draft_until_unsure(runner, KERNELS, torch.tensor([[7]]), [cap], fallback,
+                                        warp, torch.Generator().manual_seed(0))
     assert draft.shape == (1, drafted) and draft.dtype == torch.long and lengths == [drafted]
     assert runner.forwards == forwards
 
@@ -61,10 +66,9 @@ def test_fallback_uses_the_warped_draft():
     """max ~q after top-2 renormalisation is 0.8 / 0.95 = 0.84 >= 0.82; unwarped it is 0.8."""
     row = [[0.8, 0.15, 0.05]]
     gen = torch.Generator().manual_seed(0)
-    assert draft_until_unsure(TableRunner(row), torch.tensor([[7]]), [1], 0.82, Warp(1.0, 2, 1.0),
-                              gen)[1] == [1]
-    assert draft_until_unsure(TableRunner(row), torch.tensor([[7]]), [1], 0.82, Warp(1.0, 0, 1.0),
-                              gen)[1] == [0]
+    for top_k, drafted in ((2, [1]), (0, [0])):
+        assert draft_until_unsure(TableRunner(row), KERNELS, torch.tensor([[7]]), [1], 0.82,
+                                  Warp(1.0, top_k, 1.0), gen)[1] == drafted
 
 
 def test_rollback_test_distribution_is_temperature_scaled_and_untruncated():

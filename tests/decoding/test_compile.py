@@ -307,16 +307,19 @@ def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama
 @pytest.mark.parametrize("truncated", [False, True])
 def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, truncated):
     """`StaticRunner.verify_tree`: the verify's rule returns the path to keep and the block's
-    length, and the graph call keeps exactly the first length[b] path nodes of row b; the loop's
-    crop then has nothing left to do on the device. It leaves the columns, validity and KV that
-    the tree forward, the rule, `keep_tree` and the crop leave apart, for 3 rows in a bucket of
-    4, also when a row takes less than its block (EOS: the crop does the rest)."""
+    length, and the graph call moves the first length[b] path nodes of row b to the tree's first
+    columns and keeps exactly those valid, as a chain verify leaves its block: the host mirror
+    stays exact (the loop's crop cuts what no row holds; nothing is left to compact). Each row's
+    valid columns hold, in order, the KV that the tree forward, the rule, `keep_tree` and the
+    crop leave apart, for 3 rows in a bucket of 4, also when a row takes less than its block
+    (EOS: the crop does the rest)."""
     from mtad_energy.decoding.runtime.kernels import Kernels
     from mtad_energy.decoding.runtime.tree import ancestors, depths
 
     anc = ancestors(torch.tensor([-1, 0, 0, 1, 2]))  # [5, 5]: root -> 1 -> 3, root -> 2 -> 4
     paths = torch.tensor([[0, 1, 3], [0, 2, 4], [0, 1, 3]])
     length = torch.tensor([1, 3, 2])  # root only; the whole path; root and one node
+    takes = [1, 2, 2] if truncated else [1, 3, 2]  # EOS: row 1 takes 2 of its 3
 
     def rule(logits, path, n):  # a verify's kernel: (block, accepted, length, path)
         return logits.argmax(-1)[:, :3], n - 1, n, path
@@ -325,9 +328,25 @@ def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, trunc
         runner = _three_rows(llama_pair.target, role, ForwardShape(key="verify"))
         call = runner.verify_tree if fused else partial(ModelRunner.verify_tree, runner)
         out = call(Kernels(), TREE_IDS, anc, depths(anc), rule, paths, length)
-        return _crop_taken(runner, [1, 2, 2] if truncated else [1, 3, 2], length), out  # EOS
+        return _crop_taken(runner, takes, length), out
 
-    _rolled_back(run, "forward_tree_verify", [5, 5, 4] if truncated else [5, 6, 4])
+    first, _ = run("fused", True)
+    assert first.compile_pending() > 0  # met first: compiled after it
+    separate, ref = run("separate", False)
+    fused, out = run("fused", True)
+    assert fused.compile_pending() == 0
+    assert any("forward_tree_verify" in k for k in fused.cache.warmed)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    prompts = [[0, 1, 2, 3], [1, 2, 3], [2, 3]]  # the prefill's columns, right-aligned
+    assert fused.cols == [c + list(range(4, 4 + t)) for c, t in zip(prompts, takes, strict=True)]
+    assert len(fused) == 4 + max(takes)  # the tree's other columns cut
+    assert fused.row_lengths == separate.row_lengths == [4 + takes[0], 3 + takes[1], 2 + takes[2]]
+    valid_a, valid_b = (r.cache.valid[:3, :len(r)] for r in (separate, fused))
+    assert valid_b.sum(1).tolist() == fused.row_lengths  # exactly, on the device
+    for row in range(3):  # the same KV, in the same order, in fewer columns
+        kv_a, kv_b = (r.cache.kv[:, row, :, :len(r)][:, :, v[row]]
+                      for r, v in ((separate, valid_a), (fused, valid_b)))
+        torch.testing.assert_close(kv_b, kv_a, atol=1e-6, rtol=0)
 
 
 @torch.inference_mode()
@@ -404,6 +423,42 @@ def test_a_fused_draft_tree_returns_and_leaves_what_its_levels_do(llama_pair,
     runner, _ = run("fused", True)
     assert runner.forwards == 1 + 3  # the prefill, the input, two levels of internal nodes
     assert len(runner) == 4 + 2 + 2 + 4
+
+
+@torch.inference_mode()
+def test_a_fused_head_tree_returns_and_leaves_what_its_expansions_do(llama_pair):
+    """`StaticRunner.grow_tree` (EAGLE-2's draft: the head's catch-up with its features, then
+    per expansion the head's tree forward of the frontier and `eagle_expand`, the last choosing
+    the verified tree) in one graph call, once compiled: the same tree (tokens, parents,
+    ancestors, depth), cache columns, validity and KV as the catch-up and the expansions one by
+    one (`ModelRunner.grow_tree`), for 3 rows in a bucket of 4 with a ragged catch-up."""
+    from mtad_energy.decoding.decoders.eagle import _feature_width, eagle_dynamic
+    from mtad_energy.decoding.runtime.kernels import Kernels
+
+    head = llama_pair.heads["eagle"]
+    k, steps, n = 2, 2, 6  # expand 2, 2 expansions, 6 verified nodes
+    caps = torch.tensor([3, 2, 3])  # each row's depth cap
+    g = torch.Generator().manual_seed(0)
+    width = _feature_width(head)
+    prompt = torch.rand(3, 4, width, generator=g)  # the target's features of the prompt
+    feats = torch.rand(3, 2, width, generator=g)  # ... and of the pairs caught up
+    pending, counts = torch.tensor([[1, 2], [0, 3], [4, 5]]), [2, 1, 2]
+
+    def run(role: str, fused: bool):
+        runner = StaticRunner(head, PhaseTimer("cpu"), role, slots=32, options=TRACE, seqs=3,
+                              shape=ForwardShape(key="grow", max_chain=steps + 2, hidden=(-1,)))
+        runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2],
+                       features=prompt)
+        call = runner.grow_tree if fused else partial(ModelRunner.grow_tree, runner)
+        return runner, call(Kernels(), pending, counts, feats, (k,) * steps, eagle_dynamic,
+                            head.d2t_map, k, steps, caps, n)
+
+    out, ref = _fused_against_separate(run, "forward_grow")
+    assert out[0].shape == (3, n) and out[2].shape == (3, 1 + n, 1 + n)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    runner, _ = run("fused", True)
+    assert runner.forwards == 1 + 1 + steps  # the prefill, the catch-up, the expansions
+    assert len(runner) == 4 + 2 + steps * k
 
 
 TREE_IDS = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [3, 3, 2, 2, 1]])  # 3 rows' trees

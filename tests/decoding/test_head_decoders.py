@@ -260,18 +260,22 @@ def test_batched_eagle_heads_see_what_they_see_alone(request, pair, monkeypatch)
     """Every iteration, each row's first-level draft distribution (the head's output after its
     catch-up, which attends over all the pairs it was fed) is its batch-1 one: the rows' pairs
     are aligned and masked right in the shared head cache, not only the last one."""
-    from mtad_energy.decoding.decoders.eagle import Eagle
+    from mtad_energy.decoding.decoders import eagle
 
     pair = request.getfixturevalue(pair)
     seen: list[tuple[list[int], torch.Tensor]] = []
-    real = Eagle._catch_up
+    real_catch_up, real_tree = eagle.Eagle._catch_up, eagle.eagle_dynamic
 
-    def spy(self, s, counts):
-        logits, feat = real(self, s, counts)
-        seen.append((list(counts), logits.clone()))
-        return logits, feat
+    def catch_up(self, s, counts):  # the pairs each row is fed
+        seen.append((list(counts), None))
+        return real_catch_up(self, s, counts)
 
-    monkeypatch.setattr(Eagle, "_catch_up", spy)
+    def tree(tree_then, call, logits, *args):  # the head's output at each row's last pair
+        seen[-1] = (seen[-1][0], logits[:, -1].clone())
+        return real_tree(tree_then, call, logits, *args)
+
+    monkeypatch.setattr(eagle.Eagle, "_catch_up", catch_up)
+    monkeypatch.setattr(eagle, "eagle_dynamic", tree)
     decoder = get_decoder("eagle", temperature=0, **SMALL["eagle"])
     generate_rows(decoder, pair, PROMPTS, 12, compute_perplexity=False)
     batched = list(seen)

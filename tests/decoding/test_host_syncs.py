@@ -35,26 +35,28 @@ PROMPT = [5, 6, 7, 8, 9]
 # spd's and typical's draft loop is one call (`ModelRunner.chain`), and so is MTAD's and MMTAD's
 # beam search with its row moves and what reads the finished tree (`ModelRunner.beam_search`),
 # and a tree verify with its rule (`ModelRunner.tree_then`: mmtad, specinfer, mcss, spectr, medusa,
-# eagle, whose every expansion is one call too, its forward handing the kernel its hidden states), and
-# Medusa's heads with the candidate tree they propose (`HeadRunner.then`), and specinfer's,
-# mcss's and spectr's draft tree, level by level with its draws (`ModelRunner.tree_levels`): a
-# full iteration is 1 graph call for ar and pld, 2 for spd, typical, mtad, mmtad, specinfer, mcss
-# and spectr.
+# eagle), and Medusa's heads with the candidate tree they propose (`HeadRunner.then`), and
+# specinfer's, mcss's and spectr's draft tree, level by level with its draws
+# (`ModelRunner.tree_levels`), and EAGLE's catch-up with the tree its head grows from it
+# (`ModelRunner.grow_tree`): a full iteration is 1 graph call for ar and pld, 2 for spd, typical,
+# mtad, mmtad, specinfer, mcss, spectr, medusa and eagle. BiLD reads after every draft token
+# whether to go on (its algorithm): a call per draft forward (fused with its warp) and per draw.
 # The last, shorter iterations (and pld's shorter drafts) are not fused, which 16 tokens show in
 # the averages. The trees' rules are one kernel each (mmtad, specinfer, mcss, spectr, medusa),
 # and a verify rolls the target back inside its call (`ModelRunner.verify`, `verify_tree`), and
 # its kernel hands back the packed read-back and each row's last tokens (`step.block_out`), so
 # the next iteration's last tokens and the draft's catch-up are slices and the rows' ids are not
-# written on the device (`DecodeState.recent`, `DecodeState.ids`); what is left outside the
+# written on the device (`DecodeState.recent`, `DecodeState.ids`); a tree verify moves the kept
+# path to the tree's first columns, so trees leave nothing to compact; what is left outside the
 # graphs is mostly the uniforms, the write positions, the draft's holes at B > 1 and the
 # read-back itself. The budgets are what each does now, a little over (the issue's targets:
 # chains <= 25, trees <= 50, ar <= 10 ops; graph calls <= 2 for chains, <= 3 for trees).
-OPS_BUDGET = {"ar": 8, "spd": 30, "typical": 25, "pld": 15, "bild": 72, "mtad": 38,
-              "beam": 310, "mtjd": 125, "mcss": 41, "spectr": 36, "specinfer": 40,
-              "mmtad": 28, "eagle": 50, "medusa": 14}
+OPS_BUDGET = {"ar": 8, "spd": 30, "typical": 25, "pld": 15, "bild": 20, "mtad": 38,
+              "beam": 310, "mtjd": 125, "mcss": 34, "spectr": 34, "specinfer": 32,
+              "mmtad": 28, "eagle": 24, "medusa": 14}
 GRAPHS_BUDGET = {"ar": 1, "spd": 3, "typical": 3, "pld": 2, "bild": 3, "mtad": 4,
                  "beam": 50, "mtjd": 14, "mcss": 3, "spectr": 3, "specinfer": 3, "mmtad": 3,
-                 "eagle": 8, "medusa": 2}
+                 "eagle": 4, "medusa": 2}
 
 
 def _count(pair, name: str, rows: int, compile, tokens: int = 16):

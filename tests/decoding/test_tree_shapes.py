@@ -127,17 +127,19 @@ def head_chain_logits(pair, prompt: list[int], path: tuple[int, ...]) -> torch.T
 
 
 def _record_draft_trees(monkeypatch) -> tuple[list, list, list]:
-    """Spies on EAGLE: the catch-up's logits, the head's tree forwards (fed tokens and output
+    """Spies on EAGLE: the catch-up's logits at the root, the head's tree forwards (fed tokens and output
     logits, in order) and the target's verified trees, one entry per call."""
     roots, draft_calls, verified = [], [], []
-    real_catch_up, real_tree = eagle_mod.Eagle._catch_up, eagle_mod.tree_verify
+    real_grow, real_tree = ModelRunner.grow_tree, eagle_mod.tree_verify
     real_forward_tree = ModelRunner.forward_tree
 
-    def catch_up(self, s, counts):
-        logits, feat = real_catch_up(self, s, counts)
-        roots.append(logits.clone())
-        draft_calls.append([])
-        return logits, feat
+    def grow_tree(self, kernels, input_ids, counts, features, nodes, fn, *args):
+        def program(tree_then, call, logits, *rest):  # the catch-up's output at the root
+            roots.append(logits[:, -1].clone())
+            draft_calls.append([])
+            return fn(tree_then, call, logits, *rest)
+
+        return real_grow(self, kernels, input_ids, counts, features, nodes, program, *args)
 
     def forward_tree(self, input_ids, anc_rows, depths, features=None):
         out = real_forward_tree(self, input_ids, anc_rows, depths, features)
@@ -149,7 +151,7 @@ def _record_draft_trees(monkeypatch) -> tuple[list, list, list]:
         verified.append((tokens.clone(), anc.clone()))
         return real_tree(runner, kernels, tokens, anc, *args)
 
-    monkeypatch.setattr(eagle_mod.Eagle, "_catch_up", catch_up)
+    monkeypatch.setattr(ModelRunner, "grow_tree", grow_tree)
     monkeypatch.setattr(ModelRunner, "forward_tree", forward_tree)
     monkeypatch.setattr(eagle_mod, "tree_verify", tree)
     return roots, draft_calls, verified

@@ -14,8 +14,10 @@ thresholds are calibrated on the model's distribution. At temperature 0 (a one-h
 uses temperature 1, as in the paper's greedy runs; the emitted tokens are then the draft's argmax
 until the target finds one unlikely, and the target's argmax there.
 
-Host syncs: one per draft token (the fallback decision is data-dependent control flow, inherent
-to BiLD) and one for the rollback position.
+Host reads: one per draft token (the fallback decision is data-dependent control flow, inherent
+to BiLD) and the loop's read-back. The warp, the confidence test, the draws and the rollback rule
+are kernels (`bild_q`, `bild_draw`, `bild_verify`); a draft token's uniforms are drawn only once
+the read says some row drafts it, so a draft that never drafts draws exactly what ``ar`` does.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from mtad_energy.decoding.rules.chain import rollback_length
-from mtad_energy.decoding.rules.sampling import Warp, sample
+from mtad_energy.decoding.rules.sampling import Warp, sample_u, uniforms, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.runner import ModelRunner
-from mtad_energy.decoding.runtime.state import DecodeState, to_device
-from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.state import DecodeState
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,28 @@ class BildParams(DecoderParams):
         require(self.max_draft >= 1, f"max_draft must be >= 1, got {self.max_draft}")
 
 
-def draft_until_unsure(draft: ModelRunner, pending: torch.Tensor, caps: list[int],
-                       fallback: float, warp: Warp, generator: torch.Generator,
+def bild_q(logits: torch.Tensor, fallback: float, temperature: float, top_k: int, top_p: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: warped q at the last position of the draft's ``logits [B, k, V]`` and whether each
+    row is sure of it (max ~q >= ``fallback``): ``(q [B, V], sure [B])``."""
+    q = warp_probs(logits[:, -1], temperature, top_k, top_p)
+    return q, q.amax(-1) >= fallback
+
+
+def bild_draw(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Kernel: a token per row from ``q [B, V]`` with uniforms ``u [B, 1]``: ``[B, 1]``."""
+    return sample_u(q, u)[:, None]
+
+
+def draft_until_unsure(draft: ModelRunner, kernels, pending: torch.Tensor, caps: list[int],
+                       fallback: float, warp: Warp, generator: torch.Generator | None,
                        counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """BiLD's fallback policy per sequence: sample from ~q while max ~q >= fallback, at most
     caps[b] tokens for row b (0: a row that drafts nothing, e.g. one that is done), after
-    feeding ``pending [B, k]`` (row b's last counts[b] tokens real).
+    feeding ``pending [B, k]`` (row b's last counts[b] tokens real); the warp and the draws are
+    kernels (``kernels``), each draft forward after the first fused with its warp
+    (`ModelRunner.then`), a token's uniforms drawn from ``generator`` after the read that says
+    some row drafts it.
 
     Returns ``(tokens [B, M], lengths)``: row b's draft is ``tokens[b, :lengths[b]]``,
     0 <= lengths[b] <= caps[b] (0: the target takes over at once); M = max(lengths). Rows keep
@@ -63,25 +81,44 @@ def draft_until_unsure(draft: ModelRunner, pending: torch.Tensor, caps: list[int
     tokens: list[torch.Tensor] = []
     lengths = [0] * rows
     sure = [c > 0 for c in caps]
-    q = warp.probs(draft(pending, counts)[:, -1])  # [B, V]
+    q, confident = kernels(bild_q, draft(pending, counts), fallback, *warp.args)  # [B, V], [B]
     for i in range(max(caps, default=0)):
         if i:
-            q = warp.probs(draft(tokens[-1][:, None])[:, -1])
+            q, confident = draft.then(kernels, tokens[-1], bild_q, fallback, *warp.args)
         # the fallback decision is data-dependent control flow: one read-back per draft token
-        confident = (q.amax(-1) >= fallback).tolist()
-        sure = [a and c and i < cap for a, c, cap in zip(sure, confident, caps, strict=True)]
+        sure = [a and c and i < cap
+                for a, c, cap in zip(sure, confident.tolist(), caps, strict=True)]
         if not any(sure):  # every draft is unsure here (or at its cap): the target decides
             break
-        tokens.append(sample(q, generator))
+        tokens.append(kernels(bild_draw, q, uniforms((rows, 1), generator, q.device)))
         lengths = [n + s for n, s in zip(lengths, sure, strict=True)]
     if not tokens:
         return pending.new_empty(rows, 0), lengths
-    return torch.stack(tokens, 1), lengths
+    return torch.cat(tokens, 1), lengths
 
 
 def rollback_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p for the rollback test: temperature-scaled, untruncated; T=0 uses T=1. ``[..., V]``."""
     return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
+
+
+def bild_verify(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor,
+                u: torch.Tensor, recent: torch.Tensor, rollback: float, temperature: float,
+                top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+    """Kernel: the rollback test on the target's ``logits [B, m + 1, V]`` of ``draft [B, m]``
+    (row b's first ``lengths[b]`` tokens its own; a row's tokens past them roll back by
+    definition), and the next token from ~p where the draft stops (``u [B, 1]``): ``(block [B,
+    m + 1], kept [B], length [B], recent, read)`` (`block_tokens`, `block_out`)."""
+    m = draft.shape[1]
+    log_p = rollback_log_probs(logits[:, :m], temperature)  # [B, m, V]
+    nll = -log_p.gather(-1, draft[..., None])[..., 0]  # [B, m]
+    past = torch.arange(m, device=nll.device)[None] >= lengths[:, None]
+    n = rollback_length(nll.masked_fill(past, float("inf")), rollback)  # [B]
+    # rollback: x_{n+1} replaced by a sample from ~p there; none: a bonus token from ~p after x_m
+    at = n[:, None, None].expand(-1, 1, logits.shape[-1])
+    nxt = sample_u(warp_probs(logits.gather(1, at)[:, 0], temperature, top_k, top_p), u)
+    block, length = block_tokens(draft, n, nxt)
+    return block, n, length, *block_out(block, length, recent, n, length)
 
 
 class Bild(Decoder):
@@ -99,17 +136,11 @@ class Bild(Decoder):
         prm = self.params
         warp = prm.warp
         pending, counts = s.draft_feed()
-        draft, lengths = draft_until_unsure(s.draft, pending, self.draft_lens(s), prm.fallback,
-                                            warp, s.generator, counts)  # [B, M]
-        m = draft.shape[1]
-        logits = s.target(torch.cat([s.last_token, draft], 1))  # [B, M+1, V]
-        log_p = rollback_log_probs(logits[:, :m], prm.temperature)  # [B, M, V]
-        nll = -log_p.gather(-1, draft[..., None])[..., 0]  # [B, M]
-        if len(set(lengths)) > 1:  # a row's tokens past its own draft roll back by definition
-            past = torch.arange(m, device=nll.device)[None] >= to_device(lengths, nll.device)[:, None]
-            nll = nll.masked_fill(past, float("inf"))
-        n = rollback_length(nll, prm.rollback)  # [B], stays on the device
-        # rollback: replace x_{n+1} by a sample from ~p there; none: bonus token from ~p after x_m
-        at = n[:, None, None].expand(-1, 1, logits.shape[-1])
-        nxt = sample(warp.probs(logits.gather(1, at).squeeze(1)), s.generator)
-        return StepResult.block(draft, n, nxt, lengths, depth=lengths)  # per row
+        draft, lengths = draft_until_unsure(s.draft, s.kernels, pending, self.draft_lens(s),
+                                            prm.fallback, warp, s.generator, counts)  # [B, M]
+        # logits [B, M+1, V] -> the block (compiled at full width: the verify, its rule and the
+        # rollback one graph call)
+        block, n, length, recent, read = s.target.verify(
+            s.kernels, torch.cat([s.last_token, draft], 1), bild_verify, draft,
+            s.on_device(lengths), s.uniform(s.batch, 1), s.recent, prm.rollback, *warp.args)
+        return StepResult(block, lengths, n, length, depth=lengths, recent=recent, read=read)

@@ -27,6 +27,8 @@ head's (catch-up + expansions), timed as draft.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ from mtad_energy.decoding.runtime.step import StepResult, block_out, block_token
 from mtad_energy.decoding.runtime.tree import (
     MAX_TREE_NODES,
     ancestors,
+    depths,
     rooted_tree,
     set_branching,
     tree_nodes,
@@ -74,15 +77,6 @@ class EagleParams(DecoderParams):
                 f"total_tokens must be in [2, {min(pool, MAX_TREE_NODES - 1) + 1}] (the root "
                 f"plus at most the {pool} candidates of expand={self.expand}, "
                 f"depth={self.depth}), got {self.total_tokens}")
-
-
-def _right_aligned(carry: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
-    """``carry [B, m, F]`` (row b's first counts[b] entries valid) placed at the last counts[b]
-    of ``width`` columns ``[B, width, F]`` (the runner's left padding before them)."""
-    dev = carry.device
-    shift = width - to_device(counts, dev)  # [B]
-    idx = (torch.arange(width, device=dev)[None] - shift[:, None]).clamp(0, carry.shape[1] - 1)
-    return carry.gather(1, idx[..., None].expand(-1, -1, carry.shape[-1]))
 
 
 def eagle_root(logits: torch.Tensor, d2t: torch.Tensor | None, k: int
@@ -163,17 +157,72 @@ def eagle_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,
     candidates (`tree_candidates_accept_u`; ``u``: its uniforms ``[B (1 + N), 1]`` then the next
     token's ``[B, 1]``, flat) over ``full [B, 1 + N]`` (the root first; ``parents``, ``anc``:
     its tree) -> ``(block [B, L + 1], accepted depth [B], length [B], kept nodes [B, 1 + L]
-    (root first), their features [B, 1 + L, H] (``hidden``: every node's), recent, read)``
-    (`block_out`; ``tree_depth [B]``: the depth only the device knows, or None)."""
+    (root first), their features [B, 1 + L, H] right-aligned (row b's 1 + depth[b] last: the
+    next catch-up's, `Eagle._catch_up`; ``hidden``: every node's), recent, read)`` (`block_out`;
+    ``tree_depth [B]``: the depth only the device knows, or None)."""
     p = warp_probs(logits, temperature, top_k, top_p)
     depth, path, nxt, _ = tree_candidates_accept_u(
         p, full, parents, anc, caps, levels, *split_uniforms(u, (full.numel(), 1),
                                                               (full.shape[0], 1)))
     kept = torch.cat([torch.zeros_like(path[:, :1]), path], 1)  # [B, 1 + L]: root first
-    feat = hidden.gather(1, kept[..., None].expand(-1, -1, hidden.shape[-1]))
+    width = kept.shape[1]
+    right = kept.gather(1, (torch.arange(width, device=kept.device)
+                            - (width - 1 - depth)[:, None]).clamp_min(0))  # [B, 1 + L]
+    feat = hidden.gather(1, right[..., None].expand(-1, -1, hidden.shape[-1]))
     block, length = block_tokens(full.gather(1, path), depth, nxt)
     counts = (depth, length) + (() if tree_depth is None else (tree_depth,))
     return block, depth, length, kept, feat, *block_out(block, length, recent, *counts)
+
+
+def eagle_dynamic(tree_then: Callable[..., Any], call: Callable[..., Any], logits: torch.Tensor,
+                  hidden: torch.Tensor, d2t: torch.Tensor | None, k: int, steps: int,
+                  caps: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """EAGLE-2's tree from the catch-up's output (``logits [B, c, V']``, ``hidden [B, c, H]``:
+    the root at the last position), a `ModelRunner.grow_tree` program: the root's k best tokens
+    are the first frontier (`eagle_root`); each of ``steps`` expansions is the head's tree
+    forward of the frontier and `eagle_expand` (one ``tree_then``); the last one also chooses
+    the verified tree (`eagle_choose`): n nodes within each row's depth ``caps [B]``. Returns
+    ``(tokens [B, n], parents, ancestors, depth [B])``."""
+    tok, score, parent, index, depth, rows_anc, anc = call(eagle_root, logits[:, -1], d2t, k)
+    pools = [(tok, score, parent)]
+    feat = hidden[:, -1:].expand(-1, k, -1)  # [B, k, H]: the frontier's parents' features
+    for i in range(steps):
+        last = () if i + 1 < steps else (caps, n, *_flat(pools))
+        out = tree_then(tok, rows_anc, depth, feat, eagle_expand, score, index, anc, depth,
+                        k + i * k * k, d2t, *last)  # pool index of this expansion's first child
+        if last:
+            return out
+        child, cu, parent, tok, score, feat, index, depth, rows_anc, anc = out
+        pools.append((child, cu, parent))
+    return call(eagle_choose, caps, n, *_flat(pools))  # no expansion: the root's children
+
+
+def eagle_static(tree_then: Callable[..., Any], call: Callable[..., Any], logits: torch.Tensor,
+                 hidden: torch.Tensor, branching: tuple[int, ...], anc: torch.Tensor,
+                 d2t: torch.Tensor | None) -> torch.Tensor:
+    """EAGLE-1's tree from the catch-up's output (as in `eagle_dynamic`), a
+    `ModelRunner.grow_tree` program: every node of level l gets the ``branching[l]`` best tokens
+    of its own output (`eagle_level`), a tree forward per level but the leaves (``anc [1 + N, 1
+    + N]``: the rooted tree's ancestors). Returns the tree's tokens ``[B, N]``, level by level."""
+    tok, feat = call(eagle_level, logits[:, -1:], hidden[:, -1:], branching[0], d2t)
+    tokens, fed = [tok], 0
+    for b in branching[1:]:
+        width = tok.shape[1]
+        rows = anc[1 + fed:1 + fed + width, 1:1 + fed + width]  # [w, M + w] after the M fed
+        tok, feat = tree_then(tok, rows, depths(rows), feat, eagle_level, b, d2t)
+        tokens.append(tok)
+        fed += width
+    return torch.cat(tokens, 1)
+
+
+def eagle_level(logits: torch.Tensor, hidden: torch.Tensor, b: int, d2t: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel: a static tree's next level from its w nodes' outputs (``logits [B, w, V']``,
+    ``hidden [B, w, H]``): each node's b best tokens ``[B, w b]`` (children of a node together)
+    and their parents' output features ``[B, w b, H]``."""
+    rows, w = logits.shape[:2]
+    children = draft_to_target(logits.topk(b, -1).indices, d2t).reshape(rows, w * b)
+    return children, hidden.repeat_interleave(b, 1)
 
 
 def _flat(pools: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -243,19 +292,20 @@ class Eagle(Decoder):
             out = target_step(s, warp)
             s.carry["feat"] = s.target.hidden[:, -1:]
             return out
-        head = s.draft.model
-        root_logits, root_feat = self._catch_up(s, counts)  # [B, V'], [B, H]
+        ids, feats = self._catch_up(s, counts)
+        ragged = counts if s.batch > 1 else None
+        caps = s.on_device(lens)
         if self.params.tree == "dynamic":
-            tokens, parents, anc, proposed, depths = self._dynamic(s, root_logits, root_feat,
-                                                                   lens, head)
+            tokens, parents, anc, proposed, depths = self._dynamic(s, ids, ragged, feats, lens,
+                                                                   caps)
         else:
-            tokens, parents, anc, proposed = self._static(s, root_logits, root_feat, lens, head)
+            tokens, parents, anc, proposed = self._static(s, ids, ragged, feats, lens)
             depths = lens
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]
         # the verify's forward (returning every node's features) and its rule: one graph call
         block, depth, length, kept, feat, recent, read = tree_verify(
-            s.target, s.kernels, full, anc, eagle_verify, full, parents, anc,
-            s.on_device(lens), levels, s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent,
+            s.target, s.kernels, full, anc, eagle_verify, full, parents, anc, caps, levels,
+            s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent,
             depths if isinstance(depths, torch.Tensor) else None, *warp.args)
         s.carry["feat"] = feat  # the root's and the accepted nodes' features: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
@@ -263,69 +313,43 @@ class Eagle(Decoder):
                           **depth_fields(depths, s.batch), recent=recent, read=read)
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the head the pairs it has not seen (tokens j + 1, carried features j), right-
-        aligned -> the output at each row's last pair: ``(logits [B, V'], feature [B, H])``."""
+        """What the head is fed first: the pairs it has not seen (tokens j + 1, carried
+        features j), right-aligned: ``(ids [B, c], features [B, c, F])`` (the carried features
+        are: the verify's, the prefill's or a target step's last); its output at each row's
+        last pair is the root of the tree it grows (`ModelRunner.grow_tree`)."""
         k = max(counts)
-        ids = s.last_tokens(k)  # [B, k]
-        feats = _right_aligned(s.carry["feat"], counts, k)
-        logits = s.draft(ids, counts if s.batch > 1 else None, features=feats)
-        return logits[:, -1], s.draft.hidden[:, -1]
+        feat = s.carry["feat"]  # [B, >= k, F]
+        assert feat.shape[1] >= k, f"{k} pairs to feed, {feat.shape[1]} features carried"
+        return s.last_tokens(k), feat[:, feat.shape[1] - k:]
 
-    def _dynamic(self, s: DecodeState, root_logits: torch.Tensor, root_feat: torch.Tensor,
-                 lens: list[int], head) -> tuple[torch.Tensor, ...]:
-        """EAGLE-2's tree: returns ``(tokens [B, N], parents [B, 1 + N], anc [B, 1 + N, 1 + N],
-        proposed per row, depth [B])``: the depth of the chosen tree within each row's cap (a
-        tree of unsure drafts is wide and shallow; known on the device only). Each expansion is
-        the head's forward of the frontier and `eagle_expand` (one graph call on the compiled
-        path); the last one also chooses the tree (`eagle_choose`)."""
+    def _dynamic(self, s: DecodeState, ids: torch.Tensor, counts: list[int] | None,
+                 feats: torch.Tensor, lens: list[int], caps: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+        """EAGLE-2's tree (`eagle_dynamic`): returns ``(tokens [B, N], parents [B, 1 + N], anc
+        [B, 1 + N, 1 + N], proposed per row, depth [B])``: the depth of the chosen tree within
+        each row's cap (a tree of unsure drafts is wide and shallow; known on the device only).
+        Compiled, the catch-up and every expansion are one graph call."""
         prm = self.params
         k = prm.expand
         steps = min(prm.depth, max(lens) - 1)  # expansions a row can still use
-        d2t = head.d2t_map
-        caps = s.on_device(lens)
         n = min(prm.total_tokens - 1, k + steps * k * k)
-        # the root's k best tokens: the first frontier (pool 0), fed next
-        tok, score, parent, index, depth, rows_anc, anc = s.kernels(eagle_root, root_logits,
-                                                                    d2t, k)
-        pools = [(tok, score, parent)]
-        feat = root_feat[:, None].expand(-1, k, -1)  # parents' output features
-        choose = (caps, n)
-        for i in range(steps):
-            base = k + i * k * k  # pool index of this expansion's first child
-            last = () if i + 1 < steps else (*choose, *_flat(pools))
-            out = s.draft.tree_then(s.kernels, tok, rows_anc, depth, eagle_expand, score,
-                                    index, anc, depth, base, d2t, *last, features=feat)
-            if last:
-                tokens, parents, tree_anc, chosen_depth = out
-                break
-            child, cu, parent, tok, score, feat, index, depth, rows_anc, anc = out
-            pools.append((child, cu, parent))
-        else:  # no expansion: the tree is the root's children
-            tokens, parents, tree_anc, chosen_depth = s.kernels(eagle_choose, *choose,
-                                                                *_flat(pools))
+        tokens, parents, tree_anc, chosen_depth = s.draft.grow_tree(
+            s.kernels, ids, counts, feats, (k,) * steps, eagle_dynamic, s.draft.model.d2t_map,
+            k, steps, caps, n)
         live = [k + (cap - 1) * k * k if cap else 0 for cap in lens]  # candidates within depth
         return tokens, parents, tree_anc, [min(n, c) for c in live], chosen_depth
 
-    def _static(self, s: DecodeState, root_logits: torch.Tensor, root_feat: torch.Tensor,
-                lens: list[int], head) -> tuple[torch.Tensor, ...]:
-        """EAGLE-1's tree: every node of a level gets the top tokens of its own output."""
+    def _static(self, s: DecodeState, ids: torch.Tensor, counts: list[int] | None,
+                feats: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, ...]:
+        """EAGLE-1's tree (`eagle_static`): ``(tokens [B, N], parents, anc, proposed per
+        row)``; compiled, the catch-up and every level are one graph call."""
         branching = self.params.branching[:max(lens)]
-        rows, dev = s.batch, s.device
-        parents, anc = rooted_tree(branching, dev)
-        level_tok = head.to_target(root_logits.topk(branching[0], -1).indices)  # [B, b0]
-        tokens, fed = [level_tok], 0
-        feats = root_feat[:, None].expand(-1, branching[0], -1)
-        for level, b in enumerate(branching[1:], 1):
-            width = level_tok.shape[1]
-            rows_anc = anc[1 + fed:1 + fed + width, 1:1 + fed + width]  # [w, M + w]
-            out = s.draft.forward_tree(level_tok, rows_anc, torch.full((width,), level, device=dev),
-                                       feats)
-            level_tok = head.to_target(out.topk(b, -1).indices).reshape(rows, width * b)
-            tokens.append(level_tok)
-            feats = s.draft.hidden.repeat_interleave(b, 1)  # each child's parent's output
-            fed += width
+        parents, anc = rooted_tree(branching, s.device)
+        nodes = tuple(math.prod(branching[:i + 1]) for i in range(len(branching) - 1))
+        tokens = s.draft.grow_tree(s.kernels, ids, counts, feats, nodes, eagle_static,
+                                   branching, anc, s.draft.model.d2t_map)
         proposed = [tree_nodes(branching[:n]) for n in lens]
-        return torch.cat(tokens, 1), parents, anc, proposed
+        return tokens, parents, anc, proposed
 
 
 def _feature_width(head) -> int:

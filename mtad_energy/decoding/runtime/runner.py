@@ -85,14 +85,14 @@ class ModelRunner:
     def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """A forward of ``input_ids [B, k]``, then ``fn(logits [B, k, V], *args)`` through
         ``kernels`` (`DecodeState.kernels`): a verify's rule, a token drawn from p. The compiled
-        runner runs both in one graph call (`static.StaticRunner.then`)."""
+        runner runs both in one graph call (`static_fused.FusedCalls.then`)."""
         return kernels(fn, self(input_ids), *args)
 
     def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """`then` of a chain verify whose rule returns ``(block, accepted, length [B], ...)``:
         the loop crops the cache to each row's block after the read-back. The compiled runner
         rolls the rejected columns back inside the verify's graph call
-        (`static.StaticRunner.verify`), where the crop then finds it done."""
+        (`static_fused.FusedCalls.verify`), where the crop then finds it done."""
         return self.then(kernels, input_ids, fn, *args)
 
     def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
@@ -101,7 +101,7 @@ class ModelRunner:
         ``input_ids [B, k]`` (``counts``: as in `__call__`), each next of the token ``fn``
         drew after the one before: ``fn(logits [B, k, V], u[i] [B, 1], *args) -> (token [B,
         1], *extras)``. Returns ``(tokens [B, S], *extras stacked on dim 1: [B, S, ...])``.
-        The compiled runner runs the loop in one graph call (`static.StaticRunner.chain`)."""
+        The compiled runner runs the loop in one graph call (`static_fused.FusedCalls.chain`)."""
         us = u.unbind(0)
         outs = [kernels(fn, self(input_ids, counts), us[0], *args)]
         for i in range(1, len(us)):
@@ -120,7 +120,7 @@ class ModelRunner:
         order). ``u [B, P, n]``: each node's uniforms, P = the root and the internal nodes.
         Returns ``(tokens [B, N], *extras concatenated on dim 1: [B, P, ...])``; the cache ends
         as prefix + the internal nodes. The compiled runner runs a full-depth tree in one graph
-        call (`static.StaticRunner.tree_levels`)."""
+        call (`static_fused.FusedCalls.tree_levels`)."""
         logits = self(input_ids, counts)[:, -1:]  # [B, 1, V] at the root
         outs, fed, at = [], 0, 0  # at: the level's first node's row of uniforms
         for level, b in enumerate(branching):
@@ -146,7 +146,7 @@ class ModelRunner:
         scores it ranks. Returns ``(tokens, parents, log_q [B, D, W], seqs, path_log_q [B, W, D],
         *finish(tokens, parents, log_q, *finish_args))`` (`beams.BeamDraft`'s fields). The
         compiled runner runs a full-length search in one graph call
-        (`static.StaticRunner.beam_search`)."""
+        (`static_fused.FusedCalls.beam_search`)."""
         def draws(scores: torch.Tensor) -> torch.Tensor | None:
             return uniforms(scores.shape, generator, scores.device) if warp_args[-1] else None
 
@@ -194,11 +194,30 @@ class ModelRunner:
         """`forward_tree` (``features``: a head's input), then ``fn(logits [B, K, V], *args)``
         through ``kernels`` (a runner returning hidden states: ``fn(logits, hidden [B, K, H],
         *args)``): a tree verify's rule, a head's expansion of its tree (`then` for a token
-        tree). The compiled runner runs both in one graph call (`static.StaticRunner.tree_then`).
+        tree). The compiled runner runs both in one graph call (`static_fused.FusedCalls.tree_then`).
         """
         logits = self.forward_tree(input_ids, anc_rows, depths, features)
         outs = (logits, self.hidden) if self.hidden_layers else (logits,)
         return kernels(fn, *outs, *args)
+
+    def grow_tree(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+                  features: torch.Tensor, nodes: tuple[int, ...], fn: Callable[..., Any],
+                  *args: Any) -> Any:
+        """A draft head's token tree (EAGLE's): the forward of ``input_ids [B, k]`` with the
+        head's ``features [B, k, F]`` (``counts``: as in `__call__`), then the decoder's program
+        ``fn(tree_then, kernels, logits [B, k, V], hidden [B, k, H], *args)``, which grows the
+        tree in ``len(nodes)`` tree forwards of ``nodes[i]`` nodes each (after the ones before),
+        each ``tree_then(tokens [B, K], anc [(B,) K, M + K], depths [(B,) K], features [B, K,
+        H], f, *f_args)`` (`tree_then`: ``f(logits, hidden, *f_args)``), and calls its pure
+        functions through ``kernels``. Returns what ``fn`` returns. The compiled runner runs a
+        full-depth tree in one graph call (`static_fused.FusedCalls.grow_tree`)."""
+        logits = self(input_ids, counts, features=features)
+
+        def tree_then(tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor,
+                      feats: torch.Tensor, f: Callable[..., Any], *f_args: Any) -> Any:
+            return self.tree_then(kernels, tokens, anc, depths, f, *f_args, features=feats)
+
+        return fn(tree_then, kernels, logits, self.hidden, *args)
 
     def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                     depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
@@ -207,7 +226,7 @@ class ModelRunner:
         [B, m], *rest)``, then the rollback: each row keeps its ``path`` (root first) of the tree
         (`keep_tree`), which the loop crops to the block's length after the read-back. The
         compiled runner keeps exactly the first length[b] nodes inside the verify's graph call
-        (`static.StaticRunner.verify_tree`)."""
+        (`static_fused.FusedCalls.verify_tree`)."""
         out = self.tree_then(kernels, input_ids, anc_rows, depths, fn, *args, features=features)
         self.keep_tree(input_ids.shape[1], out[3])
         return out

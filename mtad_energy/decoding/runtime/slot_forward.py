@@ -12,26 +12,31 @@ runs back to back into one graph:
   draws the next token from its logits (`decoder.draft_next`), the token fed to the next forward
   inside the graph: one call instead of 2 S;
 * `forward_verify` (`forward_tree_verify`): `forward_then` for a chain (tree) verify, the
-  rollback of its columns to the tokens (nodes) its rule keeps inside the same graph;
+  rollback of its columns to the tokens (nodes, moved to the tree's first columns) its rule
+  keeps inside the same graph;
 * `forward_tree_levels`: a draft token tree grown level by level (SpecInfer's), each level's
   draws and its tree forward inside the graph: one call instead of 2 L;
+* `forward_grow`: a draft head's catch-up and the token tree it grows from it (EAGLE's), each
+  tree forward and the function reading it inside the graph: one call instead of D + 2;
 * `forward_beams`: a beam search of D steps (`rules.beam`), the rows expanded to the beams and
   reordered to them inside the graph, and the function reading the finished tree: one call
   instead of 3 D + 1 and the row copies between them.
 
 The functions are the decoders' own (`kernels`), the same on the eager path; only where they run
 changes. The fused calls leave the cache exactly as the separate calls would (the same KV and
-validity at the same slots). A fused call met for the first time runs as the separate calls
-(its forwards compiled, the functions eager) and compiles after the generation
-(`StaticRunner.compile_pending`), never inside a window. A phase's time on the compiled path
-holds the functions fused into its forwards (a verify's rule is timed as target time).
+validity at the same slots), but a tree verify's, which moves the kept path to the tree's first
+columns (the same tokens at the same positions, in fewer columns). A fused call met for the
+first time runs as the separate calls (its forwards compiled, the functions eager) and compiles
+after the generation (`StaticRunner.compile_pending`), never inside a window. A phase's time on
+the compiled path holds the functions fused into its forwards (a verify's rule is timed as
+target time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -127,15 +132,35 @@ def forward_tree_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: t
                         hidden: tuple[int, ...] = (),
                         forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
     """`forward_tree_then` of a tree verify whose rule returns ``(block, accepted, length [rows],
-    path [rows, m], ...)`` (`tree.tree_verify`), then the rollback on the device: of the tree's
-    columns, row r keeps the first length[r] nodes of path[r] (root first) valid, the others
-    (and every padding row's) invalid, where `batch.RowLayout.keep_tree` and the loop's crop
-    would leave it."""
+    path [rows, m], ...)`` (`tree.tree_verify`), then the rollback on the device: row r's first
+    length[r] nodes of path[r] (root first) move to the tree's first columns, in path order, and
+    only those stay valid (every padding row's none), as a chain verify leaves its block
+    (`forward_verify`): the host mirror stays exact and the dropped columns are cut, not
+    compacted. A path's nodes are in tree order (a node after its parent), so a node at depth d
+    was written at position prefix + d - 1: where it now sits."""
     start = cache.start.clone()  # [] the tree's first slot
     out = forward_tree_then(model, cache, input_ids, new, anc, depths, fn, rows, k, *args,
                             features=features, hidden=hidden, forward=forward)
-    _keep_columns(cache, start, input_ids.shape[0], kept_nodes(out[3], out[2], input_ids.shape[1]))
+    r, width = input_ids.shape
+    _move_path(cache, start, r, out[3], width)
+    cols = torch.arange(width, device=input_ids.device)
+    _keep_columns(cache, start, r, cols[None, :] < out[2][:, None])
     return out
+
+
+def _move_path(cache: SlotCache, start: torch.Tensor, r: int, path: torch.Tensor,
+               width: int) -> None:
+    """Of the ``width`` columns from ``start`` in the cache's first ``r`` rows, row b's column
+    j becomes its column path[b, j] (``path [rows, m]``, m <= width), every layer's keys and
+    values at once; the columns after m and the padding rows stay where they are."""
+    rows, m = path.shape
+    cols = torch.arange(width, device=path.device)
+    src = torch.cat([path, cols[m:].expand(rows, width - m)], 1)  # [rows, W]
+    src = torch.cat([src, cols.expand(r - rows, width)])  # [r, W]: padding rows stay
+    kv = cache.kv[:, :r]  # [2 * layers, r, H, L, D]
+    idx = (start + src)[None, :, None, :, None].expand(kv.shape[0], r, kv.shape[2], width,
+                                                       kv.shape[4])
+    kv.index_copy_(3, start + cols, kv.gather(3, idx))
 
 
 def _keep_columns(cache: SlotCache, start: torch.Tensor, r: int, keep: torch.Tensor) -> None:
@@ -143,15 +168,6 @@ def _keep_columns(cache: SlotCache, start: torch.Tensor, r: int, keep: torch.Ten
     rows: ``keep [rows, W]`` for the real rows, none for the padding rows after them."""
     cols = start + torch.arange(keep.shape[1], device=keep.device)
     cache.valid[:r].index_copy_(1, cols, F.pad(keep, (0, 0, 0, r - keep.shape[0])))
-
-
-def kept_nodes(path: torch.Tensor, length: torch.Tensor, width: int) -> torch.Tensor:
-    """``[rows, width]`` bool: the tree nodes a row keeps, the first ``length [rows]`` of ``path
-    [rows, m]`` (a node listed twice is kept if either listing is)."""
-    m = path.shape[-1]
-    first = torch.arange(m, device=path.device) < length[:, None]  # [rows, m]
-    node = path[:, :, None] == torch.arange(width, device=path.device)  # [rows, m, W]
-    return (node & first[:, :, None]).any(1)
 
 
 def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
@@ -207,6 +223,49 @@ def forward_tree_levels(model, cache: SlotCache, input_ids: torch.Tensor, new: t
     return tuple(torch.cat([o[j] for o in outs], 1) for j in range(len(outs[0])))
 
 
+def forward_grow(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                 real: torch.Tensor, fn: Callable[..., Any], rows: int, k: int, *args: Any,
+                 features: torch.Tensor | None = None, hidden: tuple[int, ...] = (),
+                 forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
+    """`ModelRunner.grow_tree`: the first forward of ``input_ids [R, W]`` (``new [R, W]``; the
+    first k tokens the input; ``features``: a head's), then the decoder's program ``fn(tree_then,
+    call, logits [rows, k, V], hidden [rows, k, H], *args)``, whose tree forwards run here:
+    ``tree_then(tokens [rows, K], anc [(rows,) K, M + K], depths [(rows,) K], features [rows, K,
+    H], f, *f_args) -> f(logits, hidden, *f_args)``, K nodes after the M it fed before (``real
+    [R, 1]``: which rows are real; a padding row takes the first row's tree), and ``call(f,
+    *f_args)`` its pure functions. Returns what ``fn`` returns. ``forward``: as in
+    `forward_then`."""
+    start = cache.start.clone()  # [] the first forward's slot
+    r = input_ids.shape[0]
+    logits, states = forward(model, cache, input_ids, new, features=features, hidden=hidden)
+
+    def tree_then(tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor,
+                  feats: torch.Tensor, f: Callable[..., Any], *f_args: Any) -> Any:
+        n = tokens.shape[1]
+        cache.start.copy_(start + k + anc.shape[-1] - n)  # after the M nodes fed before
+        out = forward(model, cache, _rows_of(tokens, rows, r, 2), real.expand(r, n).contiguous(),
+                      _rows_of(anc, rows, r, 3), _rows_of(depths, rows, r, 2),
+                      features=_rows_of(feats, rows, r, 3), hidden=hidden)
+        return f(out[0][:rows], out[1][:rows], *f_args)
+
+    return fn(tree_then, _call, logits[:rows, :k], states[:rows, :k], *args)
+
+
+def _rows_of(t: torch.Tensor, rows: int, r: int, dims: int) -> torch.Tensor:
+    """``t`` as ``r`` dense rows: one for all (``dims - 1`` dimensions) expanded to the ``rows``
+    real rows, then the first row's repeated for the ``r - rows`` padding rows (which hold no
+    valid column: whatever they are fed stays theirs)."""
+    t = t.expand(rows, *t.shape) if t.dim() < dims else t
+    if r == rows:
+        return t.contiguous()
+    return torch.cat([t, t[:1].expand(r - rows, *t.shape[1:])])
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``: a program's pure functions inside a fused call (`Kernels` outside one)."""
+    return fn(*args)
+
+
 def forward_beams(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
                   real: torch.Tensor, rows: int, k: int, width: int, depth: int,
                   u: torch.Tensor | None, temperature: float, top_k: int, top_p: float,
@@ -256,23 +315,33 @@ def _share(u: torch.Tensor | None, at: int, vocab: int, n: int = 1) -> torch.Ten
     return None if u is None else u[:, at * vocab:(at + n) * vocab]
 
 
+class Later(NamedTuple):
+    """A forward a fused call runs after its first: ``columns`` tokens, after ``m`` earlier
+    tree nodes (None: a chain), with a head's ``features`` of that width (None: none; a head's
+    tree has one per sequence)."""
+
+    columns: int
+    m: int | None = None
+    features: int | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class Fused:
     """What a runner fuses into a forward's graph: ``call`` (`forward_then`, `forward_chain`,
-    `forward_beams`, `forward_tree_levels`) with its arguments after the first forward's ids and
-    validity (``args``), running forwards after the first one: ``later``, each one's ``(columns,
-    earlier tree nodes)`` (a chain's next token: ``(1, None)``; a tree level of K nodes after M:
-    ``(K, M)``), at ``width`` rows per sequence."""
+    `forward_beams`, `forward_tree_levels`, `forward_grow`) with its arguments after the first
+    forward's ids and validity (``args``), running forwards after the first one: ``later``
+    (`Later`: a chain's next token ``Later(1)``; a tree level of K nodes after M ``Later(K,
+    M)``), at ``width`` rows per sequence."""
 
     call: Callable[..., Any]
     args: tuple
-    later: tuple[tuple[int, int | None], ...] = ()
+    later: tuple[Later, ...] = ()
     width: int = 1
 
     @property
     def columns(self) -> int:
         """Columns the later forwards write."""
-        return sum(c for c, _ in self.later)
+        return sum(f.columns for f in self.later)
 
     def key(self) -> tuple:
         """What decides the fused graph besides the first forward's shape."""

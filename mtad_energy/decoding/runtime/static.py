@@ -38,7 +38,6 @@ prompt).
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 import weakref
@@ -50,21 +49,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mtad_energy.decoding.rules.sampling import uniforms
 from mtad_energy.decoding.runtime.batch import RowLayout, rows_runner
 from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.runner import ModelRunner
-from mtad_energy.decoding.runtime.slot_forward import (
-    Fused,
-    forward_beams,
-    forward_chain,
-    forward_then,
-    forward_tree_levels,
-    forward_tree_then,
-    forward_tree_verify,
-    forward_verify,
-    slot_forward,
-)
+from mtad_energy.decoding.runtime.slot_forward import Fused, Later, slot_forward
 from mtad_energy.decoding.runtime.state import to_device
 from mtad_energy.decoding.runtime.static_engine import (
     check_static_support,
@@ -73,9 +61,9 @@ from mtad_energy.decoding.runtime.static_engine import (
     install_capture_hooks,
     row_bucket,
 )
+from mtad_energy.decoding.runtime.static_fused import FusedCalls
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
-from mtad_energy.models.shapes import output_size
 
 
 @dataclass(frozen=True)
@@ -126,9 +114,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class StaticRunner(RowLayout, ModelRunner):
+class StaticRunner(FusedCalls, RowLayout, ModelRunner):
     """`ModelRunner` over a `StaticEngine`: same interface, static cache, compiled forwards, for
-    ``seqs`` sequences padded to their bucket (see the module docstring)."""
+    ``seqs`` sequences padded to their bucket (see the module docstring); its multi-step calls
+    fused into one graph call each (`static_fused.FusedCalls`)."""
 
     compiled = True
 
@@ -218,7 +207,7 @@ class StaticRunner(RowLayout, ModelRunner):
         m = None if anc is None else anc.shape[-1] - k
         width = self._width(total, k, m) if compiled else k
         later = () if fused is None else fused.later  # the fused call's forwards after the first
-        more = sum(c for c, _ in later)
+        more = sum(f.columns for f in later)
         self._fit(width + more)
         grow = (0, width - k, 0, total - rows)  # pad: tokens right, rows below
         padded = grow != (0, 0, 0, 0)
@@ -261,8 +250,8 @@ class StaticRunner(RowLayout, ModelRunner):
         self.forwards += 1 + len(later)
         self.forward_shapes.append(Forward(total, width, self.cache.slots,
                                            0 if features is None else features.shape[-1]))
-        self.forward_shapes += [Forward(total * fused.width, c, self.cache.slots, 0)
-                                for c, _ in later]
+        self.forward_shapes += [Forward(total * fused.width, f.columns, self.cache.slots,
+                                        f.features or 0) for f in later]
         before = graphs_compiled()
         with self._timer(self._phase):
             out = forward(self.cache, args, kwargs=kwargs)
@@ -321,25 +310,32 @@ class StaticRunner(RowLayout, ModelRunner):
             self.cache.warmed.add(self._graph_key(rows, width, None))
         return self.compile_s - before
 
-    def _warm_later(self, later: tuple[tuple[int, int | None], ...], per_seq: int) -> None:
+    def _warm_later(self, later: tuple[Later, ...], per_seq: int) -> None:
         """Compile the forwards a fused call runs after its first (`Fused.later`), which run on
         their own while the call is not compiled yet: chain widths (`_warm_widths`), and token
-        trees of K nodes after M (dummy nodes marked not real at the first free slot, or at M)."""
-        chains = tuple(sorted({c for c, m in later if m is None}))
+        trees of K nodes after M, a head's with its features and a tree per sequence (dummy
+        nodes marked not real at the first free slot, or at M)."""
+        chains = tuple(sorted({f.columns for f in later if f.m is None}))
         if chains:
             self._warm_widths(chains, per_seq)
         rows = (len(self.cols) + self.pad) * per_seq
         kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
-        for k, m in later:
-            key = self._graph_key(rows, k, m)
+        for k, m, features in later:
+            per_row = features is not None and rows > 1
+            key = self._graph_key(rows, k, m, per_row, features)
             at = max(self.n, m or 0)  # room for the M earlier nodes' columns before it
             if m is None or key in self.cache.warmed or at + k > self.cache.slots:
                 continue
             ids = torch.zeros(rows, k, dtype=torch.long, device=self.device)
-            anc = torch.ones(1, k, m + k, dtype=torch.bool, device=self.device)
+            trees = rows if per_row else 1
+            anc = torch.ones(trees, k, m + k, dtype=torch.bool, device=self.device)
+            extra = {} if features is None else {"features": torch.zeros(
+                rows, k, features, dtype=getattr(self.model, "dtype", torch.float32),
+                device=self.device)}
             self.cache.start.fill_(at)
             self._warm((ids, torch.zeros_like(ids, dtype=torch.bool), anc,
-                        torch.ones(1, k, dtype=torch.long, device=self.device)), kwargs)
+                        torch.ones(trees, k, dtype=torch.long, device=self.device)),
+                       kwargs | extra)
             self.cache.warmed.add(key)
             if at != self.n:  # the warm wrote past the columns in use (after M earlier nodes):
                 self.cache.start.fill_(self.n)  # the fused call that follows starts at them
@@ -387,101 +383,6 @@ class StaticRunner(RowLayout, ModelRunner):
         self._append_cols(self.n - k, k, counts)  # after `_run`: it may have compacted
         return logits
 
-    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
-        """`ModelRunner.then` in one graph call (`forward_then`) for a one-token step or a
-        verify at the decoder's full width (`ForwardShape.max_chain`); a shorter verify (a
-        generation's last, or a shorter draft) runs as two calls, the forward and the kernel:
-        a fused graph per draft length would compile a target forward per length."""
-        if not self._fuses_chain(input_ids):
-            return super().then(kernels, input_ids, fn, *args)
-        return self._fused_chain(forward_then, input_ids, fn, args)
-
-    def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
-        """`ModelRunner.verify` in one graph call (`forward_verify`) where `then` fuses: the
-        rule and the rollback to each row's block on the device, which the loop's `crop_rows`
-        then finds done (its ``kept``: the blocks' lengths read back)."""
-        if not self._fuses_chain(input_ids):
-            return super().verify(kernels, input_ids, fn, *args)
-        prefix = self.row_lengths  # per sequence: its columns before the verify
-        out = self._fused_chain(forward_verify, input_ids, fn, args)
-        self._held = prefix  # the device holds prefix + the block's length, no more
-        return out
-
-    def _fuses_chain(self, input_ids: torch.Tensor) -> bool:
-        """Whether a forward and its kernel run as one call: a one-token step or a verify at
-        the decoder's full width (heads' forwards are not fused yet)."""
-        return not self.hidden_layers and input_ids.shape[1] in (1, self.shape.max_chain)
-
-    def _fused_chain(self, call: Callable[..., Any], input_ids: torch.Tensor,
-                     fn: Callable[..., Any], args: tuple) -> Any:
-        k = input_ids.shape[1]
-        out = self._run(input_ids, None, fused=Fused(call, (fn, input_ids.shape[0], k, *args)))
-        self._append_cols(self.n - k, k, None)
-        return out
-
-    def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
-              fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-        """`ModelRunner.chain` in one graph call (`forward_chain`) for a chain of the
-        decoder's full length (``max_chain - 1`` draws); a shorter one (a generation's last
-        iterations) runs forward by forward, as `then` does a shorter verify."""
-        if self.hidden_layers or self.width != 1 or u.shape[0] != self.shape.max_chain - 1:
-            return super().chain(kernels, input_ids, counts, fn, u, *args)
-        rows, k = input_ids.shape
-        fused = Fused(forward_chain, (self._real_rows(rows), fn, rows, k, u, *args),
-                      ((1, None),) * (u.shape[0] - 1))
-        out = self._run(input_ids, self._new(k, counts), fused=fused)
-        self._append_later(k, fused, counts)
-        return out
-
-    def tree_levels(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
-                    branching: tuple[int, ...], anc: torch.Tensor, fn: Callable[..., Any],
-                    u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-        """`ModelRunner.tree_levels` in one graph call (`forward_tree_levels`) for a tree of
-        the decoder's full depth (``max_chain - 1`` levels); a shallower one (a generation's
-        last iterations) runs forward by forward, as `chain` does a shorter chain."""
-        if self.hidden_layers or self.width != 1 or len(branching) != self.shape.max_chain - 1:
-            return super().tree_levels(kernels, input_ids, counts, branching, anc, fn, u, *args)
-        rows, k = input_ids.shape
-        sizes = [math.prod(branching[:i + 1]) for i in range(len(branching) - 1)]  # fed levels
-        later = tuple((c, sum(sizes[:i])) for i, c in enumerate(sizes))
-        fused = Fused(forward_tree_levels, (self._real_rows(rows), fn, rows, k, branching, anc,
-                                            u, *args), later)
-        out = self._run(input_ids, self._new(k, counts), fused=fused)
-        self._append_later(k, fused, counts)
-        return out
-
-    def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
-                    depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
-                    eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
-                    *finish_args: Any) -> tuple[torch.Tensor, ...]:
-        """`ModelRunner.beam_search` in one graph call (`forward_beams`) for a search of the
-        decoder's full draft length (``max_chain - 1`` steps, at least 2); a shorter one (a
-        generation's last iterations) runs step by step. The uniforms are drawn up front for the
-        whole vocabulary (what a compiled step ranks)."""
-        if self.hidden_layers or self.width != 1 or not 2 <= depth == self.shape.max_chain - 1:
-            return super().beam_search(kernels, first_ids, counts, depth, width, warp_args,
-                                       generator, eos_token_id, finish, *finish_args)
-        (rows, k), vocab = first_ids.shape, output_size(self.model)
-        u = uniforms((rows, vocab * (1 + (depth - 1) * width)), generator, self.device) \
-            if warp_args[-1] else None
-        fused = Fused(forward_beams, (self._real_rows(rows, width), rows, k, width, depth, u,
-                                      *warp_args, eos_token_id, finish, *finish_args),
-                      ((1, None),) * (depth - 1), width)
-        out = self._run(first_ids, self._new(k, counts), fused=fused)
-        self._append_later(k, fused, counts)
-        self.width = width
-        return out
-
-    def _append_later(self, k: int, fused: Fused, counts: list[int] | None) -> None:
-        """The host mirror after a fused call: the first forward's k columns, then the later
-        forwards' (`Fused.later`)."""
-        t = self.n - k - fused.columns
-        self._append_cols(t, k, counts)
-        t += k
-        for c, _ in fused.later:
-            self._append_cols(t, c, None)
-            t += c
-
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
         k = input_ids.shape[1]
@@ -498,55 +399,6 @@ class StaticRunner(RowLayout, ModelRunner):
         logits = self._run(input_ids, None, anc, depths, features=features)
         self._append_cols(self.n - k, k, None)
         return logits
-
-    def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
-                  features: torch.Tensor | None = None) -> Any:
-        """`ModelRunner.tree_then` in one graph call (`forward_tree_then`) for K nodes after M
-        earlier ones as wide as the widest this decoder ran at these rows after M; a smaller
-        one (a generation's last iterations) runs as two calls, as `then` does a shorter
-        verify."""
-        if not self._fuses_tree(input_ids, anc_rows):
-            return super().tree_then(kernels, input_ids, anc_rows, depths, fn, *args,
-                                     features=features)
-        return self._fused_tree(forward_tree_then, input_ids, anc_rows, depths, fn, args,
-                                features)
-
-    def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
-                    depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
-                    features: torch.Tensor | None = None) -> Any:
-        """`ModelRunner.verify_tree` in one graph call (`forward_tree_verify`) where `tree_then`
-        fuses: the rule and the rollback to the kept nodes on the device, which the loop's
-        `crop_rows` then finds done (its ``kept``: the blocks' lengths read back)."""
-        if not self._fuses_tree(input_ids, anc_rows):
-            return super().verify_tree(kernels, input_ids, anc_rows, depths, fn, *args,
-                                       features=features)
-        prefix = self.row_lengths  # per sequence: its columns before the tree
-        out = self._fused_tree(forward_tree_verify, input_ids, anc_rows, depths, fn, args,
-                               features)
-        self._kept_tree(input_ids.shape[1], out[3].shape[-1])
-        self._held = prefix  # the device holds prefix + the block's length, no more
-        return out
-
-    def _fuses_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor) -> bool:
-        """Whether a tree of K nodes after M runs fused: as wide as the widest this decoder ran
-        at these rows after M (a smaller one, a generation's last iterations, runs as two
-        calls, as `then` does a shorter verify)."""
-        k = input_ids.shape[1]
-        seen = self.engine.tree_widths.get((self.shape.key, self._rows, anc_rows.shape[-1] - k),
-                                           set())
-        return self.width == 1 and k >= max(seen, default=k)
-
-    def _fused_tree(self, call: Callable[..., Any], input_ids: torch.Tensor,
-                    anc_rows: torch.Tensor, depths: torch.Tensor, fn: Callable[..., Any],
-                    args: tuple, features: torch.Tensor | None) -> Any:
-        k = input_ids.shape[1]
-        anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, M + K]
-        depths = depths if depths.dim() == 2 else depths[None]
-        fused = Fused(call, (fn, input_ids.shape[0], k, *args))
-        out = self._run(input_ids, None, anc, depths, features=features, fused=fused)
-        self._append_cols(self.n - k, k, None)
-        return out
 
     def __len__(self) -> int:
         return self.n

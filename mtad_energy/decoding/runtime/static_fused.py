@@ -1,0 +1,198 @@
+"""The compiled runner's fused calls: the `ModelRunner` steps a `static.StaticRunner` runs as
+one graph call each (`slot_forward`'s fused functions), at the widths and depths the decoder
+declared up front (`static.ForwardShape`); anything else (a generation's shorter last iterations)
+runs as the separate calls `ModelRunner` makes, each forward compiled on its own.
+
+`FusedCalls` is the part of `StaticRunner` that chooses, per step, the fused function and the
+forwards it runs after its first (`slot_forward.Later`): the runner's `_run` compiles and times
+the call, and the host mirror learns its columns here (`_append_later`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mtad_energy.decoding.rules.sampling import uniforms
+from mtad_energy.decoding.runtime.slot_forward import (
+    Fused,
+    Later,
+    forward_beams,
+    forward_chain,
+    forward_grow,
+    forward_then,
+    forward_tree_levels,
+    forward_tree_then,
+    forward_tree_verify,
+    forward_verify,
+)
+from mtad_energy.models.shapes import output_size
+
+
+class FusedCalls:
+    """`ModelRunner`'s multi-step calls fused into one graph call each (see the module
+    docstring); mixed into `static.StaticRunner`, whose layout and `_run` they use."""
+
+    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`ModelRunner.then` in one graph call (`forward_then`) for a one-token step or a
+        verify at the decoder's full width (`ForwardShape.max_chain`); a shorter verify (a
+        generation's last, or a shorter draft) runs as two calls, the forward and the kernel:
+        a fused graph per draft length would compile a target forward per length."""
+        if not self._fuses_chain(input_ids):
+            return super().then(kernels, input_ids, fn, *args)
+        return self._fused_chain(forward_then, input_ids, fn, args)
+
+    def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`ModelRunner.verify` in one graph call (`forward_verify`) where `then` fuses: the
+        rule and the rollback to each row's block on the device, which the loop's `crop_rows`
+        then finds done (its ``kept``: the blocks' lengths read back)."""
+        if not self._fuses_chain(input_ids):
+            return super().verify(kernels, input_ids, fn, *args)
+        prefix = self.row_lengths  # per sequence: its columns before the verify
+        out = self._fused_chain(forward_verify, input_ids, fn, args)
+        self._held = prefix  # the device holds prefix + the block's length, no more
+        return out
+
+    def _fuses_chain(self, input_ids: torch.Tensor) -> bool:
+        """Whether a forward and its kernel run as one call: a one-token step or a verify at
+        the decoder's full width (heads' forwards are not fused yet)."""
+        return not self.hidden_layers and input_ids.shape[1] in (1, self.shape.max_chain)
+
+    def _fused_chain(self, call: Callable[..., Any], input_ids: torch.Tensor,
+                     fn: Callable[..., Any], args: tuple) -> Any:
+        k = input_ids.shape[1]
+        out = self._run(input_ids, None, fused=Fused(call, (fn, input_ids.shape[0], k, *args)))
+        self._append_cols(self.n - k, k, None)
+        return out
+
+    def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+              fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        """`ModelRunner.chain` in one graph call (`forward_chain`) for a chain of the
+        decoder's full length (``max_chain - 1`` draws); a shorter one (a generation's last
+        iterations) runs forward by forward, as `then` does a shorter verify."""
+        if self.hidden_layers or self.width != 1 or u.shape[0] != self.shape.max_chain - 1:
+            return super().chain(kernels, input_ids, counts, fn, u, *args)
+        rows, k = input_ids.shape
+        fused = Fused(forward_chain, (self._real_rows(rows), fn, rows, k, u, *args),
+                      (Later(1),) * (u.shape[0] - 1))
+        out = self._run(input_ids, self._new(k, counts), fused=fused)
+        self._append_later(k, fused, counts)
+        return out
+
+    def tree_levels(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+                    branching: tuple[int, ...], anc: torch.Tensor, fn: Callable[..., Any],
+                    u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        """`ModelRunner.tree_levels` in one graph call (`forward_tree_levels`) for a tree of
+        the decoder's full depth (``max_chain - 1`` levels); a shallower one (a generation's
+        last iterations) runs forward by forward, as `chain` does a shorter chain."""
+        if self.hidden_layers or self.width != 1 or len(branching) != self.shape.max_chain - 1:
+            return super().tree_levels(kernels, input_ids, counts, branching, anc, fn, u, *args)
+        rows, k = input_ids.shape
+        sizes = [math.prod(branching[:i + 1]) for i in range(len(branching) - 1)]  # fed levels
+        later = tuple(Later(c, sum(sizes[:i])) for i, c in enumerate(sizes))
+        fused = Fused(forward_tree_levels, (self._real_rows(rows), fn, rows, k, branching, anc,
+                                            u, *args), later)
+        out = self._run(input_ids, self._new(k, counts), fused=fused)
+        self._append_later(k, fused, counts)
+        return out
+
+    def grow_tree(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+                  features: torch.Tensor, nodes: tuple[int, ...], fn: Callable[..., Any],
+                  *args: Any) -> Any:
+        """`ModelRunner.grow_tree` in one graph call (`forward_grow`) for a tree of the
+        decoder's full depth (``max_chain - 2`` tree forwards after the catch-up, whose widths
+        are ``nodes``); a shallower one (a generation's last iterations) runs forward by forward,
+        each tree forward fused with the function reading it (`tree_then`)."""
+        if not self.hidden_layers or self.width != 1 or len(nodes) != self.shape.max_chain - 2:
+            return super().grow_tree(kernels, input_ids, counts, features, nodes, fn, *args)
+        rows, k = input_ids.shape
+        width = self.model.config.hidden_size * len(self.hidden_layers)  # what a node feeds on
+        later = tuple(Later(c, sum(nodes[:i]), width) for i, c in enumerate(nodes))
+        fused = Fused(forward_grow, (self._real_rows(rows), fn, rows, k, *args), later)
+        out = self._run(input_ids, self._new(k, counts), features=features, fused=fused)
+        self._append_later(k, fused, counts)
+        return out
+
+    def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
+                    depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
+                    eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
+                    *finish_args: Any) -> tuple[torch.Tensor, ...]:
+        """`ModelRunner.beam_search` in one graph call (`forward_beams`) for a search of the
+        decoder's full draft length (``max_chain - 1`` steps, at least 2); a shorter one (a
+        generation's last iterations) runs step by step. The uniforms are drawn up front for the
+        whole vocabulary (what a compiled step ranks)."""
+        if self.hidden_layers or self.width != 1 or not 2 <= depth == self.shape.max_chain - 1:
+            return super().beam_search(kernels, first_ids, counts, depth, width, warp_args,
+                                       generator, eos_token_id, finish, *finish_args)
+        (rows, k), vocab = first_ids.shape, output_size(self.model)
+        u = uniforms((rows, vocab * (1 + (depth - 1) * width)), generator, self.device) \
+            if warp_args[-1] else None
+        fused = Fused(forward_beams, (self._real_rows(rows, width), rows, k, width, depth, u,
+                                      *warp_args, eos_token_id, finish, *finish_args),
+                      (Later(1),) * (depth - 1), width)
+        out = self._run(first_ids, self._new(k, counts), fused=fused)
+        self._append_later(k, fused, counts)
+        self.width = width
+        return out
+
+    def _append_later(self, k: int, fused: Fused, counts: list[int] | None) -> None:
+        """The host mirror after a fused call: the first forward's k columns, then the later
+        forwards' (`Fused.later`)."""
+        t = self.n - k - fused.columns
+        self._append_cols(t, k, counts)
+        t += k
+        for f in fused.later:
+            self._append_cols(t, f.columns, None)
+            t += f.columns
+
+    def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                  depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
+                  features: torch.Tensor | None = None) -> Any:
+        """`ModelRunner.tree_then` in one graph call (`forward_tree_then`) for K nodes after M
+        earlier ones as wide as the widest this decoder ran at these rows after M; a smaller
+        one (a generation's last iterations) runs as two calls, as `then` does a shorter
+        verify."""
+        if not self._fuses_tree(input_ids, anc_rows):
+            return super().tree_then(kernels, input_ids, anc_rows, depths, fn, *args,
+                                     features=features)
+        return self._fused_tree(forward_tree_then, input_ids, anc_rows, depths, fn, args,
+                                features)
+
+    def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+                    depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
+                    features: torch.Tensor | None = None) -> Any:
+        """`ModelRunner.verify_tree` in one graph call (`forward_tree_verify`) where `tree_then`
+        fuses: the rule and the rollback to the kept nodes on the device, moved to the tree's
+        first columns as a chain verify leaves its block, which the loop's `crop_rows` then
+        finds done (its ``kept``: the blocks' lengths read back) and cuts after."""
+        if not self._fuses_tree(input_ids, anc_rows):
+            return super().verify_tree(kernels, input_ids, anc_rows, depths, fn, *args,
+                                       features=features)
+        prefix = self.row_lengths  # per sequence: its columns before the tree
+        out = self._fused_tree(forward_tree_verify, input_ids, anc_rows, depths, fn, args,
+                               features)
+        self._held = prefix  # the device holds prefix + the block's length, no more
+        return out
+
+    def _fuses_tree(self, input_ids: torch.Tensor, anc_rows: torch.Tensor) -> bool:
+        """Whether a tree of K nodes after M runs fused: as wide as the widest this decoder ran
+        at these rows after M (a smaller one, a generation's last iterations, runs as two
+        calls, as `then` does a shorter verify)."""
+        k = input_ids.shape[1]
+        seen = self.engine.tree_widths.get((self.shape.key, self._rows, anc_rows.shape[-1] - k),
+                                           set())
+        return self.width == 1 and k >= max(seen, default=k)
+
+    def _fused_tree(self, call: Callable[..., Any], input_ids: torch.Tensor,
+                    anc_rows: torch.Tensor, depths: torch.Tensor, fn: Callable[..., Any],
+                    args: tuple, features: torch.Tensor | None) -> Any:
+        k = input_ids.shape[1]
+        anc = anc_rows if anc_rows.dim() == 3 else anc_rows[None]  # [1 or B, K, M + K]
+        depths = depths if depths.dim() == 2 else depths[None]
+        fused = Fused(call, (fn, input_ids.shape[0], k, *args))
+        out = self._run(input_ids, None, anc, depths, features=features, fused=fused)
+        self._append_cols(self.n - k, k, None)
+        return out
