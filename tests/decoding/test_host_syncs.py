@@ -40,7 +40,8 @@ PROMPT = [5, 6, 7, 8, 9]
 # (`ModelRunner.tree_levels`), and EAGLE's catch-up with the tree its head grows from it
 # (`ModelRunner.grow_tree`): a full iteration is 1 graph call for ar and pld, 2 for spd, typical,
 # mtad, mmtad, specinfer, mcss, spectr, medusa and eagle. BiLD reads after every draft token
-# whether to go on (its algorithm): a call per draft forward (fused with its warp) and per draw.
+# whether to go on (its algorithm): a call per draft forward (fused with its warp and confidence
+# test) and per draw, and its verify with its rule (2 calls when the draft is unsure at once).
 # The last, shorter iterations (and pld's shorter drafts) are not fused, which 16 tokens show in
 # the averages. The trees' rules are one kernel each (mmtad, specinfer, mcss, spectr, medusa),
 # and a verify rolls the target back inside its call (`ModelRunner.verify`, `verify_tree`), and
@@ -54,7 +55,7 @@ PROMPT = [5, 6, 7, 8, 9]
 OPS_BUDGET = {"ar": 8, "spd": 30, "typical": 25, "pld": 15, "bild": 20, "mtad": 38,
               "beam": 310, "mtjd": 125, "mcss": 34, "spectr": 34, "specinfer": 32,
               "mmtad": 28, "eagle": 24, "medusa": 14}
-GRAPHS_BUDGET = {"ar": 1, "spd": 3, "typical": 3, "pld": 2, "bild": 3, "mtad": 4,
+GRAPHS_BUDGET = {"ar": 1, "spd": 3, "typical": 3, "pld": 2, "bild": 2, "mtad": 4,
                  "beam": 50, "mtjd": 14, "mcss": 3, "spectr": 3, "specinfer": 3, "mmtad": 3,
                  "eagle": 4, "medusa": 2}
 

@@ -69,9 +69,8 @@ def draft_until_unsure(draft: ModelRunner, kernels, pending: torch.Tensor, caps:
     """BiLD's fallback policy per sequence: sample from ~q while max ~q >= fallback, at most
     caps[b] tokens for row b (0: a row that drafts nothing, e.g. one that is done), after
     feeding ``pending [B, k]`` (row b's last counts[b] tokens real); the warp and the draws are
-    kernels (``kernels``), each draft forward after the first fused with its warp
-    (`ModelRunner.then`), a token's uniforms drawn from ``generator`` after the read that says
-    some row drafts it.
+    kernels (``kernels``), each draft forward fused with its warp (`ModelRunner.then`), a
+    token's uniforms drawn from ``generator`` after the read that says some row drafts it.
 
     Returns ``(tokens [B, M], lengths)``: row b's draft is ``tokens[b, :lengths[b]]``,
     0 <= lengths[b] <= caps[b] (0: the target takes over at once); M = max(lengths). Rows keep
@@ -81,7 +80,8 @@ def draft_until_unsure(draft: ModelRunner, kernels, pending: torch.Tensor, caps:
     tokens: list[torch.Tensor] = []
     lengths = [0] * rows
     sure = [c > 0 for c in caps]
-    q, confident = kernels(bild_q, draft(pending, counts), fallback, *warp.args)  # [B, V], [B]
+    # [B, V], [B]: the catch-up's warped q and whether each row is sure of it
+    q, confident = draft.then(kernels, pending, bild_q, fallback, *warp.args, counts=counts)
     for i in range(max(caps, default=0)):
         if i:
             q, confident = draft.then(kernels, tokens[-1], bild_q, fallback, *warp.args)

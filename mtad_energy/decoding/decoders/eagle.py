@@ -13,7 +13,9 @@ draft runner's: eager, batched or compiled like any draft model). Each iteration
    tree attention over the head's cache) and keep the ``expand`` best children by cumulative
    draft log-probability; the verified tree is the ``total_tokens - 1`` best of all candidates
    (EAGLE's ``topK_genrate``). ``static`` (EAGLE-1): every node of level l gets the top
-   ``branching[l]`` tokens of its own output (one draft forward per level);
+   ``branching[l]`` tokens of its own output (one draft forward per level). Steps 1-2 are one
+   `ModelRunner.grow_tree` (the programs `eagle_dynamic`, `eagle_static`): compiled, one graph
+   call;
 3. **verify** [last token] + tree in one target forward (which returns the features of every
    node) with the rule for chosen (not sampled) candidates, q one-hot at their token
    (`rules.tree.tree_candidates_accept`): lossless w.r.t. warped p, and greedy-exact;
@@ -296,21 +298,21 @@ class Eagle(Decoder):
         ragged = counts if s.batch > 1 else None
         caps = s.on_device(lens)
         if self.params.tree == "dynamic":
-            tokens, parents, anc, proposed, depths = self._dynamic(s, ids, ragged, feats, lens,
-                                                                   caps)
+            tokens, parents, anc, proposed, row_depth = self._dynamic(s, ids, ragged, feats,
+                                                                      lens, caps)
         else:
             tokens, parents, anc, proposed = self._static(s, ids, ragged, feats, lens)
-            depths = lens
+            row_depth = lens
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]
         # the verify's forward (returning every node's features) and its rule: one graph call
         block, depth, length, kept, feat, recent, read = tree_verify(
             s.target, s.kernels, full, anc, eagle_verify, full, parents, anc, caps, levels,
             s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent,
-            depths if isinstance(depths, torch.Tensor) else None, *warp.args)
-        s.carry["feat"] = feat  # the root's and the accepted nodes' features: next catch-up
+            row_depth if isinstance(row_depth, torch.Tensor) else None, *warp.args)
+        s.carry["feat"] = feat  # the root's and the accepted nodes', right-aligned: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
         return StepResult(block, tuple(proposed), depth, length,
-                          **depth_fields(depths, s.batch), recent=recent, read=read)
+                          **depth_fields(row_depth, s.batch), recent=recent, read=read)
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """What the head is fed first: the pairs it has not seen (tokens j + 1, carried

@@ -82,11 +82,13 @@ class ModelRunner:
             self.hidden = pick_hidden(out, self.hidden_layers)
         return out.logits.float()
 
-    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
-        """A forward of ``input_ids [B, k]``, then ``fn(logits [B, k, V], *args)`` through
-        ``kernels`` (`DecodeState.kernels`): a verify's rule, a token drawn from p. The compiled
-        runner runs both in one graph call (`static_fused.FusedCalls.then`)."""
-        return kernels(fn, self(input_ids), *args)
+    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any,
+             counts: list[int] | None = None) -> Any:
+        """A forward of ``input_ids [B, k]`` (``counts``: as in `__call__`), then ``fn(logits
+        [B, k, V], *args)`` through ``kernels`` (`DecodeState.kernels`): a verify's rule, a
+        token drawn from p. The compiled runner runs both in one graph call
+        (`static_fused.FusedCalls.then`)."""
+        return kernels(fn, self(input_ids, counts), *args)
 
     def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """`then` of a chain verify whose rule returns ``(block, accepted, length [B], ...)``:

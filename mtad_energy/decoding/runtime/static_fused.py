@@ -36,14 +36,15 @@ class FusedCalls:
     """`ModelRunner`'s multi-step calls fused into one graph call each (see the module
     docstring); mixed into `static.StaticRunner`, whose layout and `_run` they use."""
 
-    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any,
+             counts: list[int] | None = None) -> Any:
         """`ModelRunner.then` in one graph call (`forward_then`) for a one-token step or a
         verify at the decoder's full width (`ForwardShape.max_chain`); a shorter verify (a
         generation's last, or a shorter draft) runs as two calls, the forward and the kernel:
         a fused graph per draft length would compile a target forward per length."""
         if not self._fuses_chain(input_ids):
-            return super().then(kernels, input_ids, fn, *args)
-        return self._fused_chain(forward_then, input_ids, fn, args)
+            return super().then(kernels, input_ids, fn, *args, counts=counts)
+        return self._fused_chain(forward_then, input_ids, fn, args, counts)
 
     def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """`ModelRunner.verify` in one graph call (`forward_verify`) where `then` fuses: the
@@ -62,10 +63,11 @@ class FusedCalls:
         return not self.hidden_layers and input_ids.shape[1] in (1, self.shape.max_chain)
 
     def _fused_chain(self, call: Callable[..., Any], input_ids: torch.Tensor,
-                     fn: Callable[..., Any], args: tuple) -> Any:
+                     fn: Callable[..., Any], args: tuple, counts: list[int] | None = None) -> Any:
         k = input_ids.shape[1]
-        out = self._run(input_ids, None, fused=Fused(call, (fn, input_ids.shape[0], k, *args)))
-        self._append_cols(self.n - k, k, None)
+        out = self._run(input_ids, self._new(k, counts),
+                        fused=Fused(call, (fn, input_ids.shape[0], k, *args)))
+        self._append_cols(self.n - k, k, counts)
         return out
 
     def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
