@@ -85,7 +85,7 @@ def draft_until_unsure(draft: ModelRunner, kernels, pending: torch.Tensor, caps:
     for i in range(max(caps, default=0)):
         if i:
             q, confident = draft.then(kernels, tokens[-1], bild_q, fallback, *warp.args)
-        # the fallback decision is data-dependent control flow: one read-back per draft token
+        # the fallback decision is data-dependent control flow: one host read per draft token
         sure = [a and c and i < cap
                 for a, c, cap in zip(sure, confident.tolist(), caps, strict=True)]
         if not any(sure):  # every draft is unsure here (or at its cap): the target decides
