@@ -243,15 +243,15 @@ def forward_grow(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Te
                   feats: torch.Tensor, f: Callable[..., Any], *f_args: Any) -> Any:
         n = tokens.shape[1]
         cache.start.copy_(start + k + anc.shape[-1] - n)  # after the M nodes fed before
-        out = forward(model, cache, _rows_of(tokens, rows, r, 2), real.expand(r, n).contiguous(),
-                      _rows_of(anc, rows, r, 3), _rows_of(depths, rows, r, 2),
-                      features=_rows_of(feats, rows, r, 3), hidden=hidden)
+        out = forward(model, cache, rows_of(tokens, rows, r, 2), real.expand(r, n).contiguous(),
+                      rows_of(anc, rows, r, 3), rows_of(depths, rows, r, 2),
+                      features=rows_of(feats, rows, r, 3), hidden=hidden)
         return f(out[0][:rows], out[1][:rows], *f_args)
 
     return fn(tree_then, _call, logits[:rows, :k], states[:rows, :k], *args)
 
 
-def _rows_of(t: torch.Tensor, rows: int, r: int, dims: int) -> torch.Tensor:
+def rows_of(t: torch.Tensor, rows: int, r: int, dims: int) -> torch.Tensor:
     """``t`` as ``r`` dense rows: one for all (``dims - 1`` dimensions) expanded to the ``rows``
     real rows, then the first row's repeated for the ``r - rows`` padding rows (which hold no
     valid column: whatever they are fed stays theirs)."""

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from mtad_energy.decoding.runtime.batch import RowLayout, rows_runner
 from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.runner import ModelRunner
-from mtad_energy.decoding.runtime.slot_forward import Fused, Later, slot_forward
+from mtad_energy.decoding.runtime.slot_forward import Fused, Later, rows_of, slot_forward
 from mtad_energy.decoding.runtime.state import to_device
 from mtad_energy.decoding.runtime.static_engine import (
     check_static_support,
@@ -225,8 +225,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
                 anc[..., k:, m + k:] |= torch.eye(pad_n, dtype=torch.bool, device=anc.device)
                 depths = F.pad(depths, (0, pad_n), value=1)
             if anc.shape[0] > 1 and total > rows:  # a tree per sequence: padding takes the first's
-                anc = torch.cat([anc, anc[:1].expand(total - rows, -1, -1)])
-                depths = torch.cat([depths, depths[:1].expand(total - rows, -1)])
+                anc, depths = rows_of(anc, rows, total, 3), rows_of(depths, rows, total, 2)
             args += (_dense(anc), _dense(depths))
         kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
         if features is not None:  # a head's input, padded as the tokens
