@@ -19,10 +19,17 @@ log = logging.getLogger("mkdocs.hooks.cli_reference")
 MARKER = "<!-- cli-reference -->"
 
 
+def _stars(text: str) -> str:
+    """Asterisks outside code spans escaped: help text is plain, so ``P_static*T + PW_flop*T_flop``
+    is a product, never an emphasis that swallows the ``+`` between."""
+    parts = re.split(r"(`[^`]*`)", text)
+    return "".join(p if p.startswith("`") else p.replace("*", "\\*") for p in parts)
+
+
 def _cell(text: object) -> str:
-    """A table cell: one line, pipes and angle brackets escaped."""
+    """A table cell: one line, pipes, angle brackets and asterisks escaped."""
     text = re.sub(r"\s+", " ", str(text)).strip()
-    return html.escape(text, quote=False).replace("|", "\\|")
+    return _stars(html.escape(text, quote=False).replace("|", "\\|"))
 
 
 def _row(param, ctx) -> str:
@@ -45,7 +52,7 @@ def _command(path: list[str], cmd, ctx, out: list[str]) -> None:
         log.warning("cli reference: command '%s' has no help text", title)
     else:
         # typer keeps docstrings as written: paragraphs stay, \b markers (click) go
-        out.append(help_text.replace("\b\n", "").replace("\b", "") + "\n")
+        out.append(_stars(help_text.replace("\b\n", "").replace("\b", "")) + "\n")
     usage = " ".join(cmd.collect_usage_pieces(ctx))
     out.append(f"```text\n{title} {usage}\n```\n")
     params = [p for p in cmd.get_params(ctx) if not getattr(p, "hidden", False)]

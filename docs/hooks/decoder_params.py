@@ -15,10 +15,21 @@ import re
 log = logging.getLogger("mkdocs.hooks.decoder_params")
 MARKER = re.compile(r"<!-- decoder-params (\w+) -->")
 _seen: set[str] = set()
+HEAD_NAMES = {"eagle": "EAGLE", "medusa": "Medusa"}
 
 
-def _cell(text: object) -> str:
-    return html.escape(re.sub(r"\s+", " ", str(text)).strip(), quote=False).replace("|", "\\|")
+def _cell(text: object, code: bool = False) -> str:
+    """Help text as literal Markdown: one line; pipes, angle brackets and (outside a code span,
+    ``code=False``) asterisks escaped, so a formula's ``delta*exp(-H)`` stays a product, never the
+    start of an emphasis."""
+    text = html.escape(re.sub(r"\s+", " ", str(text)).strip(), quote=False).replace("|", "\\|")
+    return text if code else text.replace("*", "\\*")
+
+
+def head_phrase(head: str) -> str:
+    """'an EAGLE head', 'a Medusa head': the head's proper name with its article."""
+    name = HEAD_NAMES.get(head, head)
+    return f"{'an' if name[:1].upper() in 'AEIOU' else 'a'} {name} head"
 
 
 def _table(name: str) -> str:
@@ -31,12 +42,13 @@ def _table(name: str) -> str:
     cls = DECODERS[name]
     rows = ["| parameter | type | default | help |", "|---|---|---|---|"]
     for p in param_specs(cls):
-        rows.append(f"| `{p['name']}` | {_cell(p['type'])} | `{_cell(p['default'])}` | {_cell(p['help'])} |")
+        default = _cell(p["default"], code=True)
+        rows.append(f"| `{p['name']}` | {_cell(p['type'])} | `{default}` | {_cell(p['help'])} |")
     needs = []
     if cls.needs_draft:
         needs.append("needs a draft model (`--draft`, or the alias's)")
     if cls.head:
-        needs.append(f"needs a {cls.head} head (`--draft {cls.head}:DIR`)")
+        needs.append(f"needs {head_phrase(cls.head)} (`--draft {cls.head}:DIR`)")
     line = f"`mtad-energy decoders` says: *{_cell(cls.help)}*" + (f"; {'; '.join(needs)}." if needs else ".")
     return line + "\n\n" + "\n".join(rows) + "\n"
 
