@@ -38,15 +38,17 @@ def _int(value: Any) -> str:
 
 
 def setting_labels(frame: pd.DataFrame, columns: dict = SETTING_COLUMNS) -> pd.Series:
-    """Per row of ``frame``: the values of the setting ``columns`` that vary across the frame,
-    named and joined ("meter simulated, 64 tokens"); "" where every row shares them (index:
-    the frame's)."""
+    """Per row of ``frame``: the values of the setting ``columns`` that vary within one model
+    (rows of two models are apart already, and the stored model names a compiled, batched or
+    other engine's setting), named and joined ("meter simulated, 64 tokens"); "" where every
+    row of each model shares them (index: the frame's)."""
     parts = []
+    model = frame["model"].astype(str) if "model" in frame else pd.Series("", index=frame.index)
     for column, name in columns.items():
         if column in frame:
             named = frame[column].astype(object).map(lambda v, f=name: f(None if v is None or v != v
                                                                        else v))
-            if named.nunique() > 1:
+            if named.groupby(model).nunique().max() > 1:
                 parts.append(named)
     if not parts:
         return pd.Series("", index=frame.index, dtype=object, name="setting")

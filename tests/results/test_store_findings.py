@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from mtad_energy.cli import app
 from mtad_energy.results import ResultStore, analysis, crossover, figures, load_results, stable_key
 from mtad_energy.results.report import write_report
+from mtad_energy.results.settings import setting_labels
 from mtad_energy.results.store_files import StoreWarning
 from tests.results.conftest import _batch_rows, _decode_batch_rows, _run_rows, build_store
 
@@ -83,6 +84,14 @@ def test_the_report_never_averages_rows_of_another_setting(tmp_path, column, val
     assert spd["speedup"].round(6).nunique() == 1 and 1.3 < spd["speedup"].iloc[0] < 1.5
     md = write_report(root, tmp_path / "rep").read_text()
     assert f"spd [{[s for s in spd['setting'] if shown in s][0]}]" in md
+
+
+def test_a_setting_is_named_only_where_it_varies_within_a_model():
+    """A model label already names a compiled, batched or other engine's rows (``+batch4``)."""
+    frame = pd.DataFrame({"model": ["m", "m", "m+batch4"], "meter": ["nvml", "simulated", "nvml"],
+                          "batch_size": [None, None, 4], "device": "cuda:0"})
+    assert list(setting_labels(frame)) == ["meter nvml", "meter simulated", "meter nvml"]
+    assert list(setting_labels(frame.iloc[[0, 2]])) == ["", ""]
 
 
 def test_crossover_and_batch_tables_keep_meters_apart():
