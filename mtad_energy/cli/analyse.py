@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from mtad_energy.cli.options import Json
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, json_command, wrapping_table
@@ -47,6 +46,7 @@ def decompose(
         decode_windows,
         fit_stores,
         ops_fractions_breakdown,
+        simulated_energy,
     )
 
     try:
@@ -55,6 +55,7 @@ def decompose(
             raise ValueError("; ".join(dict.fromkeys(f"{form}: {why}" if len(set(fits.values())) > 1
                                                      else why for form, why in fits.items())))
         windows = decode_windows(results)
+        simulated = simulated_energy(fit_from or results, windows)
         roofline = fits.get("roofline")
         valid = validate(roofline, windows) if not isinstance(roofline, str) else pd.DataFrame()
         attributed = attribute(windows, roofline)
@@ -67,7 +68,7 @@ def decompose(
     errors = valid["error"].abs() if not valid.empty else pd.Series(dtype=float)
     median = float(errors.median()) if len(errors) else None
     if as_json:
-        emit({"rows": n_rows,
+        emit({"rows": n_rows, "simulated": simulated,
               "fits": {f: (v.to_dict() if not isinstance(v, str) else {"error": v})
                        for f, v in fits.items()},
               "validation": {"median_abs_error": median,
@@ -76,6 +77,8 @@ def decompose(
               "windows": integer_records(attributed),  # every row's split
               "decoders": integer_records(paper_split)})
         return
+    if simulated["note"]:
+        console.print(f"[bold yellow]{esc(simulated['note'])}[/]")
     for form, fit in fits.items():
         if isinstance(fit, str):
             console.print(f"[bold]{FORM_NAMES[form]}[/]: not fitted: {esc(fit)}")
@@ -144,12 +147,14 @@ def schedule(
     setting; another setting's file is never replaced)."""
     from mtad_energy.results import StoreError, load_results
     from mtad_energy.results.schedule import build_schedule, schedule_path, schedule_table, write_schedule
-    from mtad_energy.results.store_files import outside_store
+    from mtad_energy.results.store_files import check_output, outside_store
 
     try:
         rows = load_results(results, "decode_batch")
         plan = build_schedule(rows, objective, decoder, max_batch_size, model)
         path = outside_store(out or schedule_path(results, objective, model), results, "--out")
+        check_output(path, "--out", "the schedule file", folder=False)
+        path.parent.mkdir(parents=True, exist_ok=True)  # missing folders: created, as for --output
         write_schedule(plan, path)
     except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2
         fail(error)
@@ -169,18 +174,15 @@ def schedule(
         return
     table = schedule_table(plan)
     measured = any(r.zero_gain is not None for r in plan.ranges)
-    t = Table(title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar is not beaten"
-                    + (", or the best k where k = 0 was measured" if measured else "") + ")"
-                    + (f"\n{plan.setting}" if plan.setting else ""),
-              title_justify="left", show_edge=False, caption_justify="left")
-    for col in table.columns:
-        t.add_column(esc(col), justify="left" if col in ("batch sizes", "best") else "right",
-                     overflow="fold", no_wrap=col in ("batch sizes", "best"))
     percent = objective == "energy"
-    for _, r in table.iterrows():
-        t.add_row(*["-" if v is None or v != v else
-                    (f"{v:.1%}" if percent else f"{v:.2f}x") if isinstance(v, float) else
-                    esc(v) if isinstance(v, str) else str(int(v)) for v in r.values])
+    # headers wrap between words, never inside one: stacked tables where they cannot all fit
+    t = wrapping_table([str(c) for c in table.columns], [
+        ["-" if v is None or v != v else (f"{v:.1%}" if percent else f"{v:.2f}x")
+         if isinstance(v, float) else esc(v) if isinstance(v, str) else str(int(v)) for v in r.values]
+        for _, r in table.iterrows()], left=("batch sizes", "best"),
+        title=f"speculation schedule ({objective}; {decoder}'s gamma, 0 where ar is not beaten"
+              + (", or the best k where k = 0 was measured" if measured else "") + ")"
+              + (f"\n{plan.setting}" if plan.setting else ""))
     simulated = "meter" in rows and (rows["meter"] == "simulated").any()
     t.caption = esc(f"measured at batch size 'at B' (median of repeats); "
                     f"{'energy saving: 1 - J/token / ar' if percent else 'speed-up: tokens/s / ar'}"

@@ -241,7 +241,18 @@ RequireEnergy = Annotated[bool, typer.Option("--require-energy", help="exit 2 be
                                              "when the meter cannot measure energy here")]
 
 
-Output = Annotated[Path | None, typer.Option(help="results directory (default results/<command>)")]
+def _output(value: Path | None) -> Path | None:
+    """--output checked as it is parsed, before anything loads (`store_files.check_output`)."""
+    from mtad_energy.results.store_files import check_output
+
+    try:
+        return value if value is None else check_output(value, "--output")
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+Output = Annotated[Path | None, typer.Option(callback=_output,
+                                             help="results directory (default results/<command>)")]
 
 
 Json = Annotated[bool, typer.Option("--json", help="print JSON")]

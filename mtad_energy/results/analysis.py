@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mtad_energy.results.settings import SETTING_COLUMNS, setting_labels, with_setting
 from mtad_energy.specs import random_weights
 
 # a row per configuration: the draft is part of it (two drafts are two systems, never pooled)
@@ -167,20 +168,22 @@ def parse_params(text: Any) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {"params": parsed}
 
 
-def config_labels(runs: pd.DataFrame) -> pd.Series:
+def config_labels(runs: pd.DataFrame, settings: Mapping = SETTING_COLUMNS) -> pd.Series:
     """A readable label per row: the decoder name, plus the parameters that differ between the
     configurations of that decoder present in ``runs`` (``mtad(tau=0.3)``). The store does not say
     which values are defaults, so "non-default" is judged from the data: a parameter that every
     configuration shares tells the reader nothing. Likewise the draft (``spd@self:int8``) where a
     decoder's rows in ``runs`` have more than one. A ``label`` column stored by the runner (the
-    parameters as typed) is not used: two spellings of one configuration must share a row."""
+    parameters as typed) is not used: two spellings of one configuration must share a row. Rows
+    measured under other ``settings`` (meter, tokens, device, dtype, engine, batch size:
+    `settings.setting_labels`) get them in brackets, ``spd [meter simulated]``."""
     labels = _param_labels(runs)
-    if "draft_id" not in runs:
-        return labels
-    drafts = drafting_ids(runs).astype(object)
-    drafts = drafts.where(drafts.notna(), "")
-    several = drafts.groupby(runs["decoder"]).transform("nunique") > 1
-    return labels.where(~several, labels + "@" + drafts.map(str)).rename("label")
+    if "draft_id" in runs:
+        drafts = drafting_ids(runs).astype(object)
+        drafts = drafts.where(drafts.notna(), "")
+        several = drafts.groupby(runs["decoder"]).transform("nunique") > 1
+        labels = labels.where(~several, labels + "@" + drafts.map(str))
+    return with_setting(labels, setting_labels(runs, settings)).rename("label")
 
 
 def drafting_ids(runs: pd.DataFrame) -> pd.Series:
@@ -401,13 +404,14 @@ def _summarise_group(g: pd.DataFrame, optional: Sequence[str]) -> dict[str, Any]
 def _baseline_rows(summary: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """The baseline configuration per (model, dataset): ``baseline`` names a label or, failing
     that, a decoder; of several matching configurations the one with most runs is used."""
-    match = summary["label"] == baseline
+    match = (summary["label"] == baseline) | (summary["label"] == with_setting(
+        pd.Series(baseline, index=summary.index), summary["setting"]))
     if not match.any():
         match = summary["decoder"] == baseline
     base = summary[match].sort_values(["n_runs", "params_json"], ascending=[False, True], kind="stable")
-    return base.drop_duplicates(["model", "dataset"])[[
-        "model", "dataset", "tokens_per_s", "energy_per_token_j", "decode_energy_per_token_j",
-        "tokens_per_s_total"]]
+    return base.drop_duplicates(["model", "dataset", "setting"])[[
+        "model", "dataset", "setting", "tokens_per_s", "energy_per_token_j",
+        "decode_energy_per_token_j", "tokens_per_s_total"]]
 
 
 def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
@@ -442,7 +446,7 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
         optional.append("energy_ci_low_j")
     if "compile_s" in runs.columns:
         optional.append("compile_s")
-    columns = [*GROUP_KEYS, "label", "n_runs", "n_prompts", "total_tokens", "total_decode_time_s",
+    columns = [*GROUP_KEYS, "setting", "label", "n_runs", "n_prompts", "total_tokens", "total_decode_time_s",
                "tokens_per_s", "tokens_per_s_std", "tokens_per_s_pooled", "speedup",
                "block_efficiency", "acceptance_rate", "perplexity", "n_energy_runs", "total_energy_j",
                "energy_per_token_j", "decode_energy_per_token_j", "energy_saving",
@@ -462,16 +466,18 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     for c in GROUP_KEYS:
         runs[c] = runs[c].astype(object).where(runs[c].notna(), "")
     runs["label"] = config_labels(runs)
+    runs["setting"] = setting_labels(runs)  # never averaged over: a row of its own, and its baseline
     rows = []
-    for keys, g in runs.groupby(list(GROUP_KEYS), sort=False):
-        rows.append({**dict(zip(GROUP_KEYS, keys, strict=True)), **_summarise_group(g, optional)})
+    for keys, g in runs.groupby([*GROUP_KEYS, "setting"], sort=False):
+        rows.append({**dict(zip([*GROUP_KEYS, "setting"], keys, strict=True)),
+                     **_summarise_group(g, optional)})
     summary = pd.DataFrame(rows)
     summary["draft_id"] = summary["draft_id"].map(lambda v: v or None)  # "" grouped: no draft
 
     base = _baseline_rows(summary, baseline).rename(columns={
         "tokens_per_s": "_base_tps", "energy_per_token_j": "_base_jpt",
         "decode_energy_per_token_j": "_base_dec_jpt", "tokens_per_s_total": "_base_tps_total"})
-    summary = summary.merge(base, on=["model", "dataset"], how="left")
+    summary = summary.merge(base, on=["model", "dataset", "setting"], how="left")
     # each ratio on one basis: decode with decode, end to end with total
     summary["speedup"] = summary["tokens_per_s"] / summary["_base_tps"]
     summary["energy_saving"] = 1.0 - summary["decode_energy_per_token_j"] / summary["_base_dec_jpt"]
@@ -611,7 +617,8 @@ def accepted_length_histogram(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.Dat
     columns = ["decoder", "label", "accepted", "count", "fraction"]
     if steps.empty or runs.empty:
         return pd.DataFrame(columns=columns)
-    info = runs[[c for c in ("run_key", "decoder", "params_json", "draft_id") if c in runs]].copy()
+    info = runs[[c for c in ("run_key", "decoder", "params_json", "draft_id", *SETTING_COLUMNS)
+                 if c in runs]].copy()
     info["label"] = config_labels(info)  # the draft in it where a decoder ran with several
     merged = numeric_columns(steps[["run_key", "accepted", "proposed"]], ("accepted", "proposed")).merge(
         info[["run_key", "decoder", "label"]], on="run_key", how="inner")
@@ -628,15 +635,23 @@ def accepted_length_histogram(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.Dat
     return _sort_by_decoder(pd.concat(frames, ignore_index=True), then=["accepted"])[columns]
 
 
+def _counted_median(values: pd.Series, counts: pd.Series) -> float:
+    """The median of ``values`` each repeated ``counts`` times (values ascending): the middle
+    one, or the mean of the two middle ones of an even count."""
+    cum, v = np.cumsum(counts.to_numpy()), values.to_numpy()
+    n = int(cum[-1])
+    return float(v[np.searchsorted(cum, (n + 1) // 2)] + v[np.searchsorted(cum, n // 2 + 1)]) / 2
+
+
 def accepted_length_stats(histogram: pd.DataFrame) -> pd.DataFrame:
-    """Per label: iterations, mean and median accepted length, share of iterations that accepted
-    nothing, longest accepted run."""
+    """Per label: iterations, mean and median accepted length (of an even count, the mean of the
+    two middle values, as everywhere else), share of iterations that accepted nothing, longest
+    accepted run."""
     rows = []
     for (decoder, label), g in histogram.groupby(["decoder", "label"], sort=False):
-        cum = g["fraction"].cumsum()
         rows.append({"decoder": decoder, "label": label, "iterations": int(g["count"].sum()),
                      "mean_accepted": float((g["accepted"] * g["fraction"]).sum()),
-                     "median_accepted": int(g.loc[cum >= 0.5, "accepted"].iloc[0]),
+                     "median_accepted": _counted_median(g["accepted"], g["count"]),
                      "fraction_zero": float(g.loc[g["accepted"] == 0, "fraction"].sum()),
                      "max_accepted": int(g.loc[g["count"] > 0, "accepted"].max())})
     return pd.DataFrame(rows, columns=["decoder", "label", "iterations", "mean_accepted",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -32,13 +33,28 @@ from mtad_energy.energy.attribution import (
 )
 from mtad_energy.energy.fit import FORMS, EnergyFit, fit_form
 from mtad_energy.results.analysis import config_labels, decode_window_tokens
+from mtad_energy.results.schema import TABLES
+from mtad_energy.results.settings import setting_labels, settings_except, with_setting
 from mtad_energy.results.store import load_results
+
+# what makes two rows one: a store read twice, or a row copied into a second store, has the same
+# key, time and environment; rows of one configuration measured again (elsewhere) differ in time
+SAME_ROW = ("created_unix_s", "env_id")
 
 
 def _load_all(dirs: Sequence[str | Path], table: str) -> pd.DataFrame:
-    frames = [load_results(d, table) for d in dirs]
+    """The rows of ``table`` in ``dirs``, each row once: a store given twice (or under two
+    names) is read once, and a row held by two stores (a copy) is counted once."""
+    unique: dict[Path, str | Path] = {}
+    for d in dirs:
+        unique.setdefault(Path(d).resolve(), d)  # the first spelling of each
+    frames = [load_results(d, table) for d in unique.values()]
     frames = [f for f in frames if len(f)]
-    return pd.concat(frames, ignore_index=True, sort=False) if frames else pd.DataFrame()
+    if not frames:
+        return pd.DataFrame()
+    rows = pd.concat(frames, ignore_index=True, sort=False)
+    same = [c for c in (TABLES[table].key, "iteration", *SAME_ROW) if c in rows]  # steps: per iteration
+    return rows.drop_duplicates(same, ignore_index=True) if len(frames) > 1 else rows
 
 
 DECOMPOSE_FIX = "pass that DIR (--fit-from DIR, or as one more RESULTS dir)"
@@ -95,7 +111,7 @@ def windows_from(runs: pd.DataFrame | None, decode_batch: pd.DataFrame | None = 
     attribution read (``source`` names the table; ``share`` is a batched runs row's share of its
     batch's joules; model, dataset, draft_id, decoder and params_json identify a
     configuration)."""
-    frames = []
+    frames, apart = [], settings_except("batch_size")  # a column of its own here
     for table, df in (("runs", runs), ("decode_batch", decode_batch)):
         if df is None or df.empty:
             continue
@@ -106,8 +122,8 @@ def windows_from(runs: pd.DataFrame | None, decode_batch: pd.DataFrame | None = 
             "params_json": df.get("params_json"), "decoder": df["decoder"],
             "draft_id": df.get("draft_id"),
             # runs: one label per configuration, as the summaries name it; a sweep's as stored
-            "label": (config_labels(df) if table == "runs" and "params_json" in df
-                      else df.get("label", df["decoder"])),
+            "label": (config_labels(df, apart) if table == "runs" and "params_json" in df
+                      else with_setting(df.get("label", df["decoder"]), setting_labels(df, apart))),
             "batch_size": numeric(df, "batch_size").fillna(1.0),
             "meter": df.get("meter"), "decode_energy_j": energy,
             "decode_time_s": numeric(df, "decode_time_s"),
@@ -118,6 +134,24 @@ def windows_from(runs: pd.DataFrame | None, decode_batch: pd.DataFrame | None = 
         if table == "decode_batch":  # every row's iterations (the table's own is the batch's)
             frames[-1]["iterations"] = numeric(df, "rows_iterations")
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def simulated_rows(frame: pd.DataFrame) -> int:
+    """Rows of ``frame`` whose joules came from meter ``simulated`` (a modelled GPU and power
+    sensor: nothing was measured)."""
+    return int((frame["meter"] == "simulated").sum()) if "meter" in frame and len(frame) else 0
+
+
+def simulated_energy(fit_dirs: Sequence[str | Path], windows: pd.DataFrame) -> dict[str, Any]:
+    """What of a decomposition is simulated: the batch rows of the fit (in ``fit_dirs``) and the
+    decode windows that used the simulated meter, and a note saying so (None when none did)."""
+    batch, runs = simulated_rows(_load_all(fit_dirs, "batch")), simulated_rows(windows)
+    parts = [f"{n} of the fit's batch rows" if i == 0 else f"{n} of the {len(windows)} decode windows"
+             for i, n in enumerate((batch, runs)) if n]
+    note = (f"simulated: {' and '.join(parts)} used meter 'simulated', a modelled GPU and power "
+            "sensor; their joules were not measured, so these fits and splits describe the model, "
+            "not a machine") if parts else None
+    return {"batch_rows": batch, "decode_windows": runs, "note": note}
 
 
 SUMMARY_KEYS = ("source", "model", "label", "batch_size")

@@ -29,6 +29,7 @@ from mtad_energy.results.analysis import (
     others_cores_max,
     parse_params,
 )
+from mtad_energy.results.settings import setting_labels, settings_except, with_setting
 
 # -- batch size ------------------------------------------------------------------------------------
 BATCH_COLUMNS = ("batch_size", "runs", "inputs", "energy_j", "energy_per_run_j", "energy_per_input_j",
@@ -43,18 +44,25 @@ def batch_axis(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["axis"].isna() | (df["axis"] == "batch")]
 
 
+# a batch row's setting besides its model (`settings`): rows that differ in it are never averaged
+BATCH_SETTING = {**settings_except("max_new_tokens", "engine", "batch_size"),
+                 "context_len": lambda v: f"context {v if v is not None else 'unrecorded'}"}
+
+
 def batch_curve(batch: pd.DataFrame) -> pd.DataFrame:
     """The paper's batch-size table: one row per (model, batch size), sorted by batch size, with
     the total, per-run and per-input energy and time (means when a size was measured more than
     once, ``n_rows`` says how often) and ``energy_per_run_rel``, energy per run relative to the
     smallest batch size (the paper's point: it grows much more slowly than the batch). Only the
-    batch axis of a design (`batch_axis`) counts."""
+    batch axis of a design (`batch_axis`) counts. Rows of another meter, device, dtype or
+    context length (`BATCH_SETTING`) are another model row: ``opt-13b [meter simulated]``."""
     columns = ["model", *BATCH_COLUMNS, "energy_per_run_rel", "energy_reason", "n_rows"]
     if batch.empty:
         return pd.DataFrame(columns=columns)
     numeric = [c for c in BATCH_COLUMNS if c != "inputs"]
     b = numeric_columns(batch_axis(batch), numeric)
     b["model"] = b["model"].astype(object).where(b["model"].notna(), "")
+    b["model"] = with_setting(b["model"], setting_labels(b, BATCH_SETTING))  # never averaged over
     rows = []
     for (model, size), g in b.groupby(["model", "batch_size"], sort=True):
         row = {"model": model, **{c: g[c].mean() for c in numeric if c != "batch_size"},
@@ -71,7 +79,7 @@ def batch_curve(batch: pd.DataFrame) -> pd.DataFrame:
 # -- decoders across batch sizes (the decode_batch table) ----------------------------------------
 # What makes two decoding sweeps comparable: rows that differ in any of these are another
 # experiment (other prompts, lengths or hardware) and are never pooled into one median.
-CROSSOVER_SETTING = ("model", "target_id", "dataset", "max_new_tokens", "device", "dtype")
+CROSSOVER_SETTING = ("model", "target_id", "dataset", "max_new_tokens", "device", "dtype", "meter")
 # a decoder's speed-up is taken over the baseline configuration that warps the same way
 WARP_PARAMS = ("temperature", "top_k", "top_p")
 CROSSOVER_RULE = ("the smallest batch size from which on (at it and at every larger size measured) "
@@ -133,7 +141,7 @@ def batch_crossover(rows: pd.DataFrame | Sequence[Mapping[str, Any]], baseline: 
         if c not in df.columns:
             df[c] = None
     df = numeric_columns(df, ("energy_per_token_j", "block_efficiency", "perplexity"))
-    df["label"] = config_labels(df)
+    df["label"] = config_labels(df, settings_except(*CROSSOVER_SETTING, "batch_size"))
     df["batch_size"] = df["batch_size"].astype(int)
     out = []
     for skey, part in df.groupby(setting, sort=False) if setting else [((), df)]:
@@ -201,6 +209,7 @@ def crossover_settings(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
         return []
     parts = table.groupby(setting, sort=False) if setting else [((), table)]
     several_targets = "target_id" in table and table["target_id"].nunique() > 1
+    several_meters = "meter" in table and table["meter"].astype(str).nunique() > 1
     out = []
     for _, g in parts:
         r = g.iloc[0]
@@ -210,6 +219,8 @@ def crossover_settings(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
             bits.append(f"{int(r['max_new_tokens'])} tokens")
         if str(r.get("device", "")) != "":
             bits.append(f"{r['device']} ({r['dtype']})" if str(r.get("dtype", "")) else str(r["device"]))
+        if several_meters:
+            bits.append(f"meter {r['meter'] or 'unrecorded'}")
         out.append((" · ".join(b for b in bits if b), g.reset_index(drop=True)))
     return out
 

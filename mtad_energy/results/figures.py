@@ -13,6 +13,7 @@ as PNG and SVG.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,6 +47,29 @@ def _new_figure(nrows: int, ncols: int, width_in: float, height_in: float) -> tu
     FigureCanvasAgg(fig)  # the non-interactive Agg backend, for this figure only
     axes = fig.subplots(nrows, ncols, squeeze=False)
     return fig, axes
+
+
+def _layout(fig: Figure) -> None:
+    """Titles fitted (`_fit_title`: the figure's title to the figure's width, each panel's to its
+    panel's), then the tight layout, so every title lies inside the figure."""
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        if ax.get_visible():
+            _fit_title(ax.title, ax.get_window_extent(renderer).width, renderer)
+    if fig._suptitle is not None:
+        _fit_title(fig._suptitle, 0.96 * fig.bbox.width, renderer)
+    fig.tight_layout()
+
+
+def _fit_title(text, room_px: float, renderer) -> None:
+    """Wrap ``text`` (a title) between words until it is at most ``room_px`` wide."""
+    for _ in range(6):  # each pass estimates the characters per line from the measured width
+        width = text.get_window_extent(renderer).width
+        if width <= room_px or not text.get_text():
+            return
+        lines = text.get_text().split("\n")
+        chars = max(8, int(max(map(len, lines)) * room_px / width) - 1)
+        text.set_text("\n".join(textwrap.fill(line, chars) or line for line in lines))
 
 
 def label_palette(frame: pd.DataFrame) -> dict[str, tuple]:
@@ -181,7 +205,7 @@ def _scatter_panels(summary: pd.DataFrame, x: str, y: str, title: str, baseline:
             ax.margins(x=0.18, y=0.18)
         has_base = ((summary["label"] == baseline) | (summary["decoder"] == baseline)).any()
         fig.suptitle(f"{title}\n{note}" if note and has_base else title)  # no line, no legend for it
-        fig.tight_layout()
+        _layout(fig)
         for ax, (model, dataset) in zip(axes.flat, panels, strict=False):
             d = summary[(summary["model"] == model) & (summary["dataset"] == dataset)]
             annotate_points(ax, d[x].to_numpy(float), d[y].to_numpy(float), d["label"].tolist(),
@@ -259,7 +283,7 @@ def plot_batch_energy(curve: pd.DataFrame) -> Figure:
                 name += (f": ×{values[hi] / values[lo]:.2f} for a {sizes[hi] / sizes[lo]:g}× larger batch")
             ax.set_title(name)
         fig.suptitle(title)
-        fig.tight_layout()
+        _layout(fig)
     return fig
 
 
@@ -289,7 +313,7 @@ def plot_accepted_lengths(histogram: pd.DataFrame, palette: dict | None = None) 
             ax.set_xlabel("accepted draft tokens per iteration" if last_row else "")
             ax.set_ylabel("share of iterations" if i % ncols == 0 else "")
         fig.suptitle("Accepted draft length per iteration (iterations that drafted)")
-        fig.tight_layout()
+        _layout(fig)
     return fig
 
 
@@ -312,6 +336,7 @@ def plot_batch_crossover(table: pd.DataFrame, title: str = "", baseline: str = "
         what = (f"only {baseline} was measured: no decoder to compare with it" if not table.empty
                 and table["decoder"].eq(baseline).all() else f"no {baseline} rows: no speed-up to plot")
         axes[0].text(1.1, 0.5, what, ha="center", va="center", transform=axes[0].transAxes)
+        _layout(fig)
         return fig
     has_energy = others["energy_saving"].notna().any()
     for label, g in others.groupby("label", sort=False):
@@ -356,7 +381,7 @@ def plot_batch_crossover(table: pd.DataFrame, title: str = "", baseline: str = "
     if not has_energy:  # the legend goes to the free right panel, off the lines
         axes[1].legend(*axes[0].get_legend_handles_labels(), loc="upper center", fontsize=9,
                        ncols=2, title="decoder")
-    fig.tight_layout()
+    _layout(fig)
     return fig
 
 
@@ -413,7 +438,7 @@ def plot_drafts(rows: pd.DataFrame, paper_ratio: float = 3.17 / 2.02) -> Figure:
         caveats = [n.split(" (")[0].split(";")[0] for n in draft_notes(data)] if len(data) else []
         fig.suptitle("\n".join(["Draft strength: block efficiency and speed-up per decoder",
                                  *caveats]), fontsize=11)
-        fig.tight_layout()
+        _layout(fig)
         for ax, placed in labels.items():
             xs, ys, names, cs = zip(*placed, strict=True)
             annotate_points(ax, list(xs), list(ys), list(names), colours=list(cs))

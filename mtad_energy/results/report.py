@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from mtad_energy.results import analysis, caveats, crossover
+from mtad_energy.results import analysis, breakdown, caveats, crossover
 from mtad_energy.results.figures import (
     label_palette,
     plot_accepted_lengths,
@@ -24,7 +24,7 @@ from mtad_energy.results.figures import (
     plot_ppl_vs_block_efficiency,
 )
 from mtad_energy.results.store import load_results
-from mtad_energy.results.store_files import beside_store, outside_store
+from mtad_energy.results.store_files import beside_store, check_output, outside_store
 
 FIGURES = ("jpt_vs_speedup", "ppl_vs_block_efficiency", "batch_energy", "accepted_lengths")
 
@@ -40,7 +40,7 @@ def _save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
 
 def _simulated_note(rows: pd.DataFrame, what: str) -> list[str]:
     """A bold warning when some of ``rows`` were "measured" by the simulated meter."""
-    n = int((rows["meter"] == "simulated").sum()) if "meter" in rows and not rows.empty else 0
+    n = breakdown.simulated_rows(rows)
     if not n:
         return []
     return [f"**Simulated energy**: {n} of {len(rows)} {what} used meter `simulated`, a modelled GPU "
@@ -164,7 +164,6 @@ def energy_model_section(store_dir: Path) -> list[str]:
     95 % intervals, verdicts), the roofline fit's error on the decode windows, and every decoder's
     decode joules by phase and by term (n/a with the reasons)."""
     from mtad_energy.energy.attribution import attribute, validate
-    from mtad_energy.results import breakdown
 
     lines = ["## Where the joules go", "",
              "Two energy models fitted on this store's batch-sweep rows: the paper's E = P_static·T + "
@@ -277,6 +276,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     store_dir = Path(store_dir)
     out = outside_store(out_dir if out_dir is not None else beside_store(store_dir, "-report"),
                         store_dir, "the report directory (--out)")
+    check_output(out, "--out", "the report directory", store_ok=False)  # in no other store either
     runs = load_results(store_dir, "runs")  # before creating anything: is it a store at all?
     fig_dir = out / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,11 @@ see finished names, so several workers (processes, hosts on a shared file system
 one store at once. Temporary files left by a killed writer are removed when the store is opened
 once they are older than any write could take (`STALE_TMP_S`), never while a writer may own them.
 Anything else in DIR (a file we did not write, a part file that does not parse) is an error that
-names the file: skipping it would silently drop results.
+names the file: skipping it would silently drop results. Two things are passed over with a
+`StoreWarning` naming them, since they hold no row: what mtad-energy writes beside a store (a
+report, figures, a table, a schedule, another store) that an older version or an --output inside
+the store left in it (`store_files.beside_file`; no command writes into a store now, and no store
+is created inside another), and an environment snapshot that does not parse (its rows load).
 
 Why packs: opening a file costs milliseconds whatever reads it, so 10^5 part files take minutes to
 load. `ResultStore.compact` folds finished part files into packs of up to `PACK_ROWS` rows (the
@@ -47,6 +51,7 @@ import os
 import re
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,18 +72,22 @@ from mtad_energy.results.schema import (
 )
 from mtad_energy.results.store_files import (
     _TMP_PREFIX,
+    MARKER,
     CorruptFileError,
     ForeignFileError,
     RowExistsError,
     StoreError,
+    StoreWarning,
     _flock,
     _read_parquet,
     _to_pandas,
     _write_atomic,
+    beside_file,
+    enclosing_store,
+    strays_note,
 )
 from mtad_energy.results.store_files import DiskFullError as DiskFullError  # as before
 
-MARKER = "mtad-energy-store.json"
 FORMAT = "mtad-energy-results"
 PACKS = "packs"
 WRITE_LOCK = ".write-lock"
@@ -142,6 +151,9 @@ class ResultStore:
         self.root = Path(root)
         self._pack_index: dict[str, dict[str, frozenset[str]]] = {}  # table -> pack name -> keys
         marker = self.root / MARKER
+        if create and (outer := enclosing_store(self.root)) is not None:
+            raise StoreError(f"{self.root} is inside the results store {outer}, which may hold only "
+                             "what mtad-energy wrote; give --output a path outside it")
         if not self.root.exists():
             if not create:
                 raise StoreError(f"results directory {self.root} does not exist")
@@ -167,6 +179,7 @@ class ResultStore:
             raise StoreError(f"{self.root} is empty: no results yet")
         self._sweep_temporaries()
         self._check_layout()
+        self._check_envs()
 
     # -- checks -------------------------------------------------------------------------------
     def _write_marker(self) -> None:
@@ -218,8 +231,12 @@ class ResultStore:
 
     def _check_layout(self) -> None:
         allowed_dirs = set(TABLES) | {"envs"}
-        for p in self.root.iterdir():
+        strays = []
+        for p in sorted(self.root.iterdir()):
             if p.name in (MARKER, WRITE_LOCK, COMPACT_LOCK) or p.name.startswith(_TMP_PREFIX):
+                continue
+            if p.name not in allowed_dirs and beside_file(p):
+                strays.append(p)
                 continue
             if p.is_dir() and p.name in allowed_dirs:
                 self._check_files(p, _ENV_FILE if p.name == "envs" else _KEY_FILE,
@@ -228,6 +245,24 @@ class ResultStore:
             raise ForeignFileError(f"{p} was not written by mtad-energy; move it out of the results "
                                    f"directory {self.root} (a store holds only {MARKER}, "
                                    f"{', '.join(sorted(allowed_dirs))})")
+        if strays:
+            warnings.warn(strays_note(self.root, strays), StoreWarning, stacklevel=3)
+
+    def _check_envs(self) -> None:
+        """An environment snapshot that does not parse loses no row, but the rows pointing at it
+        lose what machine measured them: said (`StoreWarning`), never passed over."""
+        d = self.root / "envs"
+        for p in sorted(q for q in d.iterdir() if _ENV_FILE.match(q.name)) if d.is_dir() else []:
+            try:
+                ok = isinstance(json.loads(p.read_text()), dict)
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                warnings.warn(f"{p} is not a valid environment snapshot (not a JSON object): the "
+                              f"rows with env_id {p.stem} load, but what machine, driver and "
+                              "libraries measured them is lost; restore it from a backup, or delete "
+                              "it (the next command measuring on that machine writes it again)",
+                              StoreWarning, stacklevel=3)
 
     def _check_files(self, d: Path, pattern: re.Pattern, expected: str) -> None:
         for f in d.iterdir():

@@ -3,7 +3,11 @@ and the file operations every path of `store.ResultStore` rests on: a write thro
 renamed into place (`_write_atomic`: a half-written file never looks finished, a taken name is
 refused atomically, a full disk says so), an advisory `fcntl.flock` lock (`_flock`), and reading a
 part file or a pack into one table whose columns are the union of theirs (`_read_parquet`,
-`_to_pandas`). The store's layout, keys and compaction are `store`'s.
+`_to_pandas`). And where files go around a store: beside it (`beside_store`), never inside it or
+any other store (`outside_store`, `check_output`: checked before anything is written), and what
+such files look like when an older version or a path inside a store left them there
+(`beside_file`: passed over with a warning, they hold no rows). The store's layout, keys and
+compaction are `store`'s.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,6 +30,7 @@ except ImportError:  # pragma: no cover - not POSIX: no locks, reads still count
     fcntl = None  # type: ignore[assignment]
 
 _TMP_PREFIX = ".tmp-"  # temporaries of `_write_atomic`: never a finished file
+MARKER = "mtad-energy-store.json"  # what makes a directory a results store
 
 
 class StoreError(RuntimeError):
@@ -45,6 +51,11 @@ class DiskFullError(StoreError):
 
 class RowExistsError(StoreError):
     """The row is already stored (by an earlier run or, just now, by another worker)."""
+
+
+class StoreWarning(UserWarning):
+    """Something in a store that loses no row but must not pass unsaid: a file mtad-energy wrote
+    beside a store that ended up inside one, an environment snapshot that does not parse."""
 
 
 def _write_atomic(path: Path, write, exclusive: bool = False,
@@ -122,6 +133,34 @@ def _to_pandas(tables: Sequence[pa.Table]) -> pd.DataFrame:
         return pd.concat([t.to_pandas() for t in tables], ignore_index=True, sort=False)
 
 
+# what mtad-energy writes beside a store (`beside_store`) that older versions, or an
+# --output / report --out inside a store, left in one: not rows, so passed over with a warning
+_BESIDE_SUFFIXES = (".md", ".png", ".svg")
+_BESIDE_JSON = re.compile(r"-schedule-[^/]*\.json$")
+
+
+def beside_file(p: Path) -> bool:
+    """A nested results store, a report, a figure or a schedule: what a command writes beside a
+    store, never a row (a folder counts when it is a store or holds nothing but such files)."""
+    if p.is_dir():
+        return (p / MARKER).is_file() or all(
+            f.is_dir() or f.suffix in _BESIDE_SUFFIXES for f in p.rglob("*"))
+    return p.suffix in _BESIDE_SUFFIXES or bool(_BESIDE_JSON.search(p.name))
+
+
+def strays_note(root: Path, strays: Sequence[Path]) -> str:
+    """The warning for ``strays`` (`beside_file`s) found in the store in ``root``: what they are,
+    that no row of theirs is read, and how to move them out."""
+    nested = sum((p / MARKER).is_file() for p in strays)
+    shown = ", ".join(p.name for p in strays[:5]) + (f" and {len(strays) - 5} more" if len(strays) > 5
+                                                      else "")
+    return (f"{root} holds {shown}: not rows of this store but what commands write beside a store "
+            "(reports, figures, tables, schedules"
+            + (f"; {nested} results store(s) of their own, read on their own" if nested else "")
+            + f"), so they are passed over; move them out of {root} (e.g. `mv {strays[0]} "
+              f"{root.parent}/`) to silence this")
+
+
 def beside_store(store: str | Path, tail: str) -> Path:
     """Where a file derived from the store in ``store`` goes: ``<store's name><tail>`` in the
     store's parent directory (a store may hold only what mtad-energy wrote, so never inside it),
@@ -138,6 +177,70 @@ def beside_store(store: str | Path, tail: str) -> Path:
         raise ValueError(f"the results store {store} has no name to name files beside it by; give "
                          "a store in a directory of its own (e.g. --output results/run1)")
     return path.with_name(path.name + tail)
+
+
+def enclosing_store(path: str | Path) -> Path | None:
+    """The results store ``path`` would lie inside (its nearest proper ancestor holding the
+    marker), or None."""
+    for parent in Path(path).resolve().parents:
+        if (parent / MARKER).is_file():
+            return parent
+    return None
+
+
+def _too_long(path: Path) -> str | None:
+    """Why ``path`` is too long for its file system (a name over NAME_MAX, the whole over
+    PATH_MAX), or None."""
+    try:  # the limits of the file system the nearest existing folder is on
+        near = next((p for p in path.parents if p.is_dir()), Path("/"))
+        name_max, path_max = os.pathconf(near, "PC_NAME_MAX"), os.pathconf(near, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    long = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        return (f"the name {long[:24]}... is {len(os.fsencode(long))} bytes long, over the "
+                f"{name_max} a name may have here")
+    if len(os.fsencode(str(path))) >= path_max:
+        return f"the path is {len(os.fsencode(str(path)))} bytes long, over the {path_max - 1} allowed here"
+    return None
+
+
+def check_output(path: str | Path, option: str = "--output", what: str = "the results directory",
+                 folder: bool = True, store_ok: bool = True) -> Path:
+    """``path`` where a command may write (a ``folder`` it creates or reuses, else a file),
+    checked before anything loads or is written; else a ValueError saying it cannot create
+    ``what`` there (naming ``option``), why, and the fix: a name too long for the file system, a
+    file where a folder is (or must be), a folder where the file goes, a place that cannot be
+    written, a path inside a results store (a store holds only what mtad-energy wrote: anything
+    else inside it makes every command refuse that store), or, without ``store_ok``, a results
+    store itself (a report written into it does the same). Missing parent folders are fine:
+    they are created."""
+    path = Path(path)
+    where, cannot = path.absolute(), f"cannot create {what} {path} ({option})"
+    if (why := _too_long(where)) is not None:
+        raise ValueError(f"{cannot}: {why}; give {option} a shorter path")
+    blocked = next((p for p in reversed(where.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is None and folder and path.exists() and not path.is_dir():
+        blocked = path
+    if blocked is not None:
+        raise ValueError(f"{cannot}: {blocked} is a file, not a folder; give {option} a path under "
+                         f"folders (missing ones are created), or move {blocked} away")
+    if not folder and path.is_dir():
+        raise ValueError(f"{path} is a folder; give {option} a file name")
+    if (outer := enclosing_store(path)) is not None:
+        raise ValueError(f"{path} is inside the results store {outer}: a store holds only "
+                         "what mtad-energy wrote, and anything else inside it makes every command "
+                         f"refuse that store; give {option} a path outside it (e.g. "
+                         f"{beside_store(outer, '-' + path.name)})")
+    if not store_ok and (path / MARKER).is_file():
+        raise ValueError(f"{path} is a results store, which may hold only what "
+                         f"mtad-energy wrote; give {option} a folder outside any store (e.g. "
+                         f"{beside_store(path, '-report')})")
+    near = next(p for p in ((where,) if folder else ()) + tuple(where.parents) if p.exists())
+    if not os.access(near, os.W_OK | os.X_OK):
+        raise ValueError(f"{cannot}: cannot write in {near} (permission denied); give "
+                         f"{option} a place you can write to")
+    return path
 
 
 def outside_store(path: str | Path, store: str | Path, option: str) -> Path:
