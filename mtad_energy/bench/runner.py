@@ -393,6 +393,7 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     check_batch_size(config, prompts)
     units = shard(runner.unique(work_units(config, prompts)), shard_index, shard_count)
     check_prompt_lengths(runner, units)
+    runner.engine.check_batch(config.decoders, config.batch_size)  # every decoder, before any row
     runner.budget = budget
     ran = skipped = 0
     for row, unit in runner.iter_run(units):

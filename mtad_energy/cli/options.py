@@ -222,6 +222,20 @@ Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dail
 NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
 
 
+MAX_SEED = 2**63 - 1  # a row stores its seed as a 64-bit signed integer; torch takes < 2**64
+
+
+def _seed(value: int) -> int:
+    if not 0 <= value <= MAX_SEED:  # torch overflows past 2**64, a row's int64 past 2**63 - 1
+        raise typer.BadParameter(f"give a seed in 0..{MAX_SEED} (2^63 - 1: a row stores it as a "
+                                 f"64-bit integer), not {value}")
+    return value
+
+
+Seed = Annotated[int, typer.Option(callback=_seed,
+                                   help="random seed (repeat r uses seed + r), 0..2^63-1")]
+
+
 MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]
 
 

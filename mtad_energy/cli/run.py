@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -19,7 +19,7 @@ from mtad_energy.cli.options import ignored_draft_notes, random_weight_notes
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, quiet_libraries
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import short_reason, summary_table, with_attribution
-from mtad_energy.config import RunConfig
+from mtad_energy.config import ModelSpec, RunConfig
 
 
 def progress_bar() -> Progress:
@@ -45,6 +45,51 @@ def warn_if_busy(as_json: bool) -> dict:
     if load["warning"] and not as_json:
         console.print(f"[yellow]warning:[/] {esc(load['warning'])}")
     return load
+
+
+def check_before_loading(model: ModelSpec, decoders: Sequence[typing.Any] = ()) -> None:
+    """What a measuring command refuses before any model loads, beside its options' own checks
+    (a ValueError naming the setting and the fix): ``$MTAD_ENERGY_CACHE`` or
+    ``$MTAD_ENERGY_CALIBRATION`` naming a file (`paths.env_folder`), a ``--draft self:...`` that
+    cannot build a draft (`models.drafts.check_self_draft`), and every one of ``decoders`` (the
+    project's, built) that drafts with a model or head the pair will not have (`missing_drafts`):
+    all named at once, so no row is measured before a later decoder stops the command."""
+    from mtad_energy.measure.calibration import calibration_dir
+    from mtad_energy.models import check_self_draft, resolve_device, resolve_pair_spec
+    from mtad_energy.paths import cache_dir
+
+    cache_dir(), calibration_dir()
+    device = resolve_device(model.device)
+    spec = resolve_pair_spec(model.alias, device, target=model.target, draft=model.draft)
+    check_self_draft(spec.target, model.draft, device)
+    if missing := missing_drafts(decoders, spec):
+        raise ValueError(missing)
+
+
+def missing_drafts(decoders: Sequence[typing.Any], spec: typing.Any) -> str | None:
+    """Why ``decoders`` cannot all run with the pair ``spec`` (`models.PairSpec`) names: those
+    needing a draft model when it has none, those drafting with a head it lacks; None if all can."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    def has(d) -> bool:
+        return (spec.draft is not None or not d.needs_draft) and (d.head is None or
+                                                                   spec.head(d.head) is not None)
+
+    problems = []
+    if no_model := [d.name for d in decoders if d.needs_draft and spec.draft is None]:
+        problems.append(f"{', '.join(no_model)} need{'s' if len(no_model) == 1 else ''} a draft "
+                        "model and the pair has none: add --draft (e.g. --draft self:int8)")
+    for kind in dict.fromkeys(d.head for d in decoders if d.head is not None):
+        if spec.head(kind) is None:
+            names = ", ".join(d.name for d in decoders if d.head == kind)
+            article = "an" if kind[0] in "aeiou" else "a"
+            problems.append(f"{names} draft{'s' if ',' not in names else ''} with {article} {kind} "
+                            f"head the pair lacks: add --draft {kind}:DIR")
+    if not problems:
+        return None
+    runs = [n for n, cls in DECODERS.items() if has(cls)]
+    return (f"{'; '.join(problems)}; or run only decoders this pair runs ({', '.join(runs)}); "
+            "nothing was measured")
 
 
 # -- running a configuration -------------------------------------------------------------------
@@ -76,6 +121,9 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         if budget_s is not None and workers > 1:
             raise ValueError("--budget-s stops one process; with --workers each job runs its share "
                              "to the end: drop one of them")
+        for each in configs:
+            check_before_loading(each.model, [d.build() for d in each.decoders]
+                                 if each.engine == "hf" else [])
         prompts = load_config_prompts(config)
         check_batch_size(config, prompts)  # before loading any model
         check_workers(configs, workers)

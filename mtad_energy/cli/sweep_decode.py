@@ -20,7 +20,7 @@ from mtad_energy.cli.options import (
     split_list,
 )
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, wrapping_table
-from mtad_energy.cli.run import progress_bar, warn_if_busy
+from mtad_energy.cli.run import check_before_loading, progress_bar, warn_if_busy
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import SIMULATED_NOTE, short_reason
 from mtad_energy.config import MeasureConfig, ModelSpec, compile_arg, compile_label
@@ -80,6 +80,8 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         # the project's decoders, built (their parameters checked) only where hf runs them: an
         # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
         built = [s.build() for s in specs] if "hf" in engines else []
+        model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
+        check_before_loading(model_spec, built)
         if budget.skip(len(specs) * len(size_list) * repeats * len(engines)):  # nothing loads
             return spent(out, m.name, budget, as_json, None)
         needs_draft = any(d.needs_draft for d in built)
@@ -88,7 +90,6 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
                              dtype=dtype, with_draft=needs_draft,
                              heads=head_kinds(built))
         prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
-        model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
         store = ResultStore(out)
         snap = snapshot()
         store.write_env(snap.snapshot_id, snap.to_dict())

@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 from mtad_energy.decoding.registry import check_batched, head_kinds
 from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.decoding.runtime.decoder import Decoder
-from mtad_energy.decoding.runtime.generate import PhaseHook, generate_ids, generate_rows, slots_needed
+from mtad_energy.decoding.runtime.generate import (
+    PhaseHook,
+    check_beams,
+    generate_ids,
+    generate_rows,
+    slots_needed,
+)
 from mtad_energy.decoding.runtime.memory import does_not_fit
 from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines.base import Engine, WarmUp, thread_settings
@@ -111,8 +117,13 @@ class HfEngine(Engine):
     # -- what a batch needs ---------------------------------------------------------------
     def check_batch(self, specs: Sequence[DecoderSpec], batch_size: int,
                     option: str = "--batch-size") -> None:
+        """Beside the engine's batch size: decoders that cannot decode B > 1 rows, and more
+        beams than the vocabulary (`check_beams`), refused before any row runs."""
+        decoders = self.check(specs)
         if batch_size > 1:
-            check_batched(self.check(specs))
+            check_batched(decoders)
+        for decoder in decoders:
+            check_beams(decoder, self.pair)
 
     def check_compile(self, compile: object) -> None:
         if bool(compile) != bool(self.compile):
