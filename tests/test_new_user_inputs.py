@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mtad_energy.cli import app
+from mtad_energy.results import ResultStore
 
 runner = CliRunner()
 
@@ -106,8 +107,6 @@ def test_more_beams_than_the_vocabulary_are_refused_before_any_row(model_dirs, p
                                                                    tmp_path):
     """beam_width 65 over the tiny models' 64 tokens: within the bound, but the first step keeps
     the 65 best of 64 tokens. Refused once the pair is known, before ar's rows are measured."""
-    from mtad_energy.results import ResultStore
-
     error = error_of(measure("compare", model_dirs, prompts_file, tmp_path / "o", "--decoders",
                              "ar,mtad", "--set", "beam_width=65", draft=model_dirs["llama-draft"]))
     assert "mtad: beam_width 65 is more beams than the draft's vocabulary has tokens (64): set " \
@@ -138,10 +137,19 @@ def test_compare_checks_every_decoder_before_measuring_any(model_dirs, prompts_f
     assert "spd, mtad need a draft model and the pair has none: add --draft" in error, error
     assert "eagle drafts with an eagle head the pair lacks: add --draft eagle:DIR" in error
     assert "or run only decoders this pair runs (ar, beam, mtjd, pld); nothing was measured" in error
-    assert not (tmp_path / "o").exists()
+    assert ResultStore(tmp_path / "o").keys("runs") == set()
 
 
 def test_the_default_compare_without_a_draft_names_every_drafting_decoder(model_dirs, prompts_file,
                                                                          tmp_path, nothing_loads):
     error = error_of(measure("compare", model_dirs, prompts_file, tmp_path / "o"))
     assert "spd, mtad, mmtad, specinfer, mcss, spectr, bild, typical need a draft model" in error
+
+
+def test_a_sweep_of_one_drafting_decoder_names_it_once(model_dirs, prompts_file, tmp_path,
+                                                     nothing_loads):
+    res = runner.invoke(app, ["sweep", "param", "--decoder", "spd", "--param", "gamma=2,3",
+                              "--target", model_dirs["llama"], "--device", "cpu", "--meter", "none",
+                              "--dataset", str(prompts_file), "--output", str(tmp_path / "o"),
+                              "--json"])
+    assert error_of(res).startswith("spd needs a draft model and the pair has none")

@@ -29,6 +29,7 @@ from mtad_energy.bench.prompts import Prompt
 from mtad_energy.bench.work_units import (
     WorkUnit,
     check_batch_size,
+    check_pair_drafts,
     load_config_prompts,
     model_label,
     shard,
@@ -79,6 +80,8 @@ class Runner:
             meter, meter_reason = meter_for(config.measure.meter)
         # before loading anything: refuses --require-energy / --mitigate on without energy readings
         self.mitigate = config.measure.mitigation_for(meter)
+        if pair is None:  # every decoder the pair to load cannot run, named before it loads
+            check_pair_drafts(config)
         m = config.model
         # the HF pair gives every engine the same prompt ids and scores perplexity outside the
         # windows (and is what the project's decoders, the engine hf, decode with)

@@ -52,8 +52,9 @@ def check_before_loading(model: ModelSpec, decoders: Sequence[typing.Any] = ()) 
     (a ValueError naming the setting and the fix): ``$MTAD_ENERGY_CACHE`` or
     ``$MTAD_ENERGY_CALIBRATION`` naming a file (`paths.env_folder`), a ``--draft self:...`` that
     cannot build a draft (`models.drafts.check_self_draft`), and every one of ``decoders`` (the
-    project's, built) that drafts with a model or head the pair will not have (`missing_drafts`):
-    all named at once, so no row is measured before a later decoder stops the command."""
+    project's, built) that drafts with a model or head the pair will not have
+    (`bench.work_units.missing_drafts`; the runner checks its configuration's itself)."""
+    from mtad_energy.bench.work_units import missing_drafts
     from mtad_energy.measure.calibration import calibration_dir
     from mtad_energy.models import check_self_draft, resolve_device, resolve_pair_spec
     from mtad_energy.paths import cache_dir
@@ -64,32 +65,6 @@ def check_before_loading(model: ModelSpec, decoders: Sequence[typing.Any] = ()) 
     check_self_draft(spec.target, model.draft, device)
     if missing := missing_drafts(decoders, spec):
         raise ValueError(missing)
-
-
-def missing_drafts(decoders: Sequence[typing.Any], spec: typing.Any) -> str | None:
-    """Why ``decoders`` cannot all run with the pair ``spec`` (`models.PairSpec`) names: those
-    needing a draft model when it has none, those drafting with a head it lacks; None if all can."""
-    from mtad_energy.decoding.registry import DECODERS
-
-    def has(d) -> bool:
-        return (spec.draft is not None or not d.needs_draft) and (d.head is None or
-                                                                   spec.head(d.head) is not None)
-
-    problems = []
-    if no_model := [d.name for d in decoders if d.needs_draft and spec.draft is None]:
-        problems.append(f"{', '.join(no_model)} need{'s' if len(no_model) == 1 else ''} a draft "
-                        "model and the pair has none: add --draft (e.g. --draft self:int8)")
-    for kind in dict.fromkeys(d.head for d in decoders if d.head is not None):
-        if spec.head(kind) is None:
-            names = ", ".join(d.name for d in decoders if d.head == kind)
-            article = "an" if kind[0] in "aeiou" else "a"
-            problems.append(f"{names} draft{'s' if ',' not in names else ''} with {article} {kind} "
-                            f"head the pair lacks: add --draft {kind}:DIR")
-    if not problems:
-        return None
-    runs = [n for n, cls in DECODERS.items() if has(cls)]
-    return (f"{'; '.join(problems)}; or run only decoders this pair runs ({', '.join(runs)}); "
-            "nothing was measured")
 
 
 # -- running a configuration -------------------------------------------------------------------
@@ -122,8 +97,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
             raise ValueError("--budget-s stops one process; with --workers each job runs its share "
                              "to the end: drop one of them")
         for each in configs:
-            check_before_loading(each.model, [d.build() for d in each.decoders]
-                                 if each.engine == "hf" else [])
+            check_before_loading(each.model)
         prompts = load_config_prompts(config)
         check_batch_size(config, prompts)  # before loading any model
         check_workers(configs, workers)
