@@ -153,3 +153,43 @@ def test_a_sweep_of_one_drafting_decoder_names_it_once(model_dirs, prompts_file,
                               "--dataset", str(prompts_file), "--output", str(tmp_path / "o"),
                               "--json"])
     assert error_of(res).startswith("spd needs a draft model and the pair has none")
+
+
+# --- the run loop: what it was asked for and what it ran --------------------------------------------
+
+
+def test_n_prompts_beyond_the_dataset_says_how_many_it_has(model_dirs, prompts_file, tmp_path):
+    """was: --n-prompts 5 over a file of 2 ran 2, and said nothing."""
+    res = measure("profile", model_dirs, prompts_file, tmp_path / "o", "--decoder", "ar",
+                  "--baseline", "none", "--n-prompts", "5")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert "--n-prompts 5: p has 2 prompts; all 2 are used" in doc["notes"]  # p.jsonl
+    exact = measure("profile", model_dirs, prompts_file, tmp_path / "o", "--decoder", "ar",
+                    "--baseline", "none", "--n-prompts", "2")
+    assert not any("--n-prompts" in n for n in json.loads(exact.stdout)["notes"])
+
+
+def test_a_name_swept_twice_or_also_fixed_is_refused(model_dirs, prompts_file, tmp_path,
+                                                   nothing_loads):
+    """was: --param gamma=1,2 --param gamma=3 swept gamma=3 alone (a dict kept the last)."""
+    def sweep(*args):
+        return runner.invoke(app, ["sweep", "param", "--decoder", "spd", *args, "--target",
+                                   model_dirs["llama"], "--draft", model_dirs["llama-draft"],
+                                   "--dataset", str(prompts_file), "--meter", "none",
+                                   "--output", str(tmp_path / "o"), "--json"])
+
+    twice = error_of(sweep("--param", "gamma=1,2", "--param", "gamma=3"))
+    assert twice.startswith("--param gamma is given twice (gamma=1,2 and gamma=3): the second "
+                            "would replace the first"), twice
+    both = error_of(sweep("--param", "gamma=1,2", "--set", "gamma=3"))
+    assert both.startswith("gamma is given by both --param and --set; keep one"), both
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_over_workers_checks_every_decoder_before_submitting(model_dirs, prompts_file,
+                                                                    tmp_path, nothing_loads):
+    """--workers: each job's runner would refuse spd after the other jobs had measured ar."""
+    error = error_of(measure("compare", model_dirs, prompts_file, tmp_path / "o", "--decoders",
+                             "ar,spd", "--workers", "2", "--cluster", "debug"))
+    assert error.startswith("spd needs a draft model and the pair has none"), error

@@ -86,6 +86,25 @@ def load_config_prompts(config: RunConfig) -> list[Prompt]:
     return prompts
 
 
+def fewer_prompts_notes(config: RunConfig, prompts: Sequence[Prompt]) -> list[str]:
+    """A `fewer_prompts_note` per dataset of ``prompts`` (`load_config_prompts`' for ``config``)
+    holding fewer than ``config.n_prompts``."""
+    counts: dict[str, int] = {}
+    for prompt in prompts:
+        counts[prompt.dataset] = counts.get(prompt.dataset, 0) + 1
+    return [note for name, got in counts.items()
+            if (note := fewer_prompts_note(name, config.n_prompts, got))]
+
+
+def fewer_prompts_note(dataset: str, asked: int, got: int) -> str | None:
+    """What to tell the user when ``dataset`` holds fewer prompts than ``--n-prompts`` asked for
+    (it runs them all), else None."""
+    if got >= asked:
+        return None
+    used = "it is used" if got == 1 else f"all {got} are used"
+    return f"--n-prompts {asked}: {dataset} has {got} prompt{'s' if got != 1 else ''}; {used}"
+
+
 def check_pair_drafts(config: RunConfig) -> None:
     """Refuse, before any model loads, a configuration whose decoders (the project's: engine hf)
     draft with a model or head its pair will not have (`missing_drafts`): every such decoder

@@ -18,16 +18,22 @@ import typer
 from mtad_energy.config import RANDOM_NOTE, DecoderSpec, MeasureConfig, ModelSpec, RunConfig, random_weights
 
 
-def parse_sets(sets: list[str] | None) -> dict[str, str]:
-    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}."""
+def parse_sets(sets: list[str] | None, option: str = "--set") -> dict[str, str]:
+    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}. A key given twice is
+    refused (the later value would silently replace the earlier)."""
     out: dict[str, str] = {}
     for item in sets or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
+            raise typer.BadParameter(f"{option} expects key=value, got {item!r}")
         if "," in value and not all(v.strip() for v in value.split(",")):  # 1,,2 is not 1,2
             raise typer.BadParameter(f"{item!r} has an empty value between commas; write e.g. "
                                      f"{key.strip()}=1,2,3")
+        if key.strip() in out:
+            raise UsageError(f"{option} {key.strip()} is given twice ({key.strip()}="
+                             f"{out[key.strip()]} and {key.strip()}={value.strip()}): the second "
+                             f"would replace the first; give it once, every value in one list "
+                             f"(e.g. {key.strip()}=1,2,3 or {key.strip()}=1..8)")
         out[key.strip()] = value.strip()
     return out
 

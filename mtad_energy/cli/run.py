@@ -88,6 +88,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     the command's one error (and its one JSON document)."""
     from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
+    from mtad_energy.bench.work_units import check_pair_drafts, fewer_prompts_notes
 
     budget = Budget(budget_s)  # counts from here: loading the models is part of the lease
     configs = config if isinstance(config, list) else [config]
@@ -98,7 +99,10 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
                              "to the end: drop one of them")
         for each in configs:
             check_before_loading(each.model)
+            if workers > 1:  # each job's runner would refuse it after the others started
+                check_pair_drafts(each)
         prompts = load_config_prompts(config)
+        prompt_notes = fewer_prompts_notes(config, prompts)  # datasets short of --n-prompts
         check_batch_size(config, prompts)  # before loading any model
         check_workers(configs, workers)
     except (ValueError, RuntimeError, OSError) as error:
@@ -129,7 +133,8 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         compact_after(out)
     runs = pd.DataFrame(rows)
     summary = decoder_summary(runs, summary_baseline(baseline))
-    notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
+    notes = prompt_notes + config_draft_notes(config) + pass_at_1_notes(
+        rows, config.allow_code_execution)
     notes += [budget.note()] if budget.note() else []
     written = _write_side_files(side_files, summary, notes) if len(summary) else {}
     shown_view = view(summary, runs) if view is not None and len(summary) else None
@@ -178,6 +183,7 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
         store = ResultStore(out)
         with console.status(f"loading models ({config.engine})"):
             runner = Runner(config, store, scorer=quality_scorer(config.allow_code_execution))
+            runner.budget = budget  # the progress bar's count of rows stops hashing once spent
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if not as_json:

@@ -102,8 +102,11 @@ def sweep_param(
     try:
         if not param:
             raise UsageError("give at least one --param NAME=VALUES, e.g. --param gamma=3..10")
-        grid = parse_sets(param)
+        grid = parse_sets(param, "--param")
         fixed = parse_sets(set_)
+        if both := [k for k in grid if k in fixed]:  # the grid would replace the fixed value
+            raise UsageError(f"{', '.join(both)} is given by both --param and --set; keep one "
+                             "(--param sweeps it, --set fixes it)")
         axes = {k: parse_range(v) for k, v in grid.items()}
         if math.prod(len(v) for v in axes.values()) > MAX_SWEEP_VALUES:
             sizes = " x ".join(str(len(v)) for v in axes.values())

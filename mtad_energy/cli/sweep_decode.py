@@ -44,6 +44,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
     """`sweep batch-size --decoder`: decode, store, and print or emit the crossover."""
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
+    from mtad_energy.bench.work_units import fewer_prompts_note
     from mtad_energy.decoding.registry import head_kinds
     from mtad_energy.decoding.runtime.generate import encode_prompt
     from mtad_energy.measure import meter_for, snapshot
@@ -89,7 +90,9 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
                              dtype=dtype, with_draft=needs_draft,
                              heads=head_kinds(built))
-        prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
+        loaded = load_prompts(dataset, n_prompts)
+        fewer = fewer_prompts_note(dataset, n_prompts, len(loaded))  # said with the notes
+        prompts = [encode_prompt(pair, p.text) for p in loaded]
         store = ResultStore(out)
         snap = snapshot()
         store.write_env(snap.snapshot_id, snap.to_dict())
@@ -134,8 +137,9 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         m.close()
     compact_after(out)
     table = batch_crossover(rep.rows)
-    notes = ignored_draft_notes(built, pair_alias(model, target), target,
-                                draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
+    notes = [fewer] if fewer else []
+    notes += ignored_draft_notes(built, pair_alias(model, target), target,
+                                 draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
     notes += [budget.note()] if budget is not None and budget.note() else []
     if not compile and "hf" in engines and pair.describe()["device"].startswith("cuda"):
         notes.append(LAUNCH_BOUND_NOTE)  # eager on a GPU: launches, not the algorithm
