@@ -25,6 +25,13 @@ class Budget:
             raise ValueError(f"--budget-s must be >= 0 seconds, got {self.seconds}")
 
     def spent(self) -> bool:
+        """Whether a new row may no longer start (`skip` asks before each)."""
+        return self.expired()
+
+    def expired(self) -> bool:
+        """Whether the time is up, read off the clock: the check of the loops between rows
+        (hashing row keys, tokenising prompts, counting the rows left), so that a spent budget
+        stops them too, within a row's time of its limit."""
         return self.seconds is not None and time.perf_counter() - self.started >= self.seconds
 
     def skip(self, rows: int = 1) -> bool:

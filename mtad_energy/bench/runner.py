@@ -29,6 +29,7 @@ from mtad_energy.bench.prompts import Prompt
 from mtad_energy.bench.work_units import (
     WorkUnit,
     check_batch_size,
+    check_pair_drafts,
     load_config_prompts,
     model_label,
     shard,
@@ -79,6 +80,8 @@ class Runner:
             meter, meter_reason = meter_for(config.measure.meter)
         # before loading anything: refuses --require-energy / --mitigate on without energy readings
         self.mitigate = config.measure.mitigation_for(meter)
+        if pair is None:  # every decoder the pair to load cannot run, named before it loads
+            check_pair_drafts(config)
         m = config.model
         # the HF pair gives every engine the same prompt ids and scores perplexity outside the
         # windows (and is what the project's decoders, the engine hf, decode with)
@@ -97,6 +100,7 @@ class Runner:
         self.probe = ContentionProbe(gpu_pids=gpu_processes(self.pair.describe()["device"]))
         self.engine_columns = self.engine.columns()
         self._warm: dict[tuple, WarmUp] = {}  # `warm_key` -> what its warm-up left
+        self._keys: dict[WorkUnit, str] = {}  # `run_key`s computed (each hashes its prompt)
         self.budget: Budget | None = None  # once spent, `iter_run` starts no new batch
 
     @property
@@ -115,6 +119,16 @@ class Runner:
         return self.engine.lookahead(spec)
 
     def run_key(self, unit: WorkUnit) -> str:
+        """The key of ``unit``'s row (computed once per unit: every pass over 10^4 repeats
+        would hash them all again)."""
+        if unit not in self._keys:
+            self._keys[unit] = self._run_key(unit)
+        return self._keys[unit]
+
+    def _spent(self) -> bool:
+        return self.budget is not None and self.budget.expired()
+
+    def _run_key(self, unit: WorkUnit) -> str:
         c = self.config
         return stable_key({
             "model": c.model.label, "target_id": self.pair.target_id,
@@ -307,7 +321,9 @@ class Runner:
         """``units`` without those that ask for a row an earlier unit asks for (same run key: e.g.
         a decoder listed once with its defaults and once with them spelled out)."""
         first: dict[str, WorkUnit] = {}
-        for unit in units:
+        for i, unit in enumerate(units):
+            if i % 64 == 0 and self._spent():  # none of the rest will run: not hashed
+                return [*first.values(), *units[i:]]
             first.setdefault(self.run_key(unit), unit)
         return list(first.values())
 
@@ -321,6 +337,13 @@ class Runner:
             pools.setdefault((unit.decoder, unit.repeat), []).append(unit)
         size = self.config.batch_size
         for unit in units:
+            if self._spent():  # none starts now: counted, not hashed nor looked up
+                key = self._keys.get(unit)
+                if key is not None and key in done:
+                    yield None, unit
+                else:
+                    self.budget.left += 1
+                continue
             key = self.run_key(unit)
             if key in done or self.store.has("runs", key):
                 yield None, unit
@@ -361,6 +384,8 @@ def check_prompt_lengths(runner: Runner, units: Sequence[WorkUnit]) -> None:
     lengths: dict[Prompt, int] = {}
     bad: dict[str, tuple[int, int]] = {}  # prompt id -> (prompt tokens, the largest lookahead)
     for unit in units:
+        if runner._spent():  # no row will run: the rest is not tokenised
+            return
         if unit.prompt not in lengths:
             lengths[unit.prompt] = len(runner._prompt_ids(unit.prompt))
         n, lookahead = lengths[unit.prompt], runner.lookahead(unit.decoder)
@@ -389,11 +414,12 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     ``runner`` is an already built `Runner` for ``config`` and ``store`` (the CLI builds it first
     to show the model and meter); otherwise one is built from ``pair``, ``meter`` and ``scorer``."""
     runner = runner or Runner(config, store, pair=pair, meter=meter, scorer=scorer)
+    runner.budget = budget  # checked while keys are hashed and prompts tokenised, and per batch
     prompts = list(prompts) if prompts is not None else load_config_prompts(config)
     check_batch_size(config, prompts)
     units = shard(runner.unique(work_units(config, prompts)), shard_index, shard_count)
     check_prompt_lengths(runner, units)
-    runner.budget = budget
+    runner.engine.check_batch(config.decoders, config.batch_size)  # every decoder, before any row
     ran = skipped = 0
     for row, unit in runner.iter_run(units):
         ran, skipped = ran + (row is not None), skipped + (row is None)
@@ -402,7 +428,8 @@ def run_profile(config: RunConfig, store: ResultStore, *, runner: Runner | None 
     if config.ops:
         for spec in config.decoders:
             runner.profile_ops(spec, prompts[0])
-    keys = {runner.run_key(u) for u in units}
+    # the rows asked for (a spent budget's unhashed units left out: none of them ran now)
+    keys = {runner._keys[u] for u in units if u in runner._keys}
     stored = store.load("runs")
     rows = stored[stored["run_key"].isin(keys)].to_dict("records") if len(stored) else []
     return RunReport(rows, ran, skipped, runner.meter.name, runner.meter_reason, runner.env_id)

@@ -8,6 +8,7 @@ prompts (`check_batch_size`).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,3 +84,65 @@ def load_config_prompts(config: RunConfig) -> list[Prompt]:
     for name in config.datasets:
         prompts += load_prompts(name, config.n_prompts)
     return prompts
+
+
+def fewer_prompts_notes(config: RunConfig, prompts: Sequence[Prompt]) -> list[str]:
+    """A `fewer_prompts_note` per dataset of ``prompts`` (`load_config_prompts`' for ``config``)
+    holding fewer than ``config.n_prompts``."""
+    counts: dict[str, int] = {}
+    for prompt in prompts:
+        counts[prompt.dataset] = counts.get(prompt.dataset, 0) + 1
+    return [note for name, got in counts.items()
+            if (note := fewer_prompts_note(name, config.n_prompts, got))]
+
+
+def fewer_prompts_note(dataset: str, asked: int, got: int) -> str | None:
+    """What to tell the user when ``dataset`` holds fewer prompts than ``--n-prompts`` asked for
+    (it runs them all), else None."""
+    if got >= asked:
+        return None
+    used = "it is used" if got == 1 else f"all {got} are used"
+    return f"--n-prompts {asked}: {dataset} has {got} prompt{'s' if got != 1 else ''}; {used}"
+
+
+def check_pair_drafts(config: RunConfig) -> None:
+    """Refuse, before any model loads, a configuration whose decoders (the project's: engine hf)
+    draft with a model or head its pair will not have (`missing_drafts`): every such decoder
+    named at once, so no row is measured before a later decoder stops the run."""
+    from mtad_energy.engines import pair_roles
+    from mtad_energy.models import resolve_device, resolve_pair_spec
+
+    if pair_roles(config.engine, config.decoders) == (False, ()):
+        return  # nothing to draft with (another engine drafts with its own model)
+
+    m = config.model
+    spec = resolve_pair_spec(m.alias, resolve_device(m.device), target=m.target, draft=m.draft)
+    if missing := missing_drafts([d.build() for d in config.decoders], spec):
+        raise ValueError(missing)
+
+
+def missing_drafts(decoders: Sequence[typing.Any], spec: typing.Any) -> str | None:
+    """Why ``decoders`` cannot all run with the pair ``spec`` (`models.PairSpec`) names: those
+    needing a draft model when it has none, those drafting with a head it lacks; None if all can."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    def has(d) -> bool:
+        return (spec.draft is not None or not d.needs_draft) and (d.head is None or
+                                                                   spec.head(d.head) is not None)
+
+    problems = []
+    decoders = list({d.name: d for d in decoders}.values())  # variants of one decoder: once
+    if no_model := [d.name for d in decoders if d.needs_draft and spec.draft is None]:
+        problems.append(f"{', '.join(no_model)} need{'s' if len(no_model) == 1 else ''} a draft "
+                        "model and the pair has none: add --draft (e.g. --draft self:int8)")
+    for kind in dict.fromkeys(d.head for d in decoders if d.head is not None):
+        if spec.head(kind) is None:
+            names = ", ".join(d.name for d in decoders if d.head == kind)
+            article = "an" if kind[0] in "aeiou" else "a"
+            problems.append(f"{names} draft{'s' if ',' not in names else ''} with {article} {kind} "
+                            f"head the pair lacks: add --draft {kind}:DIR")
+    if not problems:
+        return None
+    runs = [n for n, cls in DECODERS.items() if has(cls)]
+    return (f"{'; '.join(problems)}; or run only decoders this pair runs ({', '.join(runs)}); "
+            "nothing was measured")

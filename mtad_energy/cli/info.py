@@ -16,6 +16,7 @@ from mtad_energy.cli.options import (
     Draft,
     DynamicShapes,
     Eager,
+    Seed,
     Target,
     ignored_draft_notes,
     pair_alias,
@@ -110,7 +111,7 @@ def generate(
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
                                                    help="decoder param key=value")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
-    seed: int = 0,
+    seed: Seed = 0,
     device: str = "auto",
     dtype: Annotated[str | None, typer.Option(metavar="DTYPE", help="fp32|bf16|fp16 [default: bf16 "
                                                                     "on a GPU, fp32 on the CPU]")] = None,

@@ -18,16 +18,22 @@ import typer
 from mtad_energy.config import RANDOM_NOTE, DecoderSpec, MeasureConfig, ModelSpec, RunConfig, random_weights
 
 
-def parse_sets(sets: list[str] | None) -> dict[str, str]:
-    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}."""
+def parse_sets(sets: list[str] | None, option: str = "--set") -> dict[str, str]:
+    """['tau=0.3', 'beam_width=8'] -> {'tau': '0.3', 'beam_width': '8'}. A key given twice is
+    refused (the later value would silently replace the earlier)."""
     out: dict[str, str] = {}
     for item in sets or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
+            raise typer.BadParameter(f"{option} expects key=value, got {item!r}")
         if "," in value and not all(v.strip() for v in value.split(",")):  # 1,,2 is not 1,2
             raise typer.BadParameter(f"{item!r} has an empty value between commas; write e.g. "
                                      f"{key.strip()}=1,2,3")
+        if key.strip() in out:
+            raise UsageError(f"{option} {key.strip()} is given twice ({key.strip()}="
+                             f"{out[key.strip()]} and {key.strip()}={value.strip()}): the second "
+                             f"would replace the first; give it once, every value in one list "
+                             f"(e.g. {key.strip()}=1,2,3 or {key.strip()}=1..8)")
         out[key.strip()] = value.strip()
     return out
 
@@ -220,6 +226,20 @@ Dataset = Annotated[str, typer.Option(help="humaneval, mtbench, spider, cnn_dail
 
 
 NPrompts = Annotated[int, typer.Option(min=1, help="prompts per dataset")]
+
+
+MAX_SEED = 2**63 - 1  # a row stores its seed as a 64-bit signed integer; torch takes < 2**64
+
+
+def _seed(value: int) -> int:
+    if not 0 <= value <= MAX_SEED:  # torch overflows past 2**64, a row's int64 past 2**63 - 1
+        raise typer.BadParameter(f"give a seed in 0..{MAX_SEED} (2^63 - 1: a row stores it as a "
+                                 f"64-bit integer), not {value}")
+    return value
+
+
+Seed = Annotated[int, typer.Option(callback=_seed,
+                                   help="random seed (repeat r uses seed + r), 0..2^63-1")]
 
 
 MaxNew = Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -19,7 +19,7 @@ from mtad_energy.cli.options import ignored_draft_notes, random_weight_notes
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, quiet_libraries
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import short_reason, summary_table, with_attribution
-from mtad_energy.config import RunConfig
+from mtad_energy.config import ModelSpec, RunConfig
 
 
 def progress_bar() -> Progress:
@@ -47,6 +47,26 @@ def warn_if_busy(as_json: bool) -> dict:
     return load
 
 
+def check_before_loading(model: ModelSpec, decoders: Sequence[typing.Any] = ()) -> None:
+    """What a measuring command refuses before any model loads, beside its options' own checks
+    (a ValueError naming the setting and the fix): ``$MTAD_ENERGY_CACHE`` or
+    ``$MTAD_ENERGY_CALIBRATION`` naming a file (`paths.env_folder`), a ``--draft self:...`` that
+    cannot build a draft (`models.drafts.check_self_draft`), and every one of ``decoders`` (the
+    project's, built) that drafts with a model or head the pair will not have
+    (`bench.work_units.missing_drafts`; the runner checks its configuration's itself)."""
+    from mtad_energy.bench.work_units import missing_drafts
+    from mtad_energy.measure.calibration import calibration_dir
+    from mtad_energy.models import check_self_draft, resolve_device, resolve_pair_spec
+    from mtad_energy.paths import cache_dir
+
+    cache_dir(), calibration_dir()
+    device = resolve_device(model.device)
+    spec = resolve_pair_spec(model.alias, device, target=model.target, draft=model.draft)
+    check_self_draft(spec.target, model.draft, device)
+    if missing := missing_drafts(decoders, spec):
+        raise ValueError(missing)
+
+
 # -- running a configuration -------------------------------------------------------------------
 # writes a command's files derived from the summary (compare's markdown table) given the summary
 # and its notes; returns {what: path} for the JSON document and the console
@@ -68,6 +88,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     the command's one error (and its one JSON document)."""
     from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
+    from mtad_energy.bench.work_units import check_pair_drafts, fewer_prompts_notes
 
     budget = Budget(budget_s)  # counts from here: loading the models is part of the lease
     configs = config if isinstance(config, list) else [config]
@@ -76,7 +97,12 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         if budget_s is not None and workers > 1:
             raise ValueError("--budget-s stops one process; with --workers each job runs its share "
                              "to the end: drop one of them")
+        for each in configs:
+            check_before_loading(each.model)
+            if workers > 1:  # each job's runner would refuse it after the others started
+                check_pair_drafts(each)
         prompts = load_config_prompts(config)
+        prompt_notes = fewer_prompts_notes(config, prompts)  # datasets short of --n-prompts
         check_batch_size(config, prompts)  # before loading any model
         check_workers(configs, workers)
     except (ValueError, RuntimeError, OSError) as error:
@@ -107,7 +133,8 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         compact_after(out)
     runs = pd.DataFrame(rows)
     summary = decoder_summary(runs, summary_baseline(baseline))
-    notes = config_draft_notes(config) + pass_at_1_notes(rows, config.allow_code_execution)
+    notes = prompt_notes + config_draft_notes(config) + pass_at_1_notes(
+        rows, config.allow_code_execution)
     notes += [budget.note()] if budget.note() else []
     written = _write_side_files(side_files, summary, notes) if len(summary) else {}
     shown_view = view(summary, runs) if view is not None and len(summary) else None
@@ -156,6 +183,7 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
         store = ResultStore(out)
         with console.status(f"loading models ({config.engine})"):
             runner = Runner(config, store, scorer=quality_scorer(config.allow_code_execution))
+            runner.budget = budget  # the progress bar's count of rows stops hashing once spent
     except (ValueError, RuntimeError, OSError) as error:
         fail(error)
     if not as_json:

@@ -44,6 +44,7 @@ from mtad_energy.cli.options import (
     Ops,
     Output,
     RequireEnergy,
+    Seed,
     Sets,
     Target,
     UsageError,
@@ -67,12 +68,12 @@ from mtad_energy.cli.output import (
     json_command,
     quiet_libraries,
 )
-from mtad_energy.cli.run import progress_bar, run_config, warn_if_busy
+from mtad_energy.cli.run import check_before_loading, progress_bar, run_config, warn_if_busy
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.sweep_decode import decode_batch_sweep_command, spent
 from mtad_energy.cli.sweep_draft import sweep_draft
 from mtad_energy.cli.tables import batch_sweep_table, short_reason
-from mtad_energy.config import MeasureConfig
+from mtad_energy.config import MeasureConfig, ModelSpec
 
 sweep_app = typer.Typer(help="Batch-size, parameter and draft sweeps.", no_args_is_help=True)
 
@@ -86,7 +87,7 @@ def sweep_param(
     baseline: Baseline = "ar",
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     dataset: Dataset = "mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
-    set_: Sets = None, seed: int = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    set_: Sets = None, seed: Seed = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Dtype = None, chat: Chat = None,
     ops: Ops = False, output: Output = None, workers: Workers = 1, cluster: Cluster = "local",
@@ -101,8 +102,11 @@ def sweep_param(
     try:
         if not param:
             raise UsageError("give at least one --param NAME=VALUES, e.g. --param gamma=3..10")
-        grid = parse_sets(param)
+        grid = parse_sets(param, "--param")
         fixed = parse_sets(set_)
+        if both := [k for k in grid if k in fixed]:  # the grid would replace the fixed value
+            raise UsageError(f"{', '.join(both)} is given by both --param and --set; keep one "
+                             "(--param sweeps it, --set fixes it)")
         axes = {k: parse_range(v) for k, v in grid.items()}
         if math.prod(len(v) for v in axes.values()) > MAX_SWEEP_VALUES:
             sizes = " x ".join(str(len(v)) for v in axes.values())
@@ -140,7 +144,7 @@ def sweep_batch_size(
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
     dtype: Dtype = None,
     profile_ops: Annotated[bool, typer.Option("--ops/--no-ops", help="T_flop/T_mem per size")] = True,
-    seed: int = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
+    seed: Seed = 0, output: Output = None, require_energy: RequireEnergy = False, as_json: Json = False,
     decoder: Annotated[str | None, typer.Option(
         "--decoder", "--decoders",
         help="decode with these decoders (comma list, e.g. ar,spd) at each batch size: tokens/s, "
@@ -201,6 +205,7 @@ def sweep_batch_size(
         mcfg = MeasureConfig(meter, mitigate, require_energy=require_energy)
         m, why = meter_for(meter)
         mitigates = mcfg.mitigation_for(m)  # before loading: --require-energy, --mitigate on
+        check_before_loading(ModelSpec(pair_alias(model, target), target, None, device, dtype))
         if budget.skip(len(design_points(size_list, context_list, chunk_list, context_len, 1))):
             return spent(out, m.name, budget, as_json, None)  # spent: the target never loads
         store = ResultStore(out)

@@ -20,7 +20,7 @@ from mtad_energy.cli.options import (
     split_list,
 )
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, wrapping_table
-from mtad_energy.cli.run import progress_bar, warn_if_busy
+from mtad_energy.cli.run import check_before_loading, progress_bar, warn_if_busy
 from mtad_energy.cli.store import compact_after
 from mtad_energy.cli.tables import SIMULATED_NOTE, short_reason
 from mtad_energy.config import MeasureConfig, ModelSpec, compile_arg, compile_label
@@ -44,6 +44,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
     """`sweep batch-size --decoder`: decode, store, and print or emit the crossover."""
     from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
     from mtad_energy.bench.prompts import load_prompts
+    from mtad_energy.bench.work_units import fewer_prompts_note
     from mtad_energy.decoding.registry import head_kinds
     from mtad_energy.decoding.runtime.generate import encode_prompt
     from mtad_energy.measure import meter_for, snapshot
@@ -80,6 +81,8 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         # the project's decoders, built (their parameters checked) only where hf runs them: an
         # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
         built = [s.build() for s in specs] if "hf" in engines else []
+        model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
+        check_before_loading(model_spec, built)
         if budget.skip(len(specs) * len(size_list) * repeats * len(engines)):  # nothing loads
             return spent(out, m.name, budget, as_json, None)
         needs_draft = any(d.needs_draft for d in built)
@@ -87,8 +90,9 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
             pair = load_pair(pair_alias(model, target), target=target, draft=draft, device=device,
                              dtype=dtype, with_draft=needs_draft,
                              heads=head_kinds(built))
-        prompts = [encode_prompt(pair, p.text) for p in load_prompts(dataset, n_prompts)]
-        model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
+        loaded = load_prompts(dataset, n_prompts)
+        fewer = fewer_prompts_note(dataset, n_prompts, len(loaded))  # said with the notes
+        prompts = [encode_prompt(pair, p.text) for p in loaded]
         store = ResultStore(out)
         snap = snapshot()
         store.write_env(snap.snapshot_id, snap.to_dict())
@@ -133,8 +137,9 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         m.close()
     compact_after(out)
     table = batch_crossover(rep.rows)
-    notes = ignored_draft_notes(built, pair_alias(model, target), target,
-                                draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
+    notes = [fewer] if fewer else []
+    notes += ignored_draft_notes(built, pair_alias(model, target), target,
+                                 draft, device) + random_weight_notes(target, draft) + crossover_notes(table)
     notes += [budget.note()] if budget is not None and budget.note() else []
     if not compile and "hf" in engines and pair.describe()["device"].startswith("cuda"):
         notes.append(LAUNCH_BOUND_NOTE)  # eager on a GPU: launches, not the algorithm

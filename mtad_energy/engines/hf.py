@@ -7,7 +7,8 @@ hold it as they hold any `Engine`: one window sequence, one row mapping, no bran
 generates. What only the project's decoders have lives here, behind the contract's hooks:
 
 * the forwards' work is tapped for a meter that needs to see it (the simulated roofline device,
-  `measure.work_tap`), around every generation, measured or mitigated;
+  `measure.simulated.tapped_apart`): in an untimed pass before a measured generation, whose
+  windows are charged what it saw (mitigated repetitions: tapped as they run);
 * the warm-up is full length when compiled (every shape compiles there, not inside a window) and
   its host work per iteration is counted (`counted_generation`), for the rows measured after it;
 * shapes: compiled rows share graphs by row bucket and slot bucket (`shape_key`), and a compiled
@@ -28,13 +29,19 @@ from typing import TYPE_CHECKING, Any
 from mtad_energy.decoding.registry import check_batched, head_kinds
 from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.decoding.runtime.decoder import Decoder
-from mtad_energy.decoding.runtime.generate import PhaseHook, generate_ids, generate_rows, slots_needed
+from mtad_energy.decoding.runtime.generate import (
+    PhaseHook,
+    check_beams,
+    generate_ids,
+    generate_rows,
+    slots_needed,
+)
 from mtad_energy.decoding.runtime.memory import does_not_fit
 from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines.base import Engine, WarmUp, thread_settings
 from mtad_energy.engines.registry import HF, engine_kind
 from mtad_energy.measure.host_work import HostWork, HostWorkCounter
-from mtad_energy.measure.simulated import work_tap
+from mtad_energy.measure.simulated import tapped_apart
 
 if TYPE_CHECKING:  # types only
     from mtad_energy.models import ModelPair
@@ -111,8 +118,13 @@ class HfEngine(Engine):
     # -- what a batch needs ---------------------------------------------------------------
     def check_batch(self, specs: Sequence[DecoderSpec], batch_size: int,
                     option: str = "--batch-size") -> None:
+        """Beside the engine's batch size: decoders that cannot decode B > 1 rows, and more
+        beams than the vocabulary (`check_beams`), refused before any row runs."""
+        decoders = self.check(specs)
         if batch_size > 1:
-            check_batched(self.check(specs))
+            check_batched(decoders)
+        for decoder in decoders:
+            check_beams(decoder, self.pair)
 
     def check_compile(self, compile: object) -> None:
         if bool(compile) != bool(self.compile):
@@ -141,11 +153,15 @@ class HfEngine(Engine):
         """`generate_rows` under the meter's work tap; perplexity is left to the caller (outside
         every window, as for every engine)."""
         decoder = self.decoder(spec)
-        with work_tap(self.meter, self.pair.target, decoder.draft_model(self.pair),
-                      compiled=bool(self.compile)):
+
+        def run(hook: PhaseHook | None) -> list[Generation]:
             return generate_rows(decoder, self.pair, [list(p) for p in prompts], max_new_tokens,
-                                 seed=seed, compute_perplexity=False, on_phase=on_phase,
+                                 seed=seed, compute_perplexity=False, on_phase=hook,
                                  compile=self.compile)
+
+        # the simulated device's tap never runs on the timed forwards (`tapped_apart`)
+        return tapped_apart(self.meter, (self.pair.target, decoder.draft_model(self.pair)), run,
+                            on_phase, compiled=bool(self.compile))
 
     def warm_up(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
                 seed: int = 0) -> WarmUp:

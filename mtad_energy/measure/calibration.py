@@ -31,7 +31,7 @@ from mtad_energy.measure.base import (
     MeterBase,
 )
 from mtad_energy.measure.mitigation import MITIGATION_WINDOW_PREFIX
-from mtad_energy.paths import cache_dir
+from mtad_energy.paths import cache_dir, env_folder
 
 CALIBRATION_ENV_VAR = "MTAD_ENERGY_CALIBRATION"
 
@@ -42,9 +42,10 @@ class CalibrationError(MeasureError):
 
 # -- records ------------------------------------------------------------------------------------
 def calibration_dir() -> Path:
-    """$MTAD_ENERGY_CALIBRATION, else ``calibration/`` in the cache ($MTAD_ENERGY_CACHE, ...)."""
-    if override := os.environ.get(CALIBRATION_ENV_VAR):
-        return Path(override)
+    """$MTAD_ENERGY_CALIBRATION, else ``calibration/`` in the cache ($MTAD_ENERGY_CACHE, ...);
+    a variable naming a file is refused (`paths.env_folder`)."""
+    if override := env_folder(CALIBRATION_ENV_VAR):
+        return override
     return cache_dir() / "calibration"
 
 

@@ -13,6 +13,8 @@ A draft spec is what ``--draft`` takes: a draft model (hub id, local directory, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from mtad_energy.models.heads import split_draft_spec
@@ -24,7 +26,7 @@ from mtad_energy.models.pair import (
     is_random,
     load_tokenizer,
 )
-from mtad_energy.models.self_drafts import _parse_layers
+from mtad_energy.models.self_drafts import _layer_ranges, _parse_layers
 
 
 def _target_config(target_id: str) -> tuple[int, int]:
@@ -51,10 +53,31 @@ def _check_self(draft: str, layers: int, device: torch.device) -> None:
             if prefix == "skip=":
                 kept = [i for i in range(layers) if i not in kept]
             if not kept:
-                raise ValueError(f"draft {draft!r} keeps no layer of the target's {layers}")
+                raise ValueError(f"it keeps no layer of the target's {layers}: keep "
+                                 "at least one (skip fewer, e.g. 'self:skip=every2')")
             return
     raise ValueError(f"unknown self-draft {draft!r}: use 'self', 'self:int8', 'self:layers=0-11' "
                      "or 'self:skip=every4'")
+
+
+def check_self_draft(target_id: str, draft: str | None, device: torch.device | str = "cpu") -> None:
+    """Refuse a self-draft (``self:...`` in ``draft``) that cannot build a draft, before any
+    model loads: a malformed layer list or ``every0`` always; a list keeping no layer or naming a
+    layer the target lacks, and ``self:int8`` off the CPU, where the target's config is at hand
+    without a download (a local directory or ``random:SHAPE``; otherwise loading says the same).
+    Raises ValueError naming ``--draft`` and the fix."""
+    model, _heads = split_draft_spec(draft)
+    if model is None or not model.startswith("self"):
+        return
+    kind = model.removeprefix("self").lstrip(":")
+    try:
+        for prefix in ("layers=", "skip="):
+            if kind.startswith(prefix):
+                _layer_ranges(kind.removeprefix(prefix))  # the form alone: 'every0', 'x'
+        if is_random(target_id) or Path(target_id).is_dir():
+            _check_self(model, _target_config(target_id)[0], torch.device(str(device)))
+    except ValueError as error:
+        raise ValueError(f"--draft {draft!r}: {error}") from None
 
 
 def check_draft(target_id: str, draft: str, device: torch.device | str = "cpu") -> None:

@@ -14,17 +14,36 @@ import warnings
 import torch
 
 
-def _parse_layers(text: str, n_layers: int) -> list[int]:
-    """'0-3,7,9' -> [0, 1, 2, 3, 7, 9]; 'every4' -> 3, 7, 11, ... (for skip lists)."""
+def _layer_ranges(text: str) -> list[tuple[int, int]] | int:
+    """The form of a layer list, before the target is known: '0-3,7' -> [(0, 3), (7, 7)];
+    'every4' -> 4; '' -> [] (``self:skip=``: skip none). Raises ValueError naming what is wrong:
+    not a list, a range written backwards, or 'every0' (which divides by zero)."""
     if m := re.fullmatch(r"every(\d+)", text):
         k = int(m.group(1))
-        return [i for i in range(n_layers) if (i + 1) % k == 0]
-    out: list[int] = []
+        if k < 1:
+            raise ValueError(f"{text!r} names every 0th layer, which divides by zero: use every K "
+                             "with K >= 1 (every4: layers 3, 7, 11, ...)")
+        return k
+    ranges: list[tuple[int, int]] = []
     for part in filter(None, text.split(",")):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if not m:
             raise ValueError(f"bad layer list {text!r}: use e.g. '0-11,20' or 'every4'")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"layer range {part.strip()!r} runs backwards: write LOW-HIGH, e.g. "
+                             f"'{hi}-{lo}'")
+        ranges.append((lo, hi))
+    return ranges
+
+
+def _parse_layers(text: str, n_layers: int) -> list[int]:
+    """'0-3,7,9' -> [0, 1, 2, 3, 7, 9]; 'every4' -> 3, 7, 11, ... (for skip lists)."""
+    form = _layer_ranges(text)
+    if isinstance(form, int):
+        return [i for i in range(n_layers) if (i + 1) % form == 0]
+    out: list[int] = []
+    for lo, hi in form:
         out.extend(range(lo, hi + 1))
     bad = [i for i in out if not 0 <= i < n_layers]
     if bad:

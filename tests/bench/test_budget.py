@@ -90,3 +90,28 @@ def test_budget_with_workers_is_refused_before_loading(tmp_path):
     result = CliRunner().invoke(app, ["profile", "--decoder", "ar", "--workers", "2", "--budget-s",
                                       "60", "--output", str(tmp_path / "s")])
     assert result.exit_code == 2 and "--budget-s stops one process" in result.output
+
+
+def test_a_spent_budget_hashes_no_more_row_keys_and_counts_every_row_left(tmp_path, llama_pair,
+                                                                          monkeypatch):
+    """--repeats 300 (issue 57): every row's key hashes its prompt, four times over before; the
+    budget went past its limit by seconds while the loops between rows hashed and looked up keys
+    for rows that would never run. Once spent (here: as soon as one key is hashed) those loops
+    stop within one check (64 keys), and every row not run is counted in ``left``."""
+    from mtad_energy.bench.runner import Runner
+
+    hashed = []
+    real = Runner._run_key
+
+    def counted(self, unit):
+        hashed.append(unit)
+        return real(self, unit)
+
+    monkeypatch.setattr(Runner, "_run_key", counted)
+    budget = Budget(1.0)
+    budget.expired = lambda: len(hashed) > 0  # type: ignore[method-assign]
+    store = ResultStore(tmp_path)
+    rep = run_profile(config(decoders=(DecoderSpec("ar"),), repeats=300, n_prompts=1), store,
+                      pair=llama_pair, meter=NoneMeter(), prompts=PROMPTS[:1], budget=budget)
+    assert (rep.ran, budget.left, len(hashed)) == (0, 300, 64)
+    assert "300 row(s) not measured" in budget.note()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder
-from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require_beam_width
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult
 
@@ -17,7 +17,7 @@ class BeamParams(DecoderParams):
     stochastic: bool = param(True, "sample (beam, token) pairs by joint ~p; false = keep top W")
 
     def validate(self) -> None:
-        require(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
+        require_beam_width(self.beam_width)
 
 
 class Beam(Decoder):

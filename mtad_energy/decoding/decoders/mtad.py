@@ -18,7 +18,7 @@ from mtad_energy.decoding.rules.joint import joint_accept_u
 from mtad_energy.decoding.rules.sampling import warp_probs
 from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
-from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require, require_beam_width
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 
@@ -31,7 +31,7 @@ class MtadParams(DecoderParams):
 
     def validate(self) -> None:
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
-        require(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
+        require_beam_width(self.beam_width)
         require(0.0 < self.tau < 1.0, f"tau must be in (0, 1) (the paper uses 0.5), got {self.tau}")
 
     @property

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from mtad_energy.decoding.runtime.beams import beam_sample_rows
 from mtad_energy.decoding.runtime.decoder import Decoder
-from mtad_energy.decoding.runtime.params import DecoderParams, param, require
+from mtad_energy.decoding.runtime.params import DecoderParams, param, require, require_beam_width
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult
 
@@ -24,7 +24,7 @@ class MtjdParams(DecoderParams):
 
     def validate(self) -> None:
         require(self.k >= 1, f"k must be >= 1, got {self.k}")
-        require(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
+        require_beam_width(self.beam_width)
 
 
 class Mtjd(Decoder):

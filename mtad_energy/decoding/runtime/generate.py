@@ -250,12 +250,25 @@ def _check_decoder(decoder: Decoder, pair: ModelPair, rows: int) -> None:
             f"but the pair has none; load one with draft='{kind}:DIR' (CLI --draft {kind}:DIR; "
             f"beside a draft model: --draft MODEL,{kind}:DIR): a directory in the {kind} "
             "checkpoint layout, or a hub id already in the local Hugging Face cache")
+    check_beams(decoder, pair)
     if rows > 1 and not decoder.batched:
         from mtad_energy.decoding.registry import batched_names
 
         raise ValueError(f"decoder {decoder.name!r} does not decode batches yet (batch size "
                          f"{rows}); decoders that do: {batched_names()}. Use batch size 1 for "
                          f"{decoder.name}")
+
+
+def check_beams(decoder: Decoder, pair: ModelPair) -> None:
+    """Refuse more beams (`Decoder.cache_rows`) than a model's vocabulary has tokens: the first
+    step of a beam search keeps the W most likely of V tokens (torch's top-k would fail mid-run:
+    "selected index k out of range")."""
+    for role, model in (("target", pair.target), ("draft", pair.draft)):
+        width = decoder.cache_rows(role)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if width > 1 and vocab is not None and width > vocab:
+            raise ValueError(f"{decoder.name}: beam_width {width} is more beams than the {role}'s "
+                             f"vocabulary has tokens ({vocab}): set --set beam_width={vocab} or less")
 
 
 def _set_up(decoder: Decoder, pair: ModelPair, prompts: list[list[int]], max_new_tokens: int,

@@ -57,6 +57,18 @@ class DecoderParams:
         return Warp(self.temperature, self.top_k, self.top_p)
 
 
+MAX_BEAM_WIDTH = 1024  # beams (rows of the cache) per sequence: far past any useful width
+
+
+def require_beam_width(width: int) -> None:
+    """A beam width in [1, `MAX_BEAM_WIDTH`]: each beam is a row of the KV cache, so a width of
+    10^5 would ask for gigabytes before the first token (the vocabulary bounds it too, checked
+    where the pair is known: `generate.check_beams`)."""
+    require(1 <= width <= MAX_BEAM_WIDTH,
+            f"beam_width must be in [1, {MAX_BEAM_WIDTH}] (beams kept per sequence, each a row of "
+            f"the KV cache), got {width}")
+
+
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
