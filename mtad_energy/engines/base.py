@@ -188,6 +188,15 @@ class Engine(abc.ABC):
         token, and all its tokens). Raises `EngineError` when the engine dies; nothing is stored
         by the engine."""
 
+    def use_tokenizer(self, tokenizer: Any) -> None:  # noqa: B027 (most engines need none)
+        """The HF tokenizer that made the prompt ids, for an engine that must send text (a
+        server taking text only); others ignore it."""
+
+    def unmetered(self) -> str | None:
+        """Why the local meters cannot see this engine's work (a server on another host), or
+        None: the rows' energy is then None with this reason, never a reading of idle power."""
+        return None
+
     def processes(self, spec: DecoderSpec) -> tuple[int, ...]:
         """The pids of the processes (besides this one) that decode ``spec`` once started: the
         windows count them and their descendants as the measurement's own work, not as another
