@@ -127,11 +127,13 @@ def acceptance_columns(before: Mapping[str, float] | None, after: Mapping[str, f
             **rates}
 
 
-def stream_generation(stream: Stream, prompt_len: int, t0: float, t_decode: float,
+def stream_generation(stream: Stream, prompt_len: int, t0: float, t_split: float,
                       config: Mapping[str, Any], url: str) -> Generation:
     """A `Generation` from one complete stream: time to first token (``t0`` -> its first chunk)
-    as the prefill, the chunks after ``t_decode`` as the decode window's, one iteration per
-    chunk. Token counts are the server's (`server_protocol.chunk_tokens`)."""
+    as the prefill; the decode phase from ``t_split`` (when the last request of the batch had
+    its first chunk, which opens the decode window) to this stream's last chunk, holding the
+    chunks that came after ``t_split`` (by arrival, never by a race with the window's opening).
+    One iteration per chunk; token counts are the server's (`server_protocol.chunk_tokens`)."""
     chunks = stream.chunks
     if any(c.count is None for c in chunks):
         raise EngineError(f"the server at {url} streams text without token ids or per-token "
@@ -143,11 +145,11 @@ def stream_generation(stream: Stream, prompt_len: int, t0: float, t_decode: floa
                      time_other_s=(c.t - chunks[k - 1].t) if k else None)
            for k, c in enumerate(chunks) if c.count]
     first = chunks[0].t if chunks else t0
-    last = chunks[-1].t if chunks else t_decode
-    decode_tokens = sum(int(c.count) for c in chunks if c.t >= t_decode)  # type: ignore[misc]
+    last = chunks[-1].t if chunks else t_split
+    decode_tokens = sum(int(c.count) for c in chunks if c.t > t_split)  # type: ignore[misc]
     stop = STOP.get(stream.finish_reason or "", stream.finish_reason or "unknown")
     gen = build_generation(ids, "".join(c.text for c in chunks), prompt_len, its, first - t0,
-                           max(0.0, last - t_decode), stop, config, decode_tokens=decode_tokens)
+                           max(0.0, last - t_split), stop, config, decode_tokens=decode_tokens)
     total = sum(int(c.count) for c in chunks)  # type: ignore[misc]
     if ids:
         return gen
@@ -289,7 +291,6 @@ class HttpEngine(Engine):
         for e in firsts:  # set at each request's first tokens, or at its end
             e.wait()
         hook("decode")
-        t_decode = time.perf_counter()
         for t in threads:
             t.join()
         hook("end")
@@ -299,7 +300,8 @@ class HttpEngine(Engine):
         after = self._counters()
         config = {"decoder": spec.name, **params, "max_new_tokens": max_new_tokens, "seed": seed,
                   "engine": self.name}
-        gens = [stream_generation(s, len(p), t0, t_decode, config, self.base_url)
+        t_split = max((s.first_t for s in streams if s.first_t is not None), default=t0)
+        gens = [stream_generation(s, len(p), t0, t_split, config, self.base_url)
                 for s, p in zip(streams, prompts, strict=True)]
         accept = acceptance_columns(before, after, len(prompts))
         return [dataclasses.replace(g, stats=dataclasses.replace(g.stats, **accept))

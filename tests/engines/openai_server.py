@@ -34,6 +34,7 @@ class Behaviour:
     metrics: str | None = "spec"
     spec: tuple[int, int, int] = (2, 6, 4)
     delay_s: float = 0.0  # between chunks
+    together: int = 1  # a request waits (up to 5 s) until this many are in flight
 
 
 @dataclass
@@ -43,7 +44,7 @@ class State:
     in_flight: int = 0
     max_in_flight: int = 0
     counters: list[int] = field(default_factory=lambda: [0, 0, 0])
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Condition = field(default_factory=threading.Condition)
 
 
 def metrics_text(state: State) -> str:
@@ -113,6 +114,8 @@ class Handler(BaseHTTPRequestHandler):
             st.requests.append(body)
             st.in_flight += 1
             st.max_in_flight = max(st.max_in_flight, st.in_flight)
+            st.lock.notify_all()
+            st.lock.wait_for(lambda: st.in_flight >= b.together, timeout=5.0)
         try:
             self._complete(body, b)
         finally:

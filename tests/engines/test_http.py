@@ -72,7 +72,7 @@ def test_one_request_streams_its_ttft_chunks_and_acceptance_from_the_servers_cou
 
 
 def test_a_batch_is_requests_in_flight_together_with_the_batchs_rates_only():
-    with serve() as (url, state):
+    with serve(Behaviour(together=3)) as (url, state):  # each waits for the others
         gens = generate(engine_at(url), [[1], [2, 3], [4]], new=4)
     assert state.max_in_flight == 3
     assert [g.token_ids for g in gens] == [[2, 3, 4, 5], [4, 5, 6, 7], [5, 6, 7, 8]]
@@ -169,8 +169,10 @@ def test_a_stream_cut_mid_run_exits_1_with_one_json_error_and_stores_no_row(targ
 
 
 def test_a_malformed_server_url_exits_2_before_anything_loads(tmp_path):
+    # a target that does not exist: refused for the URL first, before any model is looked up
     res = runner.invoke(app, ["compare", "--engine", "hf,http://127.0.0.1", "--decoders", "ar",
-                              "--target", "random:tiny-llama", "--output", str(tmp_path / "s")])
+                              "--target", str(tmp_path / "no-model"), "--output",
+                              str(tmp_path / "s")])
     assert res.exit_code == 2 and "is not a server's base URL" in res.output
 
 
