@@ -204,3 +204,19 @@ def test_an_unreachable_server_exits_1_and_an_unserved_model_2_without_a_traceba
                       "--engine-option", "model=nope")
     assert res.exit_code == code, res.output
     assert message in res.output and "Traceback" not in res.output
+
+
+def test_the_decoding_sweep_runs_a_server_at_each_batch_size(target, tmp_path):
+    """`sweep batch-size --decoder ar --engine URL`: a batch of N is N requests in flight; a
+    server gives no forward counts (block efficiency unknown, never a 0) and its counters the
+    batch's acceptance rate."""
+    with serve(Behaviour(vocab=VOCAB)) as (url, _):
+        res = runner.invoke(app, ["sweep", "batch-size", "--decoder", "ar", "--engine", url,
+                                  "--sizes", "1,2", "--target", target, "--meter", "none",
+                                  "--n-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+                                  "--output", str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    rows = ResultStore(tmp_path / "s").load("decode_batch").set_index("batch_size")
+    assert sorted(rows.index) == [1, 2] and set(rows["model"]) == {"custom+http"}
+    assert rows["block_efficiency"].isna().all() and rows["target_forwards"].isna().all()
+    assert rows["acceptance_rate"].tolist() == [pytest.approx(4 / 6)] * 2
