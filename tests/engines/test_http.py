@@ -220,3 +220,15 @@ def test_the_decoding_sweep_runs_a_server_at_each_batch_size(target, tmp_path):
     assert sorted(rows.index) == [1, 2] and set(rows["model"]) == {"custom+http"}
     assert rows["block_efficiency"].isna().all() and rows["target_forwards"].isna().all()
     assert rows["acceptance_rate"].tolist() == [pytest.approx(4 / 6)] * 2
+
+
+def test_a_text_only_server_gets_the_prompt_ids_decoded_by_the_targets_tokenizer():
+    tok = tiny.word_tokenizer(VOCAB)
+    with serve() as (url, state):
+        engine = engine_at(url, prompt="text")
+        with pytest.raises(EngineError, match="prompt=text needs the target's tokenizer"):
+            generate(engine, [[5, 6]])
+        engine.use_tokenizer(tok)
+        gen = generate(engine, [[5, 6]])[0]
+    assert state.requests[-1]["prompt"] == tok.decode([5, 6], skip_special_tokens=False)
+    assert isinstance(state.requests[-1]["prompt"], str) and gen.prompt_len == 2
