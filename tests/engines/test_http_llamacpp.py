@@ -27,22 +27,25 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def server_url():
-    """llama_cpp.server on a free port, one thread, until the module ends (its log on failure)."""
+def server_url(tmp_path_factory):
+    """llama_cpp.server on a free port, one thread, until the module ends; its log (some 200 kB
+    of model-load lines: a pipe would fill and stall it) goes to a file, shown on failure."""
     from mtad_energy.engines.server_protocol import request
     from mtad_energy.models import smollm2_gguf_path
 
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()),
-         "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path_factory.mktemp("llama-server") / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()),
+             "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "1024"],
+            stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"llama_cpp.server exited {proc.returncode}: {proc.stdout.read()[-2000:]}")
+                pytest.fail(f"llama_cpp.server exited {proc.returncode}: {log.read_text()[-2000:]}")
             try:
                 if request(url, "GET", "/v1/models", 5)[0] == 200:
                     break
