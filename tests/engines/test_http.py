@@ -232,3 +232,22 @@ def test_a_text_only_server_gets_the_prompt_ids_decoded_by_the_targets_tokenizer
         gen = generate(engine, [[5, 6]])[0]
     assert state.requests[-1]["prompt"] == tok.decode([5, 6], skip_special_tokens=False)
     assert isinstance(state.requests[-1]["prompt"], str) and gen.prompt_len == 2
+
+
+def test_energy_asked_of_a_remote_server_is_refused_and_never_repeated(target, tmp_path,
+                                                                        monkeypatch):
+    import mtad_energy.engines.http as http_engine
+    from mtad_energy.config import MeasureConfig
+
+    monkeypatch.setattr(http_engine, "remote_reason", lambda host: "it runs on another host")
+    # --mitigate auto repeats on the simulated meter too (as it does on a GPU's)
+    monkeypatch.setattr(MeasureConfig, "mitigates", lambda self, meter: self.mitigate != "off")
+    with serve(Behaviour(vocab=VOCAB)) as (url, state):
+        res = compare(target, url, tmp_path / "s", "--meter", "simulated", "--require-energy")
+        assert res.exit_code == 2, res.output
+        assert "but it runs on another host; drop them" in " ".join(res.output.split())
+        assert state.requests == []  # refused before any request
+        res = compare(target, url, tmp_path / "s", "--meter", "simulated", "--mitigate", "auto")
+        assert res.exit_code == 0, res.output
+    row = ResultStore(tmp_path / "s").load("runs").iloc[0]
+    assert not row["mitigated"] and row["energy_reason"] == "it runs on another host"
