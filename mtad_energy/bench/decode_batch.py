@@ -43,7 +43,7 @@ from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, measure_gen
 from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
 from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines import Engine, WarmUp, open_hf
-from mtad_energy.engines.base import EngineDecoder, with_perplexity
+from mtad_energy.engines.base import EngineDecoder, known_sum, with_perplexity
 from mtad_energy.measure import EnergyMeter
 from mtad_energy.measure.contention import ContentionProbe, gpu_processes
 from mtad_energy.models import ModelPair
@@ -223,6 +223,11 @@ def _out_of_memory(b: int, error: BaseException) -> str:
     return f"out of memory at batch size {b}: {str(error).splitlines()[0][:160]}"
 
 
+def known_max(values: Sequence[Any]) -> Any:
+    """The largest count, None if any is unknown."""
+    return None if any(v is None for v in values) else max(values)
+
+
 def _measure(decoder: EngineDecoder, pair: ModelPair, rows: list[list[int]],
              max_new_tokens: int, seed: int, meter: EnergyMeter, key: str,
              warm: Sequence[Generation] = (),
@@ -240,8 +245,9 @@ def _measure(decoder: EngineDecoder, pair: ModelPair, rows: list[list[int]],
     # over its seconds: each row's decode time runs from the window's start to its last token
     in_window = sum(g.stats.decode_tokens for g in gens)
     decode_s = max(g.stats.decode_time_s for g in gens)
-    target_fw = max(g.stats.target_forwards for g in gens)
-    depth = sum(g.stats.draft_depth for g in gens)
+    target_fw = known_max([g.stats.target_forwards for g in gens])  # None: the engine cannot tell
+    depth, accepted = (known_sum([g.stats.draft_depth for g in gens]),
+                       known_sum([g.stats.draft_accepted for g in gens]))
     ppl = [g.stats.perplexity for g in gens if g.stats.perplexity is not None]
     energy = m.energy_j
     last = max((g.stats for g in gens), key=lambda s: s.iterations)
@@ -249,11 +255,14 @@ def _measure(decoder: EngineDecoder, pair: ModelPair, rows: list[list[int]],
         "tokens": tokens, "decode_tokens": in_window, "decode_time_s": decode_s,
         "tokens_per_s": in_window / decode_s if decode_s > 0 else float("inf"),
         "iterations": max(g.stats.iterations for g in gens), "target_forwards": target_fw,
-        "draft_forwards": max(g.stats.draft_forwards for g in gens),
+        "draft_forwards": known_max([g.stats.draft_forwards for g in gens]),
         # per row: its tokens per target forward while it was decoding (a row done early rides
         # along in the batch's forwards: that costs time, counted in tokens/s, not here)
-        "block_efficiency": tokens / max(1, sum(g.stats.target_forwards for g in gens)),
-        "acceptance_rate": (sum(g.stats.draft_accepted for g in gens) / depth) if depth else None,
+        "block_efficiency": (tokens / max(1, fw) if (fw := known_sum(
+            [g.stats.target_forwards for g in gens])) is not None else None),
+        # a server's counters give the batch's rate, not each row's counts
+        "acceptance_rate": (accepted / depth if depth and accepted is not None
+                            else gens[0].stats.acceptance_rate if depth is None else None),
         "perplexity": sum(ppl) / len(ppl) if ppl else None,
         "energy_j": energy,
         "energy_per_token_j": energy / in_window if energy is not None and in_window else None,
@@ -264,8 +273,8 @@ def _measure(decoder: EngineDecoder, pair: ModelPair, rows: list[list[int]],
         "time_other_s": last.time_other_s, "draft_flops": last.draft_flops,
         "draft_bytes": last.draft_bytes, "target_flops": last.target_flops,
         "target_bytes": last.target_bytes,
-        "draft_proposed": sum(g.stats.draft_proposed for g in gens),
-        "draft_accepted": sum(g.stats.draft_accepted for g in gens),
+        "draft_proposed": known_sum([g.stats.draft_proposed for g in gens]),
+        "draft_accepted": accepted,
         "rows_iterations": sum(g.stats.iterations for g in gens),
         **measured.windows.contention_columns(("decode",)),  # the decode window's, as its time and joules
     }

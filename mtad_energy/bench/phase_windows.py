@@ -9,6 +9,7 @@ engine generates (the project's decoders are the engine ``hf``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,4 +130,9 @@ def measure_generation(engine: Engine, spec: DecoderSpec, prompts: Sequence[list
             gens = engine.generate(spec, prompts, max_new_tokens, seed, windows)
         finally:
             windows.close()
+    unseen = engine.unmetered()  # a server on another host: no local reading is its energy
+    if unseen:
+        windows.measurements = {k: dataclasses.replace(m, energy_j=None, device_energy_j={},
+                                                       samples=(), reason=unseen)
+                                for k, m in windows.measurements.items()}
     return Measured(gens, windows, peak.bytes, compile_columns(warm, gens))

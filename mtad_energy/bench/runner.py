@@ -35,7 +35,7 @@ from mtad_energy.bench.work_units import (
     shard,
     work_units,
 )
-from mtad_energy.config import DecoderSpec, RunConfig, compile_identity
+from mtad_energy.config import DecoderSpec, NoEnergyError, RunConfig, compile_identity
 from mtad_energy.decoding.runtime.generate import encode_prompt
 from mtad_energy.decoding.runtime.stats import Generation, perplexity
 from mtad_energy.engines import Engine, WarmUp, check_engine_options, open_engine, pair_roles
@@ -97,11 +97,22 @@ class Runner:
                                           pair=self.pair, specs=config.decoders,
                                           compile=config.compile_arg, meter=self.meter)
         self.device, self.dtype = self.engine.device, self.engine.dtype
+        self._unmetered(config)
         self.probe = ContentionProbe(gpu_pids=gpu_processes(self.pair.describe()["device"]))
         self.engine_columns = self.engine.columns()
         self._warm: dict[tuple, WarmUp] = {}  # `warm_key` -> what its warm-up left
         self._keys: dict[WorkUnit, str] = {}  # `run_key`s computed (each hashes its prompt)
         self.budget: Budget | None = None  # once spent, `iter_run` starts no new batch
+
+    def _unmetered(self, config: RunConfig) -> None:
+        """An engine the local meters cannot see (a server on another host): energy asked for
+        (--require-energy, --mitigate on) is refused, and no repetitions are run for it."""
+        unseen = self.engine.unmetered()
+        if unseen and (config.measure.require_energy or config.measure.mitigate == "on"):
+            self.engine.close()
+            raise NoEnergyError(f"energy was asked for (--require-energy / --mitigate on) but "
+                                f"{unseen}; drop them to record time and acceptance only")
+        self.mitigate = self.mitigate and not unseen
 
     @property
     def model_label(self) -> str:

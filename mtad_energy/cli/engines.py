@@ -16,14 +16,16 @@ from mtad_energy.config import RunConfig
 
 EngineOption = Annotated[str, typer.Option(
     "--engine", help="what generates: hf (the project's decoders over Hugging Face models), "
-                     "llamacpp, vllm; a comma list runs them side by side into one store (rows "
+                     "llamacpp, vllm, or a running OpenAI-compatible server's "
+                     "http://HOST:PORT; a comma list runs them side by side into one store (rows "
                      "never pooled: model '<model>+<engine>')")]
 
 EngineOptions = Annotated[list[str] | None, typer.Option(
     "--engine-option", metavar="KEY=VALUE",
     help="an engine's own setting, KEY=VALUE (repeat it, or a comma list): vllm: dtype, "
          "enforce_eager, max_model_len, max_num_seqs, gpu_memory_utilization, "
-         "kv_cache_space_gib; llamacpp: n_threads, n_threads_batch, n_ctx, n_batch, draft_path. "
+         "kv_cache_space_gib; llamacpp: n_threads, n_threads_batch, n_ctx, n_batch, draft_path; "
+         "a server (http://...): model, prompt, logprobs, timeout_s, server_pid. "
          "It goes to each engine of --engine that has it, and into its rows' engine "
          "configuration")]
 

@@ -136,9 +136,9 @@ def engine_params(engines: str, decoder: str) -> frozenset[str]:
     """The parameters any engine of ``engines`` other than hf honours for ``decoder``."""
     if engines.strip() in ("", "hf"):
         return frozenset()
-    from mtad_energy.engines.registry import ENGINES, HF, parse_engines
+    from mtad_energy.engines.registry import HF, engine_kind, parse_engines
 
-    return frozenset().union(*(ENGINES[e].param_names(decoder) for e in parse_engines(engines)
+    return frozenset().union(*(engine_kind(e).param_names(decoder) for e in parse_engines(engines)
                                if e != HF))
 
 

@@ -75,7 +75,9 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         # the plot: beside the store (it holds only tables), named by setting: an eager sweep
         # into the same store does not overwrite the compiled sweep's plot (an engine's sweep is
         # named by its engines: an hf sweep into the same store keeps its own)
-        setting = "-".join([*(e for e in engines if e != "hf"), *(
+        from mtad_energy.engines.registry import engine_kind  # a server's URL: its kind, http
+
+        setting = "-".join([*(engine_kind(e).name for e in engines if e != "hf"), *(
             [compile_label(compile_backend, dynamic_shapes)[1:]] if compile else [])])
         png = beside_store(out, f"-crossover{'-' + setting if setting else ''}.png")
         # the project's decoders, built (their parameters checked) only where hf runs them: an

@@ -48,6 +48,7 @@ from mtad_energy.engines.registry import (
     EngineKind,
     EngineNotInstalledError,
     UnsupportedError,
+    check_server_url,
     engine_kind,
     model_suffix,
     parse_engines,
@@ -115,7 +116,10 @@ def open_engine(name: str, model: ModelSpec | None, options: Mapping[str, Any] |
     tapped), or the engine `load_engine` starts for ``model`` with ``options``."""
     if name == HF:
         return open_hf(pair, specs, compile=compile, meter=meter)
-    return load_engine(name, model, options)  # type: ignore[return-value]
+    engine = load_engine(name, model, options)
+    if isinstance(engine, Engine):  # the prompt ids' tokenizer, for a server taking text
+        engine.use_tokenizer(pair.tokenizer)
+    return engine  # type: ignore[return-value]
 
 
 def load_engine(name: str, model: ModelSpec, options: Mapping[str, Any] | None = None
@@ -127,6 +131,8 @@ def load_engine(name: str, model: ModelSpec, options: Mapping[str, Any] | None =
     if name == HF:
         return None
     kind.require_installed()
+    if name != kind.name:  # a server's base URL: the kind http, at that URL
+        options = {**(options or {}), "base_url": check_server_url(name)}
     module, cls = kind.module.split(":")  # type: ignore[union-attr]
     try:
         engine_cls = getattr(importlib.import_module(module), cls)

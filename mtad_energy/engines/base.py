@@ -58,7 +58,8 @@ def thread_settings() -> dict[str, Any]:
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
 
-def _sum(values: Sequence[Any]) -> Any:
+def known_sum(values: Sequence[Any]) -> Any:
+    """The sum of counts, None if any is unknown (the statistics contract: never a 0 for it)."""
     return None if any(v is None for v in values) else sum(values)
 
 
@@ -80,15 +81,16 @@ def build_generation(token_ids: list[int], text: str, prompt_len: int,
                        draft_flops=None, draft_bytes=None) for i in iterations]
     n = len(token_ids)
     in_window = n if decode_tokens is None else decode_tokens
-    target_fw = _sum([i.target_forwards for i in iterations])
-    accepted, depth = _sum([i.accepted for i in iterations]), _sum([i.draft_depth for i in iterations])
+    target_fw = known_sum([i.target_forwards for i in iterations])
+    accepted = known_sum([i.accepted for i in iterations])
+    depth = known_sum([i.draft_depth for i in iterations])
     drafting = sum(1 for i in iterations if i.draft_depth)
-    t_draft = _sum([i.time_draft_s for i in iterations])
-    t_target = _sum([i.time_target_s for i in iterations])
+    t_draft = known_sum([i.time_draft_s for i in iterations])
+    t_target = known_sum([i.time_target_s for i in iterations])
     stats = GenerationStats(
         iterations=len(iterations), tokens_emitted=n,
-        draft_proposed=_sum([i.proposed for i in iterations]), draft_accepted=accepted,
-        draft_forwards=_sum([i.draft_forwards for i in iterations]), target_forwards=target_fw,
+        draft_proposed=known_sum([i.proposed for i in iterations]), draft_accepted=accepted,
+        draft_forwards=known_sum([i.draft_forwards for i in iterations]), target_forwards=target_fw,
         prefill_time_s=prefill_s, decode_time_s=decode_s,
         time_draft_s=t_draft, time_target_s=t_target,
         time_other_s=(max(0.0, decode_s - t_draft - t_target)
@@ -187,6 +189,15 @@ class Engine(abc.ABC):
         window's (the generate loop's decode window holds the forward that gives the first
         token, and all its tokens). Raises `EngineError` when the engine dies; nothing is stored
         by the engine."""
+
+    def use_tokenizer(self, tokenizer: Any) -> None:  # noqa: B027 (most engines need none)
+        """The HF tokenizer that made the prompt ids, for an engine that must send text (a
+        server taking text only); others ignore it."""
+
+    def unmetered(self) -> str | None:
+        """Why the local meters cannot see this engine's work (a server on another host), or
+        None: the rows' energy is then None with this reason, never a reading of idle power."""
+        return None
 
     def processes(self, spec: DecoderSpec) -> tuple[int, ...]:
         """The pids of the processes (besides this one) that decode ``spec`` once started: the

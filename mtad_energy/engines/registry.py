@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HF = "hf"
+SERVER = "http"  # the kind of every `--engine http://HOST:PORT`
 WARP = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}  # the project's default warp (DESIGN 3)
 
 
@@ -253,6 +254,26 @@ ENGINES: dict[str, EngineKind] = {
                                                         "(VLLM_CPU_KVCACHE_SPACE)"),
         },
         bugs=(VLLM_CPU_TEMPERATURE_BUG,)),
+    # a running OpenAI-compatible server (`engines.http`): --engine http://HOST:PORT
+    SERVER: EngineKind(
+        SERVER, "prometheus_client", "server", "mtad_energy.engines.http:HttpEngine",
+        methods={"ar": "one request per prompt, decoded however the server is configured (its "
+                       "own speculation, recorded in engine_config)"},
+        params={"ar": WARP},
+        settings={
+            "base_url": EngineSetting(str, None, "the server (--engine http://HOST:PORT sets it)"),
+            "model": EngineSetting(str, None, "the served model (default: the only one "
+                                              "/v1/models lists)"),
+            "prompt": EngineSetting(str, "ids", "ids: prompts sent as token ids; text: decoded "
+                                                "by the target's tokenizer (a server that takes "
+                                                "text only, e.g. llama_cpp.server)"),
+            "logprobs": EngineSetting(bool, False, "ask for the sampled tokens' logprobs (counts "
+                                                   "tokens where the server gives no token ids)"),
+            "timeout_s": EngineSetting(float, 120.0, "seconds without a byte from the server "
+                                                     "before a request fails"),
+            "server_pid": EngineSetting(int, None, "the server's process on this host (default: "
+                                                   "the one listening on the URL's port)"),
+        }),
 }
 
 
@@ -282,13 +303,41 @@ def check_run(name: str, decoders: Any, batch_size: int = 1, compile: bool = Fal
 def model_suffix(name: str) -> str:
     """What engine ``name`` adds to the stored model label: rows of two engines never pool
     (``smollm2+llamacpp``); the project's decoders (hf) add nothing, so their labels stay."""
-    engine_kind(name)
-    return "" if name == HF else f"+{name}"
+    kind = engine_kind(name)
+    return "" if name == HF else f"+{kind.name}"  # a server: +http, never its URL
+
+
+def check_server_url(text: str) -> str:
+    """``http://HOST:PORT`` (an OpenAI-compatible server's base URL, ``/v1`` or a trailing slash
+    dropped), or `UnsupportedError` naming the form."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text.strip())
+    path = parts.path.rstrip("/")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if (parts.scheme not in ("http", "https") or not parts.hostname or port is None
+            or path not in ("", "/v1") or parts.query or parts.fragment):
+        raise UnsupportedError(f"--engine {text!r} is not a server's base URL; give "
+                               "http://HOST:PORT (e.g. http://127.0.0.1:8000)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def is_server_url(name: str) -> bool:
+    return name.strip().lower().startswith(("http://", "https://"))
 
 
 def engine_kind(name: str) -> EngineKind:
+    """The capabilities of engine ``name``; a server's base URL is the kind ``http``."""
+    if is_server_url(name):
+        check_server_url(name)
+        return ENGINES[SERVER]
     if name not in ENGINES:
-        raise UnsupportedError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+        raise UnsupportedError(f"unknown engine {name!r}; choose from "
+                               f"{', '.join(e for e in ENGINES if e != SERVER)} or a server's "
+                               "base URL http://HOST:PORT")
     return ENGINES[name]
 
 
@@ -296,7 +345,8 @@ def parse_engines(text: str) -> list[str]:
     """``--engine hf,llamacpp``: the engines in order, each once, every name known."""
     names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
-        raise UnsupportedError("--engine is empty; give hf, vllm or llamacpp (comma list)")
+        raise UnsupportedError("--engine is empty; give hf, vllm, llamacpp or a server's "
+                               "http://HOST:PORT (comma list)")
     for n in names:
         engine_kind(n)
     return names

@@ -1,0 +1,308 @@
+"""A running OpenAI-compatible server as an engine: ``--engine http://HOST:PORT``.
+
+What people deploy speculative decoding as (``vllm serve --speculative-config``, SGLang's
+``launch_server``, llama.cpp's server), measured under the same instrument as every engine:
+
+* **The server** is found at load, outside every window: its served model from ``/v1/models``
+  (``--engine-option model=NAME`` where it serves several), its speculative configuration as its
+  ``/v1/models`` entry and ``/metrics`` state it (recorded in every row's ``engine_config``,
+  never guessed), its version from ``/version`` where it has one.
+* **Requests stream** (``stream: true``), one per prompt, all in flight at once (batch size =
+  requests in flight, one thread each). The prefill window opens before the first request is
+  sent and the decode window once every request has its first token; each row's
+  ``prefill_time_s`` is its time to first token and its steps are its streamed chunks, each with
+  the tokens it carried and the time since the chunk before (``time_other_s``: the server's
+  iteration, not split into draft and target). Tokens are the server's: its token ids (vLLM's
+  ``return_token_ids``, llama-server's ``tokens``), else its per-token logprobs
+  (``--engine-option logprobs=true``), never counted from re-tokenised text; a server that gives
+  neither is an error naming the option.
+* **Acceptance** from the server's ``/metrics`` counters (vLLM's ``spec_decode_*``, parsed by
+  ``prometheus_client``), diffed around each batch outside the windows: a row of a batch of one
+  gets the counts, a row of a larger batch the batch's rates (the counters do not split by
+  request). No counters: None, with the reason in ``engine_config["acceptance"]``, never 0.
+  Per-request acceptance read from the response body is not implemented yet (issue 55).
+* **Joules**: the local meters, the server's processes counted as the measurement's own
+  (``--engine-option server_pid=PID``, else the process listening on the port). A server on
+  another host gives time and acceptance, and energy None with its reason (`unmetered`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from mtad_energy.decoding.runtime.generate import PhaseHook
+from mtad_energy.decoding.runtime.stats import Generation
+from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
+from mtad_energy.engines.registry import SERVER, EngineError, UnsupportedError, check_server_url
+from mtad_energy.engines.server_protocol import (
+    Stream,
+    get_json,
+    read_stream,
+    request,
+    spec_counters,
+    spec_families,
+)
+
+if TYPE_CHECKING:  # types only
+    from mtad_energy.specs import DecoderSpec, ModelSpec
+
+STOP = {"length": "max_new_tokens", "stop": "eos"}  # OpenAI finish_reason -> the project's
+# what identifies a /v1/models entry (its ``created`` stamp and permission ids change per start)
+MODEL_KEYS = ("id", "owned_by", "root", "parent", "max_model_len")
+
+
+def served_model(entries: Sequence[Mapping[str, Any]], wanted: str | None, url: str) -> str:
+    """The model to request: ``wanted`` where the server serves it, else its only model."""
+    ids = [str(e.get("id")) for e in entries]
+    if wanted:
+        if wanted not in ids:
+            raise UnsupportedError(f"the server at {url} does not serve {wanted!r} (it serves: "
+                                   f"{', '.join(ids) or 'nothing'}); give --engine-option "
+                                   "model=<one of those>")
+        return wanted
+    if len(ids) == 1:
+        return ids[0]
+    if not ids:
+        raise EngineError(f"the server at {url} lists no model in /v1/models; wait until it has "
+                          "loaded one, then rerun")
+    raise UnsupportedError(f"the server at {url} serves {len(ids)} models ({', '.join(ids)}); "
+                           "choose one: --engine-option model=NAME")
+
+
+def local_addresses() -> set[str]:
+    """This host's addresses (every interface's)."""
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+
+
+def remote_reason(host: str, local: set[str] | None = None) -> str | None:
+    """Why the local meters cannot see a server on ``host`` (it resolves to no address of this
+    host), or None: loopback, or one of ``local`` (this host's addresses by default)."""
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return f"{host} does not resolve here: its server's energy is not measured"
+    local = local_addresses() if local is None else local
+    if all(ipaddress.ip_address(a).is_loopback or a in local for a in addrs):
+        return None
+    return (f"the server runs on {host}, not this host: the local meters do not see its work "
+            "(run mtad-energy on the server's host to measure its joules)")
+
+
+def listening_pids(port: int) -> tuple[int, ...]:
+    """The processes listening on TCP ``port`` here (empty where they cannot be seen)."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return ()
+    return tuple(sorted({c.pid for c in conns if c.status == psutil.CONN_LISTEN
+                         and c.laddr and c.laddr.port == port and c.pid}))
+
+
+def acceptance_columns(before: Mapping[str, float] | None, after: Mapping[str, float] | None,
+                       batch_size: int) -> dict[str, Any]:
+    """The statistics the server's counters give a row from their readings around its batch:
+    B = 1, the counts (proposed, accepted, draft depth) and rates; B > 1, the batch's rates only
+    (the counters do not split by request); no counters: nothing (the row keeps None)."""
+    if before is None or after is None or not {"proposed", "accepted"} <= set(after):
+        return {}
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    proposed, accepted = int(delta["proposed"]), int(delta["accepted"])
+    drafts = int(delta["drafts"]) if "drafts" in delta else None
+    rates = {"acceptance_rate": accepted / proposed if proposed else None,
+             "mean_accepted_length": accepted / drafts if drafts else None}
+    if batch_size > 1:
+        return rates
+    return {"draft_proposed": proposed, "draft_accepted": accepted, "draft_depth": proposed,
+            **rates}
+
+
+def stream_generation(stream: Stream, prompt_len: int, t0: float, t_split: float,
+                      config: Mapping[str, Any], url: str) -> Generation:
+    """A `Generation` from one complete stream: time to first token (``t0`` -> its first chunk)
+    as the prefill; the decode phase from ``t_split`` (when the last request of the batch had
+    its first chunk, which opens the decode window) to this stream's last chunk, holding the
+    chunks that came after ``t_split`` (by arrival, never by a race with the window's opening).
+    One iteration per chunk; token counts are the server's (`server_protocol.chunk_tokens`)."""
+    chunks = stream.chunks
+    if any(c.count is None for c in chunks):
+        raise EngineError(f"the server at {url} streams text without token ids or per-token "
+                          "logprobs, so its tokens cannot be counted (never from re-tokenised "
+                          "text): add --engine-option logprobs=true")
+    ids = [i for c in chunks for i in c.ids] if all(c.ids is not None for c in chunks) else []
+    its = [Iteration(emitted=int(c.count), proposed=None, accepted=None, draft_depth=None,
+                     target_forwards=None, draft_forwards=None,
+                     time_other_s=(c.t - chunks[k - 1].t) if k else None)
+           for k, c in enumerate(chunks) if c.count]
+    first = chunks[0].t if chunks else t0
+    last = chunks[-1].t if chunks else t_split
+    decode_tokens = sum(int(c.count) for c in chunks if c.t > t_split)  # type: ignore[misc]
+    stop = STOP.get(stream.finish_reason or "", stream.finish_reason or "unknown")
+    gen = build_generation(ids, "".join(c.text for c in chunks), prompt_len, its, first - t0,
+                           max(0.0, last - t_split), stop, config, decode_tokens=decode_tokens)
+    total = sum(int(c.count) for c in chunks)  # type: ignore[misc]
+    if ids:
+        return gen
+    return dataclasses.replace(gen, stats=dataclasses.replace(gen.stats, tokens_emitted=total))
+
+
+class HttpEngine(Engine):
+    name = SERVER
+    device = "server"
+
+    def __init__(self, model: ModelSpec, options: Mapping[str, Any] | None = None):
+        super().__init__(model, options)
+        import_engine_library("prometheus_client")
+        if not self.options.get("base_url"):
+            raise UnsupportedError("engine 'http' needs its server: --engine http://HOST:PORT")
+        if self.options["prompt"] not in ("ids", "text"):
+            raise UnsupportedError(f"--engine-option prompt={self.options['prompt']!r}: give "
+                                   "ids (token ids) or text")
+        self.base_url = url = check_server_url(self.options["base_url"])
+        self.timeout_s = float(self.options["timeout_s"])
+        listing = get_json(url, "/v1/models", self.timeout_s)
+        entries = listing.get("data") if isinstance(listing, Mapping) else None
+        if not isinstance(entries, list):
+            raise EngineError(f"{url}/v1/models answered no model list; give the base URL of an "
+                              "OpenAI-compatible server")
+        self.served = served_model(entries, self.options.get("model"), url)
+        entry = next(e for e in entries if str(e.get("id")) == self.served)
+        host, port = urlsplit(url).hostname or "", urlsplit(url).port or 0
+        self.remote = remote_reason(host)
+        pid = self.options.get("server_pid")
+        self.pids = (int(pid),) if pid else (() if self.remote else listening_pids(port))
+        families, self.metrics_reason = self._families()
+        self.tokenizer: Any = None
+        self.version = self._version(entry)
+        self.dtype = "server"
+        self.config = {
+            "base_url": url, "model": self.served, "prompt": self.options["prompt"],
+            "logprobs": bool(self.options["logprobs"]),
+            "server_model": {k: entry[k] for k in MODEL_KEYS if k in entry}
+            | {k: v for k, v in entry.items() if "spec" in k.lower()},
+            "speculative_metrics": families,
+            "acceptance": ("the server's spec_decode counters in /metrics, diffed around each "
+                           "batch" if self.metrics_reason is None else
+                           f"None: {self.metrics_reason}"),
+        }
+
+    # -- the server -----------------------------------------------------------------------
+    def _metrics_text(self) -> tuple[str | None, str | None]:
+        """/metrics' text, or None with the reason the server gives none."""
+        try:
+            status, body = request(self.base_url, "GET", "/metrics", self.timeout_s)
+        except EngineError as error:
+            return None, f"its /metrics could not be read ({error})"
+        if status != 200:
+            return None, f"the server has no /metrics (HTTP {status})"
+        return body.decode("utf-8", errors="replace"), None
+
+    def _families(self) -> tuple[list[str], str | None]:
+        text, reason = self._metrics_text()
+        if text is None:
+            return [], reason
+        try:
+            families = spec_families(text)
+            counters = spec_counters(text, self.served)
+        except ValueError as error:
+            return [], f"its /metrics is not Prometheus text ({error})"
+        if not {"proposed", "accepted"} <= set(counters):
+            return families, ("its /metrics has no spec_decode draft/accepted counters (no "
+                              "speculation configured, or a server that does not count it)")
+        return families, None
+
+    def _counters(self) -> dict[str, float] | None:
+        """The speculative counters now (outside every window), None without them."""
+        if self.metrics_reason is not None:
+            return None
+        text, _ = self._metrics_text()
+        return None if text is None else spec_counters(text, self.served)
+
+    def _version(self, entry: Mapping[str, Any]) -> str:
+        owner = str(entry.get("owned_by") or "server")
+        try:
+            status, body = request(self.base_url, "GET", "/version", self.timeout_s)
+        except EngineError:
+            return owner
+        import json
+
+        try:
+            version = json.loads(body).get("version") if status == 200 else None
+        except (ValueError, AttributeError):
+            version = None
+        return f"{owner} {version}" if version else owner
+
+    # -- the contract -----------------------------------------------------------------------
+    def draft_id(self, spec: DecoderSpec) -> str | None:
+        return None  # the server's own drafting, recorded in engine_config
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def unmetered(self) -> str | None:
+        return self.remote
+
+    def processes(self, spec: DecoderSpec) -> tuple[int, ...]:
+        return self.pids
+
+    def _body(self, prompt: list[int], params: Mapping[str, Any], max_new_tokens: int,
+              seed: int) -> dict[str, Any]:
+        if self.options["prompt"] == "text":
+            if self.tokenizer is None:
+                raise EngineError("--engine-option prompt=text needs the target's tokenizer "
+                                  "(the engine was opened without the HF pair)")
+            sent: Any = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        else:
+            sent = list(prompt)
+        body = {"model": self.served, "prompt": sent, "max_tokens": max_new_tokens,
+                "stream": True, "stream_options": {"include_usage": True},
+                "temperature": float(params["temperature"]), "top_p": float(params["top_p"]),
+                "top_k": int(params["top_k"]), "seed": seed,
+                "return_token_ids": True, "return_tokens": True}  # vLLM's, llama-server's
+        if self.options["logprobs"]:
+            body["logprobs"] = 1
+        return body
+
+    def generate(self, spec: DecoderSpec, prompts: Sequence[list[int]], max_new_tokens: int,
+                 seed: int = 0, on_phase: PhaseHook | None = None) -> list[Generation]:
+        params = self.params(spec)
+        hook = on_phase or (lambda phase: None)
+        bodies = [self._body(list(p), params, max_new_tokens, seed) for p in prompts]
+        before = self._counters()
+        streams = [Stream() for _ in prompts]
+        firsts = [threading.Event() for _ in prompts]
+        threads = [threading.Thread(target=read_stream, daemon=True,
+                                    args=(self.base_url, b, self.timeout_s, s, e.set))
+                   for b, s, e in zip(bodies, streams, firsts, strict=True)]
+        hook("prefill")
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for e in firsts:  # set at each request's first tokens, or at its end
+            e.wait()
+        hook("decode")
+        for t in threads:
+            t.join()
+        hook("end")
+        failed = next((s.error for s in streams if s.error is not None), None)
+        if failed is not None:
+            raise failed  # no row: the runner stores one only after generate returns
+        after = self._counters()
+        config = {"decoder": spec.name, **params, "max_new_tokens": max_new_tokens, "seed": seed,
+                  "engine": self.name}
+        t_split = max((s.first_t for s in streams if s.first_t is not None), default=t0)
+        gens = [stream_generation(s, len(p), t0, t_split, config, self.base_url)
+                for s, p in zip(streams, prompts, strict=True)]
+        accept = acceptance_columns(before, after, len(prompts))
+        return [dataclasses.replace(g, stats=dataclasses.replace(g.stats, **accept))
+                for g in gens]

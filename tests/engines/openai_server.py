@@ -1,0 +1,191 @@
+"""A small OpenAI-compatible server for the tests of `engines.http`, on 127.0.0.1 at a free port
+(stdlib ``http.server``, one thread per request): ``/v1/models``, a streamed ``/v1/completions``
+and a Prometheus ``/metrics`` with vLLM's speculative counters, and the faults a real server
+shows (HTTP errors, a stream cut mid-way, a stall, no ``/metrics``), chosen per test."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Behaviour:
+    """What the server does. ``chunks``: tokens per streamed chunk, cycled (2: two tokens a
+    chunk, as a speculating server emits accepted drafts); ``tokens``: how chunks say their
+    tokens ("token_ids": vLLM's ids, "logprobs": per-token logprobs only, "text": neither);
+    ``fault``: None, "http500", "http400", "cut" (the connection closed after two chunks),
+    "stall" (silent for ``stall_s`` after one chunk); ``metrics``: "spec" (vLLM's spec_decode
+    counters), "plain" (a /metrics without them) or None (HTTP 404); per request the counters
+    grow by ``spec`` = (drafts, proposed, accepted)."""
+
+    models: tuple[str, ...] = ("tiny",)
+    chunks: tuple[int, ...] = (1, 2)
+    tokens: str = "token_ids"
+    vocab: int = 32
+    fault: str | None = None
+    stall_s: float = 3.0
+    metrics: str | None = "spec"
+    spec: tuple[int, int, int] = (2, 6, 4)
+    delay_s: float = 0.0  # between chunks
+    together: int = 1  # a request waits (up to 5 s) until this many are in flight
+
+
+@dataclass
+class State:
+    behaviour: Behaviour
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    counters: list[int] = field(default_factory=lambda: [0, 0, 0])
+    lock: threading.Condition = field(default_factory=threading.Condition)
+
+
+def metrics_text(state: State) -> str:
+    """vLLM's speculative counters as vLLM exposes them: by ``prometheus_client`` itself
+    (``# TYPE vllm:spec_decode_num_drafts_total counter``, a ``_created`` gauge beside each),
+    with a per-position acceptance counter and a gauge that is not about speculation."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    labels = {"model_name": "tiny", "engine": "0"}
+    for name, value in zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"),
+                           state.counters, strict=True):
+        counter = Counter(f"vllm:spec_decode_{name}", name, list(labels), registry=registry)
+        counter.labels(**labels).inc(value)
+    per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per position",
+                      [*labels, "position"], registry=registry)
+    per_pos.labels(**labels, position="0").inc(state.counters[2])
+    Gauge("vllm:num_requests_running", "running", registry=registry).set(0)
+    return generate_latest(registry).decode()
+
+
+def completion_tokens(prompt: Any, n: int, vocab: int) -> list[int]:
+    """The tokens the server "generates": counting up from the prompt's last id."""
+    last = prompt[-1] if isinstance(prompt, list) and prompt else 0
+    return [(last + 1 + i) % vocab for i in range(n)]
+
+
+class Handler(BaseHTTPRequestHandler):
+    state: State  # set per server
+    protocol_version = "HTTP/1.0"  # the body ends when the connection closes
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        b = self.state.behaviour
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": m, "object": "model", "owned_by": "fake", "created": time.time(),
+                 "max_model_len": 256} for m in b.models]})
+        elif self.path == "/version":
+            self._json(200, {"version": "0.0-test"})
+        elif self.path == "/metrics" and b.metrics is not None:
+            text = metrics_text(self.state) if b.metrics == "spec" else (
+                "# HELP up Up.\n# TYPE up gauge\nup 1.0\n")
+            data = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        else:
+            self._json(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        st, b = self.state, self.state.behaviour
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with st.lock:
+            st.requests.append(body)
+            st.in_flight += 1
+            st.max_in_flight = max(st.max_in_flight, st.in_flight)
+            st.lock.notify_all()
+            st.lock.wait_for(lambda: st.in_flight >= b.together, timeout=5.0)
+        try:
+            self._complete(body, b)
+        finally:
+            with st.lock:
+                st.in_flight -= 1
+
+    def _complete(self, body: dict[str, Any], b: Behaviour) -> None:
+        if self.path != "/v1/completions":
+            return self._json(404, {"detail": "Not Found"})
+        if body.get("model") not in b.models:
+            return self._json(404, {"error": {"message": f"model {body.get('model')} not found"}})
+        if b.fault == "http500":
+            return self._json(500, {"error": {"message": "CUDA out of memory"}})
+        if b.fault == "http400":
+            return self._json(400, {"error": {"message": "prompt must be a string"}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        tokens = completion_tokens(body["prompt"], int(body["max_tokens"]), b.vocab)
+        time.sleep(0.05)  # a prefill: every request of a batch is in flight meanwhile
+        pos, k = 0, 0
+        while pos < len(tokens):
+            piece = tokens[pos:pos + b.chunks[k % len(b.chunks)]]
+            pos, k = pos + len(piece), k + 1
+            choice: dict[str, Any] = {"index": 0, "text": "".join(f" w{t}" for t in piece),
+                                      "finish_reason": "length" if pos >= len(tokens) else None}
+            if b.tokens == "token_ids":
+                choice["token_ids"] = piece
+            elif b.tokens == "logprobs":
+                choice["logprobs"] = {"tokens": [f" w{t}" for t in piece],
+                                      "token_logprobs": [-0.5] * len(piece)}
+            self._event({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
+            if b.fault == "cut" and k == 2:
+                return  # the connection closes: no [DONE]
+            if b.fault == "stall":
+                time.sleep(b.stall_s)
+                return
+            time.sleep(b.delay_s)
+        with self.state.lock:
+            self.state.counters = [c + d for c, d in zip(self.state.counters, b.spec, strict=True)]
+        self._event({"id": "cmpl-1", "object": "text_completion", "choices": [],
+                     "usage": {"prompt_tokens": len(body["prompt"]),
+                               "completion_tokens": len(tokens)}})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _event(self, payload: dict[str, Any]) -> None:
+        self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+        self.wfile.flush()
+
+
+@contextlib.contextmanager
+def serve(behaviour: Behaviour | None = None) -> Iterator[tuple[str, State]]:
+    """``with serve(Behaviour(...)) as (url, state)``: the server at ``url`` until the end."""
+    state = State(behaviour or Behaviour())
+    handler = type("BoundHandler", (Handler,), {"state": state})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,253 @@
+"""A running OpenAI-compatible server as an engine (`engines.http`), against the small server of
+`tests.engines.openai_server` on 127.0.0.1: streamed windows, the server's own token counts,
+acceptance from its /metrics, and every fault a clear error with no row stored for it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("prometheus_client", reason='needs prometheus-client: pip install -e ".[server]"')
+
+from typer.testing import CliRunner  # noqa: E402
+
+from mtad_energy.cli import app  # noqa: E402
+from mtad_energy.engines import (  # noqa: E402
+    EngineError,
+    UnsupportedError,
+    load_engine,
+    model_suffix,
+    parse_engines,
+)
+from mtad_energy.engines.http import acceptance_columns, remote_reason  # noqa: E402
+from mtad_energy.results import ResultStore  # noqa: E402
+from mtad_energy.specs import DecoderSpec, ModelSpec  # noqa: E402
+from tests import tiny  # noqa: E402
+from tests.conftest import VOCAB  # noqa: E402
+from tests.engines.openai_server import Behaviour, free_port, serve  # noqa: E402
+
+AR = DecoderSpec.of("ar", temperature="0")
+runner = CliRunner()
+
+
+def engine_at(url: str, **options):
+    return load_engine(url, ModelSpec("smollm2"), options)
+
+
+def generate(engine, prompts, new=7):
+    phases: list[str] = []
+    gens = engine.generate(AR, prompts, new, on_phase=phases.append)
+    assert phases == ["prefill", "decode", "end"]
+    return gens
+
+
+# -- the URL as an engine name ------------------------------------------------------------------
+def test_a_server_url_is_an_engine_and_a_malformed_one_is_refused():
+    assert parse_engines("hf,http://127.0.0.1:8000/v1") == ["hf", "http://127.0.0.1:8000/v1"]
+    assert model_suffix("http://127.0.0.1:8000") == "+http"  # labels never carry a port
+    for bad in ("http://127.0.0.1", "http://:8000", "ftp://h:1", "http://h:1/v2/x", "http://h:x"):
+        with pytest.raises(UnsupportedError, match="http://HOST:PORT"):
+            parse_engines(f"hf,{bad}")
+
+
+# -- streaming windows and the server's tokens -------------------------------------------------
+def test_one_request_streams_its_ttft_chunks_and_acceptance_from_the_servers_counters():
+    with serve(Behaviour(chunks=(1, 2), spec=(2, 6, 4))) as (url, state):
+        engine = engine_at(url)
+        gen = generate(engine, [[1, 2, 3]])[0]
+    sent = state.requests[-1]
+    assert sent["prompt"] == [1, 2, 3] and sent["stream"] is True and sent["model"] == "tiny"
+    assert gen.token_ids == [4, 5, 6, 7, 8, 9, 10]  # the server's ids, as streamed
+    assert [s.emitted for s in gen.steps] == [1, 2, 1, 2, 1]  # one step per streamed chunk
+    s = gen.stats
+    assert s.prefill_time_s >= 0.05  # time to first token: the server's prefill sleep
+    assert s.decode_tokens == 6 and s.tokens_emitted == 7  # the first chunk is the prefill's
+    assert s.stop_reason == "max_new_tokens"
+    assert (s.draft_proposed, s.draft_accepted, s.acceptance_rate, s.mean_accepted_length) == (
+        6, 4, pytest.approx(4 / 6), 2.0)
+    assert engine.config["model"] == "tiny" and engine.version == "fake 0.0-test"
+    assert "vllm:spec_decode_num_drafts" in engine.config["speculative_metrics"]
+    assert "created" not in engine.config["server_model"]  # nothing that changes per start
+
+
+def test_a_batch_is_requests_in_flight_together_with_the_batchs_rates_only():
+    with serve(Behaviour(together=3)) as (url, state):  # each waits for the others
+        gens = generate(engine_at(url), [[1], [2, 3], [4]], new=4)
+    assert state.max_in_flight == 3
+    assert [g.token_ids for g in gens] == [[2, 3, 4, 5], [4, 5, 6, 7], [5, 6, 7, 8]]
+    assert all(g.stats.draft_accepted is None for g in gens)  # the counters do not split
+    # three requests: 3 x (2 drafts, 6 proposed, 4 accepted)
+    assert all(g.stats.acceptance_rate == pytest.approx(12 / 18) for g in gens)
+
+
+def test_tokens_are_counted_from_logprobs_where_the_server_gives_no_ids_never_from_text():
+    with serve(Behaviour(tokens="logprobs")) as (url, state):
+        gen = generate(engine_at(url, logprobs="true"), [[1, 2]])[0]
+        assert state.requests[-1]["logprobs"] == 1
+        assert gen.token_ids == [] and gen.stats.tokens_emitted == 7
+    with serve(Behaviour(tokens="text")) as (url, _), \
+            pytest.raises(EngineError, match="add --engine-option logprobs=true"):
+        generate(engine_at(url), [[1, 2]])
+
+
+def test_without_metrics_acceptance_is_none_with_the_reason_never_zero():
+    for metrics, why in ((None, "no /metrics"), ("plain", "no spec_decode")):
+        with serve(Behaviour(metrics=metrics)) as (url, _):
+            engine = engine_at(url)
+            gen = generate(engine, [[1]])[0]
+        assert gen.stats.acceptance_rate is None and gen.stats.draft_accepted is None
+        assert engine.config["acceptance"].startswith("None: ") and why in engine.config["acceptance"]
+    assert acceptance_columns({"proposed": 1.0}, None, 1) == {}
+
+
+def test_a_server_on_another_host_is_unmetered_with_its_reason():
+    assert remote_reason("127.0.0.1") is None
+    assert remote_reason("10.1.2.3", local={"10.1.2.3"}) is None
+    assert "not this host" in remote_reason("192.0.2.7", local={"10.1.2.3"})
+
+
+# -- faults: a clear error, no row --------------------------------------------------------------
+@pytest.mark.parametrize("behaviour, message", [
+    (Behaviour(fault="http500"), "HTTP 500 .*CUDA out of memory.*see its log"),
+    (Behaviour(fault="http400"), "HTTP 400 .*refused: check --engine-option model"),
+    (Behaviour(fault="cut"), "stream .* was cut after 2 chunks, before its \\[DONE\\]"),
+    (Behaviour(fault="stall", stall_s=2.0), "sent nothing for 0.5 s .*raise --engine-option timeout_s"),
+])
+def test_a_failing_request_is_an_engine_error_naming_the_fix(behaviour, message):
+    with serve(behaviour) as (url, _):
+        engine = engine_at(url, timeout_s="0.5")
+        with pytest.raises(EngineError, match=message):
+            generate(engine, [[1, 2]])
+
+
+def test_an_unreachable_or_wrong_url_and_an_unserved_model_are_refused_at_load():
+    with pytest.raises(EngineError, match="cannot reach a server at .*start it"):
+        engine_at(f"http://127.0.0.1:{free_port()}")
+    with serve(Behaviour(models=("a", "b"))) as (url, _):
+        with pytest.raises(UnsupportedError, match="does not serve 'c' .*a, b.*model="):
+            engine_at(url, model="c")
+        with pytest.raises(UnsupportedError, match="serves 2 models .*--engine-option model=NAME"):
+            engine_at(url)
+        assert engine_at(url, model="b").served == "b"
+
+
+# -- the CLI: side by side with hf, and a fault mid-run ---------------------------------------
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return tiny.save(tiny.llama(VOCAB, 0, layers=2), tiny.word_tokenizer(VOCAB),
+                     tmp_path_factory.mktemp("http") / "llama")
+
+
+def compare(target: str, engines: str, out, *extra: str):
+    return runner.invoke(app, ["compare", "--engine", engines, "--decoders", "ar", "--target",
+                               target, "--meter", "none", "--dataset", "mtbench", "--n-prompts",
+                               "1", "--max-new-tokens", "6", "--device", "cpu", "--output",
+                               str(out), *extra])
+
+
+def test_compare_stores_hf_and_the_servers_rows_side_by_side(target, tmp_path):
+    with serve(Behaviour(vocab=VOCAB)) as (url, _):
+        res = compare(target, f"hf,{url}", tmp_path / "s")
+    assert res.exit_code == 0, res.output
+    runs = ResultStore(tmp_path / "s").load("runs").set_index("engine")
+    assert set(runs.index) == {"hf", "http"} and runs.loc["http", "model"] == "custom+http"
+    row = runs.loc["http"]
+    assert row["prefill_time_s"] > 0 and row["tokens_per_s"] > 0 and row["decode_tokens"] == 5
+    assert row["acceptance_rate"] == pytest.approx(4 / 6)  # from the server's counters
+    assert row["perplexity"] > 0  # the server's token ids scored under the HF target
+    assert json.loads(row["engine_config"])["base_url"] == url
+
+
+def test_a_stream_cut_mid_run_exits_1_with_one_json_error_and_stores_no_row(target, tmp_path):
+    with serve(Behaviour(vocab=VOCAB, fault="cut")) as (url, _):
+        res = compare(target, url, tmp_path / "s", "--json")
+    assert res.exit_code == 1
+    error = json.loads(res.stdout)
+    assert "was cut after 2 chunks" in error["error"] and "Traceback" not in res.output
+    assert len(ResultStore(tmp_path / "s").load("runs")) == 0
+
+
+def test_a_malformed_server_url_exits_2_before_anything_loads(tmp_path):
+    # a target that does not exist: refused for the URL first, before any model is looked up
+    res = runner.invoke(app, ["compare", "--engine", "hf,http://127.0.0.1", "--decoders", "ar",
+                              "--target", str(tmp_path / "no-model"), "--output",
+                              str(tmp_path / "s")])
+    assert res.exit_code == 2 and "is not a server's base URL" in res.output
+
+
+def test_a_remote_servers_rows_have_no_energy_with_the_reason_a_local_ones_have_it(
+        target, tmp_path, monkeypatch):
+    import mtad_energy.engines.http as http_engine
+
+    with serve(Behaviour(vocab=VOCAB)) as (url, _):
+        res = compare(target, url, tmp_path / "local", "--meter", "simulated")
+        assert res.exit_code == 0, res.output
+        monkeypatch.setattr(http_engine, "remote_reason", lambda host: "another host, say")
+        res = compare(target, url, tmp_path / "remote", "--meter", "simulated")
+        assert res.exit_code == 0, res.output
+    local = ResultStore(tmp_path / "local").load("runs").iloc[0]
+    remote = ResultStore(tmp_path / "remote").load("runs").iloc[0]
+    assert local["energy_j"] > 0
+    assert remote["energy_j"] is None or remote["energy_j"] != remote["energy_j"]  # None / NaN
+    assert remote["energy_reason"] == "another host, say" and remote["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("url, code, message", [
+    ("http://127.0.0.1:{free}", 1, "cannot reach a server at"),
+    ("{url}", 2, "does not serve 'nope'"),
+])
+def test_an_unreachable_server_exits_1_and_an_unserved_model_2_without_a_traceback(
+        target, tmp_path, url, code, message):
+    with serve(Behaviour(vocab=VOCAB)) as (live, _):
+        res = compare(target, url.format(free=free_port(), url=live), tmp_path / "s",
+                      "--engine-option", "model=nope")
+    assert res.exit_code == code, res.output
+    assert message in res.output and "Traceback" not in res.output
+
+
+def test_the_decoding_sweep_runs_a_server_at_each_batch_size(target, tmp_path):
+    """`sweep batch-size --decoder ar --engine URL`: a batch of N is N requests in flight; a
+    server gives no forward counts (block efficiency unknown, never a 0) and its counters the
+    batch's acceptance rate."""
+    with serve(Behaviour(vocab=VOCAB)) as (url, _):
+        res = runner.invoke(app, ["sweep", "batch-size", "--decoder", "ar", "--engine", url,
+                                  "--sizes", "1,2", "--target", target, "--meter", "none",
+                                  "--n-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+                                  "--output", str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    rows = ResultStore(tmp_path / "s").load("decode_batch").set_index("batch_size")
+    assert sorted(rows.index) == [1, 2] and set(rows["model"]) == {"custom+http"}
+    assert rows["block_efficiency"].isna().all() and rows["target_forwards"].isna().all()
+    assert rows["acceptance_rate"].tolist() == [pytest.approx(4 / 6)] * 2
+
+
+def test_a_text_only_server_gets_the_prompt_ids_decoded_by_the_targets_tokenizer():
+    tok = tiny.word_tokenizer(VOCAB)
+    with serve() as (url, state):
+        engine = engine_at(url, prompt="text")
+        with pytest.raises(EngineError, match="prompt=text needs the target's tokenizer"):
+            generate(engine, [[5, 6]])
+        engine.use_tokenizer(tok)
+        gen = generate(engine, [[5, 6]])[0]
+    assert state.requests[-1]["prompt"] == tok.decode([5, 6], skip_special_tokens=False)
+    assert isinstance(state.requests[-1]["prompt"], str) and gen.prompt_len == 2
+
+
+def test_energy_asked_of_a_remote_server_is_refused_and_never_repeated(target, tmp_path,
+                                                                        monkeypatch):
+    import mtad_energy.engines.http as http_engine
+    from mtad_energy.config import MeasureConfig
+
+    monkeypatch.setattr(http_engine, "remote_reason", lambda host: "it runs on another host")
+    # --mitigate auto repeats on the simulated meter too (as it does on a GPU's)
+    monkeypatch.setattr(MeasureConfig, "mitigates", lambda self, meter: self.mitigate != "off")
+    with serve(Behaviour(vocab=VOCAB)) as (url, state):
+        res = compare(target, url, tmp_path / "s", "--meter", "simulated", "--require-energy")
+        assert res.exit_code == 2, res.output
+        assert "but it runs on another host; drop them" in " ".join(res.output.split())
+        assert state.requests == []  # refused before any request
+        res = compare(target, url, tmp_path / "s", "--meter", "simulated", "--mitigate", "auto")
+        assert res.exit_code == 0, res.output
+    row = ResultStore(tmp_path / "s").load("runs").iloc[0]
+    assert not row["mitigated"] and row["energy_reason"] == "it runs on another host"

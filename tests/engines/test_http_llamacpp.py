@@ -1,0 +1,87 @@
+"""A real server under the instrument: llama-cpp-python's OpenAI-compatible server
+(``python -m llama_cpp.server``) started on a free 127.0.0.1 port with the bundled SmolLM2 GGUF,
+measured by ``compare --engine hf,http://127.0.0.1:PORT`` beside the project's own decoders.
+Skipped cleanly without the server extra of llama-cpp-python (pip install "llama-cpp-python[server]")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("prometheus_client", reason='needs prometheus-client: pip install -e ".[server]"')
+pytest.importorskip("llama_cpp.server.app",
+                    reason='needs llama-cpp-python\'s server: pip install "llama-cpp-python[server]"')
+
+from typer.testing import CliRunner  # noqa: E402
+
+from mtad_energy.cli import app  # noqa: E402
+from mtad_energy.results import ResultStore  # noqa: E402
+from tests.engines.openai_server import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.smollm2]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    """llama_cpp.server on a free port, one thread, until the module ends; its log (some 200 kB
+    of model-load lines: a pipe would fill and stall it) goes to a file, shown on failure."""
+    from mtad_energy.engines.server_protocol import request
+    from mtad_energy.models import smollm2_gguf_path
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("llama-server") / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()),
+             "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "1024"],
+            stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"llama_cpp.server exited {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if request(url, "GET", "/v1/models", 5)[0] == 200:
+                    break
+            except Exception:  # noqa: BLE001 (not listening yet)
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_compare_measures_a_real_llamacpp_server_beside_hf(server_url, tmp_path):
+    # llama_cpp.server takes text prompts only (the ids are decoded by the target's tokenizer)
+    # and streams no token ids: its per-token logprobs count the tokens
+    res = CliRunner().invoke(app, [
+        "compare", "--engine", f"hf,{server_url}", "--decoders", "ar", "--model", "smollm2",
+        "--meter", "none", "--dataset", "mtbench", "--n-prompts", "1", "--max-new-tokens",
+        str(NEW), "--set", "temperature=0", "--device", "cpu",
+        "--engine-option", "prompt=text,logprobs=true", "--output", str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    runs = ResultStore(tmp_path / "s").load("runs").set_index("engine")
+    assert set(runs.index) == {"hf", "http"}
+    row = runs.loc["http"]
+    assert row["model"] == "smollm2+http"
+    assert 0 < row["tokens_emitted"] <= NEW
+    assert row["prefill_time_s"] > 0 and row["decode_time_s"] > 0 and row["tokens_per_s"] > 0
+    assert row["decode_tokens"] == row["tokens_emitted"] - 1  # one request: its first token is TTFT
+    steps = ResultStore(tmp_path / "s").load("steps")
+    mine = steps[steps["run_key"] == row["run_key"]]
+    assert mine["emitted"].sum() == row["tokens_emitted"]
+    assert mine["time_other_s"].iloc[1:].gt(0).all()  # inter-token times, as streamed
+    config = json.loads(row["engine_config"])
+    assert config["base_url"] == server_url and config["acceptance"].startswith("None: ")
+    assert row["acceptance_rate"] is None or row["acceptance_rate"] != row["acceptance_rate"]
