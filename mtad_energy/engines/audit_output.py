@@ -29,8 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy.optimize import brentq
+from scipy.stats import chi2, norm
 
 from mtad_energy.decoding.rules.sampling import residual
+from mtad_energy.engines import audit
 from mtad_energy.engines.audit import LosslessResult, Measured
 
 TARGET, ACCEPTED, RESAMPLED, BONUS = range(4)  # an output position's role
@@ -132,8 +135,8 @@ def token_contradictions(s: Served, roles: Sequence[int], tolerance: float = 0.0
 def counter_contradictions(measured: Measured, served: Sequence[Served], k: int,
                            always_drafts: bool) -> list[str]:
     """The engine-wide counters against the output. With steps (the engine's, or read off the
-    output): the counters are the steps' sums, except that each request's last chain may run
-    past its output (its hidden draft tokens counted by the engine: up to k - visible ones).
+    output): the counters are the steps' sums, except that steps read off the output are cut at
+    its end (the draft tokens past it, counted by the engine: `_hidden_tokens`).
     Without: every chain covers its accepted tokens plus one, so drafts + accepted tokens is at
     most the output positions after the first plus k per request (and at least those positions
     where the engine ``always_drafts``: a draft model)."""
@@ -141,8 +144,9 @@ def counter_contradictions(measured: Measured, served: Sequence[Served], k: int,
     if measured.accepted_per_pos and sum(measured.accepted_per_pos) != measured.accepted_tokens:
         problems.append(f"accepted per position {list(measured.accepted_per_pos)} does not sum to "
                         f"accepted tokens {measured.accepted_tokens}")
-    if any(a < b for a, b in zip(measured.accepted_per_pos, measured.accepted_per_pos[1:], strict=False)):
-        problems.append(f"accepted per position {list(measured.accepted_per_pos)} grows with depth")
+    per_pos = measured.accepted_per_pos
+    if any(a < b for a, b in zip(per_pos, per_pos[1:], strict=False)):
+        problems.append(f"accepted per position {list(per_pos)} grows with depth")
     positions, slack = sum(len(s.output) - 1 for s in served), k * len(served)
     if all(s.steps is not None for s in served):
         visible = counters_of_steps([st for s in served for st in s.steps], k)
@@ -212,10 +216,11 @@ def rank_chi_square(refs: torch.Tensor, tokens: Sequence[int], max_cells: int = 
 
 
 def score_test(refs: torch.Tensor, tokens: Sequence[int]) -> LosslessResult:
-    """Are the tokens as likely as their distributions say? z = sum_n (r_n(x_n) - E_n) /
-    sqrt(sum_n V_n), E_n = sum_x r_n(x)^2 and V_n = sum_x r_n(x)^3 - E_n^2 the mean and variance
-    of r_n(x) for x ~ r_n (a martingale's increments: normal for many tokens); returned as z^2,
-    chi-square with one degree of freedom (two-sided). A sampler drawing from a wrong
+    """Are the tokens as likely as their distributions say? S = sum_n r_n(x_n), the summed
+    probability of the emitted tokens, against its distribution for x_n ~ r_n (independent given
+    the past: a martingale), two-sided, its tails by the saddlepoint (`saddlepoint_tails`: the
+    normal's lower tail is several times too light for tens of tokens). Returned as the
+    chi-square on one degree of freedom with that p-value. A sampler drawing from a wrong
     distribution emits tokens less likely than they should be: this catches it with far fewer
     tokens than the omnibus `rank_chi_square`. A token a row cannot give: infinite."""
     n = len(tokens)
@@ -226,10 +231,90 @@ def score_test(refs: torch.Tensor, tokens: Sequence[int]) -> LosslessResult:
     if bool((r_x <= 0).any()):
         return LosslessResult(1, n, math.inf, 1)
     mean = (refs ** 2).sum(-1)
-    var = float(((refs ** 3).sum(-1) - mean ** 2).clamp_min(0.0).sum())
-    if var <= 0:
-        return LosslessResult(1, n, 0.0, 0)
-    return LosslessResult(1, n, float((r_x - mean).sum()) ** 2 / var, 1)
+    if float(((refs ** 3).sum(-1) - mean ** 2).clamp_min(0.0).sum()) <= 1e-12:
+        return LosslessResult(1, n, 0.0, 0)  # every row a point mass: nothing to test
+    lower, upper = saddlepoint_tails(refs.numpy(), float(r_x.sum()))
+    p = min(1.0, 2.0 * min(lower, upper))
+    return LosslessResult(1, n, math.inf if p <= 0.0 else float(chi2.isf(p, 1)), 1)
+
+
+def saddlepoint_tails(probs: np.ndarray, s: float, values: np.ndarray | None = None
+                      ) -> tuple[float, float]:
+    """P(S <= s) and P(S >= s) for S = sum_n v_n, v_n taking the value values[n, x] (default
+    probs[n, x]) with probability probs[n, x] (``[N, V]``): Lugannani-Rice, the cumulant
+    generating function K(theta) = sum_n log sum_x probs e^(theta values) solved for
+    K'(theta) = s; within a standard deviation of the mean, the normal; at an end of the
+    support, exact."""
+    v = probs if values is None else values
+    live = probs > 0
+
+    def moments(theta: float) -> tuple[float, float, float]:  # K, K', K''
+        e = np.where(live, theta * v, -np.inf)
+        top = e.max(1, keepdims=True)
+        w = probs * np.exp(e - top)
+        z = w.sum(1, keepdims=True)
+        w = w / z
+        m1 = (w * v).sum(1)
+        return (float((np.log(z[:, 0]) + top[:, 0]).sum()), float(m1.sum()),
+                float(((w * v * v).sum(1) - m1 ** 2).sum()))
+
+    _, mean, var = moments(0.0)
+    lo_end = np.where(live, v, np.inf).min(1, keepdims=True)
+    hi_end = np.where(live, v, -np.inf).max(1, keepdims=True)
+    lo_s, hi_s = float(lo_end.sum()), float(hi_end.sum())
+    if s <= lo_s + 1e-12 or s >= hi_s - 1e-12:  # at an end of the support: every v_n at its end
+        end = lo_end if s <= lo_s + 1e-12 else hi_end
+        at_end = float(np.prod(np.where(live & np.isclose(v, end), probs, 0.0).sum(1)))
+        return (at_end, 1.0) if s <= lo_s + 1e-12 else (1.0, at_end)
+    if abs(s - mean) < math.sqrt(var):  # within a standard deviation: the normal (Lugannani-Rice
+        lower = float(norm.cdf((s - mean) / math.sqrt(var)))  # cancels near the mean)
+        return lower, 1.0 - lower
+    a, b = (-1.0, 0.0) if s < mean else (0.0, 1.0)
+    while (moments(a)[1] > s) if s < mean else (moments(b)[1] < s):
+        a, b = (2 * a, a) if s < mean else (b, 2 * b)
+    theta = brentq(lambda t: moments(t)[1] - s, a, b, xtol=1e-12, maxiter=200)
+    k, _, k2 = moments(theta)
+    w = math.copysign(math.sqrt(max(0.0, 2.0 * (theta * s - k))), theta)
+    u = theta * math.sqrt(k2)
+    lower = float(norm.cdf(w) + norm.pdf(w) * (1.0 / w - 1.0 / u))
+    lower = min(max(lower, 0.0), 1.0)
+    return lower, 1.0 - lower
+
+
+def bonus_score_test(served: Sequence[Served], k: int, tolerance: float = 0.0
+                     ) -> LosslessResult:
+    """Without steps, the bonus tokens' positions are not known, but a lossless engine's chance
+    that position t is one, given the output before it (`bonus_weights`), is; and its token
+    follows p~ whatever its role. S = sum_t w_t p~_t(x_t) with those predictable weights is a
+    martingale's sum: tested two-sided by its saddlepoint tails, as `score_test`. A bonus token
+    drawn wrongly shifts it where the weights are large."""
+    probs, values, s = [], [], 0.0
+    for srv in served:
+        a = accept_given_token(srv.p, srv.q, srv.output).clamp(tolerance, 1.0 - tolerance)
+        w = torch.as_tensor(bonus_weights(a.tolist(), k))
+        keep = w > 1e-9
+        p = srv.p.double()[keep]
+        probs.append(p)
+        values.append(w[keep, None] * p)
+        x = torch.as_tensor(list(srv.output))[keep]
+        s += float((w[keep] * p.gather(1, x[:, None])[:, 0]).sum())
+    p, v = torch.cat(probs), torch.cat(values)
+    if p.shape[0] == 0 or float(v.max()) <= 0:
+        return LosslessResult(0, 0, 0.0, 0)
+    lower, upper = saddlepoint_tails(p.numpy(), s, v.numpy())
+    pv = min(1.0, 2.0 * min(lower, upper))
+    return LosslessResult(1, p.shape[0], math.inf if pv <= 0.0 else float(chi2.isf(pv, 1)), 1)
+
+
+def bonus_weights(accept: Sequence[float], k: int) -> np.ndarray:
+    """P(position t is a bonus position | the output before t) for a lossless engine drafting k
+    from position 1 (`accepted_distribution`'s chain walk, forward): ``[T]``."""
+    w, f = np.zeros(len(accept)), np.eye(1, k + 1)[0]  # [depth 0..k-1, or k: a bonus position]
+    for t in range(1, len(accept)):
+        w[t] = f[k]
+        a = float(accept[t])
+        f = np.concatenate([[f[k] + (1 - a) * f[:k].sum()], a * f[:k]])
+    return w
 
 
 def role_refs(p: torch.Tensor, q: torch.Tensor, roles: Sequence[int],
@@ -263,10 +348,12 @@ class OutputTests:
         return min(1.0, len(ps) * min(ps)) if ps else 1.0
 
 
-def output_tests(served: Sequence[Served], tolerance: float = 0.0) -> OutputTests:
+def output_tests(served: Sequence[Served], tolerance: float = 0.0, k: int | None = None
+                 ) -> OutputTests:
     """The output at every position of every request against p~ (lossless, whatever the story)
     and, where every request's roles are known, each role's tokens against its distribution;
-    each group by `rank_chi_square` and `score_test`."""
+    each group by `rank_chi_square` and `score_test`. Roles not known and ``k`` given (a draft
+    drafting k at every step): the bonus-weighted score (`bonus_score_test`) besides."""
     p = torch.cat([s.p for s in served])
     toks = [x for s in served for x in s.output]
     p = (1.0 - tolerance) * p + tolerance / p.shape[-1]
@@ -280,6 +367,8 @@ def output_tests(served: Sequence[Served], tolerance: float = 0.0) -> OutputTest
             keep = (flat == role).nonzero()[:, 0]
             tests[name] = rank_chi_square(refs[keep], [toks[i] for i in keep.tolist()])
             tests[f"{name} score"] = score_test(refs[keep], [toks[i] for i in keep.tolist()])
+    elif served and k is not None:
+        tests["bonus-weighted score"] = bonus_score_test(served, k, tolerance)
     return OutputTests(tests)
 
 
@@ -373,7 +462,7 @@ class Verdict:
     order: CONTRADICTS, the acceptance test's, the counters test's, "lossy" (``output``'s
     Bonferroni p-value below ``level``)."""
 
-    row: object  # audit.AuditRow
+    row: audit.AuditRow
     contradictions: tuple[str, ...]
     output: OutputTests
     counters: CountersTest | None
@@ -418,8 +507,6 @@ def audit_served(config: str, served: Sequence[Served], measured: Measured, k: i
     and tokens' contradictions; the counters against the output (``always_drafts``: the draft
     drafts at every step, a draft model); the output tests; without steps, the counters-only
     test (`conditional_counters_test`, ``always_drafts`` drafts only: else refused, None)."""
-    from mtad_energy.engines import audit
-
     known = bool(served) and all(s.steps is not None for s in served)
     problems = counter_contradictions(measured, served, k, always_drafts)
     chains = []
@@ -432,4 +519,5 @@ def audit_served(config: str, served: Sequence[Served], measured: Measured, k: i
     row = audit.audit_row(config, chains, measured, k, level, tolerance)
     counters = (conditional_counters_test(served, measured, k, tolerance)
                 if not known and always_drafts else None)
-    return Verdict(row, tuple(problems), output_tests(served, tolerance), counters, level)
+    tests = output_tests(served, tolerance, k if not known and always_drafts else None)
+    return Verdict(row, tuple(problems), tests, counters, level)

@@ -33,6 +33,23 @@ def test_rank_chi_square_is_pearsons_on_identical_rows_with_its_degrees_of_freed
     assert ao.rank_chi_square(torch.tensor([[0.5, 0.5, 0.0]] * 20), [2] + [0] * 19).pvalue == 0.0
 
 
+def test_the_score_tails_are_the_exact_binomial_where_the_normal_is_ten_times_off():
+    """40 tokens, each with probability 0.8 of being the one of probability 0.8: the summed
+    probability is 8 + 0.6 B, B ~ Binomial(40, 0.8); the saddlepoint tails between lattice points
+    are the binomial's within 10 % at 2e-5 and 8e-3 (the normal says 2.7e-6 for the first;
+    the saddlepoint's first term alone is 13 % off)."""
+    from scipy.stats import binom
+
+    rows = torch.tensor([[0.8, 0.2]] * 40, dtype=torch.float64).numpy()
+    lower, _ = ao.saddlepoint_tails(rows, 8 + 0.6 * 20.5)
+    _, upper = ao.saddlepoint_tails(rows, 8 + 0.6 * 37.5)
+    assert lower == pytest.approx(binom.cdf(20, 40, 0.8), rel=0.10)
+    assert upper == pytest.approx(binom.sf(37, 40, 0.8), rel=0.10)
+    # at an end of the support, exact: both tokens the least likely one
+    assert ao.saddlepoint_tails(torch.tensor([[0.5, 0.3, 0.2]] * 2).numpy(), 0.4) == \
+        (pytest.approx(0.04), 1.0)
+
+
 def _rows(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (2.0 * torch.randn(n, 6, generator=g)).softmax(-1)
@@ -154,6 +171,13 @@ def test_the_counters_only_test_takes_its_theory_where_the_engine_drafted():
     assert row.refused and row.flag is None
 
 
+def test_given_its_token_a_draft_position_was_accepted_with_min_over_p():
+    """A lossless engine's token x at a draft position was an accepted draft with probability
+    min(p~, q~)(x) / p~(x) (the accepted draft's share of p~(x); the rest is the residual's)."""
+    p, q = torch.tensor([[0.5, 0.5]] * 2), torch.tensor([[0.9, 0.1]] * 2)
+    assert ao.accept_given_token(p, q, [1, 0]).tolist() == pytest.approx([0.2, 1.0])
+
+
 def test_accepted_distribution_is_the_chain_walk_enumerated():
     """Given the output, every walk of accept / reject over its draft positions (k = 2), weighted
     by its probability: the same pmf of the accepted tokens shown and of those plus what a cut
@@ -173,6 +197,15 @@ def test_accepted_distribution_is_the_chain_walk_enumerated():
         want_most[n + (k - depth if 0 < depth < k else 0)] += w
     assert shown.tolist() == pytest.approx(want_shown)
     assert most.tolist() == pytest.approx(want_most)
+
+
+def test_bonus_weights_follow_the_chain_walk():
+    """P(position t is a bonus token | the output before it): every draft accepted (k = 3): the
+    bonus after each 3 drafted positions; none accepted: never; half: 1/8 after three draft
+    positions, from position 4 on."""
+    assert ao.bonus_weights([1.0] * 10, 3).tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 1, 0]
+    assert ao.bonus_weights([0.0] * 6, 3).tolist() == [0] * 6
+    assert ao.bonus_weights([0.5] * 6, 3).tolist()[:5] == pytest.approx([0, 0, 0, 0, 0.125])
 
 
 def test_the_token_total_without_per_position_counters_is_tested_against_every_depth():
