@@ -10,7 +10,7 @@ n-gram). Each run is audited from its outputs (`mtad_energy.engines.audit_output
 at the audit's level, over N seeds (fewer for the broken engines: each is caught or not).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python experiments/audit_calibration.py --seeds 16 \\
-        --broken-seeds 6    # ~6 min on one core
+        --broken-seeds 6    # 14 min on a shared 2-core machine (one core)
 
 Writes experiments/results/engines/audit_calibration.{json,md}.
 """
