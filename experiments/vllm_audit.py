@@ -17,8 +17,11 @@ conversion, bf16, `enforce_eager` unless --compiled; the model is its own draft)
 around each call; then a lossless sample: N requests of one repetitive prompt, 2 tokens each, at
 T = 0.8 (the 2nd token is verified against a draft). `audit`: the target (fp32, HF) teacher-forced
 over vLLM's own outputs gives per-chain alphas (`mtad_energy.engines.audit`), the table compares
-them with the counters (Wilson intervals, one-sided binomial flag), and the 2nd tokens are tested
-against the target's exact p~(. | prompt, x1) (chi-square). `probe`: vLLM's CPU rejection kernel
+them with the counters (Wilson intervals, one-sided binomial flag), checks the counters against
+the outputs and tests every output position against p~ (`mtad_energy.engines.audit_output`: the
+point-mass drafts' steps read off the output, the probabilistic draft's counters given the
+output), and the 2nd tokens are tested against the target's exact p~(. | prompt, x1)
+(chi-square). `probe`: vLLM's CPU rejection kernel
 (`torch.ops._C.rejection_random_sample_kernel_impl`, what `rejection_sample` runs on a CPU without
 Triton) called directly on drafts whose target probability is known.
 
@@ -258,6 +261,7 @@ def audit(args) -> None:
 
     from mtad_energy.decoding.rules.sampling import Warp
     from mtad_energy.engines import audit as au
+    from mtad_energy.engines import audit_output as ao
     from mtad_energy.models import load_model
 
     raw = json.loads((OUT / args.raw).read_text())
@@ -267,24 +271,25 @@ def audit(args) -> None:
     for name, entry in raw["runs"].items():
         for temp, call in entry["calls"].items():
             warp = Warp(temperature=float(temp), top_k=0, top_p=1.0)
-            chains, along = [], []
+            served, along = [], []
             for prompt, out in zip(raw["prompts"], call["outputs"], strict=True):
                 p = au.warped_along(target, prompt, out, warp)  # the model is its own draft: q~ = p~
-                if name == "ngram":  # deterministic drafts: the chains are read off the output
+                if name == "ngram":  # deterministic drafts: the steps are read off the output
                     propose = au.ngram_proposer(prompt, out, NGRAM["prompt_lookup_min"],
                                                 NGRAM["prompt_lookup_max"], K)
-                    chains += au.point_mass_chains(p, out, propose)
+                    served.append(ao.point_mass_served(out, p, propose))
                     along += [float(p[t, d[0]]) for t in range(1, len(out)) if (d := propose(t))]
                 elif name == "draft-greedy":
-                    chains += au.point_mass_chains(p, out, au.greedy_proposer(p, K))
+                    served.append(ao.point_mass_served(out, p, au.greedy_proposer(p, K)))
                     along += au.alpha_point(p, p.argmax(-1))[1:].tolist()
-                else:  # a sampled draft, steps not recorded: q = p, alpha 1 wherever it drafts
-                    chains += au.every_position_chains(au.alpha_dists(p, p), K)
+                else:  # a sampled draft, steps not recorded: q = p; the counters given the output
+                    served.append(ao.Served(tuple(out), p, p))
                     along += au.alpha_dists(p, p)[1:].tolist()
             c = call["counters"]
             m = au.Measured(c["drafts"], c["draft_tokens"], c["accepted_tokens"],
                             tuple(c["accepted_per_pos"][:K]))
-            row = au.audit_row(f"{name} T={temp}", chains, m, K, tolerance=TOLERANCE).as_dict()
+            row = ao.audit_served(f"{name} T={temp}", served, m, K, tolerance=TOLERANCE,
+                                  always_drafts=name != "ngram").as_dict()
             # what the audit compared with before issue 41: alpha averaged over the output
             row["alpha_all_positions"] = round(sum(along) / len(along), 4) if along else None
             row["engine_start_s"] = round(entry["engine_start_s"], 1)
@@ -338,18 +343,24 @@ def audit(args) -> None:
 def markdown(rows, lossless) -> str:
     lines = ["| configuration | alpha_1, all positions (before) | theory alpha_1 at chain starts | "
              "measured pos-1 rate [95% CI] (counters) | p counters (under) | output: draft token "
-             "emitted / expected (draft positions reached) | p (under) | p (over) | verdict |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "emitted / expected (draft positions reached) | p (under) | p (over) | output p "
+             "(every position, Bonferroni) | contradictions | verdict |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lo, hi = r["measured_pos1_ci95"]
+        c = r.get("counters_test")  # no steps: the counters' accepted tokens given the output
         trials = (f"{r['trials_accepted']} / {r['trials_expected']} ({r['trials']})"
-                  if "trials" in r else "- (not in the output)")
-        under = f"{r['pvalue_under']:.2g}" if "trials" in r else "-"
-        over = f"{r['pvalue_over']:.2g}" if "trials" in r else "-"
+                  if "trials" in r else f"counters: {c['accepted']} / {c['expected']} accepted"
+                  if c else "- (not in the output)")
+        under = (f"{r['pvalue_under']:.2g}" if "trials" in r else f"{c['p_under']:.2g}" if c
+                 else "-")
+        over = f"{r['pvalue_over']:.2g}" if "trials" in r else f"{c['p_over']:.2g}" if c else "-"
         lines.append(f"| {r['config']} | {r['alpha_all_positions']:.3f} | "
                      f"{r['theory_alpha1_at_chain_starts']:.3f} | {r['measured_pos1_rate']:.3f} "
                      f"[{lo:.3f}, {hi:.3f}] | {r['pvalue_counters_under']:.2g} | {trials} | {under} | "
-                     f"{over} | {(r['flag'] or 'ok').upper()} |")
+                     f"{over} | {r.get('output_pvalue_bonferroni', 1.0):.2g} | "
+                     f"{r.get('contradictions', 0)} | "
+                     f"{', '.join(r.get('flags') or [r['flag'] or 'ok']).upper()} |")
     if lossless:
         lines += ["", "| configuration (T=0.8, 2nd token) | samples | chi2 / dof | p | "
                   "x1 control chi2 / dof |", "|---|---:|---:|---:|---:|"]
@@ -363,7 +374,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["probe", "run", "audit", "all"])
     ap.add_argument("--configs", default="ngram,draft-greedy,draft-probabilistic")
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=16,
+                    help="the audit's default sample size: 16 x 64 tokens (docs/engines/audit.md)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--samples", type=int, default=400)
     ap.add_argument("--temperatures", default=",".join(map(str, TEMPERATURES)))

@@ -75,11 +75,13 @@ class Chain:
     """One drafting step of an engine: its first draft token at output position ``start``;
     ``alphas[i]``, the probability that draft token i+1 is accepted given the first i were (exact
     for the positions the chain reached); ``accepted``, how many the engine accepted (None: not
-    known, a sampled draft without the engine's steps)."""
+    known, a sampled draft without the engine's steps); ``at_start``: False for a chain put at
+    every position (`every_position_chains`), not where the engine drafted."""
 
     start: int
     alphas: tuple[float, ...]
     accepted: int | None = None
+    at_start: bool = True
 
     def __post_init__(self) -> None:
         if self.accepted is not None and not 0 <= self.accepted <= len(self.alphas):
@@ -154,8 +156,11 @@ def every_position_chains(alphas: torch.Tensor, k: int) -> list[Chain]:
     """A chain at every position t >= 1, outcomes unknown: for a sampled draft whose engine
     steps were not recorded. Its alpha_1 is the chain-start theory only where alpha does not
     vary with the position (the model as its own draft, q = p: 1 everywhere); elsewhere it is
-    biased high (chain starts follow rejections): record the engine's steps."""
-    return [Chain(t, tuple(alphas[t:t + k].tolist())) for t in range(1, alphas.shape[0] - k + 1)]
+    biased high (chain starts follow rejections), so `audit_row` refuses to test counters on
+    these (``at_start`` False): record the engine's steps, or use the output
+    (`audit_output.conditional_counters_test`)."""
+    return [Chain(t, tuple(alphas[t:t + k].tolist()), at_start=False)
+            for t in range(1, alphas.shape[0] - k + 1)]
 
 
 # --------------------------------------------------------------------------- the test
@@ -253,6 +258,23 @@ def under_acceptance_pvalue(successes: int, n: int, p_theory: float) -> float:
     return float(binomtest(successes, n, p_theory, alternative="less").pvalue)
 
 
+def chain_accepted_pmf(alphas: Sequence[float]) -> np.ndarray:
+    """Accepted draft tokens of one chain: P(A = j) = prod_{i<j} alpha_i (1 - alpha_j), and
+    P(A = k) = prod alpha: ``[k + 1]``."""
+    reach = np.cumprod([1.0] + [min(max(float(a), 0.0), 1.0) for a in alphas])  # P(A >= j)
+    return reach - np.append(reach[1:], 0.0)
+
+
+def accepted_tokens_pvalue(chains: Sequence[Chain], accepted: int) -> float:
+    """One-sided P(sum of the chains' accepted tokens <= accepted), chains independent: the
+    counters' token total against theory at every draft position, each weighted by how often
+    the engine reaches it (not the token rate against alpha_1)."""
+    pmf = np.ones(1)
+    for c in chains:
+        pmf = np.convolve(pmf, chain_accepted_pmf(c.alphas))
+    return float(min(1.0, pmf[: accepted + 1].sum()))
+
+
 @dataclass(frozen=True)
 class AuditRow:
     """One drafting configuration's verdict: acceptance where the engine drafted beside theory
@@ -262,8 +284,10 @@ class AuditRow:
     ``pvalue_counters``: the engine's own first-position counters against it (one-sided, under);
     ``test``: the trials' test where the chains' outcomes are known (the engine's steps, or a
     deterministic draft's output), else None; ``flag``: "under-accepts", "over-accepts" or None,
+
     from ``test`` where there is one (it holds the counters' information and more), else from
-    the counters."""
+    the counters; ``refused``: why the counters were not tested (chains not at the engine's
+    chain starts), else None."""
 
     config: str
     k: int
@@ -277,6 +301,7 @@ class AuditRow:
     pvalue_counters: float
     flag: str | None
     test: AcceptanceTest | None = None
+    refused: str | None = None
 
     @property
     def flagged(self) -> bool:
@@ -299,7 +324,7 @@ class AuditRow:
                 "trials_expected": round(t.expected, 2), "pvalue_under": t.p_under,
                 "pvalue_over": t.p_over, "per_depth": [list(d) for d in t.per_depth]}
                if t is not None else {}),
-            "flag": self.flag,
+            "flag": self.flag, **({"refused": self.refused} if self.refused else {}),
         }
 
 
@@ -308,24 +333,33 @@ def audit_row(config: str, chains: Sequence[Chain], measured: Measured, k: int,
     """The verdict of one configuration: `acceptance_test` over the chains' trials where every
     outcome is known (`stepped_chains`, `point_mass_chains`; ``tolerance``: its), beside the
     counters' first-position acceptance (``accepted_per_pos[0]`` of ``drafts``) against the
-    chains' mean alpha_1 (one-sided binomial: conservative, alphas vary), which decides alone
-    where the outcomes are not known. The counters' rates get Wilson intervals for the table
-    (tokens within a chain are not independent: read the token rate as descriptive)."""
+    chains' mean alpha_1 (one-sided binomial: conservative, alphas vary), or without per-position
+    counters their accepted tokens against the chains' exact distribution
+    (`accepted_tokens_pvalue`), which decides alone where the outcomes are not known; refused
+    (``refused``, no flag) for chains not at the engine's chain starts. The counters' rates get
+    Wilson intervals for the table (tokens within a chain are not independent: read the token
+    rate as descriptive)."""
     firsts = [c.alphas[0] for c in chains if c.alphas]
     alpha1 = sum(firsts) / len(firsts) if firsts else 0.0
     per_pos = measured.accepted_per_pos
     succ, n = (per_pos[0], measured.drafts) if per_pos else (measured.accepted_tokens,
                                                               measured.draft_tokens)
-    p_counters = under_acceptance_pvalue(succ, n, min(max(alpha1, tolerance), 1.0 - tolerance))
+    clamp = [Chain(c.start, tuple(min(max(a, tolerance), 1.0 - tolerance) for a in c.alphas))
+             for c in chains]
+    p_counters = (under_acceptance_pvalue(succ, n, min(max(alpha1, tolerance), 1.0 - tolerance))
+                  if per_pos else accepted_tokens_pvalue(clamp, measured.accepted_tokens))
     known = bool(chains) and all(c.accepted is not None for c in chains)
+    refused = (None if known or all(c.at_start for c in chains) else
+               "chains at every position, not where the engine drafted: no counters test "
+               "(record the engine's steps, or test the counters given the output)")
     test = acceptance_test(chains, k, tolerance) if known else None
     flag = test.flag(level) if test is not None else (
-        "under-accepts" if p_counters < level else None)
+        "under-accepts" if p_counters < level and not refused else None)
     rate = measured.accepted_tokens / measured.draft_tokens if measured.draft_tokens else 0.0
     return AuditRow(config, k, len(firsts), alpha1, measured, succ / n if n else 0.0,
                     wilson_interval(succ, n), rate,
                     wilson_interval(measured.accepted_tokens, measured.draft_tokens), p_counters,
-                    flag, test)
+                    flag, test, refused)
 
 
 # --------------------------------------------------------------------------- lossless check

@@ -1,7 +1,8 @@
 """A fake engine that speculates as a serving engine does (a chain at each of its own step
 boundaries) over a model pair's warped p~ and q~, with the exact rejection sampler or a broken one:
-what the audit (`mtad_energy.engines.audit`) must tell apart. Used by tests/engines/test_audit.py
-and experiments/audit_calibration.py."""
+what the audit (`mtad_energy.engines.audit`, `audit_output`) must tell apart: samplers that accept
+wrongly, that emit wrongly after the test (`After`), and engines that lie (emit their drafts, or
+inflate their counters). Used by tests/engines/test_audit*.py and experiments/audit_calibration.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from mtad_energy.decoding.rules.sampling import Warp, residual
 from mtad_energy.engines import audit
+from mtad_energy.engines import audit_output as ao
 
 # (u, p~(x), q~(x), depth) -> whether the engine accepts draft token x
 Accept = Callable[[float, float, float, int], bool]
@@ -30,6 +32,26 @@ def half(u: float, p_x: float, q_x: float, depth: int) -> bool:
 def skips_odd(u: float, p_x: float, q_x: float, depth: int) -> bool:
     """An engine that skips every other position's test (accepts it unseen)."""
     return depth % 2 == 1 or exact(u, p_x, q_x, depth)
+
+
+# (p~ at the k + 1 verified positions [k + 1, V], q~ at the k drafted [k, V], accepted a) -> the
+# distribution the engine draws the token after the accepted ones from
+After = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def exact_after(ps: torch.Tensor, qs: torch.Tensor, a: int) -> torch.Tensor:
+    """The residual at the first rejection, p~ after a full chain (the bonus token)."""
+    return residual(ps[a], qs[a]) if a < qs.shape[0] else ps[a]
+
+
+def bonus_from_previous(ps: torch.Tensor, qs: torch.Tensor, a: int) -> torch.Tensor:
+    """A bonus token drawn from the previous position's p~ (an off-by-one in the bonus row)."""
+    return residual(ps[a], qs[a]) if a < qs.shape[0] else ps[a - 1]
+
+
+def resample_from_p(ps: torch.Tensor, qs: torch.Tensor, a: int) -> torch.Tensor:
+    """After a rejection, a token from p~ instead of the residual."""
+    return ps[a]
 
 
 @dataclass(frozen=True)
@@ -65,14 +87,16 @@ def _next(model, ids: Sequence[int], warp: Warp) -> torch.Tensor:
 
 
 def speculate(target, draft, prompt: Sequence[int], n_tokens: int, k: int, warp: Warp,
-              accept: Accept, gen: torch.Generator, rule: Draft = SAMPLED
-              ) -> tuple[list[int], list[tuple[int, int]]]:
+              accept: Accept, gen: torch.Generator, rule: Draft = SAMPLED,
+              after: After = exact_after, lies: bool = False
+              ) -> tuple[list[int], list[tuple[int, int]], list[list[int]]]:
     """``n_tokens`` tokens after ``prompt``: the first from p~ (the prefill), then steps of k draft
-    tokens (``rule.draw``), verified by ``accept``, the next token from the residual at the first
-    rejection (p~ after a full chain). Returns the output and each step's (drafted, accepted), as
-    vLLM's per-request metrics give them."""
+    tokens (``rule.draw``), verified by ``accept``, the next token from ``after`` (the residual
+    at the first rejection, p~ after a full chain). ``lies``: the engine emits the rejected draft
+    token too (its drafts) but reports the steps it verified. Returns the output, each step's
+    (drafted, accepted), as vLLM's per-request metrics give them, and each step's draft tokens."""
     out = [int(torch.multinomial(_next(target, prompt, warp)[-1], 1, generator=gen))]
-    steps = []
+    steps, drafted = [], []
     while len(out) < n_tokens:
         ctx, drafts, qs = list(prompt) + out, [], []
         for _ in range(k):
@@ -84,17 +108,14 @@ def speculate(target, draft, prompt: Sequence[int], n_tokens: int, k: int, warp:
         while a < k and accept(float(torch.rand((), generator=gen)), float(ps[a, drafts[a]]),
                                float(qs[a][drafts[a]]), a):
             a += 1
-        dist = residual(ps[a], qs[a]) if a < k else ps[k]
-        out += drafts[:a] + [int(torch.multinomial(dist, 1, generator=gen))]
+        last = int(torch.multinomial(after(ps, torch.stack(qs), a), 1, generator=gen))
+        out += drafts[:a] + [drafts[a] if lies and a < k else last]
         steps.append((k, a))
-    return out[:n_tokens], steps
+        drafted.append(drafts)
+    return out[:n_tokens], steps, drafted
 
 
-def counters(steps: Sequence[tuple[int, int]], k: int) -> audit.Measured:
-    """The engine-wide counters of these steps (vLLM's spec_decode_num_* and per position)."""
-    drafted = [(d, a) for d, a in steps if d]
-    return audit.Measured(len(drafted), sum(d for d, _ in drafted), sum(a for _, a in drafted),
-                          tuple(sum(1 for _, a in drafted if a > j) for j in range(k)))
+counters = ao.counters_of_steps  # the engine-wide counters of its steps
 
 
 def audit_run(pair, prompts: Sequence[Sequence[int]], n_tokens: int, k: int, warp: Warp,
@@ -104,8 +125,8 @@ def audit_run(pair, prompts: Sequence[Sequence[int]], n_tokens: int, k: int, war
     gen = torch.Generator().manual_seed(seed)
     chains, steps_all, along = [], [], []
     for prompt in prompts:
-        out, steps = speculate(pair.target, pair.draft, prompt, n_tokens, k, warp, accept, gen,
-                               rule)
+        out, steps, _ = speculate(pair.target, pair.draft, prompt, n_tokens, k, warp, accept, gen,
+                                  rule)
         p = audit.warped_along(pair.target, prompt, out, warp)
         q = audit.warped_along(pair.draft, prompt, out, warp)
         chains += rule.chains(p, q, out, steps, k)
@@ -113,3 +134,29 @@ def audit_run(pair, prompts: Sequence[Sequence[int]], n_tokens: int, k: int, war
         steps_all += steps
     row = audit.audit_row(f"fake seed {seed}", chains, counters(steps_all, k), k)
     return row, float(torch.cat(along).mean())
+
+
+def served_run(pair, prompts: Sequence[Sequence[int]], n_tokens: int, k: int, warp: Warp,
+               accept: Accept, seed: int, rule: Draft = SAMPLED, after: After = exact_after,
+               lies: bool = False, inflates: bool = False, steps_recorded: bool = True,
+               drafts_reported: bool = False) -> ao.Verdict:
+    """One fake-engine run audited from its outputs (`audit_output.audit_served`): a sampled
+    draft's requests with the engine's steps (``steps_recorded``; else counters alone) and, if
+    ``drafts_reported``, its draft tokens; a greedy draft's read off the output beside the
+    engine's steps. ``inflates``: the engine's counters report one more accepted token per chain
+    that had a rejection (its steps and output honest)."""
+    gen = torch.Generator().manual_seed(seed)
+    served, steps_all = [], []
+    for prompt in prompts:
+        out, steps, drafts = speculate(pair.target, pair.draft, prompt, n_tokens, k, warp, accept,
+                                       gen, rule, after, lies)
+        p = audit.warped_along(pair.target, prompt, out, warp)
+        q = audit.warped_along(pair.draft, prompt, out, warp)
+        steps_all += steps
+        if rule is GREEDY:
+            served.append(ao.point_mass_served(out, p, audit.greedy_proposer(q, k), steps))
+        else:
+            served.append(ao.Served(tuple(out), p, q, tuple(steps) if steps_recorded else None,
+                                    drafts=tuple(map(tuple, drafts)) if drafts_reported else None))
+    told = [(d, min(d, a + 1)) for d, a in steps_all] if inflates else steps_all
+    return ao.audit_served(f"fake seed {seed}", served, counters(told, k), k)

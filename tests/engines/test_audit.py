@@ -206,3 +206,24 @@ def test_ngram_proposal_rule():
     assert audit.ngram_propose([3, 9, 1, 2, 3, 6, 2, 3], 1, 2, k=1) == [6]
     assert audit.ngram_propose([1, 2, 3], 1, 2, k=2) == []
     assert audit.ngram_propose([1, 2, 1], 1, 2, k=5) == [2, 1]  # the context ends
+
+
+def test_chi_square_degrees_of_freedom_on_a_known_answer():
+    """Issue 57, item 4: cells expecting 40, 30, 20, 10 of 100 tokens and seeing 35, 30, 25, 10
+    give Pearson's 25/40 + 25/20 = 1.875 on 3 degrees of freedom, p = 0.59875 (scipy's
+    chisquare); one group of the lossless test is that, two groups sum statistics and degrees
+    of freedom. (A mutant adding one degree of freedom made every p-value too large.)"""
+    from collections import Counter
+
+    from scipy.stats import chi2, chisquare
+
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    counts = Counter({0: 35, 1: 30, 2: 25, 3: 10})
+    ref = chisquare([35, 30, 25, 10], [40, 30, 20, 10])
+    assert audit.pooled_chi_square(counts, probs) == (pytest.approx(1.875), 3)
+    assert ref.statistic == pytest.approx(1.875) and ref.pvalue == pytest.approx(0.59875, abs=1e-5)
+    pairs = [(7, x) for x, c in counts.items() for _ in range(c)]
+    one = audit.speculated_position_test(pairs, {7: probs})
+    assert (one.dof, one.pvalue) == (3, pytest.approx(ref.pvalue, rel=1e-9))
+    two = audit.speculated_position_test(pairs + [(8, x) for _, x in pairs], {7: probs, 8: probs})
+    assert (two.dof, two.pvalue) == (6, pytest.approx(chi2.sf(2 * 1.875, 6), rel=1e-9))
