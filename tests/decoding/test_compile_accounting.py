@@ -1,0 +1,89 @@
+"""What compiling costs, counted once and whole: a call's ``compile_s`` (the runners' warm-up
+before the prefill, the shapes first met in the loop, the kernels and fused calls compiled after
+it), a stored row's (its warm-up's once plus its own, `bench.phase_windows.compile_columns`), a
+summary's (a batch counted once, `results.analysis.compile_cost`).
+
+Traced with ``aot_eager`` (the graph inductor sees, without code generation).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pandas as pd
+import pytest
+
+from mtad_energy.bench.phase_windows import compile_columns
+from mtad_energy.decoding.registry import get_decoder
+from mtad_energy.decoding.runtime.compiled import CompiledKernels, CompileOptions
+from mtad_energy.decoding.runtime.generate import generate_rows
+from mtad_energy.decoding.runtime.static import StaticRunner
+from mtad_energy.results.analysis import compile_cost
+
+TRACE = CompileOptions(backend="aot_eager")
+PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]
+
+
+def _gen(compile_s: float, graphs: int, in_window_s: float = 0.0) -> SimpleNamespace:
+    """What `compile_columns` reads of a `Generation`: its statistics' compile figures."""
+    return SimpleNamespace(stats=SimpleNamespace(compile_s=compile_s, graphs_compiled=graphs,
+                                                 compile_in_window_s=in_window_s))
+
+
+def test_a_rows_compile_cost_is_its_warm_ups_once_plus_its_own():
+    """A stored row of B = 3 rows after a warm-up of 3 rows: every generation of a call
+    carries the call's figures, so the row takes the warm-up's once (not left out, not once
+    per row) plus its own once; inside its windows: its own generation's."""
+    warm = [_gen(2.0, 7, 0.25)] * 3
+    gens = [_gen(0.5, 1, 0.125)] * 3
+    assert compile_columns(warm, gens) == {"compile_s": 2.5, "graphs_compiled": 8,
+                                           "compile_in_window_s": 0.125}
+    assert compile_columns((), gens) == {"compile_s": 0.5, "graphs_compiled": 1,
+                                         "compile_in_window_s": 0.125}
+
+
+def test_a_summary_counts_a_batchs_compile_cost_once():
+    """`runs` rows of one batch of 4 each carry the batch's 2 s and 6 graphs (and a row of B =
+    1 its own 1 s, 3 graphs): together 3 s and 9 graphs, not 9 s and 27; a `decode_batch` row
+    is a whole batch (``one_per_batch``)."""
+    runs = pd.DataFrame({"batch_size": [4, 4, 4, 4, 1], "compile_s": [2.0] * 4 + [1.0],
+                         "graphs_compiled": [6] * 4 + [3]})
+    assert compile_cost(runs) == {"compile_s": 3.0, "graphs_compiled": 9.0}
+    assert compile_cost(runs.iloc[:1], one_per_batch=True) == {"compile_s": 2.0,
+                                                               "graphs_compiled": 6.0}
+
+
+def test_a_calls_compile_s_is_every_second_it_spent_compiling(model_dirs):
+    """A fresh pair's first compiled call of B = 3 rows: ``compile_s`` of every row is the
+    call's seconds compiling, counted where they happen: the runners' warm-up of their known
+    widths before the prefill (included, though outside every window), shapes first met in the
+    loop, and what compiles after it (fused calls, kernels); the same figure for each row, not
+    a row's share or a sum over rows."""
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["llama"], draft="self:layers=0-0", device="cpu")
+    spent = {"warm": 0.0, "prewarm": 0.0, "pending": 0.0}
+    warm, prewarm = StaticRunner._warm, StaticRunner._prewarm
+    pending, kernels_pending = StaticRunner.compile_pending, CompiledKernels.compile_pending
+
+    def counted(key, fn):
+        def run(self, *args, **kwargs):
+            before = self.compile_s
+            out = fn(self, *args, **kwargs)
+            spent[key] += out if key in ("prewarm", "pending") else self.compile_s - before
+            return out
+        return run
+
+    with (mock.patch.object(StaticRunner, "_warm", counted("warm", warm)),
+          mock.patch.object(StaticRunner, "_prewarm", counted("prewarm", prewarm)),
+          mock.patch.object(StaticRunner, "compile_pending", counted("pending", pending)),
+          mock.patch.object(CompiledKernels, "compile_pending",
+                            counted("pending", kernels_pending))):
+        rows = generate_rows(get_decoder("spd", temperature=0), pair, PROMPTS, 8,
+                             compute_perplexity=False, compile=TRACE)
+    assert spent["prewarm"] > 0 and spent["pending"] > 0  # premise: both kinds happened
+    total = spent["warm"] + spent["pending"]  # every warm-up, the prewarm's included
+    for row in rows:
+        assert row.stats.compile_s == pytest.approx(total, rel=1e-9, abs=1e-9)
+        assert row.stats.compile_s - row.stats.compile_in_window_s >= spent["prewarm"] - 1e-9
