@@ -1,4 +1,6 @@
-"""What compiling costs, counted once and whole: a call's ``compile_s`` (the runners' warm-up
+"""Where compiling happens and what it costs: never inside a window a generation is timed or
+measured in (every compiled decoder's second generation; its first where the decoder declares
+its shapes up front), and counted once and whole: a call's ``compile_s`` (the runners' warm-up
 before the prefill, the shapes first met in the loop, the kernels and fused calls compiled after
 it), a stored row's (its warm-up's once plus its own, `bench.phase_windows.compile_columns`), a
 summary's (a batch counted once, `results.analysis.compile_cost`).
@@ -8,6 +10,7 @@ Traced with ``aot_eager`` (the graph inductor sees, without code generation).
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 from unittest import mock
 
@@ -15,14 +18,55 @@ import pandas as pd
 import pytest
 
 from mtad_energy.bench.phase_windows import compile_columns
-from mtad_energy.decoding.registry import get_decoder
-from mtad_energy.decoding.runtime.compiled import CompiledKernels, CompileOptions
+from mtad_energy.decoding.registry import DECODERS, get_decoder
+from mtad_energy.decoding.runtime.compiled import CompiledKernels, CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.generate import generate_rows
 from mtad_energy.decoding.runtime.static import StaticRunner
 from mtad_energy.results.analysis import compile_cost
+from tests.conftest import with_heads
+from tests.tiny import compile_test_decoder
 
 TRACE = CompileOptions(backend="aot_eager")
 PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]
+# decoders whose every forward's shape is known before the loop (chains of the widths every
+# drafting decoder declares; EAGLE's head and trees, `Decoder.warm_forwards`): their first
+# compiled generation compiles nothing inside its windows either. The others' trees, beams and
+# plain steps compile on first use, untimed (`compile_in_window_s`), and a measured row's
+# warm-up meets them first.
+FIRST_CLEAN = {"bild", "eagle", "pld", "spd", "typical"}
+SLOW = {"eagle", "mcss", "mmtad", "specinfer", "spectr"}  # > 20 s of compiling on CI's cores
+
+
+def _generation(decoder, pair, prompts: list[list[int]]) -> tuple[list, list[int], list[str]]:
+    """One compiled call: its rows, dynamo's graph count at each phase hook (prefill, decode,
+    end) and the warnings of forwards compiled inside their timed window."""
+    marks: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = generate_rows(decoder, pair, prompts, 10, compute_perplexity=False,
+                             compile=TRACE, on_phase=lambda _: marks.append(graphs_compiled()))
+    inside = [str(w.message) for w in caught if "inside its timed window" in str(w.message)]
+    return rows, marks, inside
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in sorted(DECODERS)])
+def test_no_graph_compiles_inside_a_window(model_dirs, name):
+    """A fresh pair (its runners' caches new, EAGLE's and Medusa's heads included), two compiled
+    calls of B = 3 rows: no forward ever compiles inside its timed window; the second call
+    compiles nothing between its first hook and its last (all it met was compiled before, or
+    after the first call's "end"); for the decoders that declare their shapes, neither does the
+    first."""
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["llama"],
+                     draft=with_heads(model_dirs, model_dirs["llama-draft"], "llama"), device="cpu")
+    decoder = compile_test_decoder(name)
+    for call in ("first", "second"):
+        rows, marks, inside = _generation(decoder, pair, PROMPTS)
+        assert inside == [], (call, inside)
+        if call == "second" or name in FIRST_CLEAN:
+            assert marks[0] == marks[-1] and rows[0].stats.compile_in_window_s == 0, (call, marks)
 
 
 def _gen(compile_s: float, graphs: int, in_window_s: float = 0.0) -> SimpleNamespace:
