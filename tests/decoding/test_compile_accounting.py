@@ -49,19 +49,22 @@ def _generation(decoder, pair, prompts: list[list[int]]) -> tuple[list, list[int
     return rows, marks, inside
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in sorted(DECODERS)])
-def test_no_graph_compiles_inside_a_window(model_dirs, name):
-    """A fresh pair (its runners' caches new, EAGLE's and Medusa's heads included), two compiled
-    calls of B = 3 rows: no forward ever compiles inside its timed window; the second call
-    compiles nothing between its first hook and its last (all it met was compiled before, or
-    after the first call's "end"); for the decoders that declare their shapes, neither does the
-    first."""
+@pytest.mark.parametrize(("name", "params"), [
+    *(pytest.param(n, {}, id=n, marks=[pytest.mark.slow] if n in SLOW else [])
+      for n in sorted(DECODERS)),
+    pytest.param("eagle", {"tree": "static", "branching": (2, 2, 1)}, id="eagle-static",
+                 marks=pytest.mark.slow)])
+def test_no_graph_compiles_inside_a_window(model_dirs, name, params):
+    """A fresh pair (its runners' caches new, EAGLE's and Medusa's heads included; EAGLE's
+    dynamic and static trees), two compiled calls of B = 3 rows: no forward ever compiles
+    inside its timed window; the second call compiles nothing between its first hook and its
+    last (all it met was compiled before, or after the first call's "end"); for the decoders
+    that declare their shapes, neither does the first."""
     from mtad_energy.models import load_pair
 
     pair = load_pair(target=model_dirs["llama"],
                      draft=with_heads(model_dirs, model_dirs["llama-draft"], "llama"), device="cpu")
-    decoder = compile_test_decoder(name)
+    decoder = get_decoder(name, **params) if params else compile_test_decoder(name)
     for call in ("first", "second"):
         rows, marks, inside = _generation(decoder, pair, PROMPTS)
         assert inside == [], (call, inside)
