@@ -3,6 +3,7 @@ lengths in one set of forwards (`batch.RowsRunner`), row by row what batch 1 giv
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 from unittest import mock
@@ -18,6 +19,7 @@ from mtad_energy.decoding.runtime.batch import RowsRunner
 from mtad_energy.decoding.runtime.decoder import Decoder
 from mtad_energy.decoding.runtime.generate import generate_ids, generate_rows
 from mtad_energy.decoding.runtime.runner import ModelRunner
+from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from tests.decoding.lossless import batched_row_pvalues, two_sample_pvalue
 from tests.tiny import skip_without_head
@@ -276,3 +278,58 @@ def test_batched_bild_rows_draft_different_lengths_and_keep_the_rollback_rule(lo
                 assert nll[at + j - 1, ids[at + j]] <= 1.5 + 1e-4
             at += st.emitted
         assert len(row.token_ids) == 12
+
+
+# decoders that show the target several drafts (or candidates) per iteration
+MULTI_DRAFT = ["eagle", "mcss", "medusa", "mmtad", "specinfer", "spectr"]
+
+
+@pytest.mark.parametrize("name", MULTI_DRAFT)
+def test_identical_prompts_in_one_batch_decode_independently(llama_pair, name):
+    """Four rows of one prompt, sampled: each row draws its own drafts and coins, so no two rows
+    emit alike over their first 16 tokens (rows sharing a row's draws would, token for token:
+    only a last target step, when one token is left, draws apart)."""
+    decoder = get_decoder(name)
+    rows = generate_rows(decoder, llama_pair, [PROMPTS[0]] * 4, 32, seed=3,
+                         compute_perplexity=False)
+    outputs = [tuple(r.token_ids[:16]) for r in rows]
+    assert len(set(outputs)) == 4, outputs
+
+
+def _per_row_uniforms(gens: list[torch.Generator]):
+    """`DecodeState.uniform` / `uniforms` drawing row b's share of every draw (leading dim: the
+    rows) from ``gens[b]``, in the order a batch of one draws it: a batched row then sees
+    exactly the uniforms it sees alone with that generator."""
+    def uniform(self, rows, *shape):
+        assert rows == len(gens) == self.batch
+        return torch.cat([torch.rand((1, *shape), generator=g) for g in gens])
+
+    def uniforms(self, *shapes):
+        assert all(s[0] == len(gens) == self.batch for s in shapes)
+        per_row = [torch.rand(sum(math.prod(s[1:]) for s in shapes), generator=g).split(
+            [math.prod(s[1:]) for s in shapes]) for g in gens]  # [row][draw]
+        return torch.cat([part for draw in zip(*per_row, strict=True) for part in draw])
+
+    return (mock.patch.object(DecodeState, "uniform", uniform),
+            mock.patch.object(DecodeState, "uniforms", uniforms))
+
+
+@pytest.mark.parametrize("name", ["spectr", "specinfer", "mcss"])
+def test_a_batched_row_on_its_own_uniforms_decodes_as_alone(llama_pair, name):
+    """Three rows of one prompt, each row's uniforms from its own generator: every row's output
+    is its batch-1 output on that generator (up to where a row nears its end, and drafts less
+    alone than the batch does), so nothing of one row's draws reaches another's drafts, coins
+    or next token."""
+    decoder = get_decoder(name)
+    n_new, same = 20, 20 - decoder.lookahead
+
+    def run(seeds: list[int]) -> list[list[int]]:
+        patches = _per_row_uniforms([torch.Generator().manual_seed(s) for s in seeds])
+        with patches[0], patches[1]:
+            rows = generate_rows(decoder, llama_pair, [PROMPTS[0]] * len(seeds), n_new,
+                                 compute_perplexity=False)
+        return [r.token_ids[:same] for r in rows]
+
+    batched = run([0, 1, 2])
+    assert len({tuple(r) for r in batched}) == 3  # premise: the rows differ
+    assert batched == [run([s])[0] for s in range(3)]

@@ -117,3 +117,29 @@ def test_bad_parameters():
         get_decoder("mmtad", gamma=0)
     with pytest.raises(ValueError, match="beam_width"):
         get_decoder("mmtad", beam_width="0")
+
+
+def test_a_node_past_the_rows_own_depth_is_never_accepted():
+    """`mmtad_verify` on two identical beam trees (W = 2, D = 2) whose only passing node is
+    (1, 1) at depth 2: the row that may draft 2 accepts it with its path; the row whose own
+    depth is 1 (near its end) accepts nothing, its path and next token from the root, not from
+    the deeper node. tau = 1: depth 1 fails (0.3 / 0.5), (1, 1) passes (0.3 * 0.99 / 0.25),
+    (1, 0) fails (0.3 * 0.1 / 0.25)."""
+    from mtad_energy.decoding.decoders.mmtad import mmtad_verify
+
+    def dist(**at):  # a distribution over 6 tokens with the given masses, the rest spread
+        rest = (1 - sum(at.values())) / (6 - len(at))
+        return [at.get(f"t{i}", rest) for i in range(6)]
+
+    p = torch.tensor([dist(t1=0.3, t2=0.3), dist(t3=0.1), dist(t4=0.99), dist(), dist()])
+    tree = torch.tensor([[0, 1, 2, 3, 4]] * 2)  # root, (0,0), (0,1), (1,0), (1,1)
+    tokens = torch.tensor([[[1, 2], [3, 4]]] * 2)  # [B, D, W]
+    parents = torch.tensor([[[0, 0], [0, 1]]] * 2)  # (1,0) under (0,0), (1,1) under (0,1)
+    log_q = torch.tensor([[[0.5, 0.5], [0.25, 0.25]]] * 2).log()  # cumulative
+    seqs = torch.tensor([[[1, 3], [2, 4]]] * 2)  # [B, W, D]
+    block, eta, length, nodes, _, _, _, _ = mmtad_verify(
+        p.log().expand(2, -1, -1), tree, tokens, parents, log_q, seqs, torch.tensor([1, 2]),
+        torch.full((2, 1), 0.5), torch.zeros(2, 1, dtype=torch.long), 0.0, 1.0, 0, 1.0)
+    assert eta.tolist() == [0, 2] and length.tolist() == [1, 3]
+    assert nodes[1].tolist() == [0, 2, 4] and block[1, :2].tolist() == [2, 4]
+    assert nodes[0, 0] == 0 and block[0, 0] == 2  # from the root's p (u = 0.5: token 2)

@@ -5,7 +5,15 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mtad_energy.decoding.rules.sampling import Warp, gumbel_topk, residual, sample, warp_probs
+from mtad_energy.decoding.rules.sampling import (
+    Warp,
+    gumbel_topk,
+    on_vocab,
+    residual,
+    sample,
+    warp_probs,
+    warp_support,
+)
 
 
 def test_top_p_drops_a_token_once_the_mass_before_it_exceeds_p():
@@ -127,3 +135,22 @@ def test_top_k_warp_matches_a_full_sort_with_and_without_ties_at_the_cut(ties):
         got = warp_probs(logits, 1.0, top_k, top_p)
         want = _reference_warp(logits, top_k, top_p)
         torch.testing.assert_close(got.sort(-1).values, want.sort(-1).values, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("top_p", [0.3, 0.7, 0.95])
+def test_support_shortcut_equals_the_full_warp_with_a_nucleus(temperature, top_p):
+    """The top-k support shortcut (`warp_support`: the warp computed on the k candidates alone,
+    and `warp_probs`' own top-k path) is the full-sort warp of the scaled logits, nucleus
+    included: top_p < 1 drops candidates there too. Distinct logits, so the shortcut is taken
+    and the kept set is unique."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 40, generator=gen) * 2  # [R, V]
+    top_k = 12
+    want = _reference_warp(logits / temperature, top_k, top_p)
+    tokens, probs = warp_support(logits, temperature, top_k, top_p)
+    assert tokens is not None and tokens.shape == (64, top_k)  # premise: the shortcut ran
+    torch.testing.assert_close(on_vocab(tokens, probs, 40), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(warp_probs(logits, temperature, top_k, top_p), want, atol=1e-6,
+                               rtol=0)
+    assert ((want > 0).sum(-1) < top_k).any()  # premise: the nucleus cut inside the k

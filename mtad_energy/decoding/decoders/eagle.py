@@ -259,6 +259,26 @@ class Eagle(Decoder):
     def draft_hidden(self) -> tuple[int, ...]:
         return (-1,)  # the head's output feature: the input of its children
 
+    def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
+        """What a compiled generation meets only inside its loop, compiled before its windows:
+        the target's verify (a tree of `verify_width` nodes, one per sequence when dynamic);
+        the head's catch-ups (1 .. lookahead + 1 pairs, with the target's features) and its
+        tree's later forwards at full depth (`ModelRunner.grow_tree`'s ``nodes``, with its own
+        output features; one tree per sequence, as `StaticRunner._warm_later` runs them, and
+        a static tree's levels also shared by the rows, as a shallower tree runs them apart)."""
+        head, prm = pair.heads.get("eagle"), self.params
+        if head is None:
+            return ()
+        dynamic = prm.tree == "dynamic"
+        if role == "target":
+            return ((self.verify_width, 0, None, dynamic),)
+        nodes = ((prm.expand,) * prm.depth if dynamic else
+                 tuple(math.prod(prm.branching[:i + 1]) for i in range(len(prm.branching) - 1)))
+        width = head.config.hidden_size * len(self.draft_hidden())
+        return (tuple((c, None, _feature_width(head)) for c in range(1, self.lookahead + 2))
+                + tuple((c, sum(nodes[:i]), width, per_seq) for i, c in enumerate(nodes)
+                        for per_seq in ((True,) if dynamic else (True, False))))
+
     # -- priming: the prompt's pairs ------------------------------------------------------------
     def prefill(self, s: DecodeState) -> None:
         """Feed the head the prompt's pairs but the last (which each step feeds first), from

@@ -96,6 +96,14 @@ class Decoder:
         tokens drafts at most 7)."""
         return min(self.lookahead, max(0, max_new_tokens - 1))
 
+    def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
+        """Forwards of ``role``'s model ("target" / "draft") whose shapes are known before the
+        generation but met only inside its loop, as `static.WarmForward` fields ``(columns, m,
+        features, per_seq)``: a compiled runner compiles them when it is made, before any
+        window opens (chains of the widths every drafting decoder meets sometimes are
+        compiled for all: `generate._runners`). None here."""
+        return ()
+
     def cache_rows(self, role: str) -> int:
         """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):
         the beam width of a beam search over that model; 1 otherwise."""

@@ -157,7 +157,7 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     chain = decoder.lookahead + 1
     # widths a drafting decoder meets only on some runs: a draft's step and its catch-up after a
     # full accept (1, 2), the target's last short verify or step (1, 2) and verify; a head's
-    # forwards take its features (their widths compile at the full-length warm-up)
+    # forwards take its features (the decoder names them: `Decoder.warm_forwards`)
     warm = {"draft": (1, 2) if decoder.head is None else (),
             "target": tuple(sorted({1, 2, chain}))}
     runners: list[ModelRunner] = []
@@ -165,10 +165,15 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
         if getattr(model, "cacheless", False):
             runners.append(HeadRunner(model, timer, role, rows, compile, opts))
         elif compile:
-            from mtad_energy.decoding.runtime.static import ForwardShape, make_runner  # compiler stack
+            from mtad_energy.decoding.runtime.static import (  # the compiler stack
+                ForwardShape,
+                WarmForward,
+                make_runner,
+            )
 
             shape = ForwardShape(repr(decoder), decoder.cache_rows(role), chain,
-                                 warm[role] if decoder.lookahead else (), hidden)
+                                 warm[role] if decoder.lookahead else (), hidden,
+                                 tuple(WarmForward(*f) for f in decoder.warm_forwards(role, pair)))
             runners.append(make_runner(model, timer, role, rows, slots, opts, shape))
         else:
             from mtad_energy.decoding.runtime.batch import rows_runner

@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,18 @@ from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
 
 
+class WarmForward(NamedTuple):
+    """A forward to compile before the windows open (`Decoder.warm_forwards`): ``columns``
+    tokens after ``m`` earlier tree nodes (None: a chain, run at `StaticRunner._width`), with a
+    head's ``features`` of that width (None: none); ``per_seq``: a tree of its own per sequence
+    (at B > 1 rows: one per row, as `slot_forward.rows_of` pads it)."""
+
+    columns: int
+    m: int | None = None
+    features: int | None = None
+    per_seq: bool = False
+
+
 @dataclass(frozen=True)
 class ForwardShape:
     """What a decoder tells the compiled runner of one of its models up front."""
@@ -78,6 +90,10 @@ class ForwardShape:
     # made, before the generation's windows open, so no warm-up has to be lucky to meet them
     warm_widths: tuple[int, ...] = ()
     hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
+    # forwards whose shapes the decoder knows up front but meets only inside the loop
+    # (`Decoder.warm_forwards`: a head's catch-up and tree levels with its features, a tree
+    # verify), compiled with `warm_widths`
+    warm_forwards: tuple[WarmForward, ...] = ()
 
 
 # models already warned about staying eager (Python's own once-per-location filter is reset by
@@ -287,26 +303,46 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
                 + ((("hidden", self.hidden_layers),) if self.hidden_layers else ()))
 
     def _prewarm(self) -> float:
-        """Compile `ForwardShape.warm_widths` at the bucket's rows on this cache now (see
-        `_warm_widths`). Returns the seconds it took (in ``compile_s``)."""
-        return self._warm_widths(self.shape.warm_widths)
+        """Compile `ForwardShape.warm_widths` and `ForwardShape.warm_forwards` at the bucket's
+        rows on this cache now (see `_warm_widths`, `_warm_tree`). Returns the seconds it took
+        (in ``compile_s``)."""
+        before = self.compile_s
+        self._warm_widths(self.shape.warm_widths)
+        rows = len(self.cols) + self.pad
+        for f in self.shape.warm_forwards:
+            if f.m is None:
+                self._warm_widths((self._width(rows, f.columns, None),), features=f.features)
+            else:  # the width the loop's trees pad to (`_width`), then that tree
+                self.engine.tree_widths.setdefault((self.shape.key, rows, f.m), set()).add(
+                    f.columns)
+                self._warm_tree(f.columns, f.m, f.features, f.per_seq and rows > 1, rows)
+        return self.compile_s - before
 
-    def _warm_widths(self, widths: tuple[int, ...], per_seq: int = 1) -> float:
+    def _features(self, rows: int, k: int, features: int | None) -> dict:
+        """A dummy head input of width ``features`` for ``rows x k`` tokens (none: {})."""
+        return {} if features is None else {"features": torch.zeros(
+            rows, k, features, dtype=getattr(self.model, "dtype", torch.float32),
+            device=self.device)}
+
+    def _warm_widths(self, widths: tuple[int, ...], per_seq: int = 1,
+                     features: int | None = None) -> float:
         """Compile chain forwards of ``widths`` at the bucket's rows (times ``per_seq`` rows a
-        sequence: a beam search's): dummy tokens marked not real, written at the first free slot
-        (nothing becomes valid, the next forward overwrites them); a width that does not fit
-        waits for the cache to grow, which warms again. Returns the seconds it took (in
-        ``compile_s``)."""
+        sequence: a beam search's; with a head's ``features`` of that width): dummy tokens
+        marked not real, written at the first free slot (nothing becomes valid, the next forward
+        overwrites them); a width that does not fit waits for the cache to grow, which warms
+        again. Returns the seconds it took (in ``compile_s``)."""
         rows = (len(self.cols) + self.pad) * per_seq
-        todo = [w for w in widths if self._graph_key(rows, w, None) not in self.cache.warmed
+        todo = [w for w in widths
+                if self._graph_key(rows, w, None, features=features) not in self.cache.warmed
                 and self.n + w <= self.cache.slots]
         kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
         before = self.compile_s
         for width in todo:
             ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
             self.cache.start.fill_(self.n)
-            self._warm((ids, torch.zeros_like(ids, dtype=torch.bool)), kwargs)
-            self.cache.warmed.add(self._graph_key(rows, width, None))
+            self._warm((ids, torch.zeros_like(ids, dtype=torch.bool)),
+                       kwargs | self._features(rows, width, features))
+            self.cache.warmed.add(self._graph_key(rows, width, None, features=features))
         return self.compile_s - before
 
     def _warm_later(self, later: tuple[Later, ...], per_seq: int) -> None:
@@ -318,26 +354,30 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         if chains:
             self._warm_widths(chains, per_seq)
         rows = (len(self.cols) + self.pad) * per_seq
-        kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
         for k, m, features in later:
-            per_row = features is not None and rows > 1
-            key = self._graph_key(rows, k, m, per_row, features)
-            at = max(self.n, m or 0)  # room for the M earlier nodes' columns before it
-            if m is None or key in self.cache.warmed or at + k > self.cache.slots:
-                continue
-            ids = torch.zeros(rows, k, dtype=torch.long, device=self.device)
-            trees = rows if per_row else 1
-            anc = torch.ones(trees, k, m + k, dtype=torch.bool, device=self.device)
-            extra = {} if features is None else {"features": torch.zeros(
-                rows, k, features, dtype=getattr(self.model, "dtype", torch.float32),
-                device=self.device)}
-            self.cache.start.fill_(at)
-            self._warm((ids, torch.zeros_like(ids, dtype=torch.bool), anc,
-                        torch.ones(trees, k, dtype=torch.long, device=self.device)),
-                       kwargs | extra)
-            self.cache.warmed.add(key)
-            if at != self.n:  # the warm wrote past the columns in use (after M earlier nodes):
-                self.cache.start.fill_(self.n)  # the fused call that follows starts at them
+            if m is not None:
+                self._warm_tree(k, m, features, features is not None and rows > 1, rows)
+
+    def _warm_tree(self, k: int, m: int, features: int | None, per_row: bool,
+                   rows: int) -> None:
+        """Compile a token tree of K nodes after M at ``rows`` cache rows (a head's with its
+        ``features``; ``per_row``: a tree per row): dummy nodes marked not real at the first
+        free slot, or at M."""
+        key = self._graph_key(rows, k, m, per_row, features)
+        at = max(self.n, m)  # room for the M earlier nodes' columns before it
+        if key in self.cache.warmed or at + k > self.cache.slots:
+            return
+        kwargs: dict = {"hidden": self.hidden_layers} if self.hidden_layers else {}
+        ids = torch.zeros(rows, k, dtype=torch.long, device=self.device)
+        trees = rows if per_row else 1
+        anc = torch.ones(trees, k, m + k, dtype=torch.bool, device=self.device)
+        self.cache.start.fill_(at)
+        self._warm((ids, torch.zeros_like(ids, dtype=torch.bool), anc,
+                    torch.ones(trees, k, dtype=torch.long, device=self.device)),
+                   kwargs | self._features(rows, k, features))
+        self.cache.warmed.add(key)
+        if at != self.n:  # the warm wrote past the columns in use (after M earlier nodes):
+            self.cache.start.fill_(self.n)  # the fused call that follows starts at them
 
     def compile_pending(self) -> float:
         """Compile the fused calls this generation met for the first time (they ran with their
