@@ -108,6 +108,30 @@ def test_the_counter_counts_ops_reads_and_pauses_inside_graph_calls():
                                            "graph_calls_per_iter": 0.5}
 
 
+@pytest.mark.parametrize("made", [False, True])
+def test_the_counter_counts_a_cuda_graph_calls_clones(made):
+    """A CUDA-graph call's host clones each tensor it returns (its next replay overwrites them):
+    one op per tensor output, counted whether this host makes them (``made``: dispatched, so
+    counted as the ops they are) or not (the CPU records no graphs: counted as a GPU's host
+    makes them); a call that is no CUDA graph (a kernel) returns its outputs as they are."""
+    import torch
+
+    from mtad_energy.decoding.runtime.graph_call import GraphFunction
+    from mtad_energy.measure.host_work import HostWorkCounter
+
+    x = torch.ones(3)
+    graph = GraphFunction(lambda x: (x + 1, x * 2, 7), graph=True, clone=made)
+    kernel = GraphFunction(lambda x: (x + 1, x * 2))
+    counter = HostWorkCounter()
+    with counter.counting():
+        a, b, c = graph(x)
+        kernel(x)
+    assert (counter.graph_calls, counter.clones, counter.ops) == (2, 2, 2)  # two tensors
+    assert counter.result(2).clones_per_iter == 1.0
+    assert c == 7 and a.tolist() == [2.0] * 3 and b.tolist() == [2.0] * 3
+    assert (GraphFunction(lambda t: t, graph=True, clone=made)(x) is x) != made  # made: a copy
+
+
 def test_a_read_only_the_cpu_path_makes_is_counted_apart():
     """A shortcut that reads CPU tensors where that is free (`rules.counted.cpu_only`) is not a
     read a GPU makes: counted in ``cpu_only_reads``, not in the reads per iteration."""
