@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                      draft=f"random:{shape[1]},eagle:random-v1,medusa:random", device="cpu",
                      heads=("eagle", "medusa"))
     tokens = 8 if args.smoke else args.tokens
-    rows = []
+    rows: list[dict] = []
+    stem = OUT / (args.label + ("-smoke" if args.smoke else ""))
+    meta = {"command": " ".join(sys.argv), "torch": torch.__version__, "target": shape[0],
+            "draft": shape[1], "tokens": tokens}
     print(" ".join(f"{c:>20}" if i > 2 else f"{c:>10}" for i, c in enumerate(COLUMNS)))
     for name in args.decoders.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
@@ -104,15 +107,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(" ".join(f"{row[c]:>20.1f}" if isinstance(row[c], float) and i > 2
                                else f"{row[c]!s:>20}" if i > 2 else f"{row[c]!s:>10}"
                                for i, c in enumerate(COLUMNS)), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / (args.label + ("-smoke" if args.smoke else ""))
-    stem.with_suffix(".csv").write_text("\n".join(
-        [",".join(COLUMNS)] + [",".join(str(r[c]) for c in COLUMNS) for r in rows]) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"command": " ".join(sys.argv), "torch": torch.__version__,
-         "target": shape[0], "draft": shape[1], "tokens": tokens, "rows": rows}, indent=1))
+                write(stem, meta, rows)  # after every row: a grid cut short keeps its rows
     print(f"wrote {stem}.csv and .json")
     return 0
+
+
+def write(stem: Path, meta: dict, rows: list[dict]) -> None:
+    """The rows so far as ``stem``.csv (`COLUMNS`) and .json (``meta`` and the rows, sites
+    included)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".csv").write_text("\n".join(
+        [",".join(COLUMNS)] + [",".join(str(r[c]) for c in COLUMNS) for r in rows]) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
