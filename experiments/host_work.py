@@ -3,8 +3,9 @@
 On a GPU the host decides a compiled loop's speed: each aten op dispatched outside a compiled
 graph costs ~6-8 us (H200, DESIGN.md section 7). This benchmark counts, with the tool's own
 counter (`mtad_energy.measure.host_work`, through `engines.hf.counted_generation`), per
-decode iteration: aten ops outside compiled graphs, compiled-graph calls and host reads of device
-values, for each (decoder, B, mode), after a warm-up generation that compiles every shape.
+decode iteration: aten ops outside compiled graphs, compiled-graph calls, the clones of their
+outputs (among the ops) and host reads of device values, for each (decoder, B, mode), after a
+warm-up generation that compiles every shape.
 
 Models: random weights at the layer counts of Llama-3.1-8B (32) and Llama-3.2-1B (16) and a tiny
 width (`random:tiny-llama-l32` / `-l16`), with a random EAGLE-1 head and Medusa heads: per-layer
@@ -12,8 +13,10 @@ bookkeeping scales with the layer count, widths change no count. Random weights 
 nothing, so iterations are mostly one-token blocks; the counts are the loop's, not acceptance's.
 Compiled rows use the ``eager`` torch.compile backend (dynamo's graphs run as aten calls, paused
 from the count): what the host dispatches outside the graphs is the same under inductor, which
-takes minutes per graph on this CPU. Not counted (CUDA only): a pinned-memory copy per host list
-sent to the device, a clone per CUDA-graph output, guard checks and launches inside a call.
+takes minutes per graph on this CPU. A GPU clones each tensor a CUDA-graph call returns (its next
+replay overwrites them): counted here as the ops they are there (``clones_per_iter``, among
+``host_ops_per_iter``). Not counted (CUDA only): a pinned-memory copy per host list sent to the
+device, guard checks and launches inside a call.
 
     OMP_NUM_THREADS=1 python experiments/host_work.py --label after          # the whole grid
     python experiments/host_work.py --decoders spd,mtad --batch 1 --modes compiled --sites 20
@@ -41,7 +44,7 @@ from mtad_energy.models import load_pair
 
 OUT = Path(__file__).parent / "results" / "host_work"
 COLUMNS = ("decoder", "batch", "mode", "iterations", "host_ops_per_iter", "graph_calls_per_iter",
-           "host_reads_per_iter", "seconds")
+           "clones_per_iter", "host_reads_per_iter", "seconds")
 
 
 def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -64,7 +67,8 @@ def measure(pair, name: str, batch: int, mode: str, tokens: int, sites: int) -> 
     counter = HostWorkSites() if sites else HostWorkCounter()
     _, work = counted_generation(decoder, pair, prompts, tokens, compile=compile, counter=counter)
     row = {"decoder": name, "batch": batch, "mode": mode, "iterations": work.iterations,
-           **work.columns(), "seconds": round(time.perf_counter() - t0, 1)}
+           **work.columns(), "clones_per_iter": work.clones_per_iter,
+           "seconds": round(time.perf_counter() - t0, 1)}
     if sites:
         it = max(work.iterations, 1)
         row["sites"] = {s: round(n / it, 2) for s, n in counter.sites.most_common(sites)}
@@ -88,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                      draft=f"random:{shape[1]},eagle:random-v1,medusa:random", device="cpu",
                      heads=("eagle", "medusa"))
     tokens = 8 if args.smoke else args.tokens
-    rows = []
+    rows: list[dict] = []
+    stem = OUT / (args.label + ("-smoke" if args.smoke else ""))
+    meta = {"command": " ".join(sys.argv), "torch": torch.__version__, "target": shape[0],
+            "draft": shape[1], "tokens": tokens}
     print(" ".join(f"{c:>20}" if i > 2 else f"{c:>10}" for i, c in enumerate(COLUMNS)))
     for name in args.decoders.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
@@ -100,15 +107,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(" ".join(f"{row[c]:>20.1f}" if isinstance(row[c], float) and i > 2
                                else f"{row[c]!s:>20}" if i > 2 else f"{row[c]!s:>10}"
                                for i, c in enumerate(COLUMNS)), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / (args.label + ("-smoke" if args.smoke else ""))
-    stem.with_suffix(".csv").write_text("\n".join(
-        [",".join(COLUMNS)] + [",".join(str(r[c]) for c in COLUMNS) for r in rows]) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"command": " ".join(sys.argv), "torch": torch.__version__,
-         "target": shape[0], "draft": shape[1], "tokens": tokens, "rows": rows}, indent=1))
+                write(stem, meta, rows)  # after every row: a grid cut short keeps its rows
     print(f"wrote {stem}.csv and .json")
     return 0
+
+
+def write(stem: Path, meta: dict, rows: list[dict]) -> None:
+    """The rows so far as ``stem``.csv (`COLUMNS`) and .json (``meta`` and the rows, sites
+    included)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".csv").write_text("\n".join(
+        [",".join(COLUMNS)] + [",".join(str(r[c]) for c in COLUMNS) for r in rows]) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ hooks (so no prefill, no warm-up of other shapes):
   counted again). Inside a compiled call nothing is counted: compiled calls go through
   `mtad_energy.decoding.runtime.graph_call.GraphFunction`, which pauses the counter around them;
 * ``graph_calls``: those compiled calls (each a CUDA graph replay or a compiled kernel sequence);
+* ``clones``: the ``aten::clone`` of each tensor a CUDA-graph call returns (a GPU's host clones
+  them: the graph's next replay overwrites them; `graph_call.graph_outputs`), counted among the
+  ops too. Where no graph is recorded (the CPU) the clones are not made, and counted all the
+  same, as the ops a GPU host dispatches: a row says what the GPU host does;
 * ``reads``: host reads of device values the code asks for (`is_host_read`): scalar reads
   (``.item()``, ``bool(t)``, ``int(t)``, a 0-d tensor as an index), data-dependent shapes
   (``nonzero``, boolean masks), and ``.tolist()`` / ``.cpu()`` / ``.numpy()`` (a
@@ -82,6 +86,12 @@ class HostWork:
     graph_calls: int
     iterations: int
     cpu_only_reads: int = 0  # reads only the CPU path makes (not in ``reads``; not stored)
+    clones: int = 0  # CUDA-graph outputs cloned (among ``ops``; not stored)
+
+    @property
+    def clones_per_iter(self) -> float | None:
+        """The clones of CUDA-graph outputs per decode iteration (None without iterations)."""
+        return self.clones / self.iterations if self.iterations else None
 
     def columns(self) -> dict[str, float | None]:
         """Per decode iteration, the stored row's columns (None without iterations)."""
@@ -127,6 +137,7 @@ class HostWorkCounter:
         self.ops = 0
         self.reads = 0
         self.graph_calls = 0
+        self.clones = 0
         self.cpu_only_reads = 0
         self._cpu_only = 0  # inside `cpu_only` (nested: a depth)
         self._modes: list[Any] = []
@@ -159,7 +170,8 @@ class HostWorkCounter:
             self.stop()
 
     def result(self, iterations: int) -> HostWork:
-        return HostWork(self.ops, self.reads, self.graph_calls, iterations, self.cpu_only_reads)
+        return HostWork(self.ops, self.reads, self.graph_calls, iterations, self.cpu_only_reads,
+                        self.clones)
 
     # -- compiled calls (`GraphFunction`) ------------------------------------------------------
     @contextmanager
@@ -168,6 +180,16 @@ class HostWorkCounter:
         self.graph_calls += 1
         with self.paused():
             yield
+
+    def clones_of(self, n: int, made: bool) -> None:
+        """A CUDA-graph call's ``n`` tensor outputs cloned on the host: ``made`` (the ops are
+        dispatched here, and counted as such), or the clones a GPU host makes where this one
+        records no graphs (counted as ``n`` ops)."""
+        self.clones += n
+        if not made:
+            for _ in range(n):
+                self.ops += 1
+                self._note("aten.clone", False)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -230,7 +252,7 @@ class HostWorkSites(HostWorkCounter):
 
     def _note(self, name: str, read: bool) -> None:
         frames = [f for f in traceback.extract_stack()[:-3] if self.package in f.filename
-                  and not f.filename.endswith("measure/host_work.py")]
+                  and not f.filename.endswith(("measure/host_work.py", "runtime/graph_call.py"))]
         where = (f"{frames[-1].filename.rsplit(self.package, 1)[-1]}:{frames[-1].lineno} "
                  f"{frames[-1].name}" if frames else "?")
         self.sites[f"{where} {name}"] += 1

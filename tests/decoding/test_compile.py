@@ -249,6 +249,9 @@ def test_a_fused_beam_search_returns_and_leaves_what_its_steps_do(llama_pair, st
     from mtad_energy.decoding.rules.beam import best_at
     from mtad_energy.decoding.runtime.kernels import Kernels
 
+    def whole(tokens, parents, log_q, seqs, paths, depth):  # the search's finish: all of it
+        return (tokens, parents, log_q, seqs, paths, *best_at(tokens, parents, log_q, depth))
+
     pending, counts = torch.tensor([[1, 2], [0, 3], [4, 5]]), [2, 1, 2]
     depth = torch.tensor([4, 2, 3])
     warp = (1.0, 0, 1.0, stochastic)
@@ -259,7 +262,7 @@ def test_a_fused_beam_search_returns_and_leaves_what_its_steps_do(llama_pair, st
         runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
         search = runner.beam_search if fused else partial(ModelRunner.beam_search, runner)
         out = search(Kernels(), pending, counts, 4, 3, warp, torch.Generator().manual_seed(0),
-                     None, best_at, depth)
+                     None, whole, depth)
         return runner, out
 
     assert run("fused", True)[0].compile_pending() > 0  # met first: compiled after it
@@ -321,8 +324,8 @@ def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, trunc
     length = torch.tensor([1, 3, 2])  # root only; the whole path; root and one node
     takes = [1, 2, 2] if truncated else [1, 3, 2]  # EOS: row 1 takes 2 of its 3
 
-    def rule(logits, path, n):  # a verify's kernel: (block, accepted, length, path)
-        return logits.argmax(-1)[:, :3], n - 1, n, path
+    def rule(logits, path, n):  # a verify's kernel: (block, accepted, length, path, *handed)
+        return logits.argmax(-1)[:, :3], n - 1, n, path, logits.argmax(-1)[:, :3]
 
     def run(role: str, fused: bool):
         runner = _three_rows(llama_pair.target, role, ForwardShape(key="verify"))
@@ -337,6 +340,7 @@ def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, trunc
     assert fused.compile_pending() == 0
     assert any("forward_tree_verify" in k for k in fused.cache.warmed)
     assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    assert len(out) == 1  # what the host needs only (a CUDA graph's host clones each output)
     prompts = [[0, 1, 2, 3], [1, 2, 3], [2, 3]]  # the prefill's columns, right-aligned
     assert fused.cols == [c + list(range(4, 4 + t)) for c, t in zip(prompts, takes, strict=True)]
     assert len(fused) == 4 + max(takes)  # the tree's other columns cut
@@ -361,8 +365,8 @@ def test_a_fused_chain_verify_rolls_back_on_the_device(llama_pair, truncated):
 
     length = torch.tensor([1, 4, 2])  # the last token only; every draft; one draft
 
-    def rule(logits, n):  # a verify's kernel: (block, accepted, length)
-        return logits.argmax(-1), n - 1, n
+    def rule(logits, n):  # a verify's kernel: (block, accepted, length, *handed)
+        return logits.argmax(-1), n - 1, n, logits.argmax(-1)
 
     def run(role: str, fused: bool):
         runner = _three_rows(llama_pair.target, role, ForwardShape(max_chain=4))
@@ -386,6 +390,7 @@ def _rolled_back(run, call: str, lengths: list[int]) -> None:
     the crop leave, return what they return, and the device holds exactly the rows' lengths."""
     out, ref = _fused_against_separate(run, call)
     assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    assert len(out) == 1  # what the host needs only (a CUDA graph's host clones each output)
     fused, _ = run("fused", True)
     assert fused.row_lengths == lengths
     assert fused.cache.valid[:3, :len(fused)].sum(1).tolist() == lengths  # exactly, on the device

@@ -334,7 +334,7 @@ class CacheCheckedMtad(Mtad):
         before = len(self.bests)
         result = super().step(s)
         if len(self.bests) > before:
-            self.drafted.append((self.bests[-1], int(result.accepted)))
+            self.drafted.append((self.bests[-1], int(result.count("accepted"))))
         return result
 
 
@@ -345,9 +345,13 @@ def test_mtad_keeps_the_draft_cache_of_the_chosen_beam(lossless_pair):
     real_beam_sample = mtad_mod.beam_sample_rows
 
     def spy(*args, **kwargs):
-        out = real_beam_sample(*args, **kwargs)
-        dec.bests.append(int(out.best[0]))  # batch of one sequence
-        return out
+        finish = kwargs["finish"]  # the search hands back only what it reads: `best` read here
+
+        def best(tokens, parents, log_q, *rest):
+            dec.bests.append(int(log_q[0, -1].argmax()))  # batch of one sequence
+            return finish(tokens, parents, log_q, *rest)
+
+        return real_beam_sample(*args, **{**kwargs, "finish": best})
 
     with mock.patch.object(mtad_mod, "beam_sample_rows", spy):
         for seed in range(8):

@@ -168,9 +168,9 @@ def test_caches_keep_the_row_of_the_emitted_prefix(lossless_pair):
     class Checked(spectr.Spectr):
         def step(self, s):
             result = super().step(s)
-            tokens = result.tokens.reshape(-1)  # [m] (a target step gives [1, 1])
-            emitted = (tokens if result.length is None  # the loop's read-back, done here
-                       else tokens[:int(result.length)])
+            tokens = result.block_view().reshape(-1)  # [m] (a target step gives [1, 1])
+            emitted = (tokens if result.count("length") is None  # the loop's read-back, here
+                       else tokens[:int(result.count("length"))])
             ids = torch.cat([s.ids[0, :s.n], emitted])
             for runner in (s.target, s.draft):
                 length = min(len(runner), ids.shape[0] - 1)

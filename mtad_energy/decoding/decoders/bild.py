@@ -140,7 +140,8 @@ class Bild(Decoder):
                                             prm.fallback, warp, s.generator, counts)  # [B, M]
         # logits [B, M+1, V] -> the block (compiled at full width: the verify, its rule and the
         # rollback one graph call)
-        block, n, length, recent, read = s.target.verify(
+        recent, read = s.target.verify(
             s.kernels, torch.cat([s.last_token, draft], 1), bild_verify, draft,
             s.on_device(lengths), s.uniform(s.batch, 1), s.recent, prm.rollback, *warp.args)
-        return StepResult(block, lengths, n, length, depth=lengths, recent=recent, read=read)
+        return StepResult.from_read(read, recent, ("accepted", "length"), proposed=lengths,
+                                    depth=lengths)

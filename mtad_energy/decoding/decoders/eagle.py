@@ -325,14 +325,15 @@ class Eagle(Decoder):
             row_depth = lens
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]
         # the verify's forward (returning every node's features) and its rule: one graph call
-        block, depth, length, kept, feat, recent, read = tree_verify(
+        feat, recent, read = tree_verify(
             s.target, s.kernels, full, anc, eagle_verify, full, parents, anc, caps, levels,
             s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent,
             row_depth if isinstance(row_depth, torch.Tensor) else None, *warp.args)
         s.carry["feat"] = feat  # the root's and the accepted nodes', right-aligned: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
-        return StepResult(block, tuple(proposed), depth, length,
-                          **depth_fields(row_depth, s.batch), recent=recent, read=read)
+        depth = depth_fields(row_depth, s.batch)  # a tensor: the device's, in the read-back
+        packed = ("accepted", "length") + (("device_depth",) if "device_depth" in depth else ())
+        return StepResult.from_read(read, recent, packed, proposed=tuple(proposed), **depth)
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """What the head is fed first: the pairs it has not seen (tokens j + 1, carried

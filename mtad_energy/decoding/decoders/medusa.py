@@ -113,13 +113,14 @@ class Medusa(Decoder):
         speculative = prm.acceptance == "speculative"
         # the verify's forward (returning every node's features) and its rule: one graph call
         draws = ((full.numel(), 1),) if speculative else ()  # the rule's, then the next token's
-        block, depth, length, path, feat, recent, read = tree_verify(
+        feat, recent, read = tree_verify(
             s.target, s.kernels, full, anc, medusa_verify, full, parents, anc,
             s.on_device(lens), s.uniforms(*draws, (s.batch, 1)), s.recent, len(branching),
             speculative, prm.eps, prm.delta, *warp.args)
         s.carry["hidden"] = feat  # the deepest accepted node's: the heads' next input
         nodes = tuple(tree_nodes(branching[:n]) for n in lens)
-        return StepResult(block, nodes, depth, length, depth=lens, recent=recent, read=read)
+        return StepResult.from_read(read, recent, ("accepted", "length"), proposed=nodes,
+                                    depth=lens)
 
 
 def medusa_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,

@@ -53,32 +53,34 @@ class Mmtad(Decoder):
         beams = beam_sample_rows(s.draft, pending, gamma, width, warp, s.generator,
                                  counts=counts, kernels=s.kernels, finish=beam_tree,
                                  finish_args=(s.last_token,))  # fields [B, ...]
-        tokens, anc = beams.finished  # [B, 1 + D*W], [B, N, N]
+        tree, anc, tokens, parents, log_q, seqs = beams.finished  # [B, N], [B, N, N], ...
         # the target scores the whole tree in one forward; each row over its own depth (its
         # search alone stops there; y* is then the best beam at that depth); a row with no draft
         # of its own takes its token from p
         # (compiled: the target's rollback to the kept path in the same graph call)
-        block, eta, length, _, row, kept, recent, read = tree_verify(
-            s.target, s.kernels, tokens, anc, mmtad_verify, tokens, beams.tokens, beams.parents,
-            beams.log_q, beams.seqs, s.on_device(lens), s.uniform(s.batch, 1), s.recent,
-            prm.log_tau, *warp.args)
+        row, recent, read = tree_verify(
+            s.target, s.kernels, tree, anc, mmtad_verify, tree, tokens, parents, log_q, seqs,
+            s.on_device(lens), s.uniform(s.batch, 1), s.recent, prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
         beams.keep_rows(s.draft, row)
-        return StepResult(block, tuple(n * width for n in lens), eta, length, kept, depth=lens,
-                          recent=recent, read=read)
+        return StepResult.from_read(read, recent, ("accepted", "length", "draft_kept"),
+                                    proposed=tuple(n * width for n in lens), depth=lens)
 
 
 def beam_tree(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
-              last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              seqs: torch.Tensor, path_log_q: torch.Tensor, last: torch.Tensor
+              ) -> tuple[torch.Tensor, ...]:
     """Kernel: the beam tree (``tokens, parents, log_q [B, D, W]``) as the target's token tree
-    after the last emitted token ``last [B, 1]``: root 0, node (d, b) at 1 + d*W + b;
-    ``(tokens [B, N], ancestors [B, N, N])``, N = 1 + D*W."""
+    after the last emitted token ``last [B, 1]``: root 0, node (d, b) at 1 + d*W + b; ``(tree
+    [B, N], ancestors [B, N, N], tokens, parents, log_q, seqs [B, W, D])``, N = 1 + D*W: what
+    MMTAD reads of its search (the search's ``finish``; ``path_log_q`` it does not)."""
     rows, gamma, width = tokens.shape
     flat_par = torch.cat([parents.new_full((rows, 1), -1), parents.new_zeros(rows, width),
                           1 + (torch.arange(gamma - 1, device=tokens.device)[None, :, None] * width
                                + parents[:, 1:]).reshape(rows, -1)], 1)  # [B, N]
-    return torch.cat([last, tokens.reshape(rows, -1)], 1), ancestors(flat_par)
+    return (torch.cat([last, tokens.reshape(rows, -1)], 1), ancestors(flat_par), tokens,
+            parents, log_q, seqs)
 
 
 def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
@@ -88,10 +90,10 @@ def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
     """Kernel: MMTAD's rule on the verified beam tree (``logits [B, N, V]`` of ``tree [B, N]``,
     `beam_tree`; the draft's ``tokens, parents, log_q [B, D, W]`` and final beams ``seqs [B, W,
     D]``), each row over its own draft length ``lens [B]`` (0: nothing accepted). Returns
-    ``(block [B, D+1], eta, length, path [B, 1+D], row, kept [B], recent, read)``: the emitted
-    block, the target tree's nodes to keep (root first), and the final beam whose draft cache to
-    keep, as its cache row (`beam_rows`), with the length it shares with the emitted draft
-    (`block_out`: ``recent``, ``read``)."""
+    ``(block [B, D+1], eta, length, path [B, 1+D], row, recent, read)``: the emitted block, the
+    target tree's nodes to keep (root first), and the final beam whose draft cache to keep, as
+    its cache row (`beam_rows`), with the length it shares with the emitted draft (kept [B],
+    in ``read`` only; `block_out`: ``recent``, ``read``)."""
     rows, gamma, width = tokens.shape
     p = warp_probs(logits, temperature, top_k, top_p)  # [B, N, V]
     # each node's conditional log ~p: p at its parent (its flat index: `beam_tree`), of its token
@@ -111,5 +113,5 @@ def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
     block, length = block_tokens(path_tok, eta, nxt)
     beam, kept = closest_beam(seqs, path_tok, eta)
     nodes = torch.cat([path.new_zeros(rows, 1), 1 + d_idx[None] * width + path], 1)  # [B, 1+D]
-    return (block, eta, length, nodes, beam_rows(beam, width), kept,
+    return (block, eta, length, nodes, beam_rows(beam, width),
             *block_out(block, length, recent, eta, length, kept))

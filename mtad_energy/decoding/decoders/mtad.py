@@ -66,15 +66,27 @@ class Mtad(Decoder):
         # nothing: its token is from p
         depth = s.on_device(lens)  # [B]
         beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
-                                 counts=counts, kernels=s.kernels, finish=best_at,
+                                 counts=counts, kernels=s.kernels, finish=mtad_finish,
                                  finish_args=(s.on_device([max(1, n) for n in lens]),))
-        y, cum_log_q = beams.finished  # [B, gamma] each
+        y, cum_log_q, seqs = beams.finished  # [B, gamma], [B, gamma], [B, W, gamma]
         # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
-        tokens, eta, length, row, kept, recent, read = s.target.verify(
-            s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth,
-            beams.seqs, s.uniform(s.batch, 1), s.recent, prm.log_tau, *warp.args)
+        row, recent, read = s.target.verify(
+            s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth, seqs,
+            s.uniform(s.batch, 1), s.recent, prm.log_tau, *warp.args)
         beams.keep_rows(s.draft, row)  # the draft cache holds y*_1..y*_kept
-        return StepResult(tokens, lens, eta, length, kept, depth=lens, recent=recent, read=read)
+        return StepResult.from_read(read, recent, ("accepted", "length", "draft_kept"),
+                                    proposed=lens, depth=lens)
+
+
+def mtad_finish(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
+                seqs: torch.Tensor, path_log_q: torch.Tensor, depth: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel: what MTAD reads of its beam search (`beams.BeamDraft`'s fields, the search's
+    ``finish``): y*, each row's best beam at its own depth ``depth [B]`` (`best_at`), its
+    cumulative log ~q, and the final beams: ``(y [B, gamma], cum_log_q [B, gamma], seqs [B, W,
+    gamma])``, what its verify reads. (The row's last token stays out of the graph: a slice of
+    the ids would bring their buffer's strides into its guards.)"""
+    return (*best_at(tokens, parents, log_q, depth), seqs)
 
 
 def mtad_verify(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,
@@ -84,11 +96,11 @@ def mtad_verify(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,
     """Kernel: the verify's warped p (``logits [B, gamma+1, V]``), MTAD's rule on y*
     (`joint_accept_u`), the block, and the final beam (of ``seqs [B, W, gamma]``) whose draft
     cache to keep, as its cache row (`beam_rows`), with the length it shares with the emitted
-    draft: ``(tokens [B, gamma+1], eta, length, row [B], kept [B], recent, read)``
-    (`block_out`)."""
+    draft: ``(tokens [B, gamma+1], eta, length, row [B], recent, read)`` (`block_out`; kept
+    [B] in ``read`` only)."""
     p = warp_probs(logits, temperature, top_k, top_p)
     eta, nxt = joint_accept_u(p, y, cum_log_q, log_tau, u_next, depth)
     tokens, length = block_tokens(y, eta, nxt)
     beam, kept = closest_beam(seqs, y, eta)
-    return (tokens, eta, length, beam_rows(beam, seqs.shape[1]), kept,
+    return (tokens, eta, length, beam_rows(beam, seqs.shape[1]),
             *block_out(tokens, length, recent, eta, length, kept))

@@ -29,7 +29,7 @@ from mtad_energy.decoding.rules.sampling import split_uniforms, warp_probs
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState, to_device
-from mtad_energy.decoding.runtime.step import StepResult, block_read, block_tokens
+from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
 
 
 @dataclass(frozen=True)
@@ -91,21 +91,23 @@ class PromptLookup(Decoder):
                            for t in [s.tokens[b][-1], *d] + [0] * (gamma - len(d))],
                           s.device).view(s.batch, 1 + gamma)
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
-        tokens, n, length, read = s.target.verify(
+        recent, read = s.target.verify(
             s.kernels, chain, pld_verify, chain, s.on_device(lens),
-            s.uniforms((s.batch, gamma), (s.batch, 1)), *prm.warp.args)
-        return StepResult(tokens, lens, n, length, depth=lens, read=read)
+            s.uniforms((s.batch, gamma), (s.batch, 1)), s.recent, *prm.warp.args)
+        return StepResult.from_read(read, recent, ("accepted", "length"), proposed=lens,
+                                    depth=lens)
 
 
 def pld_verify(logits: torch.Tensor, chain: torch.Tensor, lens: torch.Tensor, u: torch.Tensor,
-               temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
+               recent: torch.Tensor, temperature: float, top_k: int, top_p: float
+               ) -> tuple[torch.Tensor, ...]:
     """Kernel: warped p of the verify (``logits [B, gamma+1, V]`` of ``chain [B, 1 + gamma]``:
     the last token, then the drafts), speculative sampling of the one-hot drafts of lengths
     ``lens [B]`` (`lookup_accept_u`; ``u``: its uniforms ``[B, gamma]`` then ``[B, 1]``, flat),
-    and the block: ``(tokens [B, gamma+1], accepted [B], length [B], read)`` (`block_read`:
-    it drafts on the host, so it needs no `DecodeState.recent`)."""
+    and the block: ``(tokens [B, gamma+1], accepted [B], length [B], recent, read)``
+    (`block_out`: the rows' last tokens after it, so the ids on the device are not written)."""
     draft = chain[:, 1:]  # [B, gamma]
     p = warp_probs(logits, temperature, top_k, top_p)
     n, nxt = lookup_accept_u(p, draft, lens, *split_uniforms(u, draft.shape, (draft.shape[0], 1)))
     tokens, length = block_tokens(draft, n, nxt)
-    return tokens, n, length, block_read(tokens, n, length)
+    return (tokens, n, length, *block_out(tokens, length, recent, n, length))

@@ -129,7 +129,7 @@ class SpecInfer(Decoder):
         # the tree grown level by level (compiled: one graph call), [B, N], [B, 1 + N_int, V]
         tokens, q = s.draft.tree_levels(s.kernels, pending, counts, branching, anc_d, draw_level,
                                         u, self.without_replacement, *warp.args)
-        block, depth, length, _, recent, read = tree_verify(
+        recent, read = tree_verify(
             s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, specinfer_verify,
             q, tokens, s.uniforms(tokens.shape, (s.batch, 1)), s.recent, branching,
             self.without_replacement, *warp.args)
@@ -137,7 +137,8 @@ class SpecInfer(Decoder):
         # to the accepted depth); the draft drops its tree and is fed the accepted path next
         s.draft_rewind()
         nodes = tuple(tree_nodes(self.params.branching[:n]) for n in lens)
-        return StepResult(block, nodes, depth, length, depth=lens, recent=recent, read=read)
+        return StepResult.from_read(read, recent, ("accepted", "length"), proposed=nodes,
+                                    depth=lens)
 
 
 def specinfer_verify(logits: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor,

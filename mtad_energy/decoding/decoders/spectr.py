@@ -88,7 +88,7 @@ class Spectr(Decoder):
                                         draw_drafts, s.uniform(s.batch, 1 + k * (gamma - 1), k),
                                         *warp.args)
         # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
-        block, n, length, _, recent, read = tree_verify(
+        recent, read = tree_verify(
             s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, spectr_verify, q,
             tokens, s.uniforms((s.batch, k, gamma), (s.batch, 1)), s.recent, k,
             2 * self.params.top_k, *warp.args)
@@ -96,8 +96,8 @@ class Spectr(Decoder):
         # accepted length); the draft drops its tree and is fed the accepted tokens next
         s.draft_rewind()
         # proposed = every draft token shown to the target (k * gamma), as for tree decoders
-        return StepResult(block, tuple(k * g for g in lens), n, length, depth=lens,
-                          recent=recent, read=read)
+        return StepResult.from_read(read, recent, ("accepted", "length"),
+                                    proposed=tuple(k * g for g in lens), depth=lens)
 
 
 def spectr_verify(logits: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor,

@@ -55,12 +55,13 @@ class Typical(Decoder):
         if gamma == 0:  # one token left: no point drafting
             return target_step(s, warp)
         pending, counts = s.draft_feed()
-        draft, _ = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma]
+        draft, = draft_chain(s, pending, gamma, warp, counts, q=False)  # [B, gamma]
         # logits [B, gamma+1, V] -> the block (compiled: one graph call)
-        tokens, n, length, recent, read = s.target.verify(
+        recent, read = s.target.verify(
             s.kernels, torch.cat([s.last_token, draft], 1), typical_verify, draft,
             s.on_device(lens), s.uniform(s.batch, 1), s.recent, prm.eps, prm.delta, *warp.args)
-        return StepResult(tokens, lens, n, length, depth=lens, recent=recent, read=read)
+        return StepResult.from_read(read, recent, ("accepted", "length"), proposed=lens,
+                                    depth=lens)
 
 
 def typical_verify(logits: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor,

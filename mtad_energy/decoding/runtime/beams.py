@@ -28,15 +28,17 @@ class BeamDraft:
     of its parent at depth d-1, and its cumulative warped log-probability. Dead nodes (fewer than
     W candidates with positive probability) have ``log_q == -inf``.
     ``seqs[b]`` / ``path_log_q[b]`` are final beam b's tokens and cumulative log-probs per depth.
-    ``finished``: what the search's ``finish`` function returned (`beam_sample_rows`).
+    ``finished``: what the search's ``finish`` function returned (`beam_sample_rows`): a search
+    with one hands back only that (the tree's fields None; ``depth``: D).
     """
 
-    tokens: torch.Tensor  # [(B,) D, W]
-    parents: torch.Tensor  # [(B,) D, W]
-    log_q: torch.Tensor  # [(B,) D, W]
-    seqs: torch.Tensor  # [(B,) W, D]
-    path_log_q: torch.Tensor  # [(B,) W, D]
+    tokens: torch.Tensor | None  # [(B,) D, W]
+    parents: torch.Tensor | None  # [(B,) D, W]
+    log_q: torch.Tensor | None  # [(B,) D, W]
+    seqs: torch.Tensor | None  # [(B,) W, D]
+    path_log_q: torch.Tensor | None  # [(B,) W, D]
     finished: tuple = ()
+    depth: int = 0  # D
 
     @property
     def best(self) -> torch.Tensor:  # [(B,)]
@@ -71,14 +73,14 @@ class BeamDraft:
     def keep_rows(self, runner: ModelRunner, rows: torch.Tensor) -> None:
         """`keep` of the beams in cache rows ``rows [B]`` (`rules.beam.beam_rows`: a verify's
         kernel gives them)."""
-        if self.tokens.shape[-2] > 1:  # depth 1 never expanded the cache
+        if self.depth > 1:  # depth 1 never expanded the cache
             runner.select_rows(rows)
 
     def squeeze(self) -> BeamDraft:
         """The one sequence of a batch of 1, without the batch dim."""
         return BeamDraft(*(x[0] for x in (self.tokens, self.parents, self.log_q, self.seqs,
                                           self.path_log_q)),
-                         tuple(x[0] for x in self.finished))
+                         tuple(x[0] for x in self.finished), self.depth)
 
 
 def _pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -105,9 +107,10 @@ def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, w
     """Run ``depth`` beam steps of ``runner``'s model for B sequences after feeding ``first_ids
     [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`); the steps'
     arithmetic runs as ``kernels`` (`DecodeState.kernels`; default eager), their uniforms drawn
-    from ``generator``. ``finish(tokens, parents, log_q, *finish_args)``: a kernel reading the
-    finished tree (MTAD's `rules.beam.best_at`), run with the search (in its graph, compiled);
-    its outputs are `BeamDraft.finished`.
+    from ``generator``. ``finish(tokens, parents, log_q, seqs, path_log_q, *finish_args)``: a
+    kernel reading the finished tree (MTAD's `mtad.mtad_finish`), run with the search (in its
+    graph, compiled); its outputs are `BeamDraft.finished`, and the search hands back nothing
+    else (the tree's fields None).
 
     The runner's B-row cache is expanded to W rows per sequence (row b*W + w); on return row
     b*W + w holds sequence b's prefix plus the first depth-1 tokens of its final beam w (the last
@@ -116,4 +119,6 @@ def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, w
     out = runner.beam_search(kernels or Kernels(), first_ids, counts, depth, width,
                              (*warp.args, stochastic), generator, eos_token_id, finish,
                              *finish_args)
-    return BeamDraft(*out[:5], tuple(out[5:]))
+    if finish is not None:
+        return BeamDraft(None, None, None, None, None, tuple(out), depth)
+    return BeamDraft(*out, depth=depth)

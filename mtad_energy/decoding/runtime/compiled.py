@@ -35,6 +35,19 @@ class CompileOptions:
     # engine compiles the same function: shapes x buffer sizes x models); dynamo's default is 8
     recompile_limit: int = 256
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether a GPU runs the compiled calls as CUDA graphs, each tensor output cloned on the
+        host (`graph_call.graph_outputs`): `uses_cuda_graphs` of ``mode``."""
+        return uses_cuda_graphs(self.mode)
+
+
+def uses_cuda_graphs(mode: str | None) -> bool:
+    """Whether compile ``mode`` runs CUDA graphs on a GPU: "reduce-overhead" and "max-autotune",
+    and None, which picks "reduce-overhead" on CUDA with inductor (a count made with another
+    backend, standing in for inductor, counts the clones inductor's graphs make)."""
+    return mode in (None, "reduce-overhead", "max-autotune")
+
 
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far."""

@@ -25,13 +25,14 @@ def next_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k:
     return sample_u(warp_probs(logits[:, -1], temperature, top_k, top_p), u)[:, None]
 
 
-def next_token_after(logits: torch.Tensor, u: torch.Tensor, recent: torch.Tensor,
-                     temperature: float, top_k: int, top_p: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_after(logits: torch.Tensor, u: torch.Tensor, recent: torch.Tensor | None,
+                     temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: `next_token`, and each row's last T tokens after it (``recent [B, T]``: before
-    it, `DecodeState.recent`): ``(token [B, 1], recent [B, T])``."""
+    it, `DecodeState.recent`): ``(token [B, 1], recent [B, T])``; ``recent`` None (T = 1,
+    ``ar``'s: the token is the rows' last tokens): ``(token,)``, one output fewer to clone on a
+    GPU host."""
     token = next_token(logits, u, temperature, top_k, top_p)
-    return token, torch.cat([recent[:, 1:], token], 1)
+    return (token,) if recent is None else (token, torch.cat([recent[:, 1:], token], 1))
 
 
 def draft_next(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
@@ -42,24 +43,34 @@ def draft_next(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k:
     return sample_u(q, u)[:, None], q
 
 
+def draft_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
+                top_p: float) -> tuple[torch.Tensor]:
+    """Kernel: `draft_next` without q, for a rule that does not read it: ``(token [B, 1],)``."""
+    return draft_next(logits, u, temperature, top_k, top_p)[:1]
+
+
 def draft_chain(s: DecodeState, pending: torch.Tensor, gamma: int, warp: Warp,
-                counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                counts: list[int] | None = None, q: bool = True) -> tuple[torch.Tensor, ...]:
     """The chain step spd and typical share: sample gamma tokens per row autoregressively from
     warped q after feeding ``pending [B, k]`` (row b's last counts[b] tokens real, see
-    `DecodeState.draft_feed`) to the draft: ``(draft [B, gamma], q [B, gamma, V])``. The
-    chain's uniforms are drawn at once; compiled, the chain is one graph call
-    (`ModelRunner.chain`)."""
-    return s.draft.chain(s.kernels, pending, counts, draft_next, s.uniform(gamma, s.batch, 1),
-                         *warp.args)
+    `DecodeState.draft_feed`) to the draft: ``(draft [B, gamma], q [B, gamma, V])``, or
+    ``(draft,)`` without ``q`` (a rule that does not read it: the chain hands back, and a GPU
+    host clones, one tensor). The chain's uniforms are drawn at once; compiled, the chain is one
+    graph call (`ModelRunner.chain`)."""
+    return s.draft.chain(s.kernels, pending, counts, draft_next if q else draft_token,
+                         s.uniform(gamma, s.batch, 1), *warp.args)
 
 
 def target_step(s: DecodeState, warp: Warp) -> StepResult:
     """One token per row sampled from warped p after the sequence: ``ar``'s step, and what a
     drafting decoder does when only one token is left (drafting would be wasted)."""
     # logits [B, 1, V] -> [B, 1] (compiled: the forward and the draw one graph call)
-    token, recent = s.target.then(s.kernels, s.last_token, next_token_after,
-                                  s.uniform(s.batch, 1), s.recent, *warp.args)
-    return StepResult(token, recent=recent)
+    # T = 1: the token is the rows' last token (and the same tensor as `last_token` after
+    # it, which a compiled call must not get twice: dynamo would recompile for the alias)
+    recent = s.recent if s.recent_width > 1 else None
+    out = s.target.then(s.kernels, s.last_token, next_token_after, s.uniform(s.batch, 1),
+                        recent, *warp.args)  # (token [B, 1], recent [B, T]) or (token,)
+    return StepResult(out[0], recent=out[-1])
 
 
 class Decoder:

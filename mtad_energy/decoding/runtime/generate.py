@@ -25,7 +25,7 @@ from mtad_energy.decoding.runtime.stats import (
     spans_work,
     total_work,
 )
-from mtad_energy.decoding.runtime.step import StepResult
+from mtad_energy.decoding.runtime.step import COUNTS, StepResult
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.models import ModelPair
 
@@ -87,32 +87,34 @@ def _check_lengths(pair: ModelPair, decoder: Decoder, prompt_len: int, max_new_t
             f"({look}) = {need} exceeds the target's context of {ctx}; {fix}")
 
 
-def _read_back(result: StepResult, tokens: torch.Tensor
-               ) -> list[tuple[list[int], int, float, int]]:
+def _read_back(result: StepResult, rows: int) -> list[tuple[list[int], int, float, int]]:
     """Per row: (emitted tokens, accepted count, draft-cache positions kept, draft depth) on the
     host, in one device-to-host copy of the tokens (``result.tokens`` as ``[B, m]``) and whatever
     counts the decoder left on the device (a depth known only on the device: EAGLE's dynamic
-    tree)."""
-    rows = tokens.shape[0]
-    fields = (result.accepted, result.length, result.draft_kept, result.device_depth)
-    on_device = [x for x in fields if isinstance(x, torch.Tensor)]
+    tree), or of ``result.read``, where the kernel packed them."""
+    on_device = result.device_counts()
+    block = result.block_rows(rows)
     if result.read is not None:  # packed by the kernel, inside its graph
-        assert result.read.shape == (rows, len(on_device) + tokens.shape[1]), (
+        width = None if block is None else len(on_device) + block.shape[1]
+        assert result.read.shape[0] == rows and width in (None, result.read.shape[1]), (
             "StepResult.read must hold the device counts, then the tokens")
         tokens = result.read
     elif on_device:  # [B, F + m]: the counts, then the tokens (one op each, whatever F)
-        on_device = [x if x.dtype == tokens.dtype else x.to(tokens.dtype) for x in on_device]
-        tokens = torch.cat([torch.stack(on_device, -1).reshape(rows, -1), tokens], 1)
+        counts = [getattr(result, c) for c in on_device]
+        counts = [x if x.dtype == block.dtype else x.to(block.dtype) for x in counts]
+        tokens = torch.cat([torch.stack(counts, -1).reshape(rows, -1), block], 1)
+    else:
+        tokens = block
     values = tokens.tolist()
     out = []
     for row in values:
         host = []
-        for x in fields:
-            if isinstance(x, torch.Tensor):
+        for name in COUNTS:
+            if name in on_device:
                 host.append(row[0])
                 row = row[1:]
             else:
-                host.append(x)
+                host.append(getattr(result, name))
         accepted, length, draft_valid, row_depth = host
         if length is not None:
             row = row[:length]
@@ -343,9 +345,8 @@ def _loop(run: _Run, trace: Trace) -> None:
     while state.remaining > 0:
         before, lengths = run.forwards(), list(state.lengths)
         result = run.decoder.step(state)
-        block = result.tokens  # [B, m] ([m]: one sequence)
-        block = block if block.dim() == 2 else block.reshape(run.rows, -1)
-        read = _read_back(result, block)  # the one host sync per iteration
+        block = result.block_rows(run.rows)  # [B, m]; None: in result.read only
+        read = _read_back(result, run.rows)  # the one host sync per iteration
         timer.flush()  # this iteration's events are complete now: reading them does not stall
         after = run.forwards()
         taken = _take_rows(run, trace, result, read, (after[0] - before[0], after[1] - before[1]))
@@ -368,14 +369,16 @@ def _loop(run: _Run, trace: Trace) -> None:
     run.hook("end")
 
 
-def _counted(result: StepResult, block: torch.Tensor, taken: list[list[int]],
+def _counted(result: StepResult, block: torch.Tensor | None, taken: list[list[int]],
              read: list[tuple[list[int], int, float, int]]) -> torch.Tensor | int | None:
     """The rows' new tokens as the device counts them (the block's ``length``, or all of its
     columns) when every row took exactly that; None when one took less (EOS, max_new_tokens, a
-    row already done)."""
+    row already done) or the device's count is only in the read-back (`StepResult.packed`)."""
     if any(len(t) != len(r[0]) for t, r in zip(taken, read, strict=True)):
         return None
-    return block.shape[1] if result.length is None else result.length
+    if result.length is not None:
+        return result.length
+    return None if block is None or "length" in result.packed else block.shape[1]
 
 
 def _take_rows(run: _Run, trace: Trace, result: StepResult,

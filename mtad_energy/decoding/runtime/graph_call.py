@@ -1,10 +1,17 @@
-"""A compiled function as the host sees it: one call.
+"""A compiled function as the host sees it: one call, and the clones of its outputs.
 
 Every ``torch.compile``d function the decode loop calls (a runner's forward, a head) goes through
 `GraphFunction`, so a host-work counter on the dispatch mode stack (`mtad_energy.measure.host_work`,
 found by duck type: this package does not import `measure`) counts the call as one graph call and
 none of the ops inside it. Without a counter it is a plain call. A call that compiles (a new
 shape's untimed warm-up) is not the loop's work: `uncounted` runs it with the count paused.
+
+A call that a GPU runs as a CUDA graph (``graph``: mode ``reduce-overhead``) hands back tensors
+its next replay overwrites, so the host clones each one (an ``aten::clone`` per tensor output:
+the fewer outputs a call returns, the less host work). Where graphs are recorded (``clone``) the
+clones are made here, and a counter sees them as the ops they are; elsewhere (the CPU, which
+records no graphs) a counter still counts them, as the ops a GPU host makes
+(`graph_outputs`), so a count on the CPU says what the GPU host does.
 """
 
 from __future__ import annotations
@@ -12,20 +19,44 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from mtad_energy.decoding.rules.counted import counter_on_stack
 
 
-class GraphFunction:
-    """Wraps a compiled function ``fn``; calling it calls ``fn``."""
+def graph_outputs(out: Any, clone: bool) -> Any:
+    """A CUDA-graph call's outputs as the host keeps them: ``out`` (a tensor or a flat tuple)
+    with each tensor cloned if ``clone`` (the graph's next replay overwrites them), else as it
+    is; a host-work counter counts one clone per tensor either way (`HostWorkCounter.clones_of`:
+    made, or the ones a GPU host would make)."""
+    items = out if isinstance(out, tuple) else (out,)
+    n = sum(isinstance(t, torch.Tensor) for t in items)
+    counter = counter_on_stack()
+    if counter is not None:
+        counter.clones_of(n, made=clone)
+    if not clone:
+        return out
+    kept = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in items)
+    return kept if isinstance(out, tuple) else kept[0]
 
-    def __init__(self, fn: Callable[..., Any]):
+
+class GraphFunction:
+    """Wraps a compiled function ``fn``; calling it calls ``fn``. ``graph``: a GPU runs it as a
+    CUDA graph (its tensor outputs cloned on the host, `graph_outputs`); ``clone``: this process
+    does (its outputs are cloned here)."""
+
+    def __init__(self, fn: Callable[..., Any], graph: bool = False, clone: bool = False):
         self.fn = fn
+        self.graph = graph
+        self.clone = clone
 
     def __call__(self, *args, **kwargs):
-        return self._under("graph_call", args, kwargs)
+        out = self._under("graph_call", args, kwargs)
+        return graph_outputs(out, self.clone) if self.graph else out
 
     def uncounted(self, *args, **kwargs):
-        """The call with a counter's count paused: neither a graph call nor ops."""
+        """The call with a counter's count paused: neither a graph call nor ops (its outputs,
+        a warm-up's, not cloned)."""
         return self._under("paused", args, kwargs)
 
     def _under(self, how: str, args: tuple, kwargs: dict):
@@ -36,4 +67,3 @@ class GraphFunction:
             return self.fn(*args, **kwargs)
         with getattr(counter, how)():
             return self.fn(*args, **kwargs)
-

@@ -102,21 +102,22 @@ class HeadRunner(ModelRunner):
             sync()
             self.compile_s += time.perf_counter() - t0
             self._warmed.add(shape)
-        with self._timer(self._phase):
+        with self._timer(self._phase):  # (a CUDA graph's outputs cloned: `graph_outputs`)
             out = call(features, *args)
-            if self._graphs:  # a CUDA graph's outputs are overwritten by its next replay
-                out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
             return out if fn is not None else out.float()
 
     def _compiled(self, fn: Callable[..., Any] | None) -> GraphFunction:
         """The head (``fn`` None) or the head then ``fn``, compiled for this runner's options."""
         call = self._calls.get(fn)
         if call is None:
+            from mtad_energy.decoding.runtime.compiled import uses_cuda_graphs
+
             backend, mode = self._key
             head = self.model
             target = head if fn is None else partial(_head_then, head, fn)
             call = self._calls[fn] = GraphFunction(torch.compile(
-                target, backend=backend, mode=mode, dynamic=False, fullgraph=True))
+                target, backend=backend, mode=mode, dynamic=False, fullgraph=True),
+                graph=uses_cuda_graphs(mode), clone=self._graphs)
         return call
 
     def __len__(self) -> int:

@@ -91,11 +91,13 @@ class ModelRunner:
         return kernels(fn, self(input_ids, counts), *args)
 
     def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
-        """`then` of a chain verify whose rule returns ``(block, accepted, length [B], ...)``:
-        the loop crops the cache to each row's block after the read-back. The compiled runner
-        rolls the rejected columns back inside the verify's graph call
+        """`then` of a chain verify whose rule returns ``(block, accepted, length [B],
+        *handed)``: ``handed``, what the host needs (the read-back packed, the rows' last
+        tokens: the rest stays on the device, so a CUDA graph hands back, and its host clones,
+        only these). The loop crops the cache to each row's block after the read-back. The
+        compiled runner rolls the rejected columns back inside the verify's graph call
         (`static_fused.FusedCalls.verify`), where the crop then finds it done."""
-        return self.then(kernels, input_ids, fn, *args)
+        return self.then(kernels, input_ids, fn, *args)[3:]
 
     def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
               fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
@@ -145,10 +147,11 @@ class ModelRunner:
         step a forward of the W beams' last tokens ``[B*W, 1]``, W (beam, token) pairs and the
         rows reordered to their beams (`select_rows`). ``warp_args``: ``(*Warp.args,
         stochastic)``; the draws' uniforms come from ``generator``, drawn per step for the
-        scores it ranks. Returns ``(tokens, parents, log_q [B, D, W], seqs, path_log_q [B, W, D],
-        *finish(tokens, parents, log_q, *finish_args))`` (`beams.BeamDraft`'s fields). The
-        compiled runner runs a full-length search in one graph call
-        (`static_fused.FusedCalls.beam_search`)."""
+        scores it ranks. Returns ``(tokens, parents, log_q [B, D, W], seqs, path_log_q [B, W,
+        D])`` (`beams.BeamDraft`'s fields), or with ``finish`` only ``finish(tokens, parents,
+        log_q, seqs, path_log_q, *finish_args)``: what the caller reads of the search (a CUDA
+        graph hands back, and its host clones, only that). The compiled runner runs a
+        full-length search in one graph call (`static_fused.FusedCalls.beam_search`)."""
         def draws(scores: torch.Tensor) -> torch.Tensor | None:
             return uniforms(scores.shape, generator, scores.device) if warp_args[-1] else None
 
@@ -164,9 +167,8 @@ class ModelRunner:
                                                           seqs, paths)
             self.select_rows(rows)
             tokens.append(tok), parents.append(parent), cums.append(cum)
-        tree = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1))
-        done = kernels(finish, *tree, *finish_args) if finish is not None else ()
-        return (*tree, seqs, paths, *done)
+        out = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), seqs, paths)
+        return out if finish is None else kernels(finish, *out, *finish_args)
 
     def compile_pending(self) -> float:
         """Compile what this generation met for the first time, after it (nothing here; the
@@ -225,13 +227,13 @@ class ModelRunner:
                     depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
                     features: torch.Tensor | None = None) -> Any:
         """`tree_then` of a tree verify whose rule returns ``(block, accepted, length [B], path
-        [B, m], *rest)``, then the rollback: each row keeps its ``path`` (root first) of the tree
-        (`keep_tree`), which the loop crops to the block's length after the read-back. The
-        compiled runner keeps exactly the first length[b] nodes inside the verify's graph call
-        (`static_fused.FusedCalls.verify_tree`)."""
+        [B, m], *handed)``, then the rollback: each row keeps its ``path`` (root first) of the
+        tree (`keep_tree`), which the loop crops to the block's length after the read-back.
+        Returns ``handed`` (as `verify`). The compiled runner keeps exactly the first length[b]
+        nodes inside the verify's graph call (`static_fused.FusedCalls.verify_tree`)."""
         out = self.tree_then(kernels, input_ids, anc_rows, depths, fn, *args, features=features)
         self.keep_tree(input_ids.shape[1], out[3])
-        return out
+        return out[4:]
 
     def keep_tree(self, n_tree: int, nodes: torch.Tensor) -> None:
         """Of the last ``n_tree`` cached positions (a token tree), keep ``nodes [m]`` (tree node

@@ -104,13 +104,14 @@ def forward_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.
                    fn: Callable[..., Any], rows: int, k: int, *args: Any,
                    forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
     """`forward_then` of a chain verify whose rule returns ``(block, accepted, length [rows],
-    ...)``, then the rollback on the device: row r keeps the first length[r] of the columns
-    written, the others invalid, where the loop's crop would leave them."""
+    *handed)``, then the rollback on the device: row r keeps the first length[r] of the columns
+    written, the others invalid, where the loop's crop would leave them. Returns ``handed``
+    (`ModelRunner.verify`): the graph's only outputs."""
     start = cache.start.clone()  # [] the verify's first slot
     out = forward_then(model, cache, input_ids, new, fn, rows, k, *args, forward=forward)
     cols = torch.arange(input_ids.shape[1], device=input_ids.device)
     _keep_columns(cache, start, input_ids.shape[0], cols[None, :] < out[2][:, None])
-    return out
+    return out[3:]
 
 
 def forward_tree_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
@@ -137,7 +138,8 @@ def forward_tree_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: t
     only those stay valid (every padding row's none), as a chain verify leaves its block
     (`forward_verify`): the host mirror stays exact and the dropped columns are cut, not
     compacted. A path's nodes are in tree order (a node after its parent), so a node at depth d
-    was written at position prefix + d - 1: where it now sits."""
+    was written at position prefix + d - 1: where it now sits. Returns ``handed``, the rule's
+    outputs after the path (`ModelRunner.verify_tree`)."""
     start = cache.start.clone()  # [] the tree's first slot
     out = forward_tree_then(model, cache, input_ids, new, anc, depths, fn, rows, k, *args,
                             features=features, hidden=hidden, forward=forward)
@@ -145,7 +147,7 @@ def forward_tree_verify(model, cache: SlotCache, input_ids: torch.Tensor, new: t
     _move_path(cache, start, r, out[3], width)
     cols = torch.arange(width, device=input_ids.device)
     _keep_columns(cache, start, r, cols[None, :] < out[2][:, None])
-    return out
+    return out[4:]
 
 
 def _move_path(cache: SlotCache, start: torch.Tensor, r: int, path: torch.Tensor,
@@ -305,9 +307,8 @@ def forward_beams(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.T
         part = kv.index_select(3, cols).index_select(1, torch.cat([keep, fixed]))
         kv.narrow(1, 0, seqs * width).index_copy_(3, cols, part)
         tokens.append(tok), parents.append(parent), cums.append(cum)
-    tree = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1))
-    done = finish(*tree, *finish_args) if finish is not None else ()
-    return (*tree, beams, paths, *done)
+    out = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), beams, paths)
+    return out if finish is None else finish(*out, *finish_args)
 
 
 def _share(u: torch.Tensor | None, at: int, vocab: int, n: int = 1) -> torch.Tensor | None:

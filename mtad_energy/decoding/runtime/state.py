@@ -184,7 +184,7 @@ class DecodeState:
         worker extends its draft over the accepted tokens likewise)."""
         self.draft.crop_rows(list(self.lengths))
 
-    def append_rows(self, block: torch.Tensor, host: list[list[int]],
+    def append_rows(self, block: torch.Tensor | None, host: list[list[int]],
                     counts: torch.Tensor | int | None = None,
                     recent: torch.Tensor | None = None) -> None:
         """Append to each row b the first len(host[b]) tokens of ``block [B, M]`` (on the device;
@@ -194,17 +194,20 @@ class DecodeState:
         whole block lands after each row's tokens (``ids`` has M - 1 columns to spare,
         `ids_width`), and only the first len(host[b]) count; ``counts``: when every row takes
         what the device counted for it (the block's ``length [B]``, or all M), that count: the
-        lengths on the device advance by it, with no copy from the host. A row that takes less
+        lengths on the device advance by it, with no copy from the host. ``block`` None (a step
+        handed back packed, `StepResult.from_read`): only with ``recent``. A row that takes less
         than its block is done, so the rows that go on hold exactly ``recent`` (and a block of
         one token: their last tokens)."""
-        m = block.shape[1]
         behind = bool(self.tokens) and recent is not None
+        if block is None and not behind:
+            raise ValueError("append_rows: a step without its tokens (packed in its read-back) "
+                             "must hand back `recent` to a state that mirrors its tokens")
         if behind:
             self._ids_stale = True
         elif self.batch == 1:
-            self.ids[:, self.lengths[0]:self.lengths[0] + m].copy_(block)
+            self.ids[:, self.lengths[0]:self.lengths[0] + block.shape[1]].copy_(block)
         else:
-            at = self.lengths_on_device()[:, None] + self._arange(m)
+            at = self.lengths_on_device()[:, None] + self._arange(block.shape[1])
             self.ids.scatter_(1, at, block)
         for b, tokens in enumerate(host):
             self.lengths[b] += len(tokens)
@@ -212,7 +215,7 @@ class DecodeState:
                 self.tokens[b].extend(tokens)
         moved = not behind and counts is not None and self._lengths_dev is not None
         self._lengths_dev = self._lengths_dev + counts if moved else None
-        self._last = block if m == 1 else None
+        self._last = block if block is not None and block.shape[1] == 1 else None
         self._recent = recent
 
 

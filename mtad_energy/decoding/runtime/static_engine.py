@@ -129,7 +129,9 @@ class StaticEngine:
             # recompile them per layer index), slower than eager; better an error naming it
             fn = self._compiled[call] = GraphFunction(torch.compile(
                 call, backend=self.options.backend, mode=self.mode,
-                dynamic=self.options.dynamic, fullgraph=True))
+                dynamic=self.options.dynamic, fullgraph=True), graph=self.options.cuda_graphs,
+                clone=self.mode == "reduce-overhead")  # a CUDA graph's outputs are overwritten
+            # by its next replay: cloned (`graph_call.graph_outputs`)
         return fn
 
     def unfused(self, cache: SlotCache, args: tuple, kwargs: dict | None = None,
@@ -140,7 +142,8 @@ class StaticEngine:
         def forward(model, cache_, *args_, **kwargs_):  # ids, validity (a tree: ancestors,
             return self.forward(cache_, args_, kwargs=kwargs_)  # depths); features, hidden
 
-        return GraphFunction(call)(self.model, cache, *args, **(kwargs or {}), forward=forward)
+        return GraphFunction(call, graph=self.options.cuda_graphs)(  # its outputs' clones counted
+            self.model, cache, *args, **(kwargs or {}), forward=forward)
 
     def warm(self, cache: SlotCache, args: tuple, kwargs: dict, call=slot_forward) -> None:
         """The untimed calls of a new shape (compiling; on CUDA warming up, recording and
@@ -153,11 +156,7 @@ class StaticEngine:
         """``call`` (compiled or not) of ``args`` and the keyword ``kwargs`` (features, hidden):
         logits, (logits, hidden states), or what a fused call returns."""
         fn = self.compiled(call) if compiled else call
-        out = fn(self.model, cache, *args, **(kwargs or {}))
-        # a CUDA graph's outputs are overwritten by its next replay
-        if compiled and self.mode == "reduce-overhead":
-            return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
-        return out
+        return fn(self.model, cache, *args, **(kwargs or {}))
 
 
 # (model, role) -> engine; weak on the model, so an engine goes with its model

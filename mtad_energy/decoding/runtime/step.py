@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+# the counts a step may leave on the device, in the order `StepResult.read` packs them
+COUNTS = ("accepted", "length", "draft_kept", "device_depth")
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,9 @@ class StepResult:
     `StepResult.block` builds one from a drafted block, accepting a count for every row.
     """
 
-    tokens: torch.Tensor  # [B, m] tokens to append per row, m >= 1 ([m]: one sequence)
+    # [B, m] tokens to append per row, m >= 1 ([m]: one sequence); None: only in ``read`` (a
+    # step handed back packed, `StepResult.from_read`)
+    tokens: torch.Tensor | None
     proposed: Sequence[int] = ()  # [B] draft tokens shown to the target (tree nodes, k*gamma); (): none
     accepted: torch.Tensor | None = None  # [B] (0-d) device: of those, accepted; None: none
     length: torch.Tensor | None = None  # [B] (0-d) device: only tokens[..., :length] count; None: all
@@ -41,6 +47,46 @@ class StepResult:
     # counts above that are tensors (accepted, length, draft_kept, device_depth: F of them, in
     # that order), then the tokens; None: the loop packs them (three host ops)
     read: torch.Tensor | None = None
+    # the device counts ``read`` holds that the step hands back in it alone, no tensor of their
+    # own (names in `COUNTS`): a verify's graph call returns its block and counts packed, so a
+    # GPU host clones one tensor of them (`graph_call.graph_outputs`), not one each
+    packed: tuple[str, ...] = ()
+
+    @classmethod
+    def from_read(cls, read: torch.Tensor, recent: torch.Tensor | None, counts: tuple[str, ...],
+                  tokens: torch.Tensor | None = None, **host: Any) -> StepResult:
+        """A step handed back packed: ``read [B, F + m]`` (`block_read`) holds its device
+        ``counts`` (names in `COUNTS` order, F of them) and its block; ``recent``: the rows'
+        last tokens after it (`block_out`; None: the loop writes ``tokens`` into the ids);
+        ``host``: the counts the host knows (``proposed``, ``depth``)."""
+        assert all(c in COUNTS for c in counts), counts
+        return cls(tokens, recent=recent, read=read, packed=counts, **host)
+
+    def device_counts(self) -> tuple[str, ...]:
+        """The counts on the device, in `COUNTS` order (tensors, or `packed` in ``read``): what
+        the read-back holds before the tokens."""
+        return tuple(c for c in COUNTS
+                     if c in self.packed or isinstance(getattr(self, c), torch.Tensor))
+
+    def count(self, name: str) -> torch.Tensor | Sequence[int] | None:
+        """Count ``name`` (`COUNTS`) as the step holds it: its own tensor or host value, or a
+        `packed` one's column of ``read`` (``[B]``, a view: for a caller inspecting a step;
+        the loop reads ``read`` whole)."""
+        if name not in self.packed:
+            return getattr(self, name)
+        return self.read[:, self.device_counts().index(name)]
+
+    def block_view(self) -> torch.Tensor:
+        """The block's tokens, ``tokens`` or a packed step's columns of ``read`` (a view, for a
+        caller inspecting a step)."""
+        return self.tokens if self.tokens is not None else self.read[:, len(self.device_counts()):]
+
+    def block_rows(self, rows: int) -> torch.Tensor | None:
+        """``[B, m]``: the tokens as B rows; None for a step whose tokens are only in ``read``
+        (the loop then needs none: ``recent`` holds the rows' last tokens)."""
+        if self.tokens is None:
+            return None
+        return self.tokens if self.tokens.dim() == 2 else self.tokens.reshape(rows, -1)
 
     @classmethod
     def block(cls, draft: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor,

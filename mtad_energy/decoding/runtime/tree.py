@@ -109,7 +109,7 @@ def tree_verify(runner: ModelRunner, kernels, tokens: torch.Tensor, anc: torch.T
     then ``fn(logits [B, K, V], *args)`` through ``kernels`` (a verify's rule), which returns
     ``(block, accepted, length [B], path [B, m], *rest)``, and the tree rolled back to the path
     (root first; the loop crops it to the block's length): one graph call on the compiled path,
-    the rollback included (`ModelRunner.verify_tree`). Returns what ``fn`` returns."""
+    the rollback included (`ModelRunner.verify_tree`). Returns ``rest``: what the host needs."""
     check_tree_support(runner.model)
     return runner.verify_tree(kernels, tokens, anc, depths(anc), fn, *args)
 
