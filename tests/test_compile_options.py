@@ -126,7 +126,8 @@ def test_eager_rows_on_a_gpu_are_labelled_launch_bound():
     console = Console(width=400, record=True)
     console.print(summary_table(summary.reset_index()))
     text = " ".join(console.export_text().split())
-    assert "ar (launch-bound)" in text and "spd (launch-bound)" not in text
+    # rows of other devices and engines are kept apart, their labels say so ([cuda, hf])
+    assert "ar [cuda, hf] (launch-bound)" in text and "spd [cuda, hf] (launch-bound)" not in text
     assert " ".join(LAUNCH_BOUND_NOTE.split()) in text
 
 

@@ -137,7 +137,7 @@ def test_a_node_past_the_rows_own_depth_is_never_accepted():
     parents = torch.tensor([[[0, 0], [0, 1]]] * 2)  # (1,0) under (0,0), (1,1) under (0,1)
     log_q = torch.tensor([[[0.5, 0.5], [0.25, 0.25]]] * 2).log()  # cumulative
     seqs = torch.tensor([[[1, 3], [2, 4]]] * 2)  # [B, W, D]
-    block, eta, length, nodes, _, _, _, _ = mmtad_verify(
+    block, eta, length, nodes, *_ = mmtad_verify(
         p.log().expand(2, -1, -1), tree, tokens, parents, log_q, seqs, torch.tensor([1, 2]),
         torch.full((2, 1), 0.5), torch.zeros(2, 1, dtype=torch.long), 0.0, 1.0, 0, 1.0)
     assert eta.tolist() == [0, 2] and length.tolist() == [1, 3]
