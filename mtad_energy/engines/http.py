@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import socket
 import threading
 import time
@@ -177,7 +178,8 @@ class HttpEngine(Engine):
                               "OpenAI-compatible server")
         self.served = served_model(entries, self.options.get("model"), url)
         entry = next(e for e in entries if str(e.get("id")) == self.served)
-        host, port = urlsplit(url).hostname or "", urlsplit(url).port or 0
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or 0
         self.remote = remote_reason(host)
         pid = self.options.get("server_pid")
         self.pids = (int(pid),) if pid else (() if self.remote else listening_pids(port))
@@ -234,8 +236,6 @@ class HttpEngine(Engine):
             status, body = request(self.base_url, "GET", "/version", self.timeout_s)
         except EngineError:
             return owner
-        import json
-
         try:
             version = json.loads(body).get("version") if status == 200 else None
         except (ValueError, AttributeError):
