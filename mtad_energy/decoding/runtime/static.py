@@ -167,8 +167,13 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
 
     # -- RowLayout storage ---------------------------------------------------------------------
     @property
+    def _seqs(self) -> int:
+        """The bucket's sequences: the real ones and the padding."""
+        return len(self.cols) + self.pad
+
+    @property
     def _rows(self) -> int:
-        return (len(self.cols) + self.pad) * self.width
+        return self._seqs * self.width
 
     def _valid(self) -> torch.Tensor:
         return self.cache.valid[:self._rows, :self.n]
@@ -290,7 +295,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
     def _real_rows(self, rows: int, width: int = 1) -> torch.Tensor:
         """``[R * width, 1]``: True for the first ``rows * width`` of the R cache rows at
         ``width`` rows per sequence (made once per count)."""
-        r = (len(self.cols) + self.pad) * width
+        r = self._seqs * width
         return self._constant(("rows", rows, width), lambda: torch.arange(
             r, device=self.device)[:, None] < rows * width)
 
@@ -308,7 +313,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         (in ``compile_s``)."""
         before = self.compile_s
         self._warm_widths(self.shape.warm_widths)
-        rows = len(self.cols) + self.pad
+        rows = self._seqs
         for f in self.shape.warm_forwards:
             if f.m is None:
                 self._warm_widths((self._width(rows, f.columns, None),), features=f.features)
@@ -331,7 +336,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         marked not real, written at the first free slot (nothing becomes valid, the next forward
         overwrites them); a width that does not fit waits for the cache to grow, which warms
         again. Returns the seconds it took (in ``compile_s``)."""
-        rows = (len(self.cols) + self.pad) * per_seq
+        rows = self._seqs * per_seq
         todo = [w for w in widths
                 if self._graph_key(rows, w, None, features=features) not in self.cache.warmed
                 and self.n + w <= self.cache.slots]
@@ -353,7 +358,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         chains = tuple(sorted({f.columns for f in later if f.m is None}))
         if chains:
             self._warm_widths(chains, per_seq)
-        rows = (len(self.cols) + self.pad) * per_seq
+        rows = self._seqs * per_seq
         for k, m, features in later:
             if m is not None:
                 self._warm_tree(k, m, features, features is not None and rows > 1, rows)
@@ -475,7 +480,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
     def repeat_rows(self, n_rows: int) -> None:
         """Expand every sequence's one row to n_rows identical rows (row b*n_rows + w)."""
         assert self.width == 1, "rows are expanded already"
-        seqs, n = len(self.cols) + self.pad, self.n
+        seqs, n = self._seqs, self.n
         assert seqs * n_rows <= self.cache.rows, (
             f"{n_rows} rows per sequence exceed the {self.shape.rows_per_seq} the decoder "
             "declared (Decoder.cache_rows)")
