@@ -199,7 +199,9 @@ def test_stats_are_consistent(llama_pair):
 
 @pytest.mark.parametrize("params, word", [({"num_drafts": 0}, "num_drafts"),
                                           ({"gamma": 0}, "gamma"),
-                                          ({"num_drafts": "x"}, "num_drafts")])
+                                          ({"num_drafts": "x"}, "num_drafts"),
+                                          ({"num_drafts": 100_000}, "num_drafts x gamma"),
+                                          ({"num_drafts": 257, "gamma": 4}, "lower num_drafts")])
 def test_bad_parameters_are_refused_by_name(params, word):
     with pytest.raises(ValueError, match=word):
         get_decoder("spectr", **params)

@@ -29,7 +29,12 @@ from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
-from mtad_energy.decoding.runtime.tree import check_tree_support, tree_structure, tree_verify
+from mtad_energy.decoding.runtime.tree import (
+    MAX_TREE_NODES,
+    check_tree_support,
+    tree_structure,
+    tree_verify,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,10 @@ class SpectrParams(DecoderParams):
     def validate(self) -> None:
         require(self.num_drafts >= 1, f"num_drafts (k) must be >= 1, got {self.num_drafts}")
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
+        nodes = self.num_drafts * self.gamma  # the drafts' tree, verified in one forward
+        require(nodes <= MAX_TREE_NODES,
+                f"num_drafts x gamma = {self.num_drafts} x {self.gamma} = {nodes} tree nodes; "
+                f"at most {MAX_TREE_NODES} fit one verification forward: lower num_drafts or gamma")
 
 
 def by_draft(x: torch.Tensor, k: int) -> torch.Tensor:
