@@ -209,3 +209,27 @@ def test_integer_records_keep_fractions_and_missing_values():
     first = integer_records(frame)[0]
     assert {type(first[k]) for k in ("max_new_tokens", "Batch Size", "crossover_batch_size")} == {int}
     assert type(first["tokens_per_s"]) is float
+
+
+def test_decompose_tables_never_cut_a_decoder_name():
+    """The attribution tables at 80 columns keep every word of a long label whole (they wrap
+    between words or stack, as every other table does)."""
+    import io
+
+    import pandas as pd
+    from rich.console import Console
+
+    from mtad_energy.cli.tables import attribution_tables
+
+    label = "mmtad+smollm2-135m-int8-selfdraft [cpu, hf]"
+    row = dict(source="runs", label=label, batch_size=1, draft_j_per_token=0.1,
+               target_j_per_token=0.2, other_j_per_token=0.01, scale=1.0, static_j_per_token=0.1,
+               flop_j_per_token=0.2, mem_j_per_token=0.3, j_per_accepted_draft_token=0.05,
+               rejected_share=0.1, reason="no meter")
+    con = Console(width=80, record=True, file=io.StringIO())
+    for table in attribution_tables(pd.DataFrame([row])):
+        con.print(table)
+    text = con.export_text()
+    _lines_fit(text)
+    for table_text in text.split("decode J/token by ")[1:]:
+        assert "mmtad+smollm2-135m-int8-selfdraft" in table_text, text

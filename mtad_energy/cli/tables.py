@@ -274,19 +274,18 @@ def attribution_tables(summary) -> list[Table]:
     reasons = sorted({r for r in summary["reason"] if isinstance(r, str)})
     tables = []
     for title, cols, note in parts:
-        t = Table(title=title, title_justify="left", show_edge=False, caption_justify="left")
-        for name, _ in (*key, *cols):
-            t.add_column(name, justify="left" if name in ("from", "decoder") else "right",
-                         overflow="fold")
+        rows = []
         for _, r in summary.iterrows():
             cells = [SOURCES.get(r.source, esc(r.source)), esc(r.label), str(int(r.batch_size))]
             for _name, col in cols:
                 v = r[col]
                 cells.append("n/a" if v != v else f"{v:.1%}" if col == "rejected_share"
                              else f"{v:.3g}")
-            t.add_row(*cells)
-        t.caption = esc(note + ("\nn/a: " + "; ".join(reasons) if reasons else ""))
-        tables.append(t)
+            rows.append(cells)
+        tables.append(wrapping_table([name for name, _ in (*key, *cols)], rows,
+                                     left=("from", "decoder"), title=title,
+                                     caption=esc(note + ("\nn/a: " + "; ".join(reasons)
+                                                         if reasons else ""))))
     return tables
 
 
