@@ -153,7 +153,7 @@ def schedule(
         rows = load_results(results, "decode_batch")
         plan = build_schedule(rows, objective, decoder, max_batch_size, model)
         path = outside_store(out or schedule_path(results, objective, model), results, "--out")
-        check_output(path, "--out", "the schedule file", folder=False)
+        check_output(path, "--out", "the schedule file", kind="file")
         path.parent.mkdir(parents=True, exist_ok=True)  # missing folders: created, as for --output
         write_schedule(plan, path)
     except (ValueError, OSError, StoreError) as error:  # a missing or empty store: bad input, 2

@@ -276,7 +276,7 @@ def write_report(store_dir: str | Path, out_dir: str | Path | None = None, basel
     store_dir = Path(store_dir)
     out = outside_store(out_dir if out_dir is not None else beside_store(store_dir, "-report"),
                         store_dir, "the report directory (--out)")
-    check_output(out, "--out", "the report directory", store_ok=False)  # in no other store either
+    check_output(out, "--out", "the report directory", kind="folder")  # in no other store either
     runs = load_results(store_dir, "runs")  # before creating anything: is it a store at all?
     fig_dir = out / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 import pandas as pd
 import pyarrow as pa
@@ -205,17 +206,20 @@ def _too_long(path: Path) -> str | None:
     return None
 
 
+OutputKind = Literal["store", "folder", "file"]
+
+
 def check_output(path: str | Path, option: str = "--output", what: str = "the results directory",
-                 folder: bool = True, store_ok: bool = True) -> Path:
-    """``path`` where a command may write (a ``folder`` it creates or reuses, else a file),
-    checked before anything loads or is written; else a ValueError saying it cannot create
-    ``what`` there (naming ``option``), why, and the fix: a name too long for the file system, a
-    file where a folder is (or must be), a folder where the file goes, a place that cannot be
-    written, a path inside a results store (a store holds only what mtad-energy wrote: anything
-    else inside it makes every command refuse that store), or, without ``store_ok``, a results
-    store itself (a report written into it does the same). Missing parent folders are fine:
-    they are created."""
-    path = Path(path)
+                 kind: OutputKind = "store") -> Path:
+    """``path`` where a command may write, of ``kind``: a results ``store`` or another ``folder``
+    it creates or reuses, or a ``file``; checked before anything loads or is written; else a
+    ValueError saying it cannot create ``what`` there (naming ``option``), why, and the fix: a
+    name too long for the file system, a file where a folder is (or must be), a folder where the
+    file goes, a place that cannot be written, a path inside a results store (a store holds only
+    what mtad-energy wrote: anything else inside it makes every command refuse that store), or,
+    for any kind but ``store``, a results store itself (a report written into it does the same).
+    Missing parent folders are fine: they are created."""
+    path, folder = Path(path), kind != "file"
     where, cannot = path.absolute(), f"cannot create {what} {path} ({option})"
     if (why := _too_long(where)) is not None:
         raise ValueError(f"{cannot}: {why}; give {option} a shorter path")
@@ -232,7 +236,7 @@ def check_output(path: str | Path, option: str = "--output", what: str = "the re
                          "what mtad-energy wrote, and anything else inside it makes every command "
                          f"refuse that store; give {option} a path outside it (e.g. "
                          f"{beside_store(outer, '-' + path.name)})")
-    if not store_ok and (path / MARKER).is_file():
+    if kind != "store" and (path / MARKER).is_file():
         raise ValueError(f"{path} is a results store, which may hold only what "
                          f"mtad-energy wrote; give {option} a folder outside any store (e.g. "
                          f"{beside_store(path, '-report')})")
