@@ -14,6 +14,7 @@ audit but its output (`UnsupportedError` names it).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from mtad_energy.engines import audit
@@ -84,7 +85,26 @@ def audit_server(engine: HttpEngine, target: Any, warp: Warp, k: int, min_n: int
         raise UnsupportedError(f"the server at {engine.base_url} returned no token ids: the "
                                "audit reads the steps off them (serve with token ids: vLLM)")
     measured = server_counts(engine, k)
-    served = [ao.point_mass_served(r.output, audit.warped_along(target, r.prompt, r.output, warp),
-                                   audit.ngram_proposer(r.prompt, r.output, min_n, max_n, k))
-              for r in engine.served_requests]
+    served = []
+    for r in engine.served_requests:
+        s = ao.point_mass_served(r.output, audit.warped_along(target, r.prompt, r.output, warp),
+                                 audit.ngram_proposer(r.prompt, r.output, min_n, max_n, k))
+        own = r.spec.steps if r.spec is not None else None
+        served.append(s if own is None else replace(s, reported=story(s.steps, own)))
     return ao.audit_served(config, served, measured, k, level, tolerance, always_drafts=False)
+
+
+def story(read: Sequence[tuple[int, int]], drafting: Sequence[tuple[int, int]]
+          ) -> tuple[tuple[int, int], ...]:
+    """The server's own steps where it lists them (vLLM's ``detailed`` per-step arrays: its
+    drafting steps only), set in the places of the drafting steps read off its output (the
+    undrafted ones as read), for `audit_output.reported_contradictions`; a server listing
+    another number of drafting steps than its output shows: its list as it is (the audit names
+    the mismatch)."""
+    slots = [i for i, (d, _) in enumerate(read) if d]
+    if len(slots) != len(drafting):
+        return tuple(drafting)
+    out = list(read)
+    for i, step in zip(slots, drafting, strict=True):
+        out[i] = step
+    return tuple(out)

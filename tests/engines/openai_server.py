@@ -29,7 +29,8 @@ class Behaviour:
     ``speculative_decoding``, "llamacpp": the root's ``timings``; None: none), its counts
     (``spec``'s drafts and proposed, accepted = min(prompt length, proposed): each request its
     own); ``generate(prompt, n)``: the tokens and counts (drafts, proposed, accepted, accepted per
-    position...) of a model-backed server instead of counting up. A request asking ``logprobs``
+    position...) of a model-backed server instead of counting up, and optionally its steps
+    (drafted, accepted), which a "vllm" body lists (vLLM's ``detailed`` level). A request asking ``logprobs``
     gets each token's, -(token % 4) / 4 (``logprob_value``)."""
 
     models: tuple[str, ...] = ("tiny",)
@@ -43,7 +44,7 @@ class Behaviour:
     delay_s: float = 0.0  # between chunks
     together: int = 1  # a request waits (up to 5 s) until this many are in flight
     body: str | None = None
-    generate: Callable[[list[int], int], tuple[list[int], tuple[int, ...]]] | None = None
+    generate: Callable[[list[int], int], tuple[Any, ...]] | None = None
 
 
 @dataclass
@@ -87,19 +88,25 @@ def logprob_value(token: int) -> float:
     return -(token % 4) / 4
 
 
-def body_spec(kind: str | None, counts: tuple[int, ...], n: int) -> dict[str, Any]:
+def body_spec(kind: str | None, counts: tuple[int, ...], n: int,
+              steps: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """One request's speculative counts (drafts, proposed, accepted) of ``n`` tokens in a
-    server's shape: what the event carrying them adds (see `Behaviour`)."""
+    server's shape: what the event carrying them adds (see `Behaviour`); vLLM's ``detailed``
+    level adds its drafting ``steps`` (drafted, accepted), as vLLM lists them."""
     drafts, proposed, accepted = counts[:3]
     if kind == "vllm":  # the histogram from the counts per position (default: one a step)
         per_pos = list(counts[3:]) or [min(drafts, accepted)]
         hist = [drafts - per_pos[0]] + [a - b for a, b in zip(per_pos, [*per_pos[1:], 0],
                                                                strict=True)]
+        detailed = {} if steps is None else {
+            "per_step_drafted": [d for d, _ in steps if d],
+            "per_step_accepted": [a for d, a in steps if d]}  # drafting steps only, as vLLM's
         return {"metrics": {"speculative_decoding": {
-            "mean_acceptance_length": 1 + accepted / drafts, "num_spec_steps": drafts,
-            "draft_acceptance_rate": accepted / proposed, "acceptance_histogram": hist,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "num_spec_steps": drafts, "acceptance_histogram": hist,
+            "draft_acceptance_rate": accepted / proposed if proposed else 0.0,
             "num_accepted_draft_tokens": accepted, "num_draft_tokens": proposed,
-            "num_spec_tokens": len(per_pos)}}}
+            "num_spec_tokens": len(per_pos), **detailed}}}
     if kind == "trtllm":
         return {"speculative_decoding": {"total_accepted_draft_tokens": accepted,
                                          "total_draft_tokens": proposed, "num_spec_steps": drafts,
@@ -173,10 +180,10 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         n = int(body["max_tokens"])
         if b.generate is not None:
-            tokens, counts = b.generate(list(body["prompt"]), n)
+            tokens, counts, *steps = b.generate(list(body["prompt"]), n)
         else:
             tokens = completion_tokens(body["prompt"], n, b.vocab)
-            counts = (*b.spec[:2], min(len(body["prompt"]), b.spec[1]))
+            counts, steps = (*b.spec[:2], min(len(body["prompt"]), b.spec[1])), []
         time.sleep(0.05)  # a prefill: every request of a batch is in flight meanwhile
         pos, k = 0, 0
         while pos < len(tokens):
@@ -209,7 +216,8 @@ class Handler(BaseHTTPRequestHandler):
         self._event({"id": "cmpl-1", "object": "text_completion", "choices": [],
                      "usage": {"prompt_tokens": len(body["prompt"]),
                                "completion_tokens": len(tokens)},
-                     **(body_spec(b.body, counts, len(tokens)) if b.body == "vllm" else {})})
+                     **(body_spec(b.body, counts, len(tokens), *steps)
+                        if b.body == "vllm" else {})})
         self.wfile.write(b"data: [DONE]\n\n")
 
     def _event(self, payload: dict[str, Any]) -> None:

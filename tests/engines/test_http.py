@@ -353,10 +353,11 @@ def test_two_servers_in_one_run_store_and_show_rows_under_two_labels(target, tmp
 K, MIN_N, MAX_N = 3, 1, 3  # the server's n-gram drafting (vLLM's speculative_config)
 
 
-def ngram_server(model, lie: int = 0):
-    """A model-backed server's ``generate``: greedy tokens of ``model`` and the counts of its
+def ngram_server(model, lie: int = 0, step_lie: bool = False):
+    """A model-backed server's ``generate``: greedy tokens of ``model``, the counts of its
     n-gram drafting read off them (drafts, draft tokens, accepted, accepted per position), its
-    accepted and draft tokens inflated by ``lie``."""
+    accepted and draft tokens inflated by ``lie``, and its steps (drafted, accepted), the first
+    drafting step that rejected claiming one more accepted where ``step_lie``."""
     import torch
 
     from mtad_energy.decoding.rules.sampling import Warp
@@ -372,7 +373,12 @@ def ngram_server(model, lie: int = 0):
         p = au.warped_along(model, prompt, out, Warp(temperature=0.0, top_k=0, top_p=1.0))
         served = ao.point_mass_served(out, p, au.ngram_proposer(prompt, out, MIN_N, MAX_N, K))
         m = ao.counters_of_steps(served.steps, K)
-        return out, (m.drafts, m.draft_tokens + lie, m.accepted_tokens + lie, *m.accepted_per_pos)
+        steps = list(served.steps)
+        bad = next((i for i, (d, a) in enumerate(steps) if d and a < d), None) if step_lie else None
+        if bad is not None:
+            steps[bad] = (steps[bad][0], steps[bad][1] + 1)
+        return out, (m.drafts, m.draft_tokens + lie, m.accepted_tokens + lie,
+                     *m.accepted_per_pos), steps
     return gen
 
 
@@ -443,3 +449,81 @@ def test_the_decoding_sweep_keeps_the_servers_perplexity(target, tmp_path):
     nll = [-logprob_value((prompt[-1] + 1 + i) % VOCAB) for i in range(6)]
     row = ResultStore(tmp_path / "s").load("decode_batch").iloc[0]
     assert row["perplexity"] == pytest.approx(math.exp(sum(nll) / 6))
+
+
+def sampling_server(model, warp, lossy: bool, seed: int = 0):
+    """A model-backed server's ``generate`` sampling under ``warp`` with n-gram drafts, verified
+    as speculative sampling does (a draft token d kept with probability p~(d), else a token of
+    p~ without d), or ``lossy``: every draft token kept. Its counts are its real steps'."""
+    import torch
+
+    from mtad_energy.engines import audit as au
+    from mtad_energy.engines import audit_output as ao
+
+    rng = torch.Generator().manual_seed(seed)
+
+    def probs(ctx):
+        with torch.inference_mode():
+            return warp.probs(model(input_ids=torch.tensor([ctx])).logits[0, -1:])[0]
+
+    def gen(prompt, n):
+        out, steps = [], []
+        while len(out) < n:
+            drafts, kept = (au.ngram_propose(list(prompt) + out, MIN_N, MAX_N, K) if out else []), 0
+            for tok in drafts:
+                p = probs(list(prompt) + out)
+                if lossy or torch.rand((), generator=rng) < p[tok]:
+                    out, kept = [*out, tok], kept + 1
+                    continue
+                rest = p.clone()
+                rest[tok] = 0.0  # the residual of a point-mass draft: p~ without d
+                out.append(int(torch.multinomial(rest / rest.sum(), 1, generator=rng)))
+                break
+            else:  # every draft token kept (or none): the bonus token
+                out.append(int(torch.multinomial(probs(list(prompt) + out), 1, generator=rng)))
+            steps.append((len(drafts), kept))
+        m = ao.counters_of_steps(steps, K)
+        return out[:n], (m.drafts, m.draft_tokens, m.accepted_tokens, *m.accepted_per_pos)
+    return gen
+
+
+def test_the_audit_passes_a_lossless_sampling_server_and_flags_one_keeping_every_draft(model):
+    """Sampled speculation (T 1) with n-gram drafts: the lossless server passes; one keeping
+    every draft token whatever the target says is flagged as over-accepting."""
+    from mtad_energy.decoding.rules.sampling import Warp
+    from mtad_energy.engines.http_audit import audit_server
+
+    warp = Warp(temperature=1.0, top_k=0, top_p=1.0)
+    flags = {}
+    for lossy in (False, True):
+        with serve(Behaviour(vocab=VOCAB, generate=sampling_server(model, warp, lossy))) as (url, _):
+            engine = engine_at(url)
+            for i in range(4):
+                generate(engine, [[3 + i, 4, 5, 3, 4], [7, 8 + i, 9, 7]], new=24)
+        verdict = audit_server(engine, model, warp, K, MIN_N, MAX_N)
+        assert verdict.row.measured.drafts > 10  # the drafts were checked
+        flags[lossy] = verdict.flags
+    assert flags == {False: (), True: ("over-accepts",)}
+
+
+def test_the_audit_checks_vllms_per_step_story_against_the_output(model):
+    """vLLM's ``detailed`` per-request metrics list each drafting step's (drafted, accepted):
+    a server whose list matches its output passes; one claiming an extra accepted token in one
+    step, its totals true, contradicts the output at that step."""
+    from mtad_energy.decoding.rules.sampling import Warp
+    from mtad_energy.engines.audit_output import CONTRADICTS
+    from mtad_energy.engines.http_audit import audit_server
+
+    warp = Warp(temperature=0.0, top_k=0, top_p=1.0)
+    verdicts = {}
+    for step_lie in (False, True):
+        behaviour = Behaviour(vocab=VOCAB, generate=ngram_server(model, step_lie=step_lie),
+                              metrics=None, body="vllm")
+        with serve(behaviour) as (url, _):
+            engine = engine_at(url)
+            generate(engine, [[3, 4, 5, 3, 4], [2, 2, 6]], new=16)
+        assert all(r.spec.steps for r in engine.served_requests)  # the detailed level, read
+        verdicts[step_lie] = audit_server(engine, model, warp, K, MIN_N, MAX_N)
+    assert not verdicts[False].flagged, verdicts[False].as_dict()
+    assert verdicts[True].flag == CONTRADICTS
+    assert any("the engine reports" in c for c in verdicts[True].contradictions)
