@@ -251,7 +251,7 @@ class Runner:
                           for k, v in mitigation.items()}
         # outside every window: perplexity and quality scores
         full = torch.tensor(ids + gen.token_ids, device=self.pair.device)
-        ppl = perplexity(self.pair.target, full, len(ids))
+        ppl = gen.stats.perplexity or perplexity(self.pair.target, full, len(ids))  # a server's own first
         scores = self.scorer(unit.prompt, gen) if self.scorer else {}
 
         s = gen.stats

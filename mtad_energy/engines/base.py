@@ -232,7 +232,10 @@ class EngineDecoder:
 
 
 def with_perplexity(gen: Generation, pair: Any, prompt_ids: list[int]) -> Generation:
-    """``gen`` with its perplexity under the pair's unwarped HF target (outside every window)."""
+    """``gen`` with its perplexity under the pair's unwarped HF target (outside every window),
+    unless it has one (a server's, from its logprobs)."""
+    if gen.stats.perplexity is not None:
+        return gen
     import dataclasses
 
     import torch

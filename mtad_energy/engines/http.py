@@ -16,11 +16,21 @@ What people deploy speculative decoding as (``vllm serve --speculative-config``,
   ``return_token_ids``, llama-server's ``tokens``), else its per-token logprobs
   (``--engine-option logprobs=true``), never counted from re-tokenised text; a server that gives
   neither is an error naming the option.
-* **Acceptance** from the server's ``/metrics`` counters (vLLM's ``spec_decode_*``, parsed by
-  ``prometheus_client``), diffed around each batch outside the windows: a row of a batch of one
-  gets the counts, a row of a larger batch the batch's rates (the counters do not split by
-  request). No counters: None, with the reason in ``engine_config["acceptance"]``, never 0.
-  Per-request acceptance read from the response body is not implemented yet (issue 55).
+* **Acceptance** per request from its response body where the server reports it
+  (`server_protocol.body_spec`: vLLM's ``metrics.speculative_decoding``, TensorRT-LLM's
+  ``speculative_decoding``, llama-server's ``timings``), which wins; else from the server's
+  ``/metrics`` counters (vLLM's ``spec_decode_*``, parsed by ``prometheus_client``), diffed
+  around each batch outside the windows: a row of a batch of one gets the counts, a row of a
+  larger batch the batch's rates (the counters do not split by request). Neither: None, with
+  the reason in ``engine_config["acceptance"]``, never 0.
+* **Perplexity** from the server's logprobs of the sampled tokens (``--engine-option
+  logprobs=true``: exp of their mean negative logprob; vLLM's default ``--logprobs-mode
+  raw_logprobs`` is the unwarped target's), else scored locally under the HF target from the
+  server's token ids (the runner), else None; ``engine_config["perplexity"]`` says which.
+* **Seeds**: request i of a batch is sent ``seed + i`` (rows are independent, as the in-process
+  engines' are), so identical prompts in one batch do not draw alike.
+* **The audit**: every request's prompt, tokens and the counters around its batch are kept
+  (`HttpEngine.served_requests`) for `engines.http_audit`.
 * **Joules**: the local meters, the server's processes counted as the measurement's own
   (``--engine-option server_pid=PID``, else the process listening on the port). A server on
   another host gives time and acceptance, and energy None with its reason (`unmetered`).
@@ -31,18 +41,27 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import math
 import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from mtad_energy.decoding.runtime.generate import PhaseHook
 from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines.base import Engine, Iteration, build_generation, import_engine_library
-from mtad_energy.engines.registry import SERVER, EngineError, UnsupportedError, check_server_url
+from mtad_energy.engines.registry import (
+    SERVER,
+    EngineError,
+    UnsupportedError,
+    check_server_url,
+    model_suffix,
+)
 from mtad_energy.engines.server_protocol import (
+    BodySpec,
     Stream,
     get_json,
     read_stream,
@@ -128,6 +147,26 @@ def acceptance_columns(before: Mapping[str, float] | None, after: Mapping[str, f
             **rates}
 
 
+def body_columns(spec: BodySpec) -> dict[str, Any]:
+    """The statistics one request's own speculative counts give its row: the counts and the
+    rates (mean accepted length: accepted draft tokens per drafting step, where the server says
+    how many steps drafted)."""
+    return {"draft_proposed": spec.proposed, "draft_accepted": spec.accepted,
+            "draft_depth": spec.proposed,
+            "acceptance_rate": spec.accepted / spec.proposed if spec.proposed else None,
+            "mean_accepted_length": spec.accepted / spec.drafts if spec.drafts else None}
+
+
+def logprob_perplexity(stream: Stream) -> float | None:
+    """exp(mean negative logprob) of the sampled tokens, from the logprobs the server streamed
+    with them; None unless every token has one."""
+    values = [v for c in stream.chunks for v in (c.logprobs or [])]
+    counted = sum(int(c.count or 0) for c in stream.chunks)
+    if not values or len(values) != counted or any(v is None for v in values):
+        return None
+    return math.exp(-sum(values) / len(values))  # type: ignore[arg-type]
+
+
 def stream_generation(stream: Stream, prompt_len: int, t0: float, t_split: float,
                       config: Mapping[str, Any], url: str) -> Generation:
     """A `Generation` from one complete stream: time to first token (``t0`` -> its first chunk)
@@ -155,6 +194,18 @@ def stream_generation(stream: Stream, prompt_len: int, t0: float, t_split: float
     if ids:
         return gen
     return dataclasses.replace(gen, stats=dataclasses.replace(gen.stats, tokens_emitted=total))
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    """One request the engine served, kept for the audit (`engines.http_audit`): its prompt and
+    the server's token ids, the speculative counts its body reported (None: none) and its batch
+    (the index of the counters around it in `HttpEngine.batch_counters`)."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    spec: BodySpec | None
+    batch: int
 
 
 class HttpEngine(Engine):
@@ -193,10 +244,20 @@ class HttpEngine(Engine):
             "server_model": {k: entry[k] for k in MODEL_KEYS if k in entry}
             | {k: v for k, v in entry.items() if "spec" in k.lower()},
             "speculative_metrics": families,
+            # where a request's body reports its counts, they win over "acceptance"'s
+            "acceptance_body": "per request: vLLM's metrics.speculative_decoding, TensorRT-LLM's "
+                               "speculative_decoding, llama-server's timings",
             "acceptance": ("the server's spec_decode counters in /metrics, diffed around each "
                            "batch" if self.metrics_reason is None else
                            f"None: {self.metrics_reason}"),
+            "perplexity": ("the server's logprobs of the sampled tokens" if
+                           self.options["logprobs"] else "scored locally under the target from "
+                           "the server's token ids (None: the server returns none; "
+                           "--engine-option logprobs=true asks for its logprobs)"),
         }
+        self.served_requests: list[ServedRequest] = []  # every request, for the audit
+        # the /metrics counters before and after each batch (None: none)
+        self.batch_counters: list[tuple[dict[str, float] | None, dict[str, float] | None]] = []
 
     # -- the server -----------------------------------------------------------------------
     def _metrics_text(self) -> tuple[str | None, str | None]:
@@ -249,6 +310,10 @@ class HttpEngine(Engine):
     def use_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
+    @property
+    def model_suffix(self) -> str:
+        return model_suffix(self.base_url)  # +http@HOST:PORT: two servers' rows never pool
+
     def unmetered(self) -> str | None:
         return self.remote
 
@@ -277,7 +342,8 @@ class HttpEngine(Engine):
                  seed: int = 0, on_phase: PhaseHook | None = None) -> list[Generation]:
         params = self.params(spec)
         hook = on_phase or (lambda phase: None)
-        bodies = [self._body(list(p), params, max_new_tokens, seed) for p in prompts]
+        bodies = [self._body(list(p), params, max_new_tokens, seed + i)  # rows independent
+                  for i, p in enumerate(prompts)]
         before = self._counters()
         streams = [Stream() for _ in prompts]
         firsts = [threading.Event() for _ in prompts]
@@ -301,8 +367,15 @@ class HttpEngine(Engine):
         config = {"decoder": spec.name, **params, "max_new_tokens": max_new_tokens, "seed": seed,
                   "engine": self.name}
         t_split = max((s.first_t for s in streams if s.first_t is not None), default=t0)
-        gens = [stream_generation(s, len(p), t0, t_split, config, self.base_url)
-                for s, p in zip(streams, prompts, strict=True)]
         accept = acceptance_columns(before, after, len(prompts))
-        return [dataclasses.replace(g, stats=dataclasses.replace(g.stats, **accept))
-                for g in gens]
+        gens = []
+        for i, (s, p) in enumerate(zip(streams, prompts, strict=True)):
+            g = stream_generation(s, len(p), t0, t_split, {**config, "seed": seed + i},
+                                  self.base_url)
+            columns = body_columns(s.spec) if s.spec is not None else accept
+            gens.append(dataclasses.replace(g, stats=dataclasses.replace(
+                g.stats, perplexity=logprob_perplexity(s), **columns)))
+            self.served_requests.append(ServedRequest(tuple(p), tuple(g.token_ids), s.spec,
+                                             len(self.batch_counters)))
+        self.batch_counters.append((before, after))
+        return gens

@@ -304,7 +304,15 @@ def model_suffix(name: str) -> str:
     """What engine ``name`` adds to the stored model label: rows of two engines never pool
     (``smollm2+llamacpp``); the project's decoders (hf) add nothing, so their labels stay."""
     kind = engine_kind(name)
-    return "" if name == HF else f"+{kind.name}"  # a server: +http, never its URL
+    return "" if name == HF else f"+{kind.name}" + server_address(name)  # a server: +http@HOST:PORT
+
+
+def server_address(name: str) -> str:
+    """``@HOST:PORT`` of a server's base URL (two servers' rows never pool), "" for an engine."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(name.strip())
+    return f"@{parts.hostname}:{parts.port}" if is_server_url(name) else ""
 
 
 def check_server_url(text: str) -> str:
@@ -349,4 +357,7 @@ def parse_engines(text: str) -> list[str]:
                                "http://HOST:PORT (comma list)")
     for n in names:
         engine_kind(n)
+    labels = [model_suffix(n) for n in names]
+    if len(set(labels)) < len(labels):  # one server given twice (its URL written two ways)
+        raise UnsupportedError(f"--engine {text!r} names one server twice; give each once")
     return names

@@ -105,6 +105,79 @@ def spec_families(text: str) -> list[str]:
                    if "spec" in f.name.lower() and not f.name.endswith("_created")})
 
 
+# -- per-request speculative counts in the response body ------------------------------------------
+@dataclass(frozen=True)
+class BodySpec:
+    """One request's speculative counts as its response body reports them: ``source`` (the
+    server's shape), verify steps that drafted (``drafts``; None where the server does not say),
+    draft tokens ``proposed`` and ``accepted``, ``accepted_per_pos[j]`` (steps that accepted
+    draft token j + 1; from the acceptance histogram, where given) and the per-step
+    (drafted, accepted) arrays (vLLM's ``detailed`` level, where given)."""
+
+    source: str
+    drafts: int | None
+    proposed: int
+    accepted: int
+    accepted_per_pos: tuple[int, ...] | None = None
+    steps: tuple[tuple[int, int], ...] | None = None
+
+
+def per_position(histogram: Any) -> tuple[int, ...] | None:
+    """``accepted_per_pos`` from a dense histogram (index j: steps that accepted exactly j draft
+    tokens): position j + 1 was accepted by every step accepting more than j."""
+    if not isinstance(histogram, list) or not all(isinstance(c, int) for c in histogram):
+        return None
+    return tuple(sum(histogram[j + 1:]) for j in range(len(histogram) - 1))
+
+
+def body_spec(event: Mapping[str, Any]) -> BodySpec | None:
+    """The speculative counts one streamed event (or a whole response) carries, in the three
+    shapes servers send (the field names as their sources and NVIDIA AIPerf's adapters read them,
+    ai-dynamo/aiperf src/aiperf/spec_decode/), else None:
+
+    * vLLM (>= 0.32, served with ``--per-request-spec-decode-metrics summary|detailed``): the
+      root's ``metrics.speculative_decoding`` on the final usage chunk (``stream_options.
+      include_usage``) -- vllm/entrypoints/openai/completion/serving.py and
+      vllm/v1/metrics/stats.py ``RequestSpecDecodeMetrics.to_dict``: ``num_spec_steps``,
+      ``num_draft_tokens``, ``num_accepted_draft_tokens``, ``acceptance_histogram``,
+      ``per_step_accepted`` / ``per_step_drafted`` (detailed);
+    * TensorRT-LLM (``per_request_spec_decode_stats``): a choice's ``speculative_decoding`` with
+      ``total_draft_tokens``, ``total_accepted_draft_tokens``, ``num_spec_steps``,
+      ``acceptance_histogram`` (AIPerf's trtllm_adapter.py);
+    * llama.cpp's llama-server: the root's ``timings`` with ``draft_n`` and ``draft_n_accepted``
+      (AIPerf's llamacpp_adapter.py; no count of drafting steps).
+
+    SGLang's ``spec_verify_ct`` / ``spec_accept_token_num`` ride its native ``/generate``
+    ``meta_info``, not its OpenAI completions stream (python/sglang/srt/entrypoints/openai/
+    serving_completions.py sends no speculative field), so an SGLang server reads as none."""
+    metrics = event.get("metrics")
+    vllm = metrics.get("speculative_decoding") if isinstance(metrics, Mapping) else None
+    choices = [c for c in event.get("choices") or [] if isinstance(c, Mapping)]
+    trt = next((c["speculative_decoding"] for c in choices
+                if isinstance(c.get("speculative_decoding"), Mapping)), None)
+    timings = event.get("timings")
+    try:
+        if isinstance(vllm, Mapping) and "num_accepted_draft_tokens" in vllm:
+            accepted, drafted = vllm.get("per_step_accepted"), vllm.get("per_step_drafted")
+            steps = (tuple(zip(map(int, drafted), map(int, accepted), strict=True))
+                     if isinstance(accepted, list) and isinstance(drafted, list) else None)
+            return BodySpec("vllm", int(vllm["num_spec_steps"]), int(vllm["num_draft_tokens"]),
+                            int(vllm["num_accepted_draft_tokens"]),
+                            per_position(vllm.get("acceptance_histogram")), steps)
+        if isinstance(trt, Mapping) and "total_accepted_draft_tokens" in trt:
+            return BodySpec("tensorrt_llm", int(trt["num_spec_steps"]),
+                            int(trt["total_draft_tokens"]),
+                            int(trt["total_accepted_draft_tokens"]),
+                            per_position(trt.get("acceptance_histogram")))
+        if isinstance(timings, Mapping) and "draft_n_accepted" in timings:
+            return BodySpec("llama.cpp", None, int(timings["draft_n"]),
+                            int(timings["draft_n_accepted"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise EngineError(f"the server's per-request speculative counts are malformed ({error}): "
+                          f"{json.dumps(vllm or trt or timings)[:200]}; see its version") from error
+    return None
+
+
 # -- one streamed completion -------------------------------------------------------------------
 @dataclass
 class Chunk:
@@ -115,22 +188,35 @@ class Chunk:
     ids: list[int] | None
     count: int | None
     text: str
+    logprobs: list[float | None] | None = None  # the sampled tokens' logprobs, where returned
 
 
 @dataclass
 class Stream:
     """One request's stream, read to its end (``[DONE]``): its chunks, the finish reason, the
-    usage the server reported (if any) and the error that ended it early (None: complete)."""
+    usage the server reported (if any), the speculative counts its body reported (`body_spec`;
+    None: none) and the error that ended it early (None: complete)."""
 
     chunks: list[Chunk] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    spec: BodySpec | None = None
     error: EngineError | None = None
     done: bool = False
 
     @property
     def first_t(self) -> float | None:
         return self.chunks[0].t if self.chunks else None
+
+
+def chunk_logprobs(choice: Mapping[str, Any]) -> list[float | None] | None:
+    """The logprobs of the tokens a streamed choice carries (OpenAI completions'
+    ``logprobs.token_logprobs``), None where the server sent none."""
+    logprobs = choice.get("logprobs")
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, Mapping) else None
+    if not isinstance(values, list):
+        return None
+    return [float(v) if isinstance(v, (int, float)) else None for v in values]
 
 
 def chunk_tokens(choice: Mapping[str, Any]) -> tuple[list[int] | None, int | None]:
@@ -184,11 +270,12 @@ def read_stream(base_url: str, body: Mapping[str, Any], timeout_s: float, out: S
                                   f"{event['error']}; see its log")
             if event.get("usage"):
                 out.usage = dict(event["usage"])
+            out.spec = body_spec(event) or out.spec
             for choice in event.get("choices") or []:
                 ids, count = chunk_tokens(choice)
                 if ids or count or choice.get("text"):
                     out.chunks.append(Chunk(time.perf_counter(), ids, count,
-                                            choice.get("text") or ""))
+                                            choice.get("text") or "", chunk_logprobs(choice)))
                     if on_first is not None and len(out.chunks) == 1:
                         on_first()
                 if choice.get("finish_reason"):

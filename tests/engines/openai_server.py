@@ -9,7 +9,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -23,7 +23,15 @@ class Behaviour:
     ``fault``: None, "http500", "http400", "cut" (the connection closed after two chunks),
     "stall" (silent for ``stall_s`` after one chunk); ``metrics``: "spec" (vLLM's spec_decode
     counters), "plain" (a /metrics without them) or None (HTTP 404); per request the counters
-    grow by ``spec`` = (drafts, proposed, accepted)."""
+    grow by ``spec`` = (drafts, proposed, accepted). ``body``: the per-request speculative counts
+    the response body carries, in a server's shape ("vllm": the root's
+    ``metrics.speculative_decoding`` on the usage chunk, "trtllm": the last choice's
+    ``speculative_decoding``, "llamacpp": the root's ``timings``; None: none), its counts
+    (``spec``'s drafts and proposed, accepted = min(prompt length, proposed): each request its
+    own); ``generate(prompt, n)``: the tokens and counts (drafts, proposed, accepted, accepted per
+    position...) of a model-backed server instead of counting up, and optionally its steps
+    (drafted, accepted), which a "vllm" body lists (vLLM's ``detailed`` level). A request asking ``logprobs``
+    gets each token's, -(token % 4) / 4 (``logprob_value``)."""
 
     models: tuple[str, ...] = ("tiny",)
     chunks: tuple[int, ...] = (1, 2)
@@ -35,6 +43,8 @@ class Behaviour:
     spec: tuple[int, int, int] = (2, 6, 4)
     delay_s: float = 0.0  # between chunks
     together: int = 1  # a request waits (up to 5 s) until this many are in flight
+    body: str | None = None
+    generate: Callable[[list[int], int], tuple[Any, ...]] | None = None
 
 
 @dataclass
@@ -43,7 +53,7 @@ class State:
     requests: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
-    counters: list[int] = field(default_factory=lambda: [0, 0, 0])
+    counters: list[int] = field(default_factory=lambda: [0, 0, 0])  # + accepted per position
     lock: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -56,12 +66,13 @@ def metrics_text(state: State) -> str:
     registry = CollectorRegistry()
     labels = {"model_name": "tiny", "engine": "0"}
     for name, value in zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"),
-                           state.counters, strict=True):
+                           state.counters[:3], strict=True):
         counter = Counter(f"vllm:spec_decode_{name}", name, list(labels), registry=registry)
         counter.labels(**labels).inc(value)
     per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per position",
                       [*labels, "position"], registry=registry)
-    per_pos.labels(**labels, position="0").inc(state.counters[2])
+    for pos, value in enumerate(state.counters[3:] or state.counters[2:3]):
+        per_pos.labels(**labels, position=str(pos)).inc(value)
     Gauge("vllm:num_requests_running", "running", registry=registry).set(0)
     return generate_latest(registry).decode()
 
@@ -70,6 +81,39 @@ def completion_tokens(prompt: Any, n: int, vocab: int) -> list[int]:
     """The tokens the server "generates": counting up from the prompt's last id."""
     last = prompt[-1] if isinstance(prompt, list) and prompt else 0
     return [(last + 1 + i) % vocab for i in range(n)]
+
+
+def logprob_value(token: int) -> float:
+    """The logprob the server reports for a sampled ``token``."""
+    return -(token % 4) / 4
+
+
+def body_spec(kind: str | None, counts: tuple[int, ...], n: int,
+              steps: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """One request's speculative counts (drafts, proposed, accepted) of ``n`` tokens in a
+    server's shape: what the event carrying them adds (see `Behaviour`); vLLM's ``detailed``
+    level adds its drafting ``steps`` (drafted, accepted), as vLLM lists them."""
+    drafts, proposed, accepted = counts[:3]
+    if kind == "vllm":  # the histogram from the counts per position (default: one a step)
+        per_pos = list(counts[3:]) or [min(drafts, accepted)]
+        hist = [drafts - per_pos[0]] + [a - b for a, b in zip(per_pos, [*per_pos[1:], 0],
+                                                               strict=True)]
+        detailed = {} if steps is None else {
+            "per_step_drafted": [d for d, _ in steps if d],
+            "per_step_accepted": [a for d, a in steps if d]}  # drafting steps only, as vLLM's
+        return {"metrics": {"speculative_decoding": {
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "num_spec_steps": drafts, "acceptance_histogram": hist,
+            "draft_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "num_accepted_draft_tokens": accepted, "num_draft_tokens": proposed,
+            "num_spec_tokens": len(per_pos), **detailed}}}
+    if kind == "trtllm":
+        return {"speculative_decoding": {"total_accepted_draft_tokens": accepted,
+                                         "total_draft_tokens": proposed, "num_spec_steps": drafts,
+                                         "acceptance_rate": accepted / proposed}}
+    if kind == "llamacpp":
+        return {"timings": {"draft_n": proposed, "draft_n_accepted": accepted, "predicted_n": n}}
+    return {}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -134,7 +178,12 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        tokens = completion_tokens(body["prompt"], int(body["max_tokens"]), b.vocab)
+        n = int(body["max_tokens"])
+        if b.generate is not None:
+            tokens, counts, *steps = b.generate(list(body["prompt"]), n)
+        else:
+            tokens = completion_tokens(body["prompt"], n, b.vocab)
+            counts, steps = (*b.spec[:2], min(len(body["prompt"]), b.spec[1])), []
         time.sleep(0.05)  # a prefill: every request of a batch is in flight meanwhile
         pos, k = 0, 0
         while pos < len(tokens):
@@ -144,21 +193,31 @@ class Handler(BaseHTTPRequestHandler):
                                       "finish_reason": "length" if pos >= len(tokens) else None}
             if b.tokens == "token_ids":
                 choice["token_ids"] = piece
-            elif b.tokens == "logprobs":
+            if b.tokens == "logprobs" or body.get("logprobs"):
                 choice["logprobs"] = {"tokens": [f" w{t}" for t in piece],
-                                      "token_logprobs": [-0.5] * len(piece)}
-            self._event({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
+                                      "token_logprobs": [logprob_value(t) for t in piece]}
+            last = pos >= len(tokens)
+            if last and b.body == "trtllm":
+                choice.update(body_spec(b.body, counts, len(tokens)))
+            self._event({"id": "cmpl-1", "object": "text_completion", "choices": [choice],
+                         **(body_spec(b.body, counts, len(tokens))
+                            if last and b.body == "llamacpp" else {})})
             if b.fault == "cut" and k == 2:
                 return  # the connection closes: no [DONE]
             if b.fault == "stall":
                 time.sleep(b.stall_s)
                 return
             time.sleep(b.delay_s)
+        grown = counts if b.generate is not None else b.spec
         with self.state.lock:
-            self.state.counters = [c + d for c, d in zip(self.state.counters, b.spec, strict=True)]
+            have = self.state.counters + [0] * (len(grown) - len(self.state.counters))
+            self.state.counters = [c + (grown[i] if i < len(grown) else 0)
+                                   for i, c in enumerate(have)]
         self._event({"id": "cmpl-1", "object": "text_completion", "choices": [],
                      "usage": {"prompt_tokens": len(body["prompt"]),
-                               "completion_tokens": len(tokens)}})
+                               "completion_tokens": len(tokens)},
+                     **(body_spec(b.body, counts, len(tokens), *steps)
+                        if b.body == "vllm" else {})})
         self.wfile.write(b"data: [DONE]\n\n")
 
     def _event(self, payload: dict[str, Any]) -> None:

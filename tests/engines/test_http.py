@@ -45,7 +45,11 @@ def generate(engine, prompts, new=7):
 # -- the URL as an engine name ------------------------------------------------------------------
 def test_a_server_url_is_an_engine_and_a_malformed_one_is_refused():
     assert parse_engines("hf,http://127.0.0.1:8000/v1") == ["hf", "http://127.0.0.1:8000/v1"]
-    assert model_suffix("http://127.0.0.1:8000") == "+http"  # labels never carry a port
+    # two servers' rows never pool: the label carries the server's address, never more of its URL
+    assert model_suffix("http://127.0.0.1:8000/v1") == "+http@127.0.0.1:8000"
+    assert model_suffix("http://127.0.0.1:8001") == "+http@127.0.0.1:8001"
+    with pytest.raises(UnsupportedError, match="names one server twice"):
+        parse_engines("http://127.0.0.1:8000,http://127.0.0.1:8000/v1")
     for bad in ("http://127.0.0.1", "http://:8000", "ftp://h:1", "http://h:1/v2/x", "http://h:x"):
         with pytest.raises(UnsupportedError, match="http://HOST:PORT"):
             parse_engines(f"hf,{bad}")
@@ -151,7 +155,7 @@ def test_compare_stores_hf_and_the_servers_rows_side_by_side(target, tmp_path):
         res = compare(target, f"hf,{url}", tmp_path / "s")
     assert res.exit_code == 0, res.output
     runs = ResultStore(tmp_path / "s").load("runs").set_index("engine")
-    assert set(runs.index) == {"hf", "http"} and runs.loc["http", "model"] == "custom+http"
+    assert set(runs.index) == {"hf", "http"} and runs.loc["http", "model"] == f"custom+http@{url[7:]}"
     row = runs.loc["http"]
     assert row["prefill_time_s"] > 0 and row["tokens_per_s"] > 0 and row["decode_tokens"] == 5
     assert row["acceptance_rate"] == pytest.approx(4 / 6)  # from the server's counters
@@ -217,7 +221,7 @@ def test_the_decoding_sweep_runs_a_server_at_each_batch_size(target, tmp_path):
                                   "--output", str(tmp_path / "s")])
     assert res.exit_code == 0, res.output
     rows = ResultStore(tmp_path / "s").load("decode_batch").set_index("batch_size")
-    assert sorted(rows.index) == [1, 2] and set(rows["model"]) == {"custom+http"}
+    assert sorted(rows.index) == [1, 2] and set(rows["model"]) == {f"custom+http@{url[7:]}"}
     assert rows["block_efficiency"].isna().all() and rows["target_forwards"].isna().all()
     assert rows["acceptance_rate"].tolist() == [pytest.approx(4 / 6)] * 2
 
@@ -251,3 +255,275 @@ def test_energy_asked_of_a_remote_server_is_refused_and_never_repeated(target, t
         assert res.exit_code == 0, res.output
     row = ResultStore(tmp_path / "s").load("runs").iloc[0]
     assert not row["mitigated"] and row["energy_reason"] == "it runs on another host"
+
+
+# -- acceptance per request from the response body ---------------------------------------------
+@pytest.mark.parametrize("shape, mean_length", [
+    ("vllm", [0.5, 1.0]), ("trtllm", [0.5, 1.0]), ("llamacpp", [None, None])])
+def test_each_requests_body_acceptance_wins_over_the_batchs_metrics(shape, mean_length):
+    """Two requests in flight, each body reporting its own counts (2 drafting steps, 6 draft
+    tokens, accepted = its prompt's length: 1 and 2): each row its own, where /metrics would
+    give both the batch's 12/18; llama-server's timings do not count drafting steps."""
+    with serve(Behaviour(body=shape, together=2, spec=(2, 6, 4))) as (url, state):
+        gens = generate(engine_at(url), [[1], [2, 3]])
+    assert state.max_in_flight == 2
+    assert [g.stats.draft_accepted for g in gens] == [1, 2]
+    assert [g.stats.draft_proposed for g in gens] == [6, 6]
+    assert [g.stats.acceptance_rate for g in gens] == [pytest.approx(1 / 6), pytest.approx(2 / 6)]
+    assert [g.stats.mean_accepted_length for g in gens] == mean_length
+
+
+def test_vllms_per_request_metrics_are_read_as_vllm_writes_them_and_a_malformed_one_is_an_error():
+    """vLLM 0.32's ``RequestSpecDecodeMetrics.to_dict`` (detailed level) on the usage chunk:
+    3 verify steps drafting 3 tokens each, accepting 0, 2 and 3."""
+    from mtad_energy.engines.server_protocol import body_spec
+
+    event = {"choices": [], "usage": {"completion_tokens": 9}, "metrics": {"speculative_decoding": {
+        "mean_acceptance_length": 1 + 5 / 3, "draft_acceptance_rate": 5 / 9,
+        "acceptance_histogram": [1, 0, 1, 1], "num_spec_steps": 3, "num_accepted_draft_tokens": 5,
+        "num_draft_tokens": 9, "num_spec_tokens": 3, "per_step_accepted": [0, 2, 3],
+        "per_step_drafted": [3, 3, 3]}}}
+    spec = body_spec(event)
+    assert (spec.source, spec.drafts, spec.proposed, spec.accepted) == ("vllm", 3, 9, 5)
+    assert spec.accepted_per_pos == (2, 2, 1)  # positions 1, 2, 3 accepted by 2, 2, 1 steps
+    assert spec.steps == ((3, 0), (3, 2), (3, 3))
+    assert body_spec({"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}) is None
+    event["metrics"]["speculative_decoding"]["num_spec_steps"] = "three"
+    with pytest.raises(EngineError, match="speculative counts are malformed"):
+        body_spec(event)
+
+
+# -- perplexity from the server's logprobs ------------------------------------------------------
+def test_perplexity_is_the_servers_logprobs_where_it_returns_them_else_left_to_the_target():
+    import math
+
+    from tests.engines.openai_server import logprob_value
+
+    with serve() as (url, _):
+        with_lp = generate(engine_at(url, logprobs="true"), [[1, 2]])[0]
+        without = generate(engine_at(url), [[1, 2]])[0]
+    nll = [-logprob_value(t) for t in with_lp.token_ids]
+    assert with_lp.stats.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)))
+    assert without.stats.perplexity is None  # scored under the target by the runner
+
+
+def test_a_logprobs_only_servers_rows_get_its_perplexity_and_an_id_servers_the_targets(
+        target, tmp_path):
+    import math
+
+    from tests.engines.openai_server import logprob_value
+
+    with serve(Behaviour(vocab=VOCAB, tokens="logprobs")) as (url, state):
+        res = compare(target, url, tmp_path / "lp", "--engine-option", "logprobs=true")
+        assert res.exit_code == 0, res.output
+        with serve(Behaviour(vocab=VOCAB)) as (url_ids, _):
+            res = compare(target, url_ids, tmp_path / "ids")
+        assert res.exit_code == 0, res.output
+    # the server "generates" counting up from the prompt's last id: its tokens are known
+    prompt = state.requests[-1]["prompt"]
+    tokens = [(prompt[-1] + 1 + i) % VOCAB for i in range(6)]
+    nll = [-logprob_value(t) for t in tokens]
+    lp_row = ResultStore(tmp_path / "lp").load("runs").iloc[0]
+    assert lp_row["perplexity"] == pytest.approx(math.exp(sum(nll) / 6))  # no ids: the server's
+    ids_row = ResultStore(tmp_path / "ids").load("runs").iloc[0]
+    assert ids_row["perplexity"] > 0 and ids_row["perplexity"] != pytest.approx(lp_row["perplexity"])
+
+
+# -- seeds: rows independent ---------------------------------------------------------------------
+def test_each_request_of_a_batch_is_sent_its_own_seed():
+    with serve() as (url, state):
+        engine = engine_at(url)
+        gens = engine.generate(AR, [[1], [1], [1]], 4, seed=5)
+    assert sorted(r["seed"] for r in state.requests) == [5, 6, 7]
+    assert [g.config["seed"] for g in gens] == [5, 6, 7]
+
+
+# -- two servers: two labels, never pooled -------------------------------------------------------
+def test_two_servers_in_one_run_store_and_show_rows_under_two_labels(target, tmp_path):
+    with serve(Behaviour(vocab=VOCAB)) as (one, _), serve(Behaviour(vocab=VOCAB)) as (two, _):
+        res = compare(target, f"{one},{two}", tmp_path / "s")
+    assert res.exit_code == 0, res.output
+    runs = ResultStore(tmp_path / "s").load("runs")
+    labels = {f"custom+http@{one[7:]}", f"custom+http@{two[7:]}"}
+    assert set(runs["model"]) == labels and len(runs) == 2
+    assert all(label in res.output for label in labels)  # the summary: one line each
+
+
+# -- the audit over a server ---------------------------------------------------------------------
+K, MIN_N, MAX_N = 3, 1, 3  # the server's n-gram drafting (vLLM's speculative_config)
+
+
+def ngram_server(model, lie: int = 0, step_lie: bool = False):
+    """A model-backed server's ``generate``: greedy tokens of ``model``, the counts of its
+    n-gram drafting read off them (drafts, draft tokens, accepted, accepted per position), its
+    accepted and draft tokens inflated by ``lie``, and its steps (drafted, accepted), the first
+    drafting step that rejected claiming one more accepted where ``step_lie``."""
+    import torch
+
+    from mtad_energy.decoding.rules.sampling import Warp
+    from mtad_energy.engines import audit as au
+    from mtad_energy.engines import audit_output as ao
+
+    def gen(prompt, n):
+        ids = list(prompt)
+        with torch.inference_mode():
+            for _ in range(n):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        out = ids[len(prompt):]
+        p = au.warped_along(model, prompt, out, Warp(temperature=0.0, top_k=0, top_p=1.0))
+        served = ao.point_mass_served(out, p, au.ngram_proposer(prompt, out, MIN_N, MAX_N, K))
+        m = ao.counters_of_steps(served.steps, K)
+        steps = list(served.steps)
+        bad = next((i for i, (d, a) in enumerate(steps) if d and a < d), None) if step_lie else None
+        if bad is not None:
+            steps[bad] = (steps[bad][0], steps[bad][1] + 1)
+        return out, (m.drafts, m.draft_tokens + lie, m.accepted_tokens + lie,
+                     *m.accepted_per_pos), steps
+    return gen
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.llama(VOCAB, 0, layers=2)
+
+
+@pytest.mark.parametrize("where", ["metrics", "vllm"])
+def test_the_audit_passes_a_truthful_server_and_flags_one_whose_counters_lie(model, where):
+    """Greedy n-gram speculation served, its counters in /metrics or in each body (vLLM's
+    shape): a server telling the truth passes every check; one claiming 100 more accepted
+    draft tokens than its output shows contradicts it."""
+    from mtad_energy.decoding.rules.sampling import Warp
+    from mtad_energy.engines.audit_output import CONTRADICTS
+    from mtad_energy.engines.http_audit import audit_server
+
+    warp = Warp(temperature=0.0, top_k=0, top_p=1.0)
+    prompts = [[3, 4, 5, 3, 4], [7, 8, 9, 7], [2, 2, 6]]
+    verdicts = {}
+    for lie in (0, 100):
+        behaviour = Behaviour(vocab=VOCAB, generate=ngram_server(model, lie), together=3,
+                              metrics="spec" if where == "metrics" else None,
+                              body="vllm" if where == "vllm" else None)
+        with serve(behaviour) as (url, _):
+            engine = engine_at(url)
+            generate(engine, prompts, new=16)
+        verdicts[lie] = audit_server(engine, model, warp, K, MIN_N, MAX_N)
+    truthful, liar = verdicts[0], verdicts[100]
+    assert truthful.row.measured.accepted_tokens > 0  # the n-gram drafts hit: a real check
+    assert not truthful.flagged, truthful.as_dict()
+    assert liar.flag == CONTRADICTS and "accepted tokens" in " ".join(liar.contradictions)
+
+
+def test_a_server_reporting_no_counts_or_no_token_ids_is_refused_by_the_audit(model):
+    from mtad_energy.decoding.rules.sampling import Warp
+    from mtad_energy.engines.http_audit import audit_server
+
+    warp = Warp(temperature=0.0, top_k=0, top_p=1.0)
+    with serve(Behaviour(vocab=VOCAB, metrics="plain")) as (url, _):
+        engine = engine_at(url)
+        with pytest.raises(UnsupportedError, match="served no request"):
+            audit_server(engine, model, warp, K, MIN_N, MAX_N)
+        generate(engine, [[1, 2]])
+    with pytest.raises(UnsupportedError, match="no speculative counts for batch 0"):
+        audit_server(engine, model, warp, K, MIN_N, MAX_N)
+    with serve(Behaviour(vocab=VOCAB, tokens="logprobs")) as (url, _):
+        engine = engine_at(url, logprobs="true")
+        generate(engine, [[1, 2]])
+    with pytest.raises(UnsupportedError, match="returned no token ids"):
+        audit_server(engine, model, warp, K, MIN_N, MAX_N)
+
+
+def test_the_decoding_sweep_keeps_the_servers_perplexity(target, tmp_path):
+    """`sweep batch-size` scores rows under the target unless the server gave their logprobs."""
+    import math
+
+    from tests.engines.openai_server import logprob_value
+
+    with serve(Behaviour(vocab=VOCAB)) as (url, state):
+        res = runner.invoke(app, ["sweep", "batch-size", "--decoder", "ar", "--engine", url,
+                                  "--sizes", "1", "--target", target, "--meter", "none",
+                                  "--n-prompts", "1", "--max-new-tokens", "6", "--device", "cpu",
+                                  "--engine-option", "logprobs=true", "--output",
+                                  str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    prompt = state.requests[-1]["prompt"]
+    nll = [-logprob_value((prompt[-1] + 1 + i) % VOCAB) for i in range(6)]
+    row = ResultStore(tmp_path / "s").load("decode_batch").iloc[0]
+    assert row["perplexity"] == pytest.approx(math.exp(sum(nll) / 6))
+
+
+def sampling_server(model, warp, lossy: bool, seed: int = 0):
+    """A model-backed server's ``generate`` sampling under ``warp`` with n-gram drafts, verified
+    as speculative sampling does (a draft token d kept with probability p~(d), else a token of
+    p~ without d), or ``lossy``: every draft token kept. Its counts are its real steps'."""
+    import torch
+
+    from mtad_energy.engines import audit as au
+    from mtad_energy.engines import audit_output as ao
+
+    rng = torch.Generator().manual_seed(seed)
+
+    def probs(ctx):
+        with torch.inference_mode():
+            return warp.probs(model(input_ids=torch.tensor([ctx])).logits[0, -1:])[0]
+
+    def gen(prompt, n):
+        out, steps = [], []
+        while len(out) < n:
+            drafts, kept = (au.ngram_propose(list(prompt) + out, MIN_N, MAX_N, K) if out else []), 0
+            for tok in drafts:
+                p = probs(list(prompt) + out)
+                if lossy or torch.rand((), generator=rng) < p[tok]:
+                    out, kept = [*out, tok], kept + 1
+                    continue
+                rest = p.clone()
+                rest[tok] = 0.0  # the residual of a point-mass draft: p~ without d
+                out.append(int(torch.multinomial(rest / rest.sum(), 1, generator=rng)))
+                break
+            else:  # every draft token kept (or none): the bonus token
+                out.append(int(torch.multinomial(probs(list(prompt) + out), 1, generator=rng)))
+            steps.append((len(drafts), kept))
+        m = ao.counters_of_steps(steps, K)
+        return out[:n], (m.drafts, m.draft_tokens, m.accepted_tokens, *m.accepted_per_pos)
+    return gen
+
+
+def test_the_audit_passes_a_lossless_sampling_server_and_flags_one_keeping_every_draft(model):
+    """Sampled speculation (T 1) with n-gram drafts: the lossless server passes; one keeping
+    every draft token whatever the target says is flagged as over-accepting."""
+    from mtad_energy.decoding.rules.sampling import Warp
+    from mtad_energy.engines.http_audit import audit_server
+
+    warp = Warp(temperature=1.0, top_k=0, top_p=1.0)
+    flags = {}
+    for lossy in (False, True):
+        with serve(Behaviour(vocab=VOCAB, generate=sampling_server(model, warp, lossy))) as (url, _):
+            engine = engine_at(url)
+            for i in range(4):
+                generate(engine, [[3 + i, 4, 5, 3, 4], [7, 8 + i, 9, 7]], new=24)
+        verdict = audit_server(engine, model, warp, K, MIN_N, MAX_N)
+        assert verdict.row.measured.drafts > 10  # the drafts were checked
+        flags[lossy] = verdict.flags
+    assert flags == {False: (), True: ("over-accepts",)}
+
+
+def test_the_audit_checks_vllms_per_step_story_against_the_output(model):
+    """vLLM's ``detailed`` per-request metrics list each drafting step's (drafted, accepted):
+    a server whose list matches its output passes; one claiming an extra accepted token in one
+    step, its totals true, contradicts the output at that step."""
+    from mtad_energy.decoding.rules.sampling import Warp
+    from mtad_energy.engines.audit_output import CONTRADICTS
+    from mtad_energy.engines.http_audit import audit_server
+
+    warp = Warp(temperature=0.0, top_k=0, top_p=1.0)
+    verdicts = {}
+    for step_lie in (False, True):
+        behaviour = Behaviour(vocab=VOCAB, generate=ngram_server(model, step_lie=step_lie),
+                              metrics=None, body="vllm")
+        with serve(behaviour) as (url, _):
+            engine = engine_at(url)
+            generate(engine, [[3, 4, 5, 3, 4], [2, 2, 6]], new=16)
+        assert all(r.spec.steps for r in engine.served_requests)  # the detailed level, read
+        verdicts[step_lie] = audit_server(engine, model, warp, K, MIN_N, MAX_N)
+    assert not verdicts[False].flagged, verdicts[False].as_dict()
+    assert verdicts[True].flag == CONTRADICTS
+    assert any("the engine reports" in c for c in verdicts[True].contradictions)
