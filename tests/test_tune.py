@@ -158,9 +158,10 @@ def test_mtad_grid_is_the_papers():
     (["--criterion", "speed", "--max-ppl-ratio", "0"], "--max-ppl-ratio 0: give a positive ratio"),
     (["--criterion", "energy"], "--criterion energy needs joules"),
     (["--criterion", "fast"], "--criterion 'fast': choose one of ppl, speed, energy"),
-    (["--set", "gamma=3"], "gamma is given by both --grid and --set"),
+    (["--set", "gamma=3"], "gamma is tuned by spd's grid and fixed by --set"),
+    (["--decoders", "mtad", "--set", "tau=0.3"], "tau is tuned by mtad's grid and fixed by --set"),
 ], ids=["val0", "val1", "val-all", "grid-refused", "ratio-with-ppl", "ratio-zero", "energy-no-meter",
-        "criterion-unknown", "grid-and-set"])
+        "criterion-unknown", "grid-and-set", "default-axis-and-set"])
 @pytest.mark.usefixtures("no_loading")
 def test_bad_input_is_refused_before_any_model_loads(model_dirs, prompts_file, tmp_path, extra,
                                                      message):

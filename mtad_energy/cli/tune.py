@@ -93,14 +93,15 @@ def grid_specs(names: list[str], fixed: dict[str, str], overrides: dict[str, dic
     """Every setting of each decoder's grid as a spec (the ``--set`` values fixed), ``ar`` (the
     baseline) first with one; each built once, so a grid value a decoder refuses is a UsageError
     naming the decoder, the setting and the fix before any model loads."""
-    from mtad_energy.decoding.grids import grid_settings
+    from mtad_energy.decoding.grids import TUNING_GRIDS, grid_settings
 
     bases = dict(zip([BASELINE, *names], decoder_specs([BASELINE, *names], fixed), strict=True))
     out: dict[str, list[DecoderSpec]] = {BASELINE: [bases[BASELINE]]}
     for name in names:
-        if both := [k for k in overrides[name] if k in bases[name].param_dict]:
-            raise UsageError(f"{', '.join(both)} is given by both --grid and --set for {name}; keep "
-                             "one (--grid tunes it, --set fixes it)")
+        axes = {**TUNING_GRIDS[name], **overrides[name]}
+        if both := [k for k in axes if k in bases[name].param_dict]:
+            raise UsageError(f"{', '.join(both)} is tuned by {name}'s grid and fixed by --set; keep "
+                             f"one (--grid {name}.{both[0]}=VALUE tunes over one value)")
         specs = []
         for setting in grid_settings(name, overrides[name]):
             spec = DecoderSpec.of(name, **{**bases[name].param_dict, **setting})
