@@ -120,6 +120,20 @@ def test_a_perplexity_budget_no_setting_meets_names_the_closest_and_the_fix():
         choose(KNOWN, "spd", "speed", 1.01, resamples=50)
 
 
+def test_too_few_common_prompts_give_no_choice_and_compare_refuses_that_record(tmp_path):
+    from mtad_energy.cli.tune import FORMAT, read_record
+    from mtad_energy.results.tuning import IncompleteError
+
+    # a spent --budget-s: spd(gamma=3) measured on one prompt only
+    short = KNOWN[~((KNOWN.params_json == json.dumps({"gamma": 3})) & (KNOWN.prompt_id != "p0"))]
+    with pytest.raises(IncompleteError, match="1 validation prompt"):
+        choose(short, "spd", "ppl", resamples=10)
+    (tmp_path / "st.tuned.json").write_text(json.dumps({"format": FORMAT, "decoders": {
+        "spd": {"params": None, "reason": "spd: 1 validation prompt(s) ..."}}}))
+    with pytest.raises(ValueError, match="spd has no chosen setting"):
+        read_record(tmp_path / "st")
+
+
 def test_the_bootstrap_fraction_is_the_share_of_resamples_the_same_setting_wins():
     # gamma=2 wins on p0 by far and loses on p1 by a little: it loses only resamples without p0
     store = _store(ppl={"ar": [10, 10], "2": [9, 11.2], "3": [11, 11]},
