@@ -2,8 +2,10 @@
 
 A page holds ``<!-- decoder-params NAME -->``; the hook replaces it with NAME's parameters, types,
 defaults and help as ``mtad-energy decoders`` prints them (``param_specs`` of the registered
-class), so the docs cannot drift from the code. An unknown NAME is a build warning (a failure
-under ``mkdocs build --strict``), and so is a registered decoder no page documents.
+class), so the docs cannot drift from the code; and ``<!-- decoder-grid NAME -->`` with the grid
+`mtad-energy tune` measures it over (`decoding.grids.grid_markdown`). An unknown NAME is a build
+warning (a failure under ``mkdocs build --strict``), and so is a registered decoder no page
+documents.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 
 log = logging.getLogger("mkdocs.hooks.decoder_params")
 MARKER = re.compile(r"<!-- decoder-params (\w+) -->")
+GRID_MARKER = re.compile(r"<!-- decoder-grid (\w+) -->")
 _seen: set[str] = set()
 HEAD_NAMES = {"eagle": "EAGLE", "medusa": "Medusa"}
 
@@ -57,7 +60,17 @@ def on_pre_build(config) -> None:
     _seen.clear()
 
 
+def _grid(name: str) -> str:
+    from mtad_energy.decoding.grids import TUNING_GRIDS, grid_markdown
+
+    if name not in TUNING_GRIDS:
+        log.warning("decoder page names the grid of '%s', which has none", name)
+        return f"*(no grid for {name})*"
+    return grid_markdown(name)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = GRID_MARKER.sub(lambda m: _grid(m.group(1)), markdown)
     return MARKER.sub(lambda m: _table(m.group(1)), markdown)
 
 

@@ -6,6 +6,7 @@
 - `analyse`: decompose, schedule, report (over a stored results directory)
 - `store`: store compact
 - `calibrate`: calibrate (which meter to trust on this GPU)
+- `tune`: tune (each decoder's best setting on a validation split; `compare --tuned` after it)
 
 Shared pieces: `options` (parsing what the user typed, the shared option types), `output` (the
 console, tables that wrap, ``--json``, errors and exit codes), `tables` (what the commands print),
@@ -28,6 +29,7 @@ from mtad_energy.cli import analyse, info, measure, sweep  # noqa: E402
 from mtad_energy.cli.calibrate import calibrate  # noqa: E402
 from mtad_energy.cli.output import JsonErrorGroup  # noqa: E402
 from mtad_energy.cli.store import store_app  # noqa: E402
+from mtad_energy.cli.tune import tune  # noqa: E402
 
 app = typer.Typer(help="Decoding algorithms, their speed, quality and energy.",
                   no_args_is_help=True, add_completion=False, cls=JsonErrorGroup)
@@ -48,7 +50,7 @@ def _main(show_version: Annotated[bool, typer.Option(
     """Decoding algorithms, their speed, quality and energy."""
 
 for command in (info.decoders, info.models, info.env, info.generate, measure.profile, measure.compare,
-                analyse.decompose, analyse.schedule, analyse.report):
+                tune, analyse.decompose, analyse.schedule, analyse.report):
     app.command()(command)
 app.add_typer(sweep.sweep_app, name="sweep")
 app.add_typer(store_app, name="store")

@@ -93,6 +93,7 @@ def profile(
 
 @json_command
 def compare(
+    ctx: typer.Context,
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
     decoders: Annotated[str, typer.Option("--decoders", "--decoder",
                                           help="comma list (default: all; eagle and medusa where "
@@ -108,11 +109,28 @@ def compare(
     compile: Compile = False, eager: Eager = False, compile_backend: CompileBackend = None,
     dynamic_shapes: DynamicShapes = False, batch_size: BatchSize = 1, columns: Columns = "speed",
     engine: EngineOption = "hf", engine_option: EngineOptions = None, budget_s: BudgetS = None,
+    tuned: Annotated[Path | None, typer.Option(
+        metavar="STORE", help="each decoder at the setting `mtad-energy tune --output STORE` "
+                              "chose, on held-out prompts (model, decoders, dataset: the tune's)")] = None,
     as_json: Json = False,
 ):
     """All decoders side by side in the paper's main-table layout.
 
-    The markdown export marks the best value of each column in bold and the second underlined."""
+    The markdown export marks the best value of each column in bold and the second underlined.
+    With --tuned STORE: the settings a tune chose, on prompts its validation split left out."""
+    if tuned is not None:
+        from mtad_energy.cli.tune import held_out_store, tuned_compare
+        from mtad_energy.config import MeasureConfig
+
+        out = output or held_out_store(tuned)
+        try:
+            path = markdown_path(markdown, out)
+        except ValueError as error:
+            fail(error)
+        return tuned_compare(ctx, tuned, out, lambda summary, notes: write_main_table(
+            summary, notes, path), n_prompts=n_prompts, repeats=repeats,
+            measure=MeasureConfig(meter, mitigate, require_energy=require_energy),
+            allow_exec=allow_code_execution, columns=columns, budget_s=budget_s, as_json=as_json)
     out = output or Path("results/compare")
     try:
         names = split_list(decoders)

@@ -72,20 +72,25 @@ def check_before_loading(model: ModelSpec, decoders: Sequence[typing.Any] = ()) 
 # and its notes; returns {what: path} for the JSON document and the console
 SideFiles = Callable[[typing.Any, list[str]], dict[str, Path]]
 # a command's own view of the summary and the rows beside the summary table (sweep draft's
-# drafts side by side): its JSON key, its records, and what the console prints under the table
-View = Callable[[typing.Any, typing.Any], tuple[str, list[dict], typing.Any]]
+# drafts side by side, tune's choice): its JSON key, its records, and what the console prints
+# under the table
+View = Callable[[typing.Any, typing.Any], tuple[str, list[dict] | dict, typing.Any]]
 
 
 def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
                workers: int = 1, cluster: str = "local", columns: str = "speed",
                baseline: str = "ar", budget_s: float | None = None,
-               side_files: SideFiles | None = None, view: View | None = None):
+               side_files: SideFiles | None = None, view: View | None = None,
+               prompts: Sequence[typing.Any] | None = None,
+               relabel: Callable[[typing.Any], typing.Any] | None = None):
     """Run/resume ``config`` (or a list: one per engine or per draft, side by side) into ``out``
     with a progress bar (or as ``workers`` submitit jobs); print the summary (``columns``:
     `summary_table`, speed-ups over ``baseline``) and ``view`` of it, return the summary.
     ``budget_s``: no new row starts after it (`bench.budget`). ``side_files`` writes the files
     derived from the summary before the output is printed, so that a failure to write them is
-    the command's one error (and its one JSON document)."""
+    the command's one error (and its one JSON document). ``prompts``: the prompts to run in
+    place of the configuration's datasets' first ``n_prompts`` (a split's part, `bench.splits`;
+    one process only); ``relabel`` rewrites the summary's labels (tuned settings named)."""
     from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
     from mtad_energy.bench.work_units import check_pair_drafts, fewer_prompts_notes
@@ -94,6 +99,9 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     configs = config if isinstance(config, list) else [config]
     config = configs[0]
     try:
+        if prompts is not None and workers > 1:
+            raise ValueError("--workers runs each job on the configuration's own prompts, not a "
+                             "split's: drop --workers")
         if budget_s is not None and workers > 1:
             raise ValueError("--budget-s stops one process; with --workers each job runs its share "
                              "to the end: drop one of them")
@@ -101,7 +109,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
             check_before_loading(each.model)
             if workers > 1:  # each job's runner would refuse it after the others started
                 check_pair_drafts(each)
-        prompts = load_config_prompts(config)
+        prompts = list(prompts) if prompts is not None else load_config_prompts(config)
         prompt_notes = fewer_prompts_notes(config, prompts)  # datasets short of --n-prompts
         check_batch_size(config, prompts)  # before loading any model
         check_workers(configs, workers)
@@ -133,6 +141,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         compact_after(out)
     runs = pd.DataFrame(rows)
     summary = decoder_summary(runs, summary_baseline(baseline))
+    summary = relabel(summary) if relabel is not None and len(summary) else summary
     notes = prompt_notes + config_draft_notes(config) + pass_at_1_notes(
         rows, config.allow_code_execution)
     notes += [budget.note()] if budget.note() else []

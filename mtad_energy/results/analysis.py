@@ -150,9 +150,9 @@ def compile_note(table: pd.DataFrame) -> str:
 
 
 # -- labels and ordering ---------------------------------------------------------------------------
-def _format_param(value: Any) -> str:
+def format_param(value: Any) -> str:
     if isinstance(value, list | tuple):
-        return ",".join(_format_param(v) for v in value)
+        return ",".join(format_param(v) for v in value)
     if isinstance(value, float) and value.is_integer():
         return f"{value:g}"
     return str(value)
@@ -211,7 +211,7 @@ def _param_labels(runs: pd.DataFrame) -> pd.Series:
         varying = [k for k in keys if len({json.dumps(p.get(k), sort_keys=True, default=str)
                                            for p in parsed.values()}) > 1]
         for c, p in parsed.items():
-            shown = ", ".join(f"{k}={_format_param(p[k])}" for k in varying if k in p)
+            shown = ", ".join(f"{k}={format_param(p[k])}" for k in varying if k in p)
             labels[(decoder, c)] = f"{decoder}({shown})" if shown else f"{decoder}({c})"
     return pd.Series([labels[(d, p)] for d, p in zip(pairs["decoder"], pairs["params_json"], strict=True)],
                      index=runs.index, name="label", dtype=object)
