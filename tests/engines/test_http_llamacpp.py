@@ -6,9 +6,6 @@ Skipped cleanly without the server extra of llama-cpp-python (pip install "llama
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -20,7 +17,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from mtad_energy.cli import app  # noqa: E402
 from mtad_energy.results import ResultStore  # noqa: E402
-from tests.engines.openai_server import free_port  # noqa: E402
+from tests.engines.real_servers import ServerFailed, llamacpp_command, running  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.smollm2]
 NEW = 12
@@ -28,38 +25,13 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    """llama_cpp.server on a free port, one thread, until the module ends; its log (some 200 kB
-    of model-load lines: a pipe would fill and stall it) goes to a file, shown on failure."""
-    from mtad_energy.engines.server_protocol import request
-    from mtad_energy.models import smollm2_gguf_path
-
-    port = free_port()
+    """llama_cpp.server on a free port, one thread, until the module ends (`real_servers`)."""
     log = tmp_path_factory.mktemp("llama-server") / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()),
-             "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "1024"],
-            stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama_cpp.server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if request(url, "GET", "/v1/models", 5)[0] == 200:
-                    break
-            except Exception:  # noqa: BLE001 (not listening yet)
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with running(llamacpp_command, log) as (url, _pid):
+            yield url
+    except ServerFailed as error:
+        pytest.fail(str(error))
 
 
 def test_compare_measures_a_real_llamacpp_server_beside_hf(server_url, tmp_path):
