@@ -46,7 +46,7 @@ def test_compare_measures_a_real_llamacpp_server_beside_hf(server_url, tmp_path)
     runs = ResultStore(tmp_path / "s").load("runs").set_index("engine")
     assert set(runs.index) == {"hf", "http"}
     row = runs.loc["http"]
-    assert row["model"] == "smollm2+http"
+    assert row["model"] == f"smollm2+http@{server_url.removeprefix('http://')}"
     assert 0 < row["tokens_emitted"] <= NEW
     assert row["prefill_time_s"] > 0 and row["decode_time_s"] > 0 and row["tokens_per_s"] > 0
     assert row["decode_tokens"] == row["tokens_emitted"] - 1  # one request: its first token is TTFT

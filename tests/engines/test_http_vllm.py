@@ -60,7 +60,7 @@ def served_rows(speculative, tmp_path):
         pytest.fail(str(error))
     assert res.exit_code == 0, res.output
     runs = ResultStore(tmp_path / "s").load("runs")
-    assert len(runs) == N_PROMPTS and set(runs["model"]) == {"smollm2+http"}
+    assert len(runs) == N_PROMPTS and set(runs["model"]) == {f"smollm2+http@{url.removeprefix('http://')}"}
     for _, row in runs.iterrows():  # tokens are the server's ids; TTFT and inter-token times
         assert 0 < row["tokens_emitted"] <= NEW and row["prefill_time_s"] > 0
         assert row["decode_time_s"] > 0 and row["tokens_per_s"] > 0
