@@ -60,20 +60,50 @@ def engine_options(items: list[str] | None, engines: str) -> dict[str, dict[str,
     return out
 
 
-def engine_configs(config: RunConfig, engines: str, all_decoders: bool = False,
+def skipped_decoders(config: RunConfig, engines: str) -> dict[str, list[str]]:
+    """compare's rule for engines side by side: each engine of ``engines`` runs the decoders of
+    ``config`` it has and skips the others. Returns engine -> the decoders it skips (engines
+    skipping none left out). A decoder no engine of the list has is refused by name, before any
+    model loads (one engine: its own refusal, `EngineKind.method`)."""
+    from mtad_energy.engines import HF, UnsupportedError, engine_kind, parse_engines
+
+    names = parse_engines(engines)
+    lacks = {n: [d.name for d in config.decoders
+                 if n != HF and d.name not in engine_kind(n).methods] for n in names}
+    nobody = [d for d in dict.fromkeys(d.name for d in config.decoders)
+              if all(d in lacks[n] for n in names)]
+    if nobody and len(names) == 1:
+        engine_kind(names[0]).method(nobody[0])  # raises, naming what the engine runs
+    if nobody:
+        runs = "; ".join(f"{n} runs {', '.join(engine_kind(n).methods)}" for n in names)
+        raise UnsupportedError(f"no engine of --engine {engines} has decoder "
+                               f"{', '.join(nobody)} ({runs}); drop it from --decoders, or add "
+                               "hf (the project's decoders) to --engine")
+    return {n: ds for n, ds in lacks.items() if ds}
+
+
+def skipped_notes(skipped: dict[str, list[str]] | None) -> list[str]:
+    """One note per engine that skipped decoders of the list (`skipped_decoders`)."""
+    from mtad_energy.engines import engine_kind
+
+    return [f"engine {name} has no decoder {', '.join(ds)}: skipped for it (it runs "
+            f"{', '.join(engine_kind(name).methods)})" for name, ds in (skipped or {}).items()]
+
+
+def engine_configs(config: RunConfig, engines: str,
+                   skipped: dict[str, list[str]] | None = None,
                    options: dict[str, dict[str, str]] | None = None) -> list[RunConfig]:
     """One configuration per engine of ``engines`` (``--engine``), each checked: a decoder,
     parameter, batch size, ``--compile`` or ``--ops`` an engine cannot honour is refused by name,
-    and an engine not installed names its extra. ``all_decoders`` (compare's default list): each
-    engine runs the decoders it has."""
-    from mtad_energy.engines import HF, check_engine_options, parse_engines
+    and an engine not installed names its extra. ``skipped`` (compare: `skipped_decoders`): the
+    decoders each engine leaves out; an engine left with none runs nothing."""
+    from mtad_energy.engines import check_engine_options, parse_engines
 
     out = []
     for name in parse_engines(engines):
-        decoders = config.decoders
-        if all_decoders and name != HF:
-            kind = check_engine_options(name)
-            decoders = tuple(d for d in decoders if d.name in kind.methods)
+        decoders = tuple(d for d in config.decoders if d.name not in (skipped or {}).get(name, ()))
+        if not decoders:
+            continue  # it has none of them: said by its skip note
         check_engine_options(name, [d.name for d in decoders], config.batch_size, config.compile,
                              {d.name: d.param_dict for d in decoders}, ops=config.ops)
         given = tuple(sorted((options or {}).get(name, {}).items()))

@@ -11,7 +11,13 @@ from typing import Annotated
 
 import typer
 
-from mtad_energy.cli.engines import EngineOption, EngineOptions, engine_configs, engine_options
+from mtad_energy.cli.engines import (
+    EngineOption,
+    EngineOptions,
+    engine_configs,
+    engine_options,
+    skipped_decoders,
+)
 from mtad_energy.cli.options import (
     ALL_DECODERS,
     AllowExec,
@@ -143,13 +149,15 @@ def compare(
                               resolve_compile(compile, eager, device, engine), batch_size,
                               compile_backend, dynamic_shapes)
         check_columns(columns)
-        configs = engine_configs(config, engine, all_decoders=decoders == ",".join(ALL_DECODERS),
+        skipped = skipped_decoders(config, engine)  # each engine runs the decoders it has
+        configs = engine_configs(config, engine, skipped,
                                  options=engine_options(engine_option, engine))
         path = markdown_path(markdown, out)  # before measuring: a name that cannot be written
     except ValueError as error:
         fail(error)
     run_config(configs, out, as_json, "compare", workers, cluster, columns, budget_s=budget_s,
-               side_files=lambda summary, notes: write_main_table(summary, notes, path))
+               side_files=lambda summary, notes: write_main_table(summary, notes, path),
+               decoders_skipped=skipped)
 
 
 def markdown_path(markdown: Path | None, out: Path) -> Path:

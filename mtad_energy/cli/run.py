@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mtad_energy.cli.engines import check_workers
+from mtad_energy.cli.engines import check_workers, skipped_notes
 from mtad_energy.cli.options import ignored_draft_notes, random_weight_notes
 from mtad_energy.cli.output import console, emit, esc, fail, integer_records, quiet_libraries
 from mtad_energy.cli.store import compact_after
@@ -82,7 +82,8 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
                baseline: str = "ar", budget_s: float | None = None,
                side_files: SideFiles | None = None, view: View | None = None,
                prompts: Sequence[typing.Any] | None = None,
-               relabel: Callable[[typing.Any], typing.Any] | None = None):
+               relabel: Callable[[typing.Any], typing.Any] | None = None,
+               decoders_skipped: dict[str, list[str]] | None = None):
     """Run/resume ``config`` (or a list: one per engine or per draft, side by side) into ``out``
     with a progress bar (or as ``workers`` submitit jobs); print the summary (``columns``:
     `summary_table`, speed-ups over ``baseline``) and ``view`` of it, return the summary.
@@ -90,7 +91,9 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     derived from the summary before the output is printed, so that a failure to write them is
     the command's one error (and its one JSON document). ``prompts``: the prompts to run in
     place of the configuration's datasets' first ``n_prompts`` (a split's part, `bench.splits`;
-    one process only); ``relabel`` rewrites the summary's labels (tuned settings named)."""
+    one process only); ``relabel`` rewrites the summary's labels (tuned settings named).
+    ``decoders_skipped``: the decoders each engine left out (`cli.engines.skipped_decoders`),
+    said in a note each and as ``decoders_skipped`` in the JSON document."""
     from mtad_energy.bench.budget import Budget
     from mtad_energy.bench.runner import check_batch_size, load_config_prompts, model_label
     from mtad_energy.bench.work_units import check_pair_drafts, fewer_prompts_notes
@@ -123,7 +126,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
             f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
     if workers > 1:
         return run_distributed(config, out, as_json, title, workers, cluster, columns, baseline,
-                               side_files)
+                               side_files, decoders_skipped)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
@@ -142,8 +145,8 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
     runs = pd.DataFrame(rows)
     summary = decoder_summary(runs, summary_baseline(baseline))
     summary = relabel(summary) if relabel is not None and len(summary) else summary
-    notes = prompt_notes + config_draft_notes(config) + pass_at_1_notes(
-        rows, config.allow_code_execution)
+    notes = skipped_notes(decoders_skipped) + prompt_notes + config_draft_notes(config)
+    notes += pass_at_1_notes(rows, config.allow_code_execution)
     notes += [budget.note()] if budget.note() else []
     written = _write_side_files(side_files, summary, notes) if len(summary) else {}
     shown_view = view(summary, runs) if view is not None and len(summary) else None
@@ -154,6 +157,7 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
               "pair": runner.pair.describe() if runner else None, "config": config.to_dict(),
               **({"engines": [c.engine for c in configs]}
                  if len({c.engine for c in configs}) > 1 else {}),
+              **({"decoders_skipped": decoders_skipped} if decoders_skipped else {}),
               "summary": integer_records(summary),
               **({shown_view[0]: shown_view[1]} if shown_view else {}), "notes": notes,
               "machine_load": load, **{k: str(v) for k, v in written.items()}})
@@ -202,7 +206,8 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
                                                f"({runner.dtype}), loaded in {pair.load_time_s:.1f} s"))
         console.print(runner.pair.draft_line(), markup=False, highlight=False)
         console.print(f"[bold]meter[/] {esc(runner.meter.name)}: {esc(short_reason(runner.meter_reason))}")
-        console.print(f"[bold]engine[/] {esc(runner.engine.name)} {esc(runner.engine.version)}: "
+        version = runner.engine.version or "(no version stated)"
+        console.print(f"[bold]engine[/] {esc(runner.engine.name)} {esc(version)}: "
                       f"{esc(runner.engine.config_json())}", highlight=False)
     try:
         with progress_bar() as bar:
@@ -236,8 +241,10 @@ def config_draft_notes(config: RunConfig) -> list[str]:
 
 def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
                     columns: str = "speed", baseline: str = "ar",
-                    side_files: SideFiles | None = None):
-    """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store."""
+                    side_files: SideFiles | None = None,
+                    decoders_skipped: dict[str, list[str]] | None = None):
+    """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store
+    (``decoders_skipped``: as `run_config`'s)."""
     from mtad_energy.bench.quality import pass_at_1_notes
     from mtad_energy.bench.scaleout import SweepError, submit_sweep, wait
     from mtad_energy.bench.work_units import summary_baseline
@@ -264,11 +271,12 @@ def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, wor
     runs = runs[runs["sweep"] == config.sweep] if len(runs) else runs
     summary = decoder_summary(runs, summary_baseline(baseline))
     ran, skipped = sum(r["ran"] for r in results), sum(r["skipped"] for r in results)
-    notes = config_draft_notes(config) + pass_at_1_notes(runs.to_dict("records"),
-                                                         config.allow_code_execution)
+    notes = skipped_notes(decoders_skipped) + config_draft_notes(config) + pass_at_1_notes(
+        runs.to_dict("records"), config.allow_code_execution)
     written = _write_side_files(side_files, summary, notes)
     if as_json:
         emit({"output": str(out), "ran": ran, "skipped": skipped, "jobs": results,
+              **({"decoders_skipped": decoders_skipped} if decoders_skipped else {}),
               "summary": integer_records(summary), "notes": notes,
               **{k: str(v) for k, v in written.items()}})
     else:

@@ -6,7 +6,9 @@ What people deploy speculative decoding as (``vllm serve --speculative-config``,
 * **The server** is found at load, outside every window: its served model from ``/v1/models``
   (``--engine-option model=NAME`` where it serves several), its speculative configuration as its
   ``/v1/models`` entry and ``/metrics`` state it (recorded in every row's ``engine_config``,
-  never guessed), its version from ``/version`` where it has one.
+  never guessed), its version from ``/version`` where it states one (else None, with the
+  reason in ``engine_config["version"]``), its model's readable name (a GGUF path's file stem;
+  the full id as ``model_id``).
 * **Requests stream** (``stream: true``), one per prompt, all in flight at once (batch size =
   requests in flight, one thread each). The prefill window opens before the first request is
   sent and the decode window once every request has its first token; each row's
@@ -22,7 +24,9 @@ What people deploy speculative decoding as (``vllm serve --speculative-config``,
   ``/metrics`` counters (vLLM's ``spec_decode_*``, parsed by ``prometheus_client``), diffed
   around each batch outside the windows: a row of a batch of one gets the counts, a row of a
   larger batch the batch's rates (the counters do not split by request). Neither: None, with
-  the reason in ``engine_config["acceptance"]``, never 0.
+  the reason in ``engine_config["acceptance"]``, never 0. Block efficiency (tokens per target
+  step) where the server counts its drafting steps (`target_steps`), else None with the reason
+  in ``engine_config["block_efficiency"]``.
 * **Perplexity** from the server's logprobs of the sampled tokens (``--engine-option
   logprobs=true``: exp of their mean negative logprob; vLLM's default ``--logprobs-mode
   raw_logprobs`` is the unwarped target's), else scored locally under the HF target from the
@@ -47,6 +51,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -76,6 +81,14 @@ if TYPE_CHECKING:  # types only
 STOP = {"length": "max_new_tokens", "stop": "eos"}  # OpenAI finish_reason -> the project's
 # what identifies a /v1/models entry (its ``created`` stamp and permission ids change per start)
 MODEL_KEYS = ("id", "owned_by", "root", "parent", "max_model_len")
+MODEL_FILES = (".gguf", ".ggml", ".bin", ".safetensors", ".pt", ".pth", ".onnx")  # weights' files
+# what a row's block efficiency is, and why it is None where it is (every row's engine_config)
+BLOCK_RULE = ("tokens per target step: each request's first token + the drafting steps the "
+              "server counts (vLLM's num_spec_steps or spec_decode_num_drafts, TensorRT-LLM's "
+              "num_spec_steps) + the steps without a draft (one token each); a batch of more "
+              "than one from /metrics: the batch's (the counters do not split by request); "
+              "None where the server counts no drafting steps (llama-server's timings) or "
+              "reports no speculative counts")
 
 
 def served_model(entries: Sequence[Mapping[str, Any]], wanted: str | None, url: str) -> str:
@@ -94,6 +107,17 @@ def served_model(entries: Sequence[Mapping[str, Any]], wanted: str | None, url: 
                           "loaded one, then rerun")
     raise UnsupportedError(f"the server at {url} serves {len(ids)} models ({', '.join(ids)}); "
                            "choose one: --engine-option model=NAME")
+
+
+def readable_model(model_id: str) -> str:
+    """A served model's readable name: where its id is a file's path (llama_cpp.server serves a
+    GGUF under the path it was given), the file's name without a model file's suffix
+    (``/m/SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``); an absolute
+    path, its last part; any other id (``smollm2``, ``org/name`` of a hub) as it is."""
+    path = PurePosixPath(model_id.replace("\\", "/"))
+    if path.suffix.lower() in MODEL_FILES:
+        return path.stem
+    return path.name if model_id.startswith(("/", "~", "./", "../")) and path.name else model_id
 
 
 def local_addresses() -> set[str]:
@@ -129,32 +153,63 @@ def listening_pids(port: int) -> tuple[int, ...]:
                          and c.laddr and c.laddr.port == port and c.pid}))
 
 
+def target_steps(tokens: Sequence[int], drafts: int | None, accepted: int | None) -> int | None:
+    """The target's verification steps that emitted ``tokens`` (one count per request; a batch's
+    requests together), from the server's speculative counts: each request's first token (its
+    prefill), every drafting step (``drafts``: it emits its accepted draft tokens + 1) and every
+    step without a draft (one token each: what the drafting steps left). None where the server
+    counts no drafting steps (llama-server's timings) or no acceptance. A last step cut by the
+    token limit emits fewer than it accepted (the counters keep the cut tokens): the count is
+    then a lower bound, as the in-process vLLM engine's is (`engines.vllm.iterations_of`)."""
+    if drafts is None or accepted is None or not tokens or min(tokens) < 1:
+        return None
+    firsts = len(tokens)
+    return firsts + drafts + max(0, sum(tokens) - firsts - drafts - accepted)
+
+
+def steps_columns(tokens: Sequence[int], drafts: int | None, accepted: int | None
+                  ) -> dict[str, Any]:
+    """Block efficiency (tokens per target step, `target_steps`) of one request, with its steps
+    as its target forwards; of a batch (``tokens``: each request's), the batch's block
+    efficiency only (the counters do not split steps by request). Uncountable: nothing (the row
+    keeps None; ``engine_config["block_efficiency"]`` says why)."""
+    steps = target_steps(tokens, drafts, accepted)
+    if steps is None:
+        return {}
+    out: dict[str, Any] = {"block_efficiency": sum(tokens) / steps}
+    return out | ({"target_forwards": steps} if len(tokens) == 1 else {})
+
+
 def acceptance_columns(before: Mapping[str, float] | None, after: Mapping[str, float] | None,
-                       batch_size: int) -> dict[str, Any]:
+                       batch_size: int, tokens: Sequence[int] = ()) -> dict[str, Any]:
     """The statistics the server's counters give a row from their readings around its batch:
     B = 1, the counts (proposed, accepted, draft depth) and rates; B > 1, the batch's rates only
-    (the counters do not split by request); no counters: nothing (the row keeps None)."""
+    (the counters do not split by request); no counters: nothing (the row keeps None). With
+    ``tokens`` (each request's count) and the drafting steps counted (vLLM's
+    ``spec_decode_num_drafts``): the block efficiency too (`steps_columns`)."""
     if before is None or after is None or not {"proposed", "accepted"} <= set(after):
         return {}
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     proposed, accepted = int(delta["proposed"]), int(delta["accepted"])
     drafts = int(delta["drafts"]) if "drafts" in delta else None
     rates = {"acceptance_rate": accepted / proposed if proposed else None,
-             "mean_accepted_length": accepted / drafts if drafts else None}
+             "mean_accepted_length": accepted / drafts if drafts else None,
+             **steps_columns(tokens, drafts, accepted)}
     if batch_size > 1:
         return rates
     return {"draft_proposed": proposed, "draft_accepted": accepted, "draft_depth": proposed,
             **rates}
 
 
-def body_columns(spec: BodySpec) -> dict[str, Any]:
+def body_columns(spec: BodySpec, tokens: int | None = None) -> dict[str, Any]:
     """The statistics one request's own speculative counts give its row: the counts and the
     rates (mean accepted length: accepted draft tokens per drafting step, where the server says
-    how many steps drafted)."""
+    how many steps drafted), and with its ``tokens`` the block efficiency (`steps_columns`)."""
     return {"draft_proposed": spec.proposed, "draft_accepted": spec.accepted,
             "draft_depth": spec.proposed,
             "acceptance_rate": spec.accepted / spec.proposed if spec.proposed else None,
-            "mean_accepted_length": spec.accepted / spec.drafts if spec.drafts else None}
+            "mean_accepted_length": spec.accepted / spec.drafts if spec.drafts else None,
+            **(steps_columns([tokens], spec.drafts, spec.accepted) if tokens else {})}
 
 
 def logprob_perplexity(stream: Stream) -> float | None:
@@ -236,10 +291,11 @@ class HttpEngine(Engine):
         self.pids = (int(pid),) if pid else (() if self.remote else listening_pids(port))
         families, self.metrics_reason = self._families()
         self.tokenizer: Any = None
-        self.version = self._version(entry)
+        self.version, version_reason = self._version(entry)
         self.dtype = "server"
         self.config = {
-            "base_url": url, "model": self.served, "prompt": self.options["prompt"],
+            "base_url": url, "model": readable_model(self.served), "model_id": self.served,
+            "prompt": self.options["prompt"],
             "logprobs": bool(self.options["logprobs"]),
             "server_model": {k: entry[k] for k in MODEL_KEYS if k in entry}
             | {k: v for k, v in entry.items() if "spec" in k.lower()},
@@ -250,11 +306,13 @@ class HttpEngine(Engine):
             "acceptance": ("the server's spec_decode counters in /metrics, diffed around each "
                            "batch" if self.metrics_reason is None else
                            f"None: {self.metrics_reason}"),
+            "block_efficiency": BLOCK_RULE + ("" if self.metrics_reason is None else
+                                              f" (/metrics: {self.metrics_reason})"),
             "perplexity": ("the server's logprobs of the sampled tokens" if
                            self.options["logprobs"] else "scored locally under the target from "
                            "the server's token ids (None: the server returns none; "
                            "--engine-option logprobs=true asks for its logprobs)"),
-        }
+        } | ({} if version_reason is None else {"version": f"None: {version_reason}"})
         self.served_requests: list[ServedRequest] = []  # every request, for the audit
         # the /metrics counters before and after each batch (None: none)
         self.batch_counters: list[tuple[dict[str, float] | None, dict[str, float] | None]] = []
@@ -291,17 +349,23 @@ class HttpEngine(Engine):
         text, _ = self._metrics_text()
         return None if text is None else spec_counters(text, self.served)
 
-    def _version(self, entry: Mapping[str, Any]) -> str:
+    def _version(self, entry: Mapping[str, Any]) -> tuple[str | None, str | None]:
+        """The server's version as it states it (``/version``: vLLM's, say), prefixed by its
+        ``/v1/models`` owner ("vllm 0.32.0"); else None with the reason (an owner such as
+        llama_cpp.server's "me" is no version, never recorded as one)."""
         owner = str(entry.get("owned_by") or "server")
         try:
             status, body = request(self.base_url, "GET", "/version", self.timeout_s)
-        except EngineError:
-            return owner
+        except EngineError as error:
+            return None, f"its /version could not be read ({error})"
         try:
             version = json.loads(body).get("version") if status == 200 else None
         except (ValueError, AttributeError):
             version = None
-        return f"{owner} {version}" if version else owner
+        if not version:
+            return None, (f"the server states no version (/version: HTTP {status}); its "
+                          f"/v1/models owner is {owner!r}")
+        return f"{owner} {version}", None
 
     # -- the contract -----------------------------------------------------------------------
     def draft_id(self, spec: DecoderSpec) -> str | None:
@@ -367,12 +431,15 @@ class HttpEngine(Engine):
         config = {"decoder": spec.name, **params, "max_new_tokens": max_new_tokens, "seed": seed,
                   "engine": self.name}
         t_split = max((s.first_t for s in streams if s.first_t is not None), default=t0)
-        accept = acceptance_columns(before, after, len(prompts))
+        built = [stream_generation(s, len(p), t0, t_split, {**config, "seed": seed + i},
+                                   self.base_url)
+                 for i, (s, p) in enumerate(zip(streams, prompts, strict=True))]
+        accept = acceptance_columns(before, after, len(prompts),
+                                    [g.stats.tokens_emitted for g in built])
         gens = []
-        for i, (s, p) in enumerate(zip(streams, prompts, strict=True)):
-            g = stream_generation(s, len(p), t0, t_split, {**config, "seed": seed + i},
-                                  self.base_url)
-            columns = body_columns(s.spec) if s.spec is not None else accept
+        for s, p, g in zip(streams, prompts, built, strict=True):
+            columns = (body_columns(s.spec, g.stats.tokens_emitted) if s.spec is not None
+                       else accept)
             gens.append(dataclasses.replace(g, stats=dataclasses.replace(
                 g.stats, perplexity=logprob_perplexity(s), **columns)))
             self.served_requests.append(ServedRequest(tuple(p), tuple(g.token_ids), s.spec,

@@ -31,7 +31,8 @@ class Behaviour:
     own); ``generate(prompt, n)``: the tokens and counts (drafts, proposed, accepted, accepted per
     position...) of a model-backed server instead of counting up, and optionally its steps
     (drafted, accepted), which a "vllm" body lists (vLLM's ``detailed`` level). A request asking ``logprobs``
-    gets each token's, -(token % 4) / 4 (``logprob_value``)."""
+    gets each token's, -(token % 4) / 4 (``logprob_value``). ``version``: what ``/version``
+    states (None: it has none, as llama_cpp.server)."""
 
     models: tuple[str, ...] = ("tiny",)
     chunks: tuple[int, ...] = (1, 2)
@@ -45,6 +46,7 @@ class Behaviour:
     together: int = 1  # a request waits (up to 5 s) until this many are in flight
     body: str | None = None
     generate: Callable[[list[int], int], tuple[Any, ...]] | None = None
+    version: str | None = "0.0-test"  # what /version states (None: no /version, HTTP 404)
 
 
 @dataclass
@@ -137,8 +139,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {"object": "list", "data": [
                 {"id": m, "object": "model", "owned_by": "fake", "created": time.time(),
                  "max_model_len": 256} for m in b.models]})
-        elif self.path == "/version":
-            self._json(200, {"version": "0.0-test"})
+        elif self.path == "/version" and b.version is not None:
+            self._json(200, {"version": b.version})
         elif self.path == "/metrics" and b.metrics is not None:
             text = metrics_text(self.state) if b.metrics == "spec" else (
                 "# HELP up Up.\n# TYPE up gauge\nup 1.0\n")

@@ -211,9 +211,10 @@ def test_an_unreachable_server_exits_1_and_an_unserved_model_2_without_a_traceba
 
 
 def test_the_decoding_sweep_runs_a_server_at_each_batch_size(target, tmp_path):
-    """`sweep batch-size --decoder ar --engine URL`: a batch of N is N requests in flight; a
-    server gives no forward counts (block efficiency unknown, never a 0) and its counters the
-    batch's acceptance rate."""
+    """`sweep batch-size --decoder ar --engine URL`: a batch of N is N requests in flight; its
+    counters give the batch's acceptance rate, and at one request its target steps (1 + 2
+    drafting steps emitting 4 + 2 tokens: block efficiency 6 / 3); at two, the counters do not
+    split the steps by request, so the batch row's forwards stay unknown, never a 0."""
     with serve(Behaviour(vocab=VOCAB)) as (url, _):
         res = runner.invoke(app, ["sweep", "batch-size", "--decoder", "ar", "--engine", url,
                                   "--sizes", "1,2", "--target", target, "--meter", "none",
@@ -222,7 +223,9 @@ def test_the_decoding_sweep_runs_a_server_at_each_batch_size(target, tmp_path):
     assert res.exit_code == 0, res.output
     rows = ResultStore(tmp_path / "s").load("decode_batch").set_index("batch_size")
     assert sorted(rows.index) == [1, 2] and set(rows["model"]) == {f"custom+http@{url[7:]}"}
-    assert rows["block_efficiency"].isna().all() and rows["target_forwards"].isna().all()
+    assert rows.loc[1, "target_forwards"] == 3 and rows.loc[1, "block_efficiency"] == 2.0
+    assert rows.loc[[2], "block_efficiency"].isna().all()
+    assert rows.loc[[2], "target_forwards"].isna().all()
     assert rows["acceptance_rate"].tolist() == [pytest.approx(4 / 6)] * 2
 
 

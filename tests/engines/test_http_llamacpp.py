@@ -1,6 +1,7 @@
 """A real server under the instrument: llama-cpp-python's OpenAI-compatible server
 (``python -m llama_cpp.server``) started on a free 127.0.0.1 port with the bundled SmolLM2 GGUF,
-measured by ``compare --engine hf,http://127.0.0.1:PORT`` beside the project's own decoders.
+measured by ``compare --engine hf,http://127.0.0.1:PORT --decoders ar,pld`` beside the project's
+own decoders (the server runs ar, its pld skipped and said so).
 Skipped cleanly without the server extra of llama-cpp-python (pip install "llama-cpp-python[server]")."""
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ def test_compare_measures_a_real_llamacpp_server_beside_hf(server_url, tmp_path)
     # llama_cpp.server takes text prompts only (the ids are decoded by the target's tokenizer)
     # and streams no token ids: its per-token logprobs count the tokens
     res = CliRunner().invoke(app, [
-        "compare", "--engine", f"hf,{server_url}", "--decoders", "ar", "--model", "smollm2",
+        "compare", "--engine", f"hf,{server_url}", "--decoders", "ar,pld", "--model", "smollm2",
         "--meter", "none", "--dataset", "mtbench", "--n-prompts", "1", "--max-new-tokens",
         str(NEW), "--set", "temperature=0", "--device", "cpu",
         "--engine-option", "prompt=text,logprobs=true", "--output", str(tmp_path / "s")])
     assert res.exit_code == 0, res.output
     runs = ResultStore(tmp_path / "s").load("runs").set_index("engine")
     assert set(runs.index) == {"hf", "http"}
+    # each engine the decoders it has: hf both, the server ar (pld skipped for it, said so)
+    assert sorted(runs.loc["hf", "decoder"]) == ["ar", "pld"]
+    assert f"engine {server_url} has no decoder pld: skipped for it" in " ".join(res.output.split())
     row = runs.loc["http"]
     assert row["model"] == f"smollm2+http@{server_url.removeprefix('http://')}"
     assert 0 < row["tokens_emitted"] <= NEW
@@ -56,4 +60,13 @@ def test_compare_measures_a_real_llamacpp_server_beside_hf(server_url, tmp_path)
     assert mine["time_other_s"].iloc[1:].gt(0).all()  # inter-token times, as streamed
     config = json.loads(row["engine_config"])
     assert config["base_url"] == server_url and config["acceptance"].startswith("None: ")
+    # llama_cpp.server has no /version and owns its model as "me": no version, with the reason;
+    # its model id is the GGUF's full path, named by the file's stem
+    version = row["engine_version"]
+    assert version is None or version != version  # None / NaN beside hf's version string
+    assert config["version"].startswith("None: the server states no version")
+    from mtad_energy.models import smollm2_gguf_path
+
+    assert config["model"] == smollm2_gguf_path().stem
+    assert config["model_id"] == str(smollm2_gguf_path())
     assert row["acceptance_rate"] is None or row["acceptance_rate"] != row["acceptance_rate"]

@@ -79,8 +79,15 @@ def test_an_ngram_server_gives_acceptance_scraped_from_its_metrics(tmp_path):
                                                        / row["draft_proposed"])
         # n-gram drafts of at most 4 tokens per verify step
         assert row["draft_proposed"] <= 4 * row["tokens_emitted"]
+        # block efficiency: tokens per target step, the steps counted from spec_decode_num_drafts
+        assert 1 <= row["target_forwards"] <= row["tokens_emitted"]
+        assert row["block_efficiency"] == pytest.approx(row["tokens_emitted"]
+                                                        / row["target_forwards"])
     # HumanEval's code repeats its prompt's names: some n-gram draft is accepted
     assert runs["draft_accepted"].sum() > 0
+    assert runs["block_efficiency"].max() > 1  # so some step emitted more than one token
+    # vLLM states its version (/version), prefixed by its /v1/models owner
+    assert runs["engine_version"].iloc[0].startswith("vllm ") and "version" not in config
 
 
 def test_a_plain_server_gives_no_acceptance_and_says_why(tmp_path):
@@ -90,3 +97,4 @@ def test_a_plain_server_gives_no_acceptance_and_says_why(tmp_path):
     for _, row in runs.iterrows():
         assert row["acceptance_rate"] is None or row["acceptance_rate"] != row["acceptance_rate"]
         assert row["draft_proposed"] is None or row["draft_proposed"] != row["draft_proposed"]
+        assert row["block_efficiency"] is None or row["block_efficiency"] != row["block_efficiency"]
