@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import brentq
 from scipy.stats import chi2, norm
 
 from mtad_energy.engines.audit import LosslessResult
@@ -74,6 +73,29 @@ def score_test(refs: torch.Tensor, tokens: Sequence[int]) -> LosslessResult:
     return LosslessResult(1, n, math.inf if p <= 0.0 else float(chi2.isf(p, 1)), 1)
 
 
+def _saddlepoint(moments, s: float, side: float) -> tuple[float, float, float]:
+    """theta with K'(theta) = s (K' increasing; the root on the ``side`` of 0), and K, K'' there:
+    Newton's steps (each one `moments` call over ``[N, V]``: a handful where bisection took
+    dozens), kept inside the bracket the signs give (halved, or doubled outwards while it is
+    open)."""
+    lo, hi = (-math.inf, 0.0) if side < 0 else (0.0, math.inf)
+    theta = 0.0
+    for _ in range(200):
+        k, k1, k2 = moments(theta)
+        f = k1 - s
+        lo, hi = (lo, theta) if f > 0 else (theta, hi)
+        step = theta - f / k2 if k2 > 0 else math.nan
+        if not lo < step < hi:  # outside the bracket: halve it, or widen while it is open
+            step = ((lo + hi) / 2 if math.isfinite(lo) and math.isfinite(hi) else
+                    2 * theta if theta else side)
+        if abs(step - theta) <= 1e-12 * (1.0 + abs(theta)) or abs(f) <= 1e-13 * (1.0 + abs(s)):
+            return (theta, k, k2) if abs(f) <= 1e-13 * (1.0 + abs(s)) else \
+                (step, *moments(step)[::2])
+        theta = step
+    k, _, k2 = moments(theta)
+    return theta, k, k2
+
+
 def saddlepoint_tails(probs: np.ndarray, s: float, values: np.ndarray | None = None
                       ) -> tuple[float, float]:
     """P(S <= s) and P(S >= s) for S = sum_n v_n, v_n taking the value values[n, x] (default
@@ -105,11 +127,7 @@ def saddlepoint_tails(probs: np.ndarray, s: float, values: np.ndarray | None = N
     if abs(s - mean) < math.sqrt(var):  # within a standard deviation: the normal (Lugannani-Rice
         lower = float(norm.cdf((s - mean) / math.sqrt(var)))  # cancels near the mean)
         return lower, 1.0 - lower
-    a, b = (-1.0, 0.0) if s < mean else (0.0, 1.0)
-    while (moments(a)[1] > s) if s < mean else (moments(b)[1] < s):
-        a, b = (2 * a, a) if s < mean else (b, 2 * b)
-    theta = brentq(lambda t: moments(t)[1] - s, a, b, xtol=1e-12, maxiter=200)
-    k, _, k2 = moments(theta)
+    theta, k, k2 = _saddlepoint(moments, s, -1.0 if s < mean else 1.0)
     w = math.copysign(math.sqrt(max(0.0, 2.0 * (theta * s - k))), theta)
     u = theta * math.sqrt(k2)
     lower = float(norm.cdf(w) + norm.pdf(w) * (1.0 / w - 1.0 / u))
