@@ -423,17 +423,21 @@ class Verdict:
     certain contradictions of the output; ``output``, the output tests; ``counters``, the
     counters-only test where no steps were recorded. ``flags``: every check that fired, in this
     order: CONTRADICTS, the acceptance test's, the counters test's, "lossy" (``output``'s
-    Bonferroni p-value below ``level``)."""
+    Bonferroni p-value below ``level``). ``greedy``: the engine decodes at T = 0 (its tokens and
+    acceptances deterministic given its numerics, not samples): the certain checks alone."""
 
     row: audit.AuditRow
     contradictions: tuple[str, ...]
     output: OutputTests
     counters: CountersTest | None
     level: float
+    greedy: bool = False
 
     @property
     def flags(self) -> tuple[str, ...]:
         out = [CONTRADICTS] if self.contradictions else []
+        if self.greedy:
+            return tuple(out)
         if self.row.test is not None and self.row.flag:
             out.append(self.row.flag)
         if self.counters is not None:
@@ -453,6 +457,9 @@ class Verdict:
         none = () if self.row.test is not None or self.counters is not None else (
             "acceptance: the chains' outcomes not known (the engine's steps not recorded) and "
             "the draft does not draft at every step: no acceptance test",)
+        if self.greedy:
+            return ("acceptance and the output's distribution: T = 0, deterministic given the "
+                    "engine's numerics: the certain checks alone (each token a greedy maximum)",)
         return self.output.untested + none
 
     @property
@@ -473,15 +480,21 @@ class Verdict:
 
 
 def audit_served(config: str, served: Sequence[Served], measured: Measured, k: int,
-                 level: float = 1e-3, tolerance: float = 0.0, always_drafts: bool = True
-                 ) -> Verdict:
+                 level: float = 1e-3, tolerance: float = 0.0, always_drafts: bool = True,
+                 greedy: bool = False) -> Verdict:
     """Every check of one configuration's requests: where every request's roles are known
     (``steps``), the acceptance test on the chains they start (`audit.audit_row`), the steps'
     and tokens' contradictions; the counters against the output (``always_drafts``: the draft
     drafts at every step, a draft model); the output tests; without steps, the counters-only
-    test (`conditional_counters_test`, ``always_drafts`` drafts only: else refused, None)."""
+    test (`conditional_counters_test`, ``always_drafts`` drafts only: else refused, None).
+    ``greedy`` (T = 0, p~ the greedy maxima, `audit.tied_greedy`): every token must be one of
+    them (a contradiction if not) and no statistical test flags (`Verdict.greedy`)."""
     known = bool(served) and all(s.steps is not None for s in served)
     problems = counter_contradictions(measured, served, k, always_drafts)
+    for s in served if greedy else ():
+        x = torch.as_tensor(list(s.output))
+        problems += [f"position {t}: token {int(x[t])} at T = 0, not a greedy maximum"
+                     for t in (s.p.gather(1, x[:, None])[:, 0] <= 0).nonzero()[:, 0].tolist()]
     chains = []
     for s in served if known else ():
         roles, bad = step_roles(s.steps, len(s.output))
@@ -493,4 +506,4 @@ def audit_served(config: str, served: Sequence[Served], measured: Measured, k: i
     counters = (conditional_counters_test(served, measured, k, tolerance)
                 if not known and always_drafts else None)
     tests = output_tests(served, tolerance, k if not known and always_drafts else None, level)
-    return Verdict(row, tuple(problems), tests, counters, level)
+    return Verdict(row, tuple(problems), tests, counters, level, greedy)

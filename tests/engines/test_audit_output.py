@@ -308,3 +308,19 @@ def test_a_bonus_from_the_previous_row_is_caught_without_the_steps(lossless_pair
                   accept=sp.exact, seed=seed, steps_recorded=False)
         assert not sp.served_run(**kw).flagged
         assert "lossy" in sp.served_run(**kw, after=sp.bonus_from_previous).flags
+
+
+def test_a_greedy_engine_is_held_to_its_maxima_not_to_statistics():
+    """T = 0 (``greedy``): the tokens are deterministic given the engine's numerics, so no
+    statistical test may flag, the verdict says so in ``untested``, and a token that is not
+    one of the greedy maxima (`audit.tied_greedy`) is a contradiction (alone: no `lossy`)."""
+    p = audit.tied_greedy(torch.randn(40, 6, generator=torch.Generator().manual_seed(0)), 0.3)
+    out, none = p.argmax(-1).tolist(), audit.Measured(0, 0, 0)
+    right = ao.audit_served("t0", [ao.Served(tuple(out), p, p)], none, 3, always_drafts=False,
+                            greedy=True)
+    assert right.flags == () and right.untested[0].startswith("acceptance and the output's")
+    out[5] = int(p[5].argmin())  # not a maximum
+    wrong = ao.audit_served("t0", [ao.Served(tuple(out), p, p)], none, 3, always_drafts=False,
+                            greedy=True)
+    assert wrong.flags == (ao.CONTRADICTS,)
+    assert wrong.contradictions == (f"position 5: token {out[5]} at T = 0, not a greedy maximum",)
