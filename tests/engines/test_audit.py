@@ -227,3 +227,31 @@ def test_chi_square_degrees_of_freedom_on_a_known_answer():
     assert (one.dof, one.pvalue) == (3, pytest.approx(ref.pvalue, rel=1e-9))
     two = audit.speculated_position_test(pairs + [(8, x) for _, x in pairs], {7: probs, 8: probs})
     assert (two.dof, two.pvalue) == (6, pytest.approx(chi2.sf(2 * 1.875, 6), rel=1e-9))
+
+
+def test_tied_greedy_shares_the_near_ties_of_the_top():
+    """T = 0 against an engine in other numerics: tokens within the gap of the top logit are
+    ties (uniform); gap 0 is the argmax (exact ties aside)."""
+    logits = torch.tensor([[2.0, 1.8, 0.5], [1.0, 3.0, 2.95]])
+    assert audit.tied_greedy(logits, 0.25).tolist() == [[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]]
+    assert audit.tied_greedy(logits, 0.0).tolist() == [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+
+
+def test_warped_along_at_t0_shares_the_ties_only_when_asked(lossless_pair):
+    greedy, args = Warp(temperature=0.0, top_k=0, top_p=1.0), (lossless_pair.target, [1, 2], [3, 4])
+    assert audit.warped_along(*args, greedy).max(-1).values.tolist() == [1.0, 1.0]
+    wide = audit.warped_along(*args, greedy, tie_gap=1e6)  # every token within the gap
+    assert wide.flatten().tolist() == pytest.approx([0.2] * 10)
+
+
+def test_a_greedy_draft_in_other_numerics_is_read_with_its_ties():
+    """Where the output's token is one of q~'s tied maxima the draft may have proposed it (a
+    bf16 draft where the fp32 audit's argmax is the other): the proposal is the output's token,
+    so the engine's accepted chain is read as accepted, not as a rejection."""
+    q = audit.tied_greedy(torch.tensor([[0.0, 0.0, 0.0], [5.0, 4.9, 0.0], [0.0, 3.0, 0.0],
+                                        [0.0, 0.0, 2.0]]), 0.25)
+    out = [2, 1, 1, 2]  # position 1: token 1, tied with token 0 (the argmax)
+    assert audit.greedy_proposer(q, 2)(1) == [0, 1]  # without the output: the first maximum
+    assert audit.greedy_proposer(q, 2, out)(1) == [1, 1]
+    chains = audit.point_mass_chains(q, out, audit.greedy_proposer(q, 2, out))
+    assert [(c.start, c.accepted) for c in chains] == [(1, 2)]
