@@ -29,7 +29,12 @@ from mtad_energy.decoding.runtime.decoder import Decoder, target_step
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
-from mtad_energy.decoding.runtime.tree import check_tree_support, tree_structure, tree_verify
+from mtad_energy.decoding.runtime.tree import (
+    check_tree_support,
+    tree_structure,
+    tree_verify,
+    tree_warm_forwards,
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,13 @@ class Spectr(Decoder):
     @property
     def verify_width(self) -> int:
         return 1 + self.params.num_drafts * self.params.gamma
+
+    def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
+        """The drafts' tree (k, 1, ..., 1): its levels and catch-up, the target's tree
+        (`tree_warm_forwards`)."""
+        prm = self.params
+        return super().warm_forwards(role, pair) + tree_warm_forwards(
+            role, (prm.num_drafts,) + (1,) * (prm.gamma - 1))
 
     def step(self, s: DecodeState) -> StepResult:
         warp, k = self.params.warp, self.params.num_drafts
