@@ -309,7 +309,7 @@ def test_a_compiled_run_carries_the_compile_cost_of_its_warm_up(tmp_path, model_
     graphs, nothing compiles inside a window (a kernel signature a later row meets first, its
     own last and shorter verify, compiles after that row's window, counted in its row); the
     summary adds the rows up. Eager rows: 0 and 0."""
-    from mtad_energy.decoding.runtime.compiled import reset_compiled
+    from mtad_energy.decoding.runtime.static import reset_compiled
     from mtad_energy.models import load_pair
     from mtad_energy.results.analysis import decoder_summary
 

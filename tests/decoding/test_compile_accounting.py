@@ -1,6 +1,7 @@
 """Where compiling happens and what it costs: never inside a window a generation is timed or
-measured in (every compiled decoder's second generation; its first where the decoder declares
-its shapes up front), and counted once and whole: a call's ``compile_s`` (the runners' warm-up
+measured in (every compiled decoder's first generation included: each declares the shapes its
+loop meets, `Decoder.warm_forwards`, and they compile before the windows open; nor after
+`static.reset_compiled`), and counted once and whole: a call's ``compile_s`` (the runners' warm-up
 before the prefill, the shapes first met in the loop, the kernels and fused calls compiled after
 it), a stored row's (its warm-up's once plus its own, `bench.phase_windows.compile_columns`), a
 summary's (a batch counted once, `results.analysis.compile_cost`).
@@ -21,19 +22,13 @@ from mtad_energy.bench.phase_windows import compile_columns
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from mtad_energy.decoding.runtime.compiled import CompiledKernels, CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.generate import generate_rows
-from mtad_energy.decoding.runtime.static import StaticRunner
+from mtad_energy.decoding.runtime.static import StaticRunner, reset_compiled
 from mtad_energy.results.analysis import compile_cost
 from tests.conftest import with_heads
 from tests.tiny import compile_test_decoder
 
 TRACE = CompileOptions(backend="aot_eager")
 PROMPTS = [[5, 9, 11, 3, 7, 21, 2], [4, 8], [30, 31, 32, 33, 34]]
-# decoders whose every forward's shape is known before the loop (chains of the widths every
-# drafting decoder declares; EAGLE's head and trees, `Decoder.warm_forwards`): their first
-# compiled generation compiles nothing inside its windows either. The others' trees, beams and
-# plain steps compile on first use, untimed (`compile_in_window_s`), and a measured row's
-# warm-up meets them first.
-FIRST_CLEAN = {"bild", "eagle", "pld", "spd", "typical"}
 SLOW = {"eagle", "mcss", "mmtad", "specinfer", "spectr"}  # > 20 s of compiling on CI's cores
 
 
@@ -56,20 +51,41 @@ def _generation(decoder, pair, prompts: list[list[int]]) -> tuple[list, list[int
                  marks=pytest.mark.slow)])
 def test_no_graph_compiles_inside_a_window(model_dirs, name, params):
     """A fresh pair (its runners' caches new, EAGLE's and Medusa's heads included; EAGLE's
-    dynamic and static trees), two compiled calls of B = 3 rows: no forward ever compiles
-    inside its timed window; the second call compiles nothing between its first hook and its
-    last (all it met was compiled before, or after the first call's "end"); for the decoders
-    that declare their shapes, neither does the first."""
+    dynamic and static trees), compiled calls of B = 1, 3 and again 3 rows (the first call at
+    each row bucket, then one after it): no call compiles a graph between its first hook and
+    its last (forwards, heads, kernels, fused calls: all compiled before the prefill, from
+    `Decoder.warm_forwards` and the widths every drafting decoder meets, or after the "end"),
+    and no forward compiles inside its timed window."""
     from mtad_energy.models import load_pair
 
     pair = load_pair(target=model_dirs["llama"],
                      draft=with_heads(model_dirs, model_dirs["llama-draft"], "llama"), device="cpu")
     decoder = get_decoder(name, **params) if params else compile_test_decoder(name)
-    for call in ("first", "second"):
-        rows, marks, inside = _generation(decoder, pair, PROMPTS)
+    for call, prompts in (("first, B = 1", PROMPTS[:1]), ("first, B = 3", PROMPTS),
+                          ("second, B = 3", PROMPTS)):
+        rows, marks, inside = _generation(decoder, pair, prompts)
         assert inside == [], (call, inside)
-        if call == "second" or name in FIRST_CLEAN:
-            assert marks[0] == marks[-1] and rows[0].stats.compile_in_window_s == 0, (call, marks)
+        assert marks[0] == marks[-1], (call, marks)
+        assert rows[0].stats.compile_in_window_s == 0, (call, rows[0].stats.compile_in_window_s)
+
+
+@pytest.mark.parametrize("name", ["ar", pytest.param("medusa", marks=pytest.mark.slow)])
+def test_a_reset_forgets_every_record_of_a_graph(model_dirs, name):
+    """`static.reset_compiled` between two calls on one pair: the second compiles its graphs
+    again (dynamo forgot them), all before its windows open: the engines' caches and the
+    heads' calls forgot what they had compiled too (a record left behind claims a graph dynamo
+    no longer has: its forward compiles inside the timed window)."""
+    from mtad_energy.models import load_pair
+
+    pair = load_pair(target=model_dirs["llama"],
+                     draft=with_heads(model_dirs, model_dirs["llama-draft"], "llama"), device="cpu")
+    decoder = compile_test_decoder(name)
+    _generation(decoder, pair, PROMPTS)
+    reset_compiled()
+    rows, marks, inside = _generation(decoder, pair, PROMPTS)
+    assert rows[0].stats.graphs_compiled > 0  # premise: the reset forgot the graphs
+    assert inside == [] and marks[0] == marks[-1], (inside, marks)
+    assert rows[0].stats.compile_in_window_s == 0
 
 
 def _gen(compile_s: float, graphs: int, in_window_s: float = 0.0) -> SimpleNamespace:

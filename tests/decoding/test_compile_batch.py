@@ -17,9 +17,9 @@ from mtad_energy.decoding.rules import chain
 from mtad_energy.decoding.rules import tree as tree_rules
 from mtad_energy.decoding.runtime import batch, static, static_engine
 from mtad_energy.decoding.runtime.batch import RowsRunner
-from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled, reset_compiled
+from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.generate import generate_ids, generate_rows
-from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner
+from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner, reset_compiled
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from tests.decoding.lossless import batched_row_pvalues
 from tests.tiny import compile_test_decoder, skip_without_head
@@ -72,10 +72,13 @@ def test_compiled_batched_lossless_decoders_are_lossless_per_row(lossless_pair, 
         assert min(pvalues) > 1e-3, pvalues
 
 
-@pytest.mark.parametrize("name", ["ar", "beam", "spd", "mtad", "specinfer", "spectr"])
+@pytest.mark.parametrize("name", ["ar", "beam", "spd", "mtad", "specinfer", "spectr",
+                                  pytest.param("mmtad", marks=pytest.mark.slow)])
 def test_a_second_identical_call_compiles_nothing(llama_pair, name):
     """Nor do prompts of other lengths in the same slot bucket, batched or not (the inputs are
-    dense copies: a slice of the ids buffer would carry the buffer's strides into the guards)."""
+    dense copies: a slice of the ids buffer would carry the buffer's strides into the guards;
+    MTAD's and MMTAD's beam searches take no slice of it: the ids buffer's width is the prompt's
+    length plus the new tokens, a new signature for every prompt length)."""
     decoder = get_decoder(name, temperature=0)
     first = generate_ids(decoder, llama_pair, PROMPTS[0], 12, compile=TRACE)
     before = graphs_compiled()

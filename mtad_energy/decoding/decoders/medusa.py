@@ -28,7 +28,7 @@ import torch
 from mtad_energy.decoding.rules.sampling import sample_u, split_uniforms, warp_probs
 from mtad_energy.decoding.rules.tree import tree_candidates_accept_u, tree_typical_accept
 from mtad_energy.decoding.runtime.decoder import Decoder, target_step
-from mtad_energy.decoding.runtime.head_runner import prefill_features
+from mtad_energy.decoding.runtime.head_runner import HeadCall, prefill_features
 from mtad_energy.decoding.runtime.params import DecoderParams, param, require
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.step import StepResult, block_out, block_tokens
@@ -85,6 +85,16 @@ class Medusa(Decoder):
 
     def target_hidden(self, pair) -> tuple[int, ...]:
         return (-1,)  # the last layer's output, after the final norm
+
+    def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
+        """The target's tree verify (`verify_width` nodes, one tree for all rows); the heads'
+        candidate trees of every depth (a generation's last iterations draft fewer levels)."""
+        branching = self.params.branching
+        if role == "target":
+            return super().warm_forwards(role, pair) + ((self.verify_width, 0),)
+        width = pair.heads["medusa"].config["hidden_size"]
+        return tuple(HeadCall(width, candidate_tokens, (branching[:n],))
+                     for n in range(1, len(branching) + 1))
 
     def prefill(self, s: DecodeState) -> None:
         heads = s.draft.model

@@ -41,6 +41,13 @@ class Mmtad(Decoder):
     def cache_rows(self, role: str) -> int:
         return self.params.beam_width if role == "draft" else 1
 
+    def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
+        """The draft's beam steps (`Decoder.warm_forwards`), the target's beam tree (the root
+        and gamma * W nodes, one per sequence)."""
+        prm = self.params
+        tree = ((1 + prm.gamma * prm.beam_width, 0, None, True),) if role == "target" else ()
+        return super().warm_forwards(role, pair) + tree
+
     def step(self, s: DecodeState) -> StepResult:
         prm = self.params
         warp = prm.warp
@@ -52,7 +59,7 @@ class Mmtad(Decoder):
         pending, counts = s.draft_feed()
         beams = beam_sample_rows(s.draft, pending, gamma, width, warp, s.generator,
                                  counts=counts, kernels=s.kernels, finish=beam_tree,
-                                 finish_args=(s.last_token,))  # fields [B, ...]
+                                 finish_args=(s.recent[:, -1:],))  # [B, 1]: fixed strides
         tree, anc, tokens, parents, log_q, seqs = beams.finished  # [B, N], [B, N, N], ...
         # the target scores the whole tree in one forward; each row over its own depth (its
         # search alone stops there; y* is then the best beam at that depth); a row with no draft

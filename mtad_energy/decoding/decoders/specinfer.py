@@ -41,6 +41,7 @@ from mtad_energy.decoding.runtime.tree import (
     tree_nodes,
     tree_structure,
     tree_verify,
+    tree_warm_forwards,
 )
 from mtad_energy.models.shapes import output_size
 
@@ -115,6 +116,10 @@ class SpecInfer(Decoder):
     @property
     def lookahead(self) -> int:
         return len(self.params.branching)
+
+    def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
+        """The draft's tree levels and catch-up, the target's tree (`tree_warm_forwards`)."""
+        return super().warm_forwards(role, pair) + tree_warm_forwards(role, self.params.branching)
 
     def step(self, s: DecodeState) -> StepResult:
         warp = self.params.warp

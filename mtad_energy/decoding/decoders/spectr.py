@@ -34,6 +34,7 @@ from mtad_energy.decoding.runtime.tree import (
     check_tree_support,
     tree_structure,
     tree_verify,
+    tree_warm_forwards,
 )
 
 
@@ -80,6 +81,13 @@ class Spectr(Decoder):
     @property
     def verify_width(self) -> int:
         return 1 + self.params.num_drafts * self.params.gamma
+
+    def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
+        """The drafts' tree (k, 1, ..., 1): its levels and catch-up, the target's tree
+        (`tree_warm_forwards`)."""
+        prm = self.params
+        return super().warm_forwards(role, pair) + tree_warm_forwards(
+            role, (prm.num_drafts,) + (1,) * (prm.gamma - 1))
 
     def step(self, s: DecodeState) -> StepResult:
         warp, k = self.params.warp, self.params.num_drafts

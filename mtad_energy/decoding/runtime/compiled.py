@@ -70,10 +70,10 @@ def configure_dynamo(options: CompileOptions) -> None:
 _KERNELS: dict[CompileOptions, dict[Callable[..., Any], tuple[GraphFunction, set[tuple]]]] = {}
 
 
-def reset_compiled() -> None:
-    """Forget every graph (``torch._dynamo.reset()``) and which kernel signatures were compiled:
-    a test's fresh start (dynamo's reset alone would leave the kernels thinking their graphs
-    exist, and compile them again inside a window)."""
+def reset_dynamo() -> None:
+    """Forget every graph (``torch._dynamo.reset()``) and which kernel signatures were compiled
+    (dynamo's reset alone would leave the kernels thinking their graphs exist). The engines and
+    heads keep records of their own: `static.reset_compiled` forgets those too."""
     torch._dynamo.reset()
     _KERNELS.clear()
 

@@ -110,10 +110,16 @@ class Decoder:
     def warm_forwards(self, role: str, pair) -> tuple[tuple, ...]:
         """Forwards of ``role``'s model ("target" / "draft") whose shapes are known before the
         generation but met only inside its loop, as `static.WarmForward` fields ``(columns, m,
-        features, per_seq)``: a compiled runner compiles them when it is made, before any
+        features, per_seq, rows_per_seq)`` (a cache-free head's: its calls,
+        `head_runner.HeadCall`): a compiled runner compiles them when it is made, before any
         window opens (chains of the widths every drafting decoder meets sometimes are
-        compiled for all: `generate._runners`). None here."""
-        return ()
+        compiled for all: `generate._runners`). Here what every decoder's loop may run: the
+        target's one-token step (`target_step`: ``ar``'s every step, a drafting decoder's
+        last), and a beam search's steps over ``role``'s model (one token at each of its
+        `cache_rows` beams per sequence; its first step, before the rows expand, is a chain)."""
+        beams = self.cache_rows(role)
+        return (((1,),) if role == "target" else ()) + (
+            ((1, None, None, False, beams),) if beams > 1 else ())
 
     def cache_rows(self, role: str) -> int:
         """Cache rows one sequence expands to at most in ``role``'s model ("target" / "draft"):

@@ -149,7 +149,7 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     rows, or (``compile``) `static.StaticRunner` - different runners under the same loop. The
     draft runner runs `Decoder.draft_model`: a draft model, a head with a KV cache (EAGLE: the
     same runners), or a cache-free head (Medusa: `head_runner.HeadRunner`)."""
-    from mtad_energy.decoding.runtime.head_runner import HeadRunner
+    from mtad_energy.decoding.runtime.head_runner import HeadCall, HeadRunner
 
     draft_model = decoder.draft_model(pair)
     roles = [("target", pair.target, decoder.target_hidden(pair))]
@@ -165,7 +165,8 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     runners: list[ModelRunner] = []
     for role, model, hidden in roles:
         if getattr(model, "cacheless", False):
-            runners.append(HeadRunner(model, timer, role, rows, compile, opts))
+            runners.append(HeadRunner(model, timer, role, rows, compile, opts, tuple(
+                HeadCall(*c) for c in decoder.warm_forwards(role, pair))))
         elif compile:
             from mtad_energy.decoding.runtime.static import (  # the compiler stack
                 ForwardShape,

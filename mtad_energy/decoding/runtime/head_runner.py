@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +27,16 @@ from mtad_energy.energy.work import Forward
 # head -> {(backend, mode): ({function: the head, or the head then it, compiled}, signatures run
 # so far)}: kept across generations, like the engines
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class HeadCall(NamedTuple):
+    """A cache-free head's call to compile before the windows open (`Decoder.warm_forwards`):
+    its forward on inputs of ``features`` width (one row per sequence), then ``fn(logits,
+    *args)`` (None: the forward alone), as `HeadRunner.then` runs it."""
+
+    features: int
+    fn: Callable[..., Any] | None = None
+    args: tuple = ()
 
 
 def _head_then(head, fn: Callable[..., Any], features: torch.Tensor, *args: Any) -> Any:
@@ -43,7 +53,7 @@ class HeadRunner(ModelRunner):
     attends over nothing) for the FLOP/byte rule."""
 
     def __init__(self, head, timer: PhaseTimer, phase: str, rows: int, compile: bool = False,
-                 options=None):
+                 options=None, warm: tuple[HeadCall, ...] = ()):
         self.model = head
         self.forwards = 0
         self.forward_shapes: list[Forward] = []
@@ -66,6 +76,7 @@ class HeadRunner(ModelRunner):
                 self._key, ({}, set()))
             self._graphs = mode == "reduce-overhead"
             self._device = device
+            self.prewarm_s = self._prewarm(warm)  # before any window opens: not in compile_s
 
     def __call__(self, features: torch.Tensor, counts: list[int] | None = None,
                  **kwargs) -> torch.Tensor:
@@ -88,23 +99,39 @@ class HeadRunner(ModelRunner):
         if not self.compiled:
             with self._timer(self._phase):
                 return self.model(features).float()
-        from mtad_energy.decoding.runtime.compiled import signature
-
         features = features.contiguous()
         call = self._compiled(fn)
-        shape = (fn, tuple(features.shape), features.dtype, signature(args))
-        if shape not in self._warmed:  # compile (and record) untimed
-            sync = torch.cuda.synchronize if self._device.type == "cuda" else (lambda: None)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(3 if self._graphs else 1):
-                call(features, *args)
-            sync()
-            self.compile_s += time.perf_counter() - t0
-            self._warmed.add(shape)
+        self.compile_s += self._compile(fn, features, args)  # a new signature, untimed
         with self._timer(self._phase):  # (a CUDA graph's outputs cloned: `graph_outputs`)
             out = call(features, *args)
             return out if fn is not None else out.float()
+
+    def _compile(self, fn: Callable[..., Any] | None, features: torch.Tensor,
+                 args: tuple) -> float:
+        """Compile (and on CUDA record) the call of ``fn`` on ``features``' and ``args``'
+        signature if it is new: its untimed first calls; returns their seconds (0: known)."""
+        from mtad_energy.decoding.runtime.compiled import signature
+
+        shape = (fn, tuple(features.shape), features.dtype, signature(args))
+        if shape in self._warmed:
+            return 0.0
+        sync = torch.cuda.synchronize if self._device.type == "cuda" else (lambda: None)
+        call = self._compiled(fn)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3 if self._graphs else 1):
+            call(features, *args)
+        sync()
+        self._warmed.add(shape)
+        return time.perf_counter() - t0
+
+    def _prewarm(self, calls: tuple[HeadCall, ...]) -> float:
+        """Compile ``calls`` (`Decoder.warm_forwards`) on zero features of their width, one row
+        per sequence, before the generation; returns the seconds it took."""
+        dtype = next(self.model.parameters()).dtype
+        return sum(self._compile(c.fn, torch.zeros(self._rows, c.features, dtype=dtype,
+                                                   device=self._device), c.args)
+                   for c in calls)
 
     def _compiled(self, fn: Callable[..., Any] | None) -> GraphFunction:
         """The head (``fn`` None) or the head then ``fn``, compiled for this runner's options."""
@@ -132,6 +159,12 @@ class HeadRunner(ModelRunner):
 
     def crop(self, length: int) -> None:
         pass
+
+
+def release_heads() -> None:
+    """Forget the heads' compiled calls and the signatures they ran (after dynamo forgot its
+    graphs: `static.reset_compiled`)."""
+    _COMPILED.clear()
 
 
 def prefill_features(s: DecodeState, width: int) -> torch.Tensor:

@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from mtad_energy.decoding.runtime.batch import RowLayout, rows_runner
-from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled
+from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled, reset_dynamo
+from mtad_energy.decoding.runtime.head_runner import release_heads
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.slot_forward import Fused, Later, rows_of, slot_forward
 from mtad_energy.decoding.runtime.state import to_device
@@ -59,6 +60,7 @@ from mtad_energy.decoding.runtime.static_engine import (
     eager_reason,
     engine_for,
     install_capture_hooks,
+    release_engines,
     row_bucket,
 )
 from mtad_energy.decoding.runtime.static_fused import FusedCalls
@@ -70,12 +72,14 @@ class WarmForward(NamedTuple):
     """A forward to compile before the windows open (`Decoder.warm_forwards`): ``columns``
     tokens after ``m`` earlier tree nodes (None: a chain, run at `StaticRunner._width`), with a
     head's ``features`` of that width (None: none); ``per_seq``: a tree of its own per sequence
-    (at B > 1 rows: one per row, as `slot_forward.rows_of` pads it)."""
+    (at B > 1 rows: one per row, as `slot_forward.rows_of` pads it); ``rows_per_seq``: a chain
+    at that many cache rows per sequence (a beam search's steps over W beams)."""
 
     columns: int
     m: int | None = None
     features: int | None = None
     per_seq: bool = False
+    rows_per_seq: int = 1
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,18 @@ def make_runner(model, timer: PhaseTimer, phase: str, rows: int, slots: int,
         _WARNED_EAGER.add(model)
         warnings.warn(f"compile ({phase}): {why}", stacklevel=3)
     return rows_runner(model, timer, phase, rows, (shape or ForwardShape()).hidden)
+
+
+def reset_compiled() -> None:
+    """Forget every graph and every record of one, as a fresh process starts: dynamo's graphs
+    and the kernels' signatures (`compiled.reset_dynamo`), the static engines' caches with the
+    shapes they compiled (`static_engine.release_engines`: the next generation makes new caches
+    and compiles its shapes before its windows again) and the heads' compiled calls
+    (`head_runner.release_heads`). A record left behind would claim a graph dynamo forgot, and
+    its forward would compile inside its timed window."""
+    reset_dynamo()
+    release_engines()
+    release_heads()
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -316,7 +332,8 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         rows = self._seqs
         for f in self.shape.warm_forwards:
             if f.m is None:
-                self._warm_widths((self._width(rows, f.columns, None),), features=f.features)
+                self._warm_widths((self._width(rows, f.columns, None),), f.rows_per_seq,
+                                  f.features)
             else:  # the width the loop's trees pad to (`_width`), then that tree
                 self.engine.tree_widths.setdefault((self.shape.key, rows, f.m), set()).add(
                     f.columns)

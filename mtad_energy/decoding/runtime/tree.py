@@ -176,3 +176,16 @@ def tree_structure(branching: tuple[int, ...], device: torch.device
 def tree_nodes(branching: tuple[int, ...]) -> int:
     """Nodes of a static tree (4, 2, 2: 4 + 8 + 16 = 28)."""
     return sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
+
+
+def tree_warm_forwards(role: str, branching: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The forwards a static draft tree of ``branching`` and its verify run only inside the
+    loop (`Decoder.warm_forwards`' fields, one tree for all rows): the draft's levels but the
+    leaves (grown level by level: `ModelRunner.tree_levels`; K nodes after the M of the levels
+    before) and its catch-up after it drops its tree (`DecodeState.draft_rewind`: the accepted
+    path and the bonus, up to depth + 1 tokens, a chain); the target's tree of the root and
+    every node (4, 2, 2: the draft's 4 after 0 and 8 after 4, a chain of 4; the target's 29)."""
+    if role == "target":
+        return ((1 + tree_nodes(branching), 0),)
+    sizes = [math.prod(branching[:i + 1]) for i in range(len(branching) - 1)]
+    return ((len(branching) + 1,),) + tuple((c, sum(sizes[:i])) for i, c in enumerate(sizes))
