@@ -311,6 +311,27 @@ def forward_beams(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.T
     return out if finish is None else finish(*out, *finish_args)
 
 
+def select_slot_rows(model, cache: SlotCache, rows: torch.Tensor,
+                     *pad: torch.Tensor) -> None:
+    """Rows ``rows [r']`` (then the padding sequences' ``pad``) of every layer's keys and values
+    and of the validity become the cache's first r rows, over every slot (no host count of the
+    columns in use enters the graph; a column past them is written before any forward reads
+    it): `StaticRunner.select_rows` in one graph call, which returns nothing (nothing cloned).
+    ``model``: unused (an engine call's first argument)."""
+    rows = torch.cat([rows, *pad]) if pad else rows
+    r = rows.shape[0]
+    cache.kv[:, :r] = cache.kv.index_select(1, rows)  # [2 * layers, r, H, L, D]
+    cache.valid[:r] = cache.valid.index_select(0, rows)
+
+
+def repeat_slot_rows(model, cache: SlotCache, seqs: int, n: int) -> None:
+    """Each of the first ``seqs`` rows becomes ``n`` identical rows (row b*n + w), every layer's
+    keys and values and the validity over every slot: `StaticRunner.repeat_rows` in one graph
+    call (as `forward_beams` expands its rows), which returns nothing."""
+    cache.kv[:, :seqs * n] = cache.kv[:, :seqs].repeat_interleave(n, 1)
+    cache.valid[:seqs * n] = cache.valid[:seqs].repeat_interleave(n, 0)
+
+
 def _share(u: torch.Tensor | None, at: int, vocab: int, n: int = 1) -> torch.Tensor | None:
     """A draw's uniforms: ``n`` vocabularies' worth of ``u``'s columns from vocabulary ``at``."""
     return None if u is None else u[:, at * vocab:(at + n) * vocab]
