@@ -21,6 +21,9 @@ runs back to back into one graph:
 * `forward_beams`: a beam search of D steps (`rules.beam`), the rows expanded to the beams and
   reordered to them inside the graph, and the function reading the finished tree: one call
   instead of 3 D + 1 and the row copies between them.
+* `select_slot_rows`, `repeat_slot_rows`: a runner's rows reordered or expanded (MTAD keeping
+  its chosen beam, a step-by-step beam search) over every slot: one call returning nothing,
+  instead of an op per buffer and index.
 
 The functions are the decoders' own (`kernels`), the same on the eager path; only where they run
 changes. The fused calls leave the cache exactly as the separate calls would (the same KV and
