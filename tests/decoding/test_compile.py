@@ -459,7 +459,7 @@ def test_a_fused_head_tree_returns_and_leaves_what_its_expansions_do(llama_pair)
                             head.d2t_map, k, steps, caps, n)
 
     out, ref = _fused_against_separate(run, "forward_grow")
-    assert out[0].shape == (3, n) and out[2].shape == (3, 1 + n, 1 + n)
+    assert out[0].shape == (3, n) and out[1].shape == (3, 1 + n, 1 + n)  # tokens, ancestors
     assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
     runner, _ = run("fused", True)
     assert runner.forwards == 1 + 1 + steps  # the prefill, the catch-up, the expansions

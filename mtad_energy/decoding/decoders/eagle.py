@@ -133,8 +133,9 @@ def eagle_choose(caps: torch.Tensor, n: int, *pools: torch.Tensor) -> tuple[torc
     """Kernel: the verified tree, the ``n`` best candidates of the pool (EAGLE's
     ``topK_genrate``) within each row's depth ``caps [B]``. ``pools``: the tokens of each
     depth's candidates (the root's children first), then their scores, then their parents'
-    pool indices. Returns ``(tokens [B, n], parents [B, 1 + n], ancestors [B, 1 + n, 1 + n],
-    depth [B])``: parents before children (the root at 0), and the chosen tree's depth."""
+    pool indices. Returns ``(tokens [B, n], ancestors [B, 1 + n, 1 + n], parents [B, 2 + n])``:
+    parents before children (the root at 0), then the chosen tree's depth in the last column
+    (packed: what only the verify reads, one tensor; `tree_parents`)."""
     s = len(pools) // 3
     tok_all, score_all, parent_all = (torch.cat(pools[j * s:(j + 1) * s], 1) for j in range(3))
     depth_all = torch.cat([torch.full((t.shape[1],), d + 1, device=caps.device)
@@ -148,12 +149,19 @@ def eagle_choose(caps: torch.Tensor, n: int, *pools: torch.Tensor) -> tuple[torc
                          torch.where(parent < 0, 0, pos + 1)], 1)
     chosen_depth = depth_all[chosen]  # [B, N]
     depth = chosen_depth.masked_fill(chosen_depth > caps[:, None], 0).amax(-1)  # [B]
-    return tok_all.gather(1, chosen), parents, ancestors(parents), depth
+    return tok_all.gather(1, chosen), ancestors(parents), torch.cat([parents, depth[:, None]], 1)
+
+
+def tree_parents(parents: torch.Tensor, packed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kernel: ``(parents [B, 1 + N], depth [B] or None)`` of `eagle_choose`'s ``parents [B, 2 +
+    N]`` (``packed``: the chosen tree's depth in its last column) or of a static tree's ``[(B,)
+    1 + N]`` (no depth: the host knows it)."""
+    return (parents[:, :-1], parents[:, -1]) if packed else (parents, None)
 
 
 def eagle_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,
                  parents: torch.Tensor, anc: torch.Tensor, caps: torch.Tensor, levels: int,
-                 u: torch.Tensor, recent: torch.Tensor, tree_depth: torch.Tensor | None,
+                 u: torch.Tensor, recent: torch.Tensor, packed: bool,
                  temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, ...]:
     """Kernel: the verify's warped p (``logits [B, 1 + N, V]``) and the rule for chosen
     candidates (`tree_candidates_accept_u`; ``u``: its uniforms ``[B (1 + N), 1]`` then the next
@@ -161,7 +169,9 @@ def eagle_verify(logits: torch.Tensor, hidden: torch.Tensor, full: torch.Tensor,
     its tree) -> ``(block [B, L + 1], accepted depth [B], length [B], kept nodes [B, 1 + L]
     (root first), their features [B, 1 + L, H] right-aligned (row b's 1 + depth[b] last: the
     next catch-up's, `Eagle._catch_up`; ``hidden``: every node's), recent, read)`` (`block_out`;
-    ``tree_depth [B]``: the depth only the device knows, or None)."""
+    ``packed``: ``parents`` ends with the depth only the device knows, `tree_parents`, which
+    ``read`` then holds)."""
+    parents, tree_depth = tree_parents(parents, packed)
     p = warp_probs(logits, temperature, top_k, top_p)
     depth, path, nxt, _ = tree_candidates_accept_u(
         p, full, parents, anc, caps, levels, *split_uniforms(u, (full.numel(), 1),
@@ -184,7 +194,7 @@ def eagle_dynamic(tree_then: Callable[..., Any], call: Callable[..., Any], logit
     are the first frontier (`eagle_root`); each of ``steps`` expansions is the head's tree
     forward of the frontier and `eagle_expand` (one ``tree_then``); the last one also chooses
     the verified tree (`eagle_choose`): n nodes within each row's depth ``caps [B]``. Returns
-    ``(tokens [B, n], parents, ancestors, depth [B])``."""
+    what `eagle_choose` returns: ``(tokens [B, n], ancestors, parents and depth [B, 2 + n])``."""
     tok, score, parent, index, depth, rows_anc, anc = call(eagle_root, logits[:, -1], d2t, k)
     pools = [(tok, score, parent)]
     feat = hidden[:, -1:].expand(-1, k, -1)  # [B, k, H]: the frontier's parents' features
@@ -317,22 +327,21 @@ class Eagle(Decoder):
         ids, feats = self._catch_up(s, counts)
         ragged = counts if s.batch > 1 else None
         caps = s.on_device(lens)
-        if self.params.tree == "dynamic":
-            tokens, parents, anc, proposed, row_depth = self._dynamic(s, ids, ragged, feats,
-                                                                      lens, caps)
+        dynamic = self.params.tree == "dynamic"
+        if dynamic:  # the chosen tree's depth, known on the device only, packed with its parents
+            tokens, anc, parents, proposed = self._dynamic(s, ids, ragged, feats, lens, caps)
         else:
             tokens, parents, anc, proposed = self._static(s, ids, ragged, feats, lens)
-            row_depth = lens
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]
         # the verify's forward (returning every node's features) and its rule: one graph call
         feat, recent, read = tree_verify(
             s.target, s.kernels, full, anc, eagle_verify, full, parents, anc, caps, levels,
-            s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent,
-            row_depth if isinstance(row_depth, torch.Tensor) else None, *warp.args)
+            s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent, dynamic, *warp.args)
         s.carry["feat"] = feat  # the root's and the accepted nodes', right-aligned: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
-        depth = depth_fields(row_depth, s.batch)  # a tensor: the device's, in the read-back
-        packed = ("accepted", "length") + (("device_depth",) if "device_depth" in depth else ())
+        # dynamic: the depth the device read back with the block (`device_depth`)
+        packed = ("accepted", "length") + (("device_depth",) if dynamic else ())
+        depth = {} if dynamic else depth_fields(lens, s.batch)
         return StepResult.from_read(read, recent, packed, proposed=tuple(proposed), **depth)
 
     def _catch_up(self, s: DecodeState, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,19 +357,20 @@ class Eagle(Decoder):
     def _dynamic(self, s: DecodeState, ids: torch.Tensor, counts: list[int] | None,
                  feats: torch.Tensor, lens: list[int], caps: torch.Tensor
                  ) -> tuple[torch.Tensor, ...]:
-        """EAGLE-2's tree (`eagle_dynamic`): returns ``(tokens [B, N], parents [B, 1 + N], anc
-        [B, 1 + N, 1 + N], proposed per row, depth [B])``: the depth of the chosen tree within
-        each row's cap (a tree of unsure drafts is wide and shallow; known on the device only).
-        Compiled, the catch-up and every expansion are one graph call."""
+        """EAGLE-2's tree (`eagle_dynamic`): returns ``(tokens [B, N], anc [B, 1 + N, 1 + N],
+        parents [B, 2 + N], proposed per row)``, the parents followed by the depth of the chosen
+        tree within each row's cap (a tree of unsure drafts is wide and shallow; known on the
+        device only; `tree_parents`). Compiled, the catch-up and every expansion are one graph
+        call."""
         prm = self.params
         k = prm.expand
         steps = min(prm.depth, max(lens) - 1)  # expansions a row can still use
         n = min(prm.total_tokens - 1, k + steps * k * k)
-        tokens, parents, tree_anc, chosen_depth = s.draft.grow_tree(
+        tokens, tree_anc, parents = s.draft.grow_tree(
             s.kernels, ids, counts, feats, (k,) * steps, eagle_dynamic, s.draft.model.d2t_map,
             k, steps, caps, n)
         live = [k + (cap - 1) * k * k if cap else 0 for cap in lens]  # candidates within depth
-        return tokens, parents, tree_anc, [min(n, c) for c in live], chosen_depth
+        return tokens, tree_anc, parents, [min(n, c) for c in live]
 
     def _static(self, s: DecodeState, ids: torch.Tensor, counts: list[int] | None,
                 feats: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,8 @@ Stats: ``proposed`` = gamma * W tree nodes shown to the target; ``accepted`` = e
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mtad_energy.decoding.decoders.mtad import MtadParams
@@ -60,13 +62,13 @@ class Mmtad(Decoder):
         beams = beam_sample_rows(s.draft, pending, gamma, width, warp, s.generator,
                                  counts=counts, kernels=s.kernels, finish=beam_tree,
                                  finish_args=(s.recent[:, -1:],))  # [B, 1]: fixed strides
-        tree, anc, tokens, parents, log_q, seqs = beams.finished  # [B, N], [B, N, N], ...
+        tree, anc, beam, log_q = beams.finished  # [B, N], [B, N, N], [B, 2 D W], [B, D, W]
         # the target scores the whole tree in one forward; each row over its own depth (its
         # search alone stops there; y* is then the best beam at that depth); a row with no draft
         # of its own takes its token from p
         # (compiled: the target's rollback to the kept path in the same graph call)
         row, recent, read = tree_verify(
-            s.target, s.kernels, tree, anc, mmtad_verify, tree, tokens, parents, log_q, seqs,
+            s.target, s.kernels, tree, anc, mmtad_verify_packed, tree, beam, log_q,
             s.on_device(lens), s.uniform(s.batch, 1), s.recent, prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)
@@ -80,14 +82,27 @@ def beam_tree(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor,
               ) -> tuple[torch.Tensor, ...]:
     """Kernel: the beam tree (``tokens, parents, log_q [B, D, W]``) as the target's token tree
     after the last emitted token ``last [B, 1]``: root 0, node (d, b) at 1 + d*W + b; ``(tree
-    [B, N], ancestors [B, N, N], tokens, parents, log_q, seqs [B, W, D])``, N = 1 + D*W: what
-    MMTAD reads of its search (the search's ``finish``; ``path_log_q`` it does not)."""
+    [B, N], ancestors [B, N, N], beam [B, 2 D W], log_q)``, N = 1 + D*W: what MMTAD reads of
+    its search (the search's ``finish``; ``path_log_q`` it does not), ``beam`` the tree's
+    parents and the final beams ``seqs [B, W, D]`` packed (one tensor for the host to hold:
+    `mmtad_verify_packed`; the tokens are the tree's)."""
     rows, gamma, width = tokens.shape
     flat_par = torch.cat([parents.new_full((rows, 1), -1), parents.new_zeros(rows, width),
                           1 + (torch.arange(gamma - 1, device=tokens.device)[None, :, None] * width
                                + parents[:, 1:]).reshape(rows, -1)], 1)  # [B, N]
-    return (torch.cat([last, tokens.reshape(rows, -1)], 1), ancestors(flat_par), tokens,
-            parents, log_q, seqs)
+    return (torch.cat([last, tokens.reshape(rows, -1)], 1), ancestors(flat_par),
+            torch.cat([parents.reshape(rows, -1), seqs.reshape(rows, -1)], 1), log_q)
+
+
+def mmtad_verify_packed(logits: torch.Tensor, tree: torch.Tensor, beam: torch.Tensor,
+                        log_q: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+    """Kernel: `mmtad_verify` of `beam_tree`'s outputs: the draft's tokens ``[B, D, W]`` are
+    the tree's nodes after its root, ``beam [B, 2 D W]`` its parents then the final beams."""
+    rows, gamma, width = log_q.shape
+    n = gamma * width
+    return mmtad_verify(logits, tree, tree[:, 1:].reshape(rows, gamma, width),
+                        beam[:, :n].reshape(rows, gamma, width), log_q,
+                        beam[:, n:].reshape(rows, width, gamma), *args)
 
 
 def mmtad_verify(logits: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,

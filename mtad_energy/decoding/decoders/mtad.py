@@ -67,7 +67,7 @@ class Mtad(Decoder):
         depth = s.on_device(lens)  # [B]
         beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
                                  counts=counts, kernels=s.kernels, finish=mtad_finish,
-                                 finish_args=(s.on_device([max(1, n) for n in lens]),))
+                                 finish_args=(depth,))
         y, cum_log_q, seqs = beams.finished  # [B, gamma], [B, gamma], [B, W, gamma]
         # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
         row, recent, read = s.target.verify(
@@ -82,11 +82,12 @@ def mtad_finish(tokens: torch.Tensor, parents: torch.Tensor, log_q: torch.Tensor
                 seqs: torch.Tensor, path_log_q: torch.Tensor, depth: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel: what MTAD reads of its beam search (`beams.BeamDraft`'s fields, the search's
-    ``finish``): y*, each row's best beam at its own depth ``depth [B]`` (`best_at`), its
+    ``finish``): y*, each row's best beam at its own depth ``depth [B]`` (at least 1: a row
+    with no draft of its own reads its first beam; `best_at`), its
     cumulative log ~q, and the final beams: ``(y [B, gamma], cum_log_q [B, gamma], seqs [B, W,
     gamma])``, what its verify reads. (The row's last token stays out of the graph: a slice of
     the ids would bring their buffer's strides into its guards.)"""
-    return (*best_at(tokens, parents, log_q, depth), seqs)
+    return (*best_at(tokens, parents, log_q, depth.clamp_min(1)), seqs)
 
 
 def mtad_verify(logits: torch.Tensor, y: torch.Tensor, cum_log_q: torch.Tensor,

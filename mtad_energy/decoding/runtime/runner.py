@@ -214,7 +214,8 @@ class ModelRunner:
         each ``tree_then(tokens [B, K], anc [(B,) K, M + K], depths [(B,) K], features [B, K,
         H], f, *f_args)`` (`tree_then`: ``f(logits, hidden, *f_args)``), and calls its pure
         functions through ``kernels``. Returns what ``fn`` returns. The compiled runner runs a
-        full-depth tree in one graph call (`static_fused.FusedCalls.grow_tree`)."""
+        tree of any depth up to the decoder's in one graph call
+        (`static_fused.FusedCalls.grow_tree`)."""
         logits = self(input_ids, counts, features=features)
 
         def tree_then(tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor,

@@ -21,6 +21,9 @@ runs back to back into one graph:
 * `forward_beams`: a beam search of D steps (`rules.beam`), the rows expanded to the beams and
   reordered to them inside the graph, and the function reading the finished tree: one call
   instead of 3 D + 1 and the row copies between them.
+* `select_slot_rows`, `repeat_slot_rows`: a runner's rows reordered or expanded (MTAD keeping
+  its chosen beam, a step-by-step beam search) over every slot: one call returning nothing,
+  instead of an op per buffer and index.
 
 The functions are the decoders' own (`kernels`), the same on the eager path; only where they run
 changes. The fused calls leave the cache exactly as the separate calls would (the same KV and
@@ -309,6 +312,27 @@ def forward_beams(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.T
         tokens.append(tok), parents.append(parent), cums.append(cum)
     out = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), beams, paths)
     return out if finish is None else finish(*out, *finish_args)
+
+
+def select_slot_rows(model, cache: SlotCache, rows: torch.Tensor,
+                     *pad: torch.Tensor) -> None:
+    """Rows ``rows [r']`` (then the padding sequences' ``pad``) of every layer's keys and values
+    and of the validity become the cache's first r rows, over every slot (no host count of the
+    columns in use enters the graph; a column past them is written before any forward reads
+    it): `StaticRunner.select_rows` in one graph call, which returns nothing (nothing cloned).
+    ``model``: unused (an engine call's first argument)."""
+    rows = torch.cat([rows, *pad]) if pad else rows
+    r = rows.shape[0]
+    cache.kv[:, :r] = cache.kv.index_select(1, rows)  # [2 * layers, r, H, L, D]
+    cache.valid[:r] = cache.valid.index_select(0, rows)
+
+
+def repeat_slot_rows(model, cache: SlotCache, seqs: int, n: int) -> None:
+    """Each of the first ``seqs`` rows becomes ``n`` identical rows (row b*n + w), every layer's
+    keys and values and the validity over every slot: `StaticRunner.repeat_rows` in one graph
+    call (as `forward_beams` expands its rows), which returns nothing."""
+    cache.kv[:, :seqs * n] = cache.kv[:, :seqs].repeat_interleave(n, 1)
+    cache.valid[:seqs * n] = cache.valid[:seqs].repeat_interleave(n, 0)
 
 
 def _share(u: torch.Tensor | None, at: int, vocab: int, n: int = 1) -> torch.Tensor | None:

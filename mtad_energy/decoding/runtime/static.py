@@ -50,10 +50,23 @@ import torch
 import torch.nn.functional as F
 
 from mtad_energy.decoding.runtime.batch import RowLayout, rows_runner
-from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled, reset_dynamo
+from mtad_energy.decoding.runtime.compiled import (
+    CompileOptions,
+    graphs_compiled,
+    reset_dynamo,
+    signature,
+)
+from mtad_energy.decoding.runtime.graph_call import GraphFunction
 from mtad_energy.decoding.runtime.head_runner import release_heads
 from mtad_energy.decoding.runtime.runner import ModelRunner
-from mtad_energy.decoding.runtime.slot_forward import Fused, Later, rows_of, slot_forward
+from mtad_energy.decoding.runtime.slot_forward import (
+    Fused,
+    Later,
+    repeat_slot_rows,
+    rows_of,
+    select_slot_rows,
+    slot_forward,
+)
 from mtad_energy.decoding.runtime.state import to_device
 from mtad_energy.decoding.runtime.static_engine import (
     check_static_support,
@@ -471,21 +484,28 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         return [s * self.width + j for s in range(seqs, seqs + self.pad) for j in range(width)]
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Gather rows ``[B * W']`` (within each sequence, as `RowsRunner.select_rows`)."""
+        """Gather rows ``[B * W']`` (within each sequence, as `RowsRunner.select_rows`): one
+        graph call over every slot (`slot_forward.select_slot_rows`)."""
         width = rows.shape[0] // len(self.cols)
         assert width * len(self.cols) == rows.shape[0], "rows must keep B sequences"
         rows = rows if rows.device == self.device else rows.to(self.device)
-        if self.pad:  # the padding sequences' rows, in the current layout
-            pad = self._constant(("padding rows", self.width, width),
-                                 lambda: to_device(self._padding_rows(width), self.device))
-            rows = torch.cat([rows, pad])
-        r = rows.shape[0]
-        to = self._constant(("arange", r), lambda: torch.arange(r, device=self.device))
-        kv = self.cache.kv.narrow(3, 0, self.n)  # [2 * layers, R, H, n, D]: the columns in use
-        kv.index_copy_(1, to, kv.index_select(1, rows))  # every layer's keys and values at once
-        valid = self.cache.valid.narrow(1, 0, self.n)  # [R, n]
-        valid.index_copy_(0, to, valid.index_select(0, rows))
+        pad = () if not self.pad else (self._constant(  # the padding sequences' rows
+            ("padding rows", self.width, width),
+            lambda: to_device(self._padding_rows(width), self.device)),)
+        self._move_rows(select_slot_rows, (rows, *pad))
         self.width = width
+
+    def _move_rows(self, call: Callable[..., None], args: tuple) -> None:
+        """``call(model, cache, *args)``, a move of the cache's rows that returns nothing, as
+        one graph call: compiled on the cache once met (a new one runs its Python function,
+        counted as the graph call it will be, and compiles after the generation, never inside
+        a window: `compile_pending`)."""
+        key = (call.__name__, signature(args))
+        if key in self.cache.warmed:
+            self.engine.forward(self.cache, args, call=call)
+            return
+        self._pending[key] = (args, {}, call, self.n)
+        GraphFunction(call, graph=self.engine.options.cuda_graphs)(self.model, self.cache, *args)
 
     def _constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A read-only device tensor made once per ``key`` (row indices, masks)."""
@@ -495,15 +515,13 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         return t
 
     def repeat_rows(self, n_rows: int) -> None:
-        """Expand every sequence's one row to n_rows identical rows (row b*n_rows + w)."""
+        """Expand every sequence's one row to n_rows identical rows (row b*n_rows + w): one
+        graph call over every slot (`slot_forward.repeat_slot_rows`)."""
         assert self.width == 1, "rows are expanded already"
-        seqs, n = self._seqs, self.n
+        seqs = self._seqs
         assert seqs * n_rows <= self.cache.rows, (
             f"{n_rows} rows per sequence exceed the {self.shape.rows_per_seq} the decoder "
             "declared (Decoder.cache_rows)")
-        kv = self.cache.kv  # every layer's keys and values at once
-        kv[:, :seqs * n_rows, :, :n] = kv[:, :seqs, :, :n].repeat_interleave(n_rows, 1)
-        valid = self.cache.valid
-        valid[:seqs * n_rows, :n] = valid[:seqs, :n].repeat_interleave(n_rows, 0)
+        self._move_rows(repeat_slot_rows, (seqs, n_rows))
         self.width = n_rows
 

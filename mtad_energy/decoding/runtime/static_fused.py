@@ -104,11 +104,12 @@ class FusedCalls:
     def grow_tree(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
                   features: torch.Tensor, nodes: tuple[int, ...], fn: Callable[..., Any],
                   *args: Any) -> Any:
-        """`ModelRunner.grow_tree` in one graph call (`forward_grow`) for a tree of the
+        """`ModelRunner.grow_tree` in one graph call (`forward_grow`) for a tree of up to the
         decoder's full depth (``max_chain - 2`` tree forwards after the catch-up, whose widths
-        are ``nodes``); a shallower one (a generation's last iterations) runs forward by forward,
-        each tree forward fused with the function reading it (`tree_then`)."""
-        if not self.hidden_layers or self.width != 1 or len(nodes) != self.shape.max_chain - 2:
+        are ``nodes``): a shallower one (a generation's last iterations) too, a graph of its own
+        per depth (a head's tree forwards are small; their shapes are the full tree's first
+        ones), so no expansion's outputs come back to the host between the forwards."""
+        if not self.hidden_layers or self.width != 1 or len(nodes) > self.shape.max_chain - 2:
             return super().grow_tree(kernels, input_ids, counts, features, nodes, fn, *args)
         rows, k = input_ids.shape
         width = self.model.config.hidden_size * len(self.hidden_layers)  # what a node feeds on
