@@ -193,12 +193,12 @@ def stored_params_json(spec: DecoderSpec) -> str:
 
 def _write_record(path: Path, doc: dict[str, Any]) -> None:
     from mtad_energy.cli.output import finite
-    from mtad_energy.results.store_files import _write_atomic
+    from mtad_energy.results.store_files import write_atomic
 
     text = json.dumps(finite(doc), indent=1, sort_keys=True, default=str, allow_nan=False)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, lambda tmp: tmp.write_text(text + "\n"))
+        write_atomic(path, lambda tmp: tmp.write_text(text + "\n"))
     except OSError as error:
         fail(f"{error}; every row is stored: re-run the same command to write {path}", code=1)
 

@@ -81,10 +81,10 @@ from mtad_energy.results.store_files import (
     _flock,
     _read_parquet,
     _to_pandas,
-    _write_atomic,
     beside_file,
     enclosing_store,
     strays_note,
+    write_atomic,
 )
 from mtad_energy.results.store_files import DiskFullError as DiskFullError  # as before
 
@@ -183,7 +183,7 @@ class ResultStore:
 
     # -- checks -------------------------------------------------------------------------------
     def _write_marker(self) -> None:
-        _write_atomic(self.root / MARKER, lambda p: p.write_text(json.dumps(
+        write_atomic(self.root / MARKER, lambda p: p.write_text(json.dumps(
             {"format": FORMAT, "schema_version": SCHEMA_VERSION}, indent=2) + "\n"))
 
     def _check_marker(self, marker: Path) -> int:
@@ -357,7 +357,7 @@ class ResultStore:
         frame = pd.DataFrame(rows)
         guard = contextlib.nullcontext if overwrite else (lambda: self._claim(table, key))
         try:
-            _write_atomic(path, lambda p: frame.to_parquet(p, index=False), exclusive=not overwrite,
+            write_atomic(path, lambda p: frame.to_parquet(p, index=False), exclusive=not overwrite,
                           guard=guard)
         except FileExistsError:  # another worker stored it between the check and the write
             raise exists from None
@@ -368,7 +368,7 @@ class ResultStore:
         d.mkdir(exist_ok=True)
         path = d / f"{env_id}.json"
         if not path.exists():
-            _write_atomic(path, lambda p: p.write_text(json.dumps(snapshot, indent=2, default=str)))
+            write_atomic(path, lambda p: p.write_text(json.dumps(snapshot, indent=2, default=str)))
 
     # -- reading ------------------------------------------------------------------------------
     def _damaged(self, table: str, path: Path, err: Exception, pack: bool = False) -> CorruptFileError:
@@ -559,7 +559,7 @@ class ResultStore:
         written = []
         for merged in merged_groups:
             path = d / f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}.parquet"
-            _write_atomic(path, lambda p, m=merged: pq.write_table(m, p))
+            write_atomic(path, lambda p, m=merged: pq.write_table(m, p))
             written.append(path)
         return written
 

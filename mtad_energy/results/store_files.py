@@ -1,6 +1,6 @@
 """The results store's file layer: the errors a store raises (each names the file and the fix),
 and the file operations every path of `store.ResultStore` rests on: a write through a temporary
-renamed into place (`_write_atomic`: a half-written file never looks finished, a taken name is
+renamed into place (`write_atomic`: a half-written file never looks finished, a taken name is
 refused atomically, a full disk says so), an advisory `fcntl.flock` lock (`_flock`), and reading a
 part file or a pack into one table whose columns are the union of theirs (`_read_parquet`,
 `_to_pandas`). And where files go around a store: beside it (`beside_store`), never inside it or
@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: no locks, reads still count each key once
     fcntl = None  # type: ignore[assignment]
 
-_TMP_PREFIX = ".tmp-"  # temporaries of `_write_atomic`: never a finished file
+_TMP_PREFIX = ".tmp-"  # temporaries of `write_atomic`: never a finished file
 MARKER = "mtad-energy-store.json"  # what makes a directory a results store
 
 
@@ -59,7 +59,7 @@ class StoreWarning(UserWarning):
     beside a store that ended up inside one, an environment snapshot that does not parse."""
 
 
-def _write_atomic(path: Path, write, exclusive: bool = False,
+def write_atomic(path: Path, write, exclusive: bool = False,
                   guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """Write through a temporary file renamed into place. ``exclusive``: fail with
     `FileExistsError` if ``path`` exists, also when another process creates it at the same moment
