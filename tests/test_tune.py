@@ -105,6 +105,23 @@ def test_the_criterion_picks_the_known_best_setting(criterion, ratio, gamma):
     assert c["bootstrap_fraction"] == 1.0  # every prompt says the same
 
 
+def test_a_choice_counts_the_flags_of_the_rows_it_was_made_on():
+    """A contended or random-weight row reaches the record as it reaches every table: counted
+    over the rows of the prompts the choice used (not those of a prompt it left out)."""
+    flagged = KNOWN.assign(contended=False, draft_id="self:int8")
+    flagged.loc[flagged.index[:2], "contended"] = True  # ar on p0 and p1
+    flagged.loc[flagged.index[-1], "draft_id"] = "eagle:random"  # spd(gamma=4) on p2
+    c = choose(flagged, "spd", "ppl", resamples=10)
+    assert (c["rows"], c["contended_rows"], c["random_weight_rows"]) == (12, 2, 1)
+    from mtad_energy.cli.tune import choice_table
+
+    cells = " ".join(str(cell) for col in choice_table({"spd": c}, "ppl").columns
+                     for cell in col._cells)
+    assert "2 of 12 rows contended" in cells and "1 of 12 rows random weights" in cells
+    clean = choose(KNOWN, "spd", "ppl", resamples=10)  # rows stored before the columns
+    assert (clean["contended_rows"], clean["random_weight_rows"]) == (0, 0)
+
+
 def test_a_tie_goes_to_the_setting_first_in_grid_order():
     tied = _store(ppl={"ar": [10, 10], "2": [10, 11], "3": [11, 10]},
                   speed={"ar": [1, 1], "2": [1, 1], "3": [1, 1]},

@@ -211,9 +211,11 @@ def choice_table(choices: dict[str, dict], criterion: str):
         if c.get("params") is None:
             rows.append([esc(name), "n/a", "n/a", "n/a", esc(c.get("reason", ""))])
             continue
+        flags = "".join(f", {c[key]} of {c['rows']} rows {what}" for key, what in (
+            ("contended_rows", "contended"), ("random_weight_rows", "random weights")) if c.get(key))
         rows.append([esc(c["label"]), f"{c['value']:.4g}", f"{c['ppl_ratio']:.3f}",
                      f"{c['bootstrap_fraction']:.0%} of {c['resamples']}",
-                     f"{len(c['settings'])} settings, {c['n_prompts']} prompts"])
+                     f"{len(c['settings'])} settings, {c['n_prompts']} prompts{flags}"])
     return wrapping_table(["chosen setting", criterion, "PPL / ar", "same winner", "over"], rows,
                           left=("chosen setting", "over"), title=f"tuned by {criterion} (validation split)")
 

@@ -22,7 +22,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mtad_energy.results.analysis import config_labels, format_param, parse_params
+from mtad_energy.results.analysis import (
+    config_labels,
+    contended_mask,
+    format_param,
+    parse_params,
+    random_rows,
+)
 
 # criterion -> (the runs column it reads, whether higher is better)
 CRITERIA: dict[str, tuple[str, bool]] = {
@@ -136,11 +142,21 @@ def choose(runs: pd.DataFrame, decoder: str, criterion: str, max_ppl_ratio: floa
                              f"{best['label']} at {best['ppl_ratio']:.3f}x); raise --max-ppl-ratio "
                              f"or tune by --criterion ppl")
     chosen = settings[int(won[0])]
-    return {"decoder": decoder, "criterion": criterion, "max_ppl_ratio": budget,
+    prompts = set(keep[keep].index)  # (dataset, prompt_id) the choice was made on
+    used = mine[[p in prompts for p in zip(mine["dataset"], mine["prompt_id"], strict=True)]]
+    return {**row_flags(used), "decoder": decoder, "criterion": criterion, "max_ppl_ratio": budget,
             "params": parse_params(chosen["params_json"]), "params_json": chosen["params_json"],
             "label": chosen["label"], "value": chosen["value"], "perplexity": chosen["perplexity"],
             "ppl_ratio": chosen["ppl_ratio"], "bootstrap_fraction": chosen["wins"],
             "resamples": resamples, "n_prompts": n, "settings": settings}
+
+
+def row_flags(rows: pd.DataFrame) -> dict[str, int]:
+    """What the rows a choice was made on carry, counted (they reach the record as they reach
+    every table): ``rows``, ``contended_rows`` (measured on a busy machine: its speed and joules
+    are not the decoder's alone) and ``random_weight_rows`` (acceptance and quality meaningless)."""
+    return {"rows": len(rows), "contended_rows": int(contended_mask(rows).sum()),
+            "random_weight_rows": int(random_rows(rows).sum())}
 
 
 def setting_label(decoder: str, params: dict[str, Any], axes: Sequence[str]) -> str:
