@@ -1,6 +1,8 @@
-"""Tidy summaries of a results store: per-decoder speed, quality and energy, the paper's main table
-(as Markdown) and accepted-length histograms. The batch-size axis (the paper's curve, the
-crossover of decoders across batch sizes) is `crossover`.
+"""Tidy summaries of a results store: per-decoder speed, quality and energy (`decoder_summary`),
+with the flags every table carries (contended, random weights, launch-bound, implausible). The
+paper's main table and its Markdown are `markdown`, the accepted-length histograms `accepted`, the
+labels and the paper's decoder order `labels`: all re-exported here (``analysis.<name>``). The
+batch-size axis (the paper's curve, the crossover of decoders across batch sizes) is `crossover`.
 
 Pure pandas on the frames `load_results` returns: nothing here imports the decoders or the meters,
 so a notebook or report can analyse results on a machine without torch or a GPU.
@@ -22,72 +24,45 @@ Aggregation choices (the paper's "average tokens/second" and "average energy per
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from mtad_energy.results.settings import SETTING_COLUMNS, setting_labels, with_setting
+from mtad_energy.results.accepted import accepted_length_histogram, accepted_length_stats
+from mtad_energy.results.labels import (
+    DECODER_ORDER,
+    HIGHER_IS_BETTER,
+    METRIC_NAMES,
+    _sort_by_decoder,
+    config_labels,
+    decoder_rank,
+    drafting_ids,
+    format_param,
+    numeric_columns,
+    parse_params,
+)
+from mtad_energy.results.markdown import column_decimals, format_value, main_table, to_markdown
+from mtad_energy.results.settings import setting_labels, with_setting
 from mtad_energy.specs import random_weights
+
+# This module's names and, re-exported so that ``analysis.<name>`` keeps working in notebooks,
+# experiments and reports, those of `labels` (labels and ordering), `markdown` (the main table and
+# its Markdown) and `accepted` (accepted-length statistics).
+__all__ = ["accepted_length_histogram", "accepted_length_stats", "column_decimals",
+           "COMPILE_COLUMNS", "compile_cost", "compile_note", "config_labels",
+           "contended_mask", "contention_note", "decode_window_tokens", "DECODER_ORDER",
+           "decoder_rank", "decoder_summary", "drafting_ids", "format_param",
+           "format_value", "GROUP_KEYS", "HIGHER_IS_BETTER", "HOST_COLUMNS",
+           "host_work", "implausible", "IMPLAUSIBLE_NOTE", "join_reasons",
+           "launch_bound_mask", "LAUNCH_BOUND_NOTE", "main_table", "METRIC_NAMES",
+           "numeric_columns", "others_cores_max", "parse_params", "random_rows",
+           "short_reason", "to_markdown"]
 
 # a row per configuration: the draft is part of it (two drafts are two systems, never pooled)
 GROUP_KEYS = ("model", "dataset", "draft_id", "decoder", "params_json")
 
-# The paper's order: baselines, then lossy, lossless and finally its own methods.
-DECODER_ORDER = ("ar", "beam", "mtjd", "bild", "typical", "spd", "spectr", "specinfer", "mcss",
-                 "mtad", "mmtad")
-
-HIGHER_IS_BETTER: dict[str, bool] = {
-    "tokens_per_s": True,
-    "tokens_per_s_pooled": True,
-    "speedup": True,
-    "block_efficiency": True,
-    "acceptance_rate": True,
-    "rouge_l": True,
-    "pass_at_1": True,
-    "energy_saving": True,
-    "energy_saving_total": True,
-    "speedup_total": True,
-    "tokens_per_s_total": True,
-    "energy_per_token_j": False,
-    "decode_energy_per_token_j": False,
-    "perplexity": False,
-}
-
-METRIC_NAMES: dict[str, str] = {
-    "tokens_per_s": "tokens/s",
-    "tokens_per_s_pooled": "tokens/s (pooled)",
-    "speedup": "speed-up",
-    "block_efficiency": "block eff.",
-    "acceptance_rate": "accepted/depth",
-    "perplexity": "PPL",
-    "energy_per_token_j": "J/token",
-    "decode_energy_per_token_j": "J/token (decode)",
-    "energy_saving": "energy saving (decode)",
-    "energy_saving_total": "energy saving (total)",
-    "tokens_per_s_total": "tokens/s (end to end)",
-    "speedup_total": "speed-up (end to end)",
-    "rouge_l": "Rouge-L",
-    "pass_at_1": "pass@1",
-    "batch_size": "batch size",
-    "runs": "runs",
-    "inputs": "inputs",
-    "energy_j": "energy (J)",
-    "energy_per_run_j": "energy/run (J)",
-    "energy_per_input_j": "energy/input (J)",
-    "time_s": "time (s)",
-    "time_per_run_s": "time/run (s)",
-    "time_per_input_s": "time/input (s)",
-    "energy_per_run_rel": "energy/run vs smallest batch",
-    "iterations": "drafting iterations",
-    "mean_accepted": "mean accepted",
-    "median_accepted": "median accepted",
-    "fraction_zero": "share accepting 0",
-    "max_accepted": "max accepted",
-}
 
 _NUMERIC_RUN_COLUMNS = ("tokens_emitted", "tokens_per_s", "block_efficiency", "acceptance_rate",
                         "perplexity", "energy_j", "energy_per_token_j", "decode_time_s",
@@ -147,96 +122,6 @@ def compile_note(table: pd.DataFrame) -> str:
         graphs = pd.to_numeric(g.get("graphs_compiled"), errors="coerce").sum()
         parts.append(f"{label} {spent:.1f} s ({graphs:.0f} graphs)")
     return "compiling (warm-ups before the windows; left out of tok/s): " + ", ".join(parts)
-
-
-# -- labels and ordering ---------------------------------------------------------------------------
-def format_param(value: Any) -> str:
-    if isinstance(value, list | tuple):
-        return ",".join(format_param(v) for v in value)
-    if isinstance(value, float) and value.is_integer():
-        return f"{value:g}"
-    return str(value)
-
-
-def parse_params(text: Any) -> dict[str, Any]:
-    if not isinstance(text, str) or not text.strip():
-        return {}
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return {"params": text}  # not JSON: show it whole rather than drop it
-    return parsed if isinstance(parsed, dict) else {"params": parsed}
-
-
-def config_labels(runs: pd.DataFrame, settings: Mapping = SETTING_COLUMNS) -> pd.Series:
-    """A readable label per row: the decoder name, plus the parameters that differ between the
-    configurations of that decoder present in ``runs`` (``mtad(tau=0.3)``). The store does not say
-    which values are defaults, so "non-default" is judged from the data: a parameter that every
-    configuration shares tells the reader nothing. Likewise the draft (``spd@self:int8``) where a
-    decoder's rows in ``runs`` have more than one. A ``label`` column stored by the runner (the
-    parameters as typed) is not used: two spellings of one configuration must share a row. Rows
-    measured under other ``settings`` (meter, tokens, device, dtype, engine, batch size:
-    `settings.setting_labels`) get them in brackets, ``spd [meter simulated]``."""
-    labels = _param_labels(runs)
-    if "draft_id" in runs:
-        drafts = drafting_ids(runs).astype(object)
-        drafts = drafts.where(drafts.notna(), "")
-        several = drafts.groupby(runs["decoder"]).transform("nunique") > 1
-        labels = labels.where(~several, labels + "@" + drafts.map(str))
-    return with_setting(labels, setting_labels(runs, settings)).rename("label")
-
-
-def drafting_ids(runs: pd.DataFrame) -> pd.Series:
-    """Each row's ``draft_id``, None for a decoder that drafts without the pair's draft model
-    (``ar``, ``beam``, ``pld``: `decoding.registry`): rows stored before such decoders stopped
-    naming the pair's draft are the same configuration as those after."""
-    from mtad_energy.decoding.registry import DECODERS
-
-    free = [n for n, c in DECODERS.items() if not c.needs_draft and c.head is None]
-    ids = runs["draft_id"] if "draft_id" in runs else pd.Series(None, index=runs.index)
-    return ids.astype(object).where(~runs["decoder"].isin(free) & ids.notna(), None)
-
-
-def _param_labels(runs: pd.DataFrame) -> pd.Series:
-    pairs = runs[["decoder", "params_json"]].astype(object)
-    pairs = pairs.where(pairs.notna(), "")
-    labels: dict[tuple[str, str], str] = {}
-    for decoder, group in pairs.groupby("decoder", sort=False):
-        configs = sorted(set(group["params_json"]))
-        if len(configs) == 1:
-            labels[(decoder, configs[0])] = str(decoder)
-            continue
-        parsed = {c: parse_params(c) for c in configs}
-        keys = sorted({k for p in parsed.values() for k in p})
-        varying = [k for k in keys if len({json.dumps(p.get(k), sort_keys=True, default=str)
-                                           for p in parsed.values()}) > 1]
-        for c, p in parsed.items():
-            shown = ", ".join(f"{k}={format_param(p[k])}" for k in varying if k in p)
-            labels[(decoder, c)] = f"{decoder}({shown})" if shown else f"{decoder}({c})"
-    return pd.Series([labels[(d, p)] for d, p in zip(pairs["decoder"], pairs["params_json"], strict=True)],
-                     index=runs.index, name="label", dtype=object)
-
-
-def decoder_rank(decoder: str) -> int:
-    """Position of a decoder in the paper's order; unknown decoders go last."""
-    return DECODER_ORDER.index(decoder) if decoder in DECODER_ORDER else len(DECODER_ORDER)
-
-
-def _sort_by_decoder(frame: pd.DataFrame, then: Sequence[str] = ()) -> pd.DataFrame:
-    order = frame["decoder"].map(decoder_rank)
-    keys = [c for c in ("model", "dataset") if c in frame.columns and c not in then]
-    tmp = frame.assign(_rank=order)
-    return tmp.sort_values([*keys, "_rank", "decoder", "label", *then], kind="stable").drop(
-        columns="_rank").reset_index(drop=True)
-
-
-def numeric_columns(frame: pd.DataFrame, columns: Iterable[str]) -> pd.DataFrame:
-    out = frame.copy()
-    for c in columns:
-        if c in out.columns:
-            # None-only part files come back as object columns; make them float NaN
-            out[c] = pd.to_numeric(out[c], errors="coerce").astype(float)
-    return out
 
 
 # -- per-decoder summary ---------------------------------------------------------------------------
@@ -486,173 +371,3 @@ def decoder_summary(runs: pd.DataFrame, baseline: str = "ar") -> pd.DataFrame:
     summary = summary.drop(columns=["_base_tps", "_base_jpt", "_base_dec_jpt", "_base_tps_total"])
     summary["implausible"] = implausible(summary, baseline)
     return _sort_by_decoder(summary[[*columns, "implausible"]])
-
-
-# -- the paper's main table ------------------------------------------------------------------------
-def main_table(summary: pd.DataFrame,
-               metrics: Sequence[str] = ("tokens_per_s", "energy_per_token_j", "perplexity")
-               ) -> pd.DataFrame:
-    """Decoders (labels) as rows, for each dataset a group of metric columns: columns are a
-    (dataset, metric) MultiIndex. With several models the rows are (model, label)."""
-    metrics = list(metrics)
-    missing = [m for m in metrics if m not in summary.columns]
-    if missing:
-        raise KeyError(f"summary has no column(s) {', '.join(missing)}")
-    multi_model = summary["model"].nunique() > 1
-    index = ["model", "label"] if multi_model else ["label"]
-    rows_info = summary[[*index, "decoder"]].drop_duplicates(index)
-    rows_info = rows_info.assign(_rank=rows_info["decoder"].map(decoder_rank)).sort_values(
-        [*index[:-1], "_rank", "decoder", "label"], kind="stable")
-    row_order = [tuple(r) for r in rows_info[index].to_numpy().tolist()]
-    datasets = sorted(summary["dataset"].unique())
-    wide = summary.set_index([*index, "dataset"])[metrics].unstack("dataset")
-    wide.columns = wide.columns.swaplevel(0, 1)
-    wide = wide.reindex(columns=pd.MultiIndex.from_product([datasets, metrics],
-                                                           names=["dataset", "metric"]))
-    rows = pd.MultiIndex.from_tuples(row_order, names=index) if multi_model else \
-        pd.Index([r[0] for r in row_order], name="label")
-    return wide.reindex(rows)
-
-
-def column_decimals(values: Iterable[Any]) -> int:
-    """Decimals that give the largest value of a column about three significant digits, like the
-    paper (23.8 tokens/s, 7.8 J/token, 4.15 score, 0.0123 J/token): one precision per column so
-    its numbers line up and compare at a glance."""
-    if isinstance(values, pd.Series) and pd.api.types.is_integer_dtype(values.dtype):
-        return 0  # counts (iterations, batch sizes) have no decimals to show
-    finite = [abs(float(v)) for v in values
-              if isinstance(v, int | float | np.number) and not isinstance(v, bool) and math.isfinite(v)]
-    top = max(finite, default=0.0)
-    if top == 0.0:
-        return 2
-    return max(0, 2 - math.floor(math.log10(top)))
-
-
-def format_value(value: Any, decimals: int | None = None) -> str:
-    """A number with ``decimals`` places (default: three significant digits), thousands separated;
-    NaN and None print as n/a."""
-    if value is None:
-        return "n/a"
-    if not isinstance(value, int | float | np.number) or isinstance(value, bool):
-        return str(value)
-    v = float(value)
-    if math.isnan(v):
-        return "n/a"
-    if decimals is None:
-        decimals = column_decimals([v])
-    return f"{v:,.{decimals}f}"
-
-
-def _ranks(values: pd.Series, decimals: int, higher: bool) -> pd.Series:
-    """Competition ranks (1, 1, 3, ...) of the values as displayed, so numbers that print the same
-    are marked the same, and a tie for best leaves no second best (the paper's convention)."""
-    shown = values.map(lambda v: float(format_value(v, decimals).replace(",", ""))
-                       if math.isfinite(v) else math.nan)
-    if shown.notna().sum() < 2:  # a lone number is not a comparison: mark nothing
-        return pd.Series(math.nan, index=values.index)
-    return shown.rank(method="min", ascending=not higher)
-
-
-def _escape(text: Any) -> str:
-    return str(text).replace("|", "\\|")
-
-
-def to_markdown(table: pd.DataFrame, higher_is_better: Mapping[str, bool] | None = None,
-                marks: pd.DataFrame | None = None, unranked: pd.DataFrame | None = None) -> str:
-    """A Markdown table: best value per column in **bold**, second best <u>underlined</u>.
-
-    ``higher_is_better`` maps metric names (the last level of the columns) to True/False and is
-    merged over `HIGHER_IS_BETTER`; columns of other metrics are not marked. Ties (judged on the
-    displayed digits) share the mark; NaN prints as n/a and is never marked. With a (model, label)
-    row index, best and second best are picked within each model. ``marks`` (text, aligned with
-    ``table``) is written after a cell's value; a cell True in ``unranked`` (aligned) is never
-    bold or underlined, nor counted in the others' ranks (`caveats`). No `tabulate` needed.
-    """
-    better = {**HIGHER_IS_BETTER, **(higher_is_better or {})}
-    cells = pd.DataFrame(index=table.index, columns=table.columns, dtype=object)
-    groups = (table.index.get_level_values(0) if isinstance(table.index, pd.MultiIndex)
-              and table.index.nlevels > 1 else pd.Index(["all"] * len(table)))
-    for col in table.columns:
-        metric = col[-1] if isinstance(col, tuple) else col
-        values = table[col]
-        numeric = pd.to_numeric(values, errors="coerce")
-        decimals = column_decimals(numeric)
-        numeric = numeric.astype(float)
-        if unranked is not None:
-            numeric = numeric.mask(unranked[col].to_numpy(dtype=bool))
-        text = values.map(lambda v, d=decimals: format_value(v, d))
-        if metric in better:
-            for g in pd.unique(groups):
-                positions = np.flatnonzero(np.asarray(groups == g))
-                ranks = _ranks(numeric.iloc[positions], decimals, better[metric])
-                for pos, r in zip(positions, ranks, strict=True):
-                    if r == 1:
-                        text.iloc[pos] = f"**{text.iloc[pos]}**"
-                    elif r == 2:
-                        text.iloc[pos] = f"<u>{text.iloc[pos]}</u>"
-        cells[col] = (text + marks[col]).to_numpy() if marks is not None else text.to_numpy()
-
-    index_names = [METRIC_NAMES.get(n, n) if n else "" for n in table.index.names]
-    headers = [*index_names]
-    for col in table.columns:
-        parts = list(col) if isinstance(col, tuple) else [col]
-        metric = parts[-1]
-        name = METRIC_NAMES.get(metric, str(metric))
-        arrow = {True: " ↑", False: " ↓"}.get(better.get(metric), "")
-        headers.append(": ".join([*map(str, parts[:-1]), name + arrow]))
-    lines = ["| " + " | ".join(_escape(h) for h in headers) + " |",
-             "|" + "|".join([":---"] * len(index_names) + ["---:"] * len(table.columns)) + "|"]
-    for idx, row in cells.iterrows():
-        keys = list(idx) if isinstance(idx, tuple) else [idx]
-        lines.append("| " + " | ".join([*(_escape(k) for k in keys), *row.tolist()]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-# -- accepted lengths ------------------------------------------------------------------------------
-def accepted_length_histogram(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
-    """How many draft tokens each iteration accepted, per decoder configuration: columns decoder,
-    label, accepted, count, fraction (fractions of one label sum to 1). Only iterations that
-    proposed draft tokens count (``ar``/``beam`` never do, and a drafting decoder's last step may
-    not), and every length from 0 to the longest seen is listed so bars line up across decoders."""
-    columns = ["decoder", "label", "accepted", "count", "fraction"]
-    if steps.empty or runs.empty:
-        return pd.DataFrame(columns=columns)
-    info = runs[[c for c in ("run_key", "decoder", "params_json", "draft_id", *SETTING_COLUMNS)
-                 if c in runs]].copy()
-    info["label"] = config_labels(info)  # the draft in it where a decoder ran with several
-    merged = numeric_columns(steps[["run_key", "accepted", "proposed"]], ("accepted", "proposed")).merge(
-        info[["run_key", "decoder", "label"]], on="run_key", how="inner")
-    merged = merged[(merged["proposed"] > 0) & merged["accepted"].notna()]
-    if merged.empty:
-        return pd.DataFrame(columns=columns)
-    merged["accepted"] = merged["accepted"].astype(int)
-    frames = []
-    for (decoder, label), g in merged.groupby(["decoder", "label"], sort=False):
-        counts = g["accepted"].value_counts().reindex(range(int(g["accepted"].max()) + 1), fill_value=0)
-        frames.append(pd.DataFrame({"decoder": decoder, "label": label, "accepted": counts.index,
-                                    "count": counts.to_numpy().astype(int),
-                                    "fraction": counts.to_numpy() / counts.sum()}))
-    return _sort_by_decoder(pd.concat(frames, ignore_index=True), then=["accepted"])[columns]
-
-
-def _counted_median(values: pd.Series, counts: pd.Series) -> float:
-    """The median of ``values`` each repeated ``counts`` times (values ascending): the middle
-    one, or the mean of the two middle ones of an even count."""
-    cum, v = np.cumsum(counts.to_numpy()), values.to_numpy()
-    n = int(cum[-1])
-    return float(v[np.searchsorted(cum, (n + 1) // 2)] + v[np.searchsorted(cum, n // 2 + 1)]) / 2
-
-
-def accepted_length_stats(histogram: pd.DataFrame) -> pd.DataFrame:
-    """Per label: iterations, mean and median accepted length (of an even count, the mean of the
-    two middle values, as everywhere else), share of iterations that accepted nothing, longest
-    accepted run."""
-    rows = []
-    for (decoder, label), g in histogram.groupby(["decoder", "label"], sort=False):
-        rows.append({"decoder": decoder, "label": label, "iterations": int(g["count"].sum()),
-                     "mean_accepted": float((g["accepted"] * g["fraction"]).sum()),
-                     "median_accepted": _counted_median(g["accepted"], g["count"]),
-                     "fraction_zero": float(g.loc[g["accepted"] == 0, "fraction"].sum()),
-                     "max_accepted": int(g.loc[g["count"] > 0, "accepted"].max())})
-    return pd.DataFrame(rows, columns=["decoder", "label", "iterations", "mean_accepted",
-                                       "median_accepted", "fraction_zero", "max_accepted"])
