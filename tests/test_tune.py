@@ -288,3 +288,26 @@ def test_compare_tuned_refuses_what_the_record_decides_and_a_missing_record(tmp_
     res = runner.invoke(app, ["compare", "--tuned", str(tmp_path / "none"), "--decoders", "spd"])
     assert res.exit_code == 2 and "--decoders: --tuned measures what the tune record names" in words(
         res.output)
+
+
+def test_the_defaults_config_drops_the_grid_axes_and_keeps_what_every_setting_shared():
+    """`compare` tuned against default (experiments/tuned_vs_default.py): the same record, each
+    decoder at its own defaults, a parameter fixed for the whole grid (``--set``) kept."""
+    from mtad_energy.cli.tune import tuned_config
+    from mtad_energy.config import DecoderSpec, MeasureConfig, RunConfig
+
+    grid = [DecoderSpec.of("ar")] + [DecoderSpec.of("spd", gamma=g, temperature=0.7) for g in (2, 3)]
+    grid += [DecoderSpec.of("mcss", branching=b) for b in ((2, 2, 2), (8, 1, 1))]
+    doc = {"config": RunConfig(decoders=tuple(grid)).to_dict(), "baseline": {"params": {}},
+           "decoders": {"spd": {"params": {"gamma": 3, "temperature": 0.7}},
+                        "mcss": {"params": {"branching": [8, 1, 1]}}}}
+    measure = MeasureConfig("none", "auto")
+    tuned = tuned_config(doc, 2, 1, measure, False)
+    default = tuned_config(doc, 2, 1, measure, False, at_defaults=True)
+    assert [(s.name, dict(s.params)) for s in tuned.decoders] == [
+        ("ar", {}), ("spd", {"gamma": 3, "temperature": 0.7}), ("mcss", {"branching": (8, 1, 1)})]
+    assert [(s.name, dict(s.params)) for s in default.decoders] == [
+        ("ar", {}), ("spd", {"temperature": 0.7}), ("mcss", {})]
+    assert default.sweep == "compare-defaults" and default.n_prompts == 2
+    assert {**default.to_dict(), "decoders": None, "sweep": None} == {
+        **tuned.to_dict(), "decoders": None, "sweep": None}  # the same pair, tokens, seed, meter

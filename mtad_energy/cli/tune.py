@@ -331,15 +331,19 @@ def held_out_prompts(doc: dict[str, Any], n_prompts: int):
     return held
 
 
-def tuned_config(doc: dict[str, Any], n_prompts: int, repeats: int, measure, allow_exec: bool
-                 ) -> RunConfig:
-    """The record's configuration with ``ar`` and each decoder at its chosen setting."""
+def tuned_config(doc: dict[str, Any], n_prompts: int, repeats: int, measure, allow_exec: bool,
+                 *, at_defaults: bool = False) -> RunConfig:
+    """The record's configuration with ``ar`` and each decoder at its chosen setting, or with
+    ``at_defaults`` at its default (`tuning.default_params`), to set tuned beside default."""
+    from mtad_energy.results.tuning import default_params
+
     config = RunConfig.from_dict(doc["config"])
     specs = [DecoderSpec.of(BASELINE, **{k: _typed(v) for k, v in (doc["baseline"]["params"] or {}).items()})]
-    specs += [DecoderSpec.of(d, **{k: _typed(v) for k, v in c["params"].items()})
-              for d, c in doc["decoders"].items()]
+    chosen = {d: default_params(doc, d) if at_defaults else c["params"] for d, c in doc["decoders"].items()}
+    specs += [DecoderSpec.of(d, **{k: _typed(v) for k, v in p.items()}) for d, p in chosen.items()]
     return replace(config, decoders=tuple(specs), n_prompts=n_prompts, repeats=repeats,
-                   measure=measure, sweep="compare-tuned", allow_code_execution=allow_exec)
+                   measure=measure, sweep="compare-defaults" if at_defaults else "compare-tuned",
+                   allow_code_execution=allow_exec)
 
 
 def tuned_note(doc: dict[str, Any], path: Path) -> str:

@@ -1,6 +1,7 @@
 """The report's figures (`plot_*`): J/token against speed-up, perplexity against block
 efficiency, energy against batch size, accepted draft lengths, the decoders across batch sizes, and
-block efficiency and speed-up against draft strength (`plot_drafts`);
+block efficiency and speed-up against draft strength (`plot_drafts`), tuned against default
+(`plot_tuned_vs_default`);
 with the drawing helpers they share (one colour per decoder label, labels placed off the points and
 each other, one panel per model and dataset).
 
@@ -442,4 +443,55 @@ def plot_drafts(rows: pd.DataFrame, paper_ratio: float = 3.17 / 2.02) -> Figure:
         for ax, placed in labels.items():
             xs, ys, names, cs = zip(*placed, strict=True)
             annotate_points(ax, list(xs), list(ys), list(names), colours=list(cs))
+    return fig
+
+
+def plot_tuned_vs_default(table: pd.DataFrame, baseline: str = "ar", subtitle: str = "") -> Figure:
+    """Each decoder's block efficiency (left) and perplexity (right) at its default setting
+    (light bar) and its tuned one (dark bar), on the same held-out prompts, the value over each
+    bar; the baseline's perplexity a dashed line (its block efficiency, 1, a solid one). One
+    row of panels per dataset, ``subtitle`` (the pair, the criterion) under the title. Rows:
+    `tuning.tuned_vs_default`."""
+    panels = list(dict.fromkeys(table["dataset"]))
+    style, context = _style()
+    with style, context:
+        fig, axes = _new_figure(len(panels), 2, 6.4, 4.2)
+        for row, dataset in enumerate(panels):
+            here = table[table["dataset"] == dataset]
+            base = here[here["decoder"] == baseline]
+            bars = here[here["decoder"] != baseline]
+            decoders = list(dict.fromkeys(bars["decoder"]))
+            colours = _palette(decoders)
+            for ax, column, ylabel in (
+                    (axes[row, 0], "block_efficiency",
+                     "block efficiency (tokens / target step)"),
+                    (axes[row, 1], "perplexity", "perplexity under the target")):
+                for i, decoder in enumerate(decoders):
+                    for offset, side, alpha in ((-0.2, "default", 0.35), (0.2, "tuned", 1.0)):
+                        value = bars.loc[(bars["decoder"] == decoder) & (bars["side"] == side), column]
+                        if value.empty or not math.isfinite(value.iloc[0]):
+                            continue
+                        ax.bar(i + offset, value.iloc[0], width=0.38, color=(*colours[decoder], alpha),
+                               edgecolor="black", linewidth=0.6)  # light face, the same edge
+                        ax.annotate(f"{value.iloc[0]:.2f}", (i + offset, value.iloc[0]),
+                                    xytext=(0, 2), textcoords="offset points", ha="center",
+                                    va="bottom", fontsize=7,  # readable over a reference line
+                                    zorder=5, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
+                ax.set_xticks(range(len(decoders)), decoders)
+                ax.set_ylabel(ylabel)
+                ax.set_title(f"{dataset}: {column.replace('_', ' ')}", fontsize=9)
+                ax.margins(y=0.12)
+            # the baselines, named in the titles (a label on the plot would lie under the bars)
+            axes[row, 0].axhline(1.0, color="black", lw=0.8)
+            axes[row, 0].set_title(f"{axes[row, 0].get_title()} (line: {baseline}'s, 1)", fontsize=9)
+            ref = base["perplexity"].dropna()
+            if len(ref):
+                axes[row, 1].axhline(ref.iloc[0], color="black", ls="--", lw=1)
+                axes[row, 1].set_title(f"{axes[row, 1].get_title()} (dashed: {baseline}'s, "
+                                       f"{ref.iloc[0]:.2f})", fontsize=9)
+        n = int(table["n_prompts"].max()) if len(table) else 0
+        fig.suptitle("\n".join([f"Tuned (dark bars) against default (light bars), the same {n} "
+                                 "held-out prompts per decoder", *([subtitle] if subtitle else [])]),
+                     fontsize=11)
+        _layout(fig)
     return fig

@@ -166,3 +166,73 @@ def setting_label(decoder: str, params: dict[str, Any], axes: Sequence[str]) -> 
 
 def _num(value: float) -> float | None:
     return None if value is None or math.isnan(value) else float(value)
+
+
+def default_params(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    """``name``'s default setting in a tune record's terms: the parameters every setting of its
+    grid shared (the tune's ``--set`` values), the grid's axes dropped so that the decoder's own
+    defaults fill them."""
+    grid = [dict(d["params"]) for d in doc["config"]["decoders"] if d["name"] == name]
+    shared = grid[0] if grid else {}
+    return {k: v for k, v in shared.items() if all(k in g and g[k] == v for g in grid)}
+
+
+# -- tuned beside default, on the same held-out prompts ---------------------------------------------
+SIDE_COLUMNS = ("block_efficiency", "acceptance_rate", "perplexity")
+
+
+def _grid_params(decoder: str, params_json: Any) -> str:
+    """The setting as its grid names it: only the grid's axes (``gamma=3``), "" for ``ar``."""
+    from mtad_energy.decoding.grids import TUNING_GRIDS
+
+    params = parse_params(params_json)
+    axes = TUNING_GRIDS.get(decoder, {}) or {}
+    return ", ".join(f"{k}={format_param(params[k])}" for k in axes if k in params)
+
+
+def tuned_vs_default(tuned: pd.DataFrame, default: pd.DataFrame) -> pd.DataFrame:
+    """One row per (dataset, decoder, side): ``side`` "default" or "tuned", ``params`` the
+    setting (its grid's axes), the runs' means of `SIDE_COLUMNS` (per-run values, as
+    `analysis.decoder_summary`), ``n_prompts`` and ``contended_rows``. ``tuned`` and ``default``
+    are the runs of the two held-out stores (`compare --tuned` and the defaults on the same
+    prompts); each decoder must have one setting per store. Sorted in the paper's decoder order,
+    default before tuned. Speeds are left out: they depend on the machine's load."""
+    from mtad_energy.results.analysis import decoder_rank
+
+    rows = []
+    for side, runs in (("default", default), ("tuned", tuned)):
+        flagged = runs.assign(_contended=contended_mask(runs))
+        for (dataset, decoder), g in flagged.groupby(["dataset", "decoder"], sort=False):
+            if g["params_json"].nunique() != 1:
+                raise ValueError(f"{side}: {decoder} has {g['params_json'].nunique()} settings on "
+                                 f"{dataset}; one per store is compared")
+            row = {"dataset": dataset, "decoder": decoder, "side": side,
+                   "params": _grid_params(decoder, g["params_json"].iloc[0]),
+                   "n_prompts": int(g["prompt_id"].nunique()),
+                   "contended_rows": int(g["_contended"].sum())}
+            for c in SIDE_COLUMNS:
+                v = pd.to_numeric(g[c], errors="coerce") if c in g else pd.Series(dtype=float)
+                row[c] = float(v.mean()) if v.notna().any() else math.nan
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    table["_rank"] = table["decoder"].map(decoder_rank)
+    return table.sort_values(["dataset", "_rank", "decoder", "side"], kind="stable").drop(
+        columns="_rank").reset_index(drop=True)
+
+
+def tuned_vs_default_markdown(table: pd.DataFrame) -> str:
+    """`tuned_vs_default`'s rows side by side, one line per (dataset, decoder): the default and
+    tuned settings, then block efficiency, acceptance and PPL default | tuned."""
+    from mtad_energy.results.analysis import format_value
+
+    names = {"block_efficiency": "block eff.", "acceptance_rate": "acceptance", "perplexity": "PPL"}
+    head = ["dataset", "decoder", "default setting", "tuned setting",
+            *(f"{names[c]} {s}" for c in SIDE_COLUMNS for s in ("default", "tuned"))]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":---"] * 4 + ["---:"] * 6) + "|"]
+    for (dataset, decoder), g in table.groupby(["dataset", "decoder"], sort=False):
+        side = {s: r for s, r in zip(g["side"], g.to_dict("records"), strict=True)}
+        d, t = side.get("default", {}), side.get("tuned", {})
+        cells = [dataset, decoder, f"`{d.get('params') or '-'}`", f"`{t.get('params') or '-'}`"]
+        cells += [format_value(r.get(c, math.nan), 2) for c in SIDE_COLUMNS for r in (d, t)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
