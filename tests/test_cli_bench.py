@@ -149,6 +149,26 @@ def test_set_goes_to_decoders_that_have_the_parameter():
         decoder_specs(["ar"], {"mmtad.gamma": "3"})
 
 
+def test_set_is_parsed_once_into_checked_specs_with_variants(tmp_path):
+    """`decoder_specs` is the one parse of --set: a value hf's decoder refuses is refused there
+    (before any model or target is looked at), and sweep batch-size's comma lists are expanded
+    there, once, into one spec per value (a tuple parameter keeps its list)."""
+    with pytest.raises(ValueError, match="parameter gamma='four' is not a valid int"):
+        decoder_specs(["ar", "spd"], {"gamma": "four"})
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        decoder_specs(["spd"], {"gamma": "0"})
+    assert decoder_specs(["spd"], {"gamma": "0"}, "vllm") == (DecoderSpec.of("spd", gamma="0"),)
+    specs = decoder_specs(["ar", "spd", "specinfer"], {"gamma": "1,2", "branching": "4,2"},
+                          variants=True)
+    assert specs == (DecoderSpec("ar"), DecoderSpec.of("spd", gamma="1"),
+                     DecoderSpec.of("spd", gamma="2"), DecoderSpec.of("specinfer", branching="4,2"))
+    res = runner.invoke(app, ["profile", "--decoder", "spd", "--set", "gamma=four", "--target",
+                              str(tmp_path / "no-such-model"), "--meter", "none", "--output",
+                              str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 2 and "gamma='four'" in json.loads(res.output)["error"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_ranges_and_sizes():
     assert parse_range("3..6") == ["3", "4", "5", "6"]
     assert parse_range("2..8:3") == ["2", "5", "8"]

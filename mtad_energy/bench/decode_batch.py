@@ -28,10 +28,8 @@ one that runs out of memory: a sweep to B = 128 never ends in an out-of-memory c
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,26 +56,6 @@ class DecodeBatchReport:
     skipped: int  # already stored (earlier, or by another worker meanwhile)
 
 
-def expand_variants(specs: Sequence[DecoderSpec]) -> list[DecoderSpec]:
-    """One decoder per value of a comma list given to a scalar parameter (``--set gamma=1,2,3,5``:
-    spd(gamma=1), ..., spd(gamma=5); several such parameters: their grid). A tuple-valued
-    parameter (specinfer's ``branching=4,2,2``) keeps its comma list as one value."""
-    from mtad_energy.decoding.registry import DECODERS
-
-    out: list[DecoderSpec] = []
-    for spec in specs:
-        hints = typing.get_type_hints(DECODERS[spec.name].Params) if spec.name in DECODERS else {}
-        axes = []
-        for key, value in spec.params:
-            scalar = typing.get_origin(hints.get(key)) is not tuple and hints.get(key) is not tuple
-            if isinstance(value, str) and "," in value and scalar:
-                axes.append([(key, v.strip()) for v in value.split(",") if v.strip()])
-            else:
-                axes.append([(key, value)])
-        out += [DecoderSpec.of(spec.name, **dict(combo)) for combo in itertools.product(*axes)]
-    return list(dict.fromkeys(out))
-
-
 def decode_batch_sweep(
     pair: ModelPair,
     decoders: Sequence[DecoderSpec],
@@ -101,7 +79,8 @@ def decode_batch_sweep(
     compile_backend: str | None = None,
     compile_dynamic: bool = False,
 ) -> DecodeBatchReport:
-    """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
+    """Run every decoder (as given: `cli.options.decoder_specs` expands ``--set`` variants) at
+    every batch size, the
     decoders interleaved within each repeat (so drift and load hit them alike); rows the
     store holds already are not rerun, and a row another worker stores meanwhile (into the same
     store) counts as skipped, as in `Runner`. ``progress(row, ran)`` is called once per row
@@ -115,7 +94,7 @@ def decode_batch_sweep(
     ``first_repeat``: the repeats are numbered from it (new repeats of configurations the store
     holds, measured beside new ones: `bench.schedule_check`)."""
     compiling = compile_arg(compile, compile_backend, compile_dynamic)  # refuses them without it
-    decoders = expand_variants(decoders)
+    decoders = list(dict.fromkeys(decoders))  # a spec listed twice runs once
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
         raise ValueError(f"batch sizes must be positive integers, got {list(sizes) or 'none'}")

@@ -95,18 +95,22 @@ def split_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
-                  ) -> tuple[DecoderSpec, ...]:
-    """Decoders with their --set overrides. ``key=v`` goes to every listed decoder that has the
-    parameter; ``decoder.key=v`` to that decoder only. A key no listed decoder has is an error.
-    A parameter only an engine of ``engines`` (``--engine``) has for the decoder (vLLM's
-    ``per_batch_size``) is taken here; an engine without it refuses it by name
-    (`mtad_energy.engines.check_engine_options`)."""
-    from mtad_energy.decoding.registry import DECODERS
+def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf",
+                  variants: bool = False) -> tuple[DecoderSpec, ...]:
+    """The one parse of ``--set`` into validated decoder specs, which the commands pass down.
+    ``key=v`` goes to every listed decoder that has the parameter; ``decoder.key=v`` to that
+    decoder only. A key no listed decoder has is an error. A parameter only an engine of
+    ``engines`` (``--engine``) has for the decoder (vLLM's ``per_batch_size``) is taken here; an
+    engine without it refuses it by name (`mtad_energy.engines.check_engine_options`).
+    ``variants`` (`sweep batch-size`): a comma list given to a scalar parameter is one decoder
+    per value (`registry.expand_variants`). Where hf runs them (``engines`` holds hf), each
+    spec's own parameters are checked against the decoder's types and rules now
+    (`registry.build_decoder`), before anything loads; another engine's values (vLLM's
+    gamma=0) are that engine's to check."""
+    from mtad_energy.decoding.registry import DECODERS, build_decoder, expand_variants, param_types
 
     def has(decoder: str, name: str) -> bool:
-        return name in typing.get_type_hints(DECODERS[decoder].Params) or \
-            name in engine_params(engines, decoder)
+        return name in param_types(decoder) or name in engine_params(engines, decoder)
 
     unknown = [n for n in names if n not in DECODERS]
     if unknown:
@@ -129,7 +133,13 @@ def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
                              f"{name!r}; `mtad-energy decoders` lists them")
         for n in hit:
             params[n][name] = value
-    return tuple(DecoderSpec.of(n, **params[n]) for n in names)
+    specs = tuple(DecoderSpec.of(n, **params[n]) for n in names)
+    specs = tuple(expand_variants(specs)) if variants else specs
+    if "hf" in split_list(engines) or not engines.strip():
+        for spec in specs:  # the parameters hf's decoders have; an engine's own: `engines`'s
+            own = param_types(spec.name)
+            build_decoder(DecoderSpec.of(spec.name, **{k: v for k, v in spec.params if k in own}))
+    return specs
 
 
 def engine_params(engines: str, decoder: str) -> frozenset[str]:

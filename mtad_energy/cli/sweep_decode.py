@@ -42,7 +42,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
                                compile_backend: str | None = None, dynamic_shapes: bool = False,
                                engine_option: list[str] | None = None) -> None:
     """`sweep batch-size --decoder`: decode, store, and print or emit the crossover."""
-    from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
+    from mtad_energy.bench.decode_batch import decode_batch_sweep
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.bench.work_units import fewer_prompts_note
     from mtad_energy.decoding.registry import head_kinds
@@ -65,7 +65,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         names = split_list(decoders)
         if "ar" not in names:
             names = ["ar", *names]  # the baseline of every speed-up
-        specs = expand_variants(decoder_specs(names, parse_sets(sets), engine))  # --set gamma=1,2,3,5
+        specs = decoder_specs(names, parse_sets(sets), engine, variants=True)  # gamma=1,2,3,5
         size_list = parse_sizes(sizes)
         compile_arg(compile, compile_backend, dynamic_shapes)  # refused without --compile
         m, why = meter_for(meter)
