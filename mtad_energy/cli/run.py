@@ -233,8 +233,10 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
 def config_draft_notes(config: RunConfig) -> list[str]:
     """`ignored_draft_notes` for a configuration's decoders and pair (the project's decoders
     only: an engine's parameter values, such as vLLM's gamma=0, are not theirs to check)."""
+    from mtad_energy.engines.hf import project_decoders
+
     m = config.model
-    built = [d.build() for d in config.decoders] if config.engine == "hf" else []
+    built = project_decoders(config.engine, config.decoders)
     return ignored_draft_notes(built, m.alias, m.target, m.draft, m.device) + random_weight_notes(
         m.target, m.draft)
 

@@ -47,6 +47,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
     from mtad_energy.bench.work_units import fewer_prompts_note
     from mtad_energy.decoding.registry import head_kinds
     from mtad_energy.decoding.runtime.generate import encode_prompt
+    from mtad_energy.engines.hf import project_decoders
     from mtad_energy.measure import meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
@@ -82,7 +83,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         png = beside_store(out, f"-crossover{'-' + setting if setting else ''}.png")
         # the project's decoders, built (their parameters checked) only where hf runs them: an
         # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
-        built = [s.build() for s in specs] if "hf" in engines else []
+        built = project_decoders(engines, specs)
         model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
         check_before_loading(model_spec, built)
         if budget.skip(len(specs) * len(size_list) * repeats * len(engines)):  # nothing loads

@@ -373,6 +373,20 @@ def test_an_engine_sweep_takes_parameter_values_only_the_engine_has(tmp_path, mo
         DecoderSpec.of("spd", gamma="0").build()
 
 
+def test_the_project_decoders_are_built_where_hf_runs_them_only():
+    """`engines.hf.project_decoders`, the one place a command builds the project's decoders of
+    its specs: where hf is among the engines (a name or a list), never for another engine's
+    values (vLLM's gamma=0, which hf refuses)."""
+    from mtad_energy.engines.hf import project_decoders
+
+    zero = [DecoderSpec("ar"), DecoderSpec.of("spd", gamma="0")]
+    assert project_decoders("vllm", zero) == [] and project_decoders(["vllm", "llamacpp"], zero) == []
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        project_decoders(["vllm", "hf"], zero)
+    built = project_decoders("hf", [DecoderSpec.of("spd", gamma="3")])
+    assert [(d.name, d.params.gamma) for d in built] == [("spd", 3)]
+
+
 def test_notes_of_an_engine_run_never_build_the_project_decoders_from_engine_values():
     from mtad_energy.cli.run import config_draft_notes
 
