@@ -19,7 +19,6 @@ from mtad_energy.cli.engines import (
     skipped_decoders,
 )
 from mtad_energy.cli.options import (
-    ALL_DECODERS,
     AllowExec,
     Baseline,
     BatchSize,
@@ -49,8 +48,8 @@ from mtad_energy.cli.options import (
     Workers,
     build_config,
     check_columns,
+    compare_decoders,
     decoder_specs,
-    pair_head_kinds,
     parse_sets,
     resolve_compile,
     split_list,
@@ -101,9 +100,10 @@ def profile(
 def compare(
     ctx: typer.Context,
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
-    decoders: Annotated[str, typer.Option("--decoders", "--decoder",
-                                          help="comma list (default: all; eagle and medusa where "
-                                               "the pair has their heads)")] = ",".join(ALL_DECODERS),
+    decoders: Annotated[str | None, typer.Option(
+        "--decoders", "--decoder", show_default=False,
+        help="comma list [default: every registered decoder (`mtad-energy decoders`); eagle and "
+             "medusa where the pair has their heads]")] = None,
     dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: Seed = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
@@ -139,9 +139,7 @@ def compare(
             allow_exec=allow_code_execution, columns=columns, budget_s=budget_s, as_json=as_json)
     out = output or Path("results/compare")
     try:
-        names = split_list(decoders)
-        if decoders == ",".join(ALL_DECODERS):  # the default: every decoder the pair can run
-            names += pair_head_kinds(model, target, draft, device)
+        names = compare_decoders(decoders, model, target, draft, device)
         specs = decoder_specs(names, parse_sets(set_), engine)
         config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
                               seed, repeats, meter, mitigate, device, dtype, chat, ops,

@@ -72,18 +72,41 @@ def random_weight_notes(target: str | None, draft: str | None = None) -> list[st
     return [RANDOM_NOTE] if any(random_weights(m) for m in (target, draft)) else []
 
 
-ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
-                "typical", "pld")
+def all_decoders() -> tuple[str, ...]:
+    """`compare`'s default decoders, read from the registry (`decoding.registry.DECODERS`, in its
+    order): every registered decoder that drafts with no head; the head decoders join where the
+    pair has their heads (`pair_head_kinds`)."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    return tuple(name for name, cls in DECODERS.items() if cls.head is None)
+
+
+def __getattr__(name: str) -> Any:
+    """``ALL_DECODERS`` (`all_decoders`), read from the registry when first asked for: importing
+    this module loads no decoder (nor torch)."""
+    if name == "ALL_DECODERS":
+        return all_decoders()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pair_head_kinds(model: str, target: str | None, draft: str | None, device: str) -> list[str]:
-    """The head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
+    """The registered head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
     KIND:DIR`` or the alias's): `compare`'s default runs them beside the others. Loads nothing."""
+    from mtad_energy.decoding.registry import DECODERS
     from mtad_energy.models import resolve_device, resolve_pair_spec
 
     spec = resolve_pair_spec(pair_alias(model, target), resolve_device(device), target=target,
                              draft=draft)
-    return [kind for kind in ("medusa", "eagle") if spec.head(kind)]
+    return [name for name, cls in DECODERS.items() if cls.head is not None and spec.head(cls.head)]
+
+
+def compare_decoders(decoders: str | None, model: str, target: str | None, draft: str | None,
+                     device: str) -> list[str]:
+    """The decoders `compare` runs: ``--decoders`` as listed, else (the default) every registered
+    decoder the pair can run (`all_decoders` and `pair_head_kinds`)."""
+    if decoders is not None:
+        return split_list(decoders)
+    return [*all_decoders(), *pair_head_kinds(model, target, draft, device)]
 
 
 class UsageError(ValueError):
