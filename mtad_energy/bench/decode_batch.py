@@ -148,8 +148,8 @@ def decode_batch_sweep(
                         if fresh:
                             warm[spec] = engine.warm_up(spec, rows, max_new_tokens, seed)
                         row = _measure(EngineDecoder(engine, spec), pair, rows, max_new_tokens,
-                                       seed + rep, meter, key,
-                                       warm[spec].generations if fresh else (), probe)
+                                       seed=seed + rep, meter=meter, key=key, probe=probe,
+                                       warm=warm[spec].generations if fresh else ())
                     except torch.OutOfMemoryError as error:
                         skipped.add(spec)
                         if on_skip is not None:
@@ -208,13 +208,13 @@ def known_max(values: Sequence[Any]) -> Any:
 
 
 def _measure(decoder: EngineDecoder, pair: ModelPair, rows: list[list[int]],
-             max_new_tokens: int, seed: int, meter: EnergyMeter, key: str,
+             max_new_tokens: int, *, seed: int, meter: EnergyMeter, key: str,
              warm: Sequence[Generation] = (),
              probe: ContentionProbe | None = None) -> dict[str, Any]:
     """One row of the sweep: the batch measured (`measure_generation`), its perplexities scored
     under the HF target outside the window, and the batch's figures."""
     measured = measure_generation(decoder.engine, decoder.spec, rows, max_new_tokens, seed, meter,
-                                  key, probe, warm)
+                                  key=key, probe=probe, warm=warm)
     gens = [with_perplexity(g, pair, r) for g, r in zip(measured.generations, rows, strict=True)]
     m = measured.windows.measurements["decode"]
     flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if measured.compiled_in_window

@@ -83,17 +83,19 @@ def profile(
 
     try:
         specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_), engine)
-        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
-                              seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "profile", require_energy,
-                              resolve_compile(compile, eager, device, engine), batch_size,
-                              compile_backend, dynamic_shapes)
+        config = build_config(
+            specs, sweep="profile", model=model, target=target, draft=draft, dataset=dataset,
+            n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed, repeats=repeats,
+            meter=meter, mitigate=mitigate, device=device, dtype=dtype, chat=chat, ops=ops,
+            allow_code_execution=allow_code_execution, require_energy=require_energy,
+            compile=resolve_compile(compile, eager, device, engine), batch_size=batch_size,
+            compile_backend=compile_backend, dynamic_shapes=dynamic_shapes)
         check_columns(columns)
         configs = engine_configs(config, engine, options=engine_options(engine_option, engine))
     except ValueError as error:
         fail(error)
-    run_config(configs, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
-               baseline, budget_s)
+    run_config(configs, output or Path("results/profile"), as_json, "profile", workers=workers,
+               cluster=cluster, columns=columns, baseline=baseline, budget_s=budget_s)
 
 
 @json_command
@@ -141,11 +143,13 @@ def compare(
     try:
         names = compare_decoders(decoders, model, target, draft, device)
         specs = decoder_specs(names, parse_sets(set_), engine)
-        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
-                              seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "compare", require_energy,
-                              resolve_compile(compile, eager, device, engine), batch_size,
-                              compile_backend, dynamic_shapes)
+        config = build_config(
+            specs, model=model, target=target, draft=draft, dataset=dataset, n_prompts=n_prompts,
+            max_new_tokens=max_new_tokens, seed=seed, repeats=repeats, sweep="compare",
+            meter=meter, mitigate=mitigate, device=device, dtype=dtype, chat=chat, ops=ops,
+            allow_code_execution=allow_code_execution, require_energy=require_energy,
+            compile=resolve_compile(compile, eager, device, engine), batch_size=batch_size,
+            compile_backend=compile_backend, dynamic_shapes=dynamic_shapes)
         check_columns(columns)
         skipped = skipped_decoders(config, engine)  # each engine runs the decoders it has
         configs = engine_configs(config, engine, skipped,
@@ -153,7 +157,8 @@ def compare(
         path = markdown_path(markdown, out)  # before measuring: a name that cannot be written
     except ValueError as error:
         fail(error)
-    run_config(configs, out, as_json, "compare", workers, cluster, columns, budget_s=budget_s,
+    run_config(configs, out, as_json, "compare", workers=workers, cluster=cluster,
+               columns=columns, budget_s=budget_s,
                side_files=lambda summary, notes: write_main_table(summary, notes, path),
                decoders_skipped=skipped)
 

@@ -223,11 +223,12 @@ def check_columns(columns: str) -> str:
     return columns
 
 
-def build_config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts,
-                 max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                 allow_code_execution, sweep, require_energy=False, compile=False, batch_size=1,
-                 compile_backend=None, dynamic_shapes=False):
-    """The `RunConfig` of a measuring command's options (validated by its constructor)."""
+def build_config(decoders: tuple[DecoderSpec, ...], *, sweep: str, model, target, draft, dataset,
+                 n_prompts, max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat,
+                 ops=False, allow_code_execution=False, require_energy=False, compile=False,
+                 batch_size=1, compile_backend=None, dynamic_shapes=False):
+    """The `RunConfig` of a measuring command's options (validated by its constructor); every
+    option by name (a command passes twenty: none by position)."""
     return RunConfig(
         decoders=decoders, model=ModelSpec(pair_alias(model, target), target, draft, device, dtype),
         datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,

@@ -35,13 +35,14 @@ def spent(out: Path, meter: str, budget, as_json: bool, load: dict | None) -> No
         console.print(f"[yellow]note:[/] {esc(budget.note())}")
 
 
-def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n_prompts,
+def decode_batch_sweep_command(*, decoders, model, target, draft, sizes, dataset, n_prompts,
                                max_new_tokens, repeats, sets, meter, device, dtype, seed,
                                out: Path, require_energy, as_json, compile: bool = False,
                                engine: str = "hf", budget=None,
                                compile_backend: str | None = None, dynamic_shapes: bool = False,
                                engine_option: list[str] | None = None) -> None:
-    """`sweep batch-size --decoder`: decode, store, and print or emit the crossover."""
+    """`sweep batch-size --decoder`: decode, store, and print or emit the crossover (every
+    option by name)."""
     from mtad_energy.bench.decode_batch import decode_batch_sweep
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.bench.work_units import fewer_prompts_note

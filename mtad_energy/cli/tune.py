@@ -267,10 +267,13 @@ def tune(
         axes = {n: list({**TUNING_GRIDS[n], **overrides[n]}) for n in names}
         datasets = split_list(dataset)
         split = load_split(datasets, val_prompts, split_seed)
-        config = build_config(tuple(s for ss in specs.values() for s in ss), model, target, draft,
-                              dataset, val_prompts, max_new_tokens, seed, repeats, meter, mitigate,
-                              device, dtype, chat, False, False, "tune", require_energy,
-                              resolve_compile(compile, eager, device), batch_size)
+        config = build_config(
+            tuple(s for ss in specs.values() for s in ss), sweep="tune", model=model,
+            target=target, draft=draft, dataset=dataset, n_prompts=val_prompts,
+            max_new_tokens=max_new_tokens, seed=seed, repeats=repeats, meter=meter,
+            mitigate=mitigate, device=device, dtype=dtype, chat=chat,
+            require_energy=require_energy, compile=resolve_compile(compile, eager, device),
+            batch_size=batch_size)
         check_columns(columns)
         path = beside_store(out, RECORD_TAIL)
     except (ValueError, OSError, RuntimeError) as error:
