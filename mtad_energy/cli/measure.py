@@ -16,6 +16,7 @@ from mtad_energy.cli.engines import (
     EngineOptions,
     engine_configs,
     engine_options,
+    refuse_lacking_decoders,
     skipped_decoders,
 )
 from mtad_energy.cli.options import (
@@ -46,10 +47,11 @@ from mtad_energy.cli.options import (
     Sets,
     Target,
     Workers,
+    all_decoders,
     build_config,
     check_columns,
-    compare_decoders,
     decoder_specs,
+    pair_alias,
     parse_sets,
     resolve_compile,
     split_list,
@@ -91,6 +93,8 @@ def profile(
             compile=resolve_compile(compile, eager, device, engine), batch_size=batch_size,
             compile_backend=compile_backend, dynamic_shapes=dynamic_shapes)
         check_columns(columns)
+        refuse_lacking_decoders([s.name for s in specs], engine, "profile",
+                                "--decoder (or --baseline)")
         configs = engine_configs(config, engine, options=engine_options(engine_option, engine))
     except ValueError as error:
         fail(error)
@@ -161,6 +165,26 @@ def compare(
                columns=columns, budget_s=budget_s,
                side_files=lambda summary, notes: write_main_table(summary, notes, path),
                decoders_skipped=skipped)
+
+
+def pair_head_kinds(model: str, target: str | None, draft: str | None, device: str) -> list[str]:
+    """The registered head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
+    KIND:DIR`` or the alias's): `compare`'s default runs them beside the others. Loads nothing."""
+    from mtad_energy.decoding.registry import DECODERS
+    from mtad_energy.models import resolve_device, resolve_pair_spec
+
+    spec = resolve_pair_spec(pair_alias(model, target), resolve_device(device), target=target,
+                             draft=draft)
+    return [name for name, cls in DECODERS.items() if cls.head is not None and spec.head(cls.head)]
+
+
+def compare_decoders(decoders: str | None, model: str, target: str | None, draft: str | None,
+                     device: str) -> list[str]:
+    """The decoders `compare` runs: ``--decoders`` as listed, else (the default) every registered
+    decoder the pair can run (`all_decoders` and `pair_head_kinds`)."""
+    if decoders is not None:
+        return split_list(decoders)
+    return [*all_decoders(), *pair_head_kinds(model, target, draft, device)]
 
 
 def markdown_path(markdown: Path | None, out: Path) -> Path:

@@ -89,26 +89,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def pair_head_kinds(model: str, target: str | None, draft: str | None, device: str) -> list[str]:
-    """The registered head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
-    KIND:DIR`` or the alias's): `compare`'s default runs them beside the others. Loads nothing."""
-    from mtad_energy.decoding.registry import DECODERS
-    from mtad_energy.models import resolve_device, resolve_pair_spec
-
-    spec = resolve_pair_spec(pair_alias(model, target), resolve_device(device), target=target,
-                             draft=draft)
-    return [name for name, cls in DECODERS.items() if cls.head is not None and spec.head(cls.head)]
-
-
-def compare_decoders(decoders: str | None, model: str, target: str | None, draft: str | None,
-                     device: str) -> list[str]:
-    """The decoders `compare` runs: ``--decoders`` as listed, else (the default) every registered
-    decoder the pair can run (`all_decoders` and `pair_head_kinds`)."""
-    if decoders is not None:
-        return split_list(decoders)
-    return [*all_decoders(), *pair_head_kinds(model, target, draft, device)]
-
-
 class UsageError(ValueError):
     """Bad command-line input; the message says what to change."""
 
