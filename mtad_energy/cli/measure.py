@@ -93,9 +93,10 @@ def profile(
             compile=resolve_compile(compile, eager, device, engine), batch_size=batch_size,
             compile_backend=compile_backend, dynamic_shapes=dynamic_shapes)
         check_columns(columns)
+        options = engine_options(engine_option, engine)
         refuse_lacking_decoders([s.name for s in specs], engine, "profile",
                                 "--decoder (or --baseline)")
-        configs = engine_configs(config, engine, options=engine_options(engine_option, engine))
+        configs = engine_configs(config, engine, options=options)
     except ValueError as error:
         fail(error)
     run_config(configs, output or Path("results/profile"), as_json, "profile", workers=workers,
