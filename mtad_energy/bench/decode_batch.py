@@ -39,6 +39,7 @@ import torch
 from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, measure_generation
 from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
+from mtad_energy.decoding.registry import expand_variants
 from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines import Engine, WarmUp, open_hf
 from mtad_energy.engines.base import EngineDecoder, known_sum, with_perplexity
@@ -79,8 +80,9 @@ def decode_batch_sweep(
     compile_backend: str | None = None,
     compile_dynamic: bool = False,
 ) -> DecodeBatchReport:
-    """Run every decoder (as given: `cli.options.decoder_specs` expands ``--set`` variants) at
-    every batch size, the
+    """Run every decoder (variants expanded, `decoding.registry.expand_variants`: the command
+    line's specs arrive expanded by `cli.options.decoder_specs`, a library caller may give comma
+    lists) at every batch size, the
     decoders interleaved within each repeat (so drift and load hit them alike); rows the
     store holds already are not rerun, and a row another worker stores meanwhile (into the same
     store) counts as skipped, as in `Runner`. ``progress(row, ran)`` is called once per row
@@ -94,7 +96,7 @@ def decode_batch_sweep(
     ``first_repeat``: the repeats are numbered from it (new repeats of configurations the store
     holds, measured beside new ones: `bench.schedule_check`)."""
     compiling = compile_arg(compile, compile_backend, compile_dynamic)  # refuses them without it
-    decoders = list(dict.fromkeys(decoders))  # a spec listed twice runs once
+    decoders = expand_variants(decoders)
     bad = [b for b in sizes if int(b) != b or b < 1]
     if bad or not sizes:
         raise ValueError(f"batch sizes must be positive integers, got {list(sizes) or 'none'}")
