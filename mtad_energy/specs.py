@@ -34,9 +34,9 @@ class DecoderSpec:
         return f"{self.name}(" + ",".join(f"{k}={v}" for k, v in self.params) + ")"
 
     def build(self):
-        from mtad_energy.decoding.registry import get_decoder
+        from mtad_energy.decoding.registry import build_decoder
 
-        return get_decoder(self.name, **self.param_dict)
+        return build_decoder(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "params": self.param_dict}

@@ -139,6 +139,28 @@ def test_unknown_decoder_and_bad_values_fail_clearly(model_dirs, tmp_path):
     assert res.exit_code == 2 and "unknown dataset 'squad'" in res.output
 
 
+def test_compare_runs_every_registered_decoder_by_default(monkeypatch, tmp_path):
+    """compare's default decoders come from the registry (CONTRIBUTING: one line in `DECODERS`):
+    a decoder registered there, a new one too, is in the default, heads where the pair has
+    them. The default is read from compare's own refusal of a parameter no decoder has (it
+    lists the selected decoders, before anything loads)."""
+    from mtad_energy.decoding import registry
+
+    class Extra(registry.DECODERS["ar"]):
+        name = "extra"
+
+    monkeypatch.setitem(registry.DECODERS, "extra", Extra)
+
+    def default(*draft: str) -> list[str]:
+        res = runner.invoke(app, ["compare", "--set", "nope=1", "--device", "cpu", *draft,
+                                  "--output", str(tmp_path / "out"), "--json"])
+        assert res.exit_code == 2 and not (tmp_path / "out").exists()
+        return json.loads(res.output)["error"].split("(")[1].split(")")[0].split(", ")
+
+    assert sorted(default("--draft", "medusa:random,eagle:random")) == sorted(registry.DECODERS)
+    assert default() == [n for n, c in registry.DECODERS.items() if c.head is None]
+
+
 def test_set_goes_to_decoders_that_have_the_parameter():
     specs = decoder_specs(["ar", "spd", "mtad"], {"gamma": "6", "mtad.tau": "0.2"})
     assert specs == (DecoderSpec("ar"), DecoderSpec.of("spd", gamma="6"),
@@ -147,6 +169,26 @@ def test_set_goes_to_decoders_that_have_the_parameter():
         decoder_specs(["ar", "spd"], {"tau": "0.2"})
     with pytest.raises(UsageError, match="decoder 'mmtad' is not among --decoder ar"):
         decoder_specs(["ar"], {"mmtad.gamma": "3"})
+
+
+def test_set_is_parsed_once_into_checked_specs_with_variants(tmp_path):
+    """`decoder_specs` is the one parse of --set: a value hf's decoder refuses is refused there
+    (before any model or target is looked at), and sweep batch-size's comma lists are expanded
+    there, once, into one spec per value (a tuple parameter keeps its list)."""
+    with pytest.raises(ValueError, match="parameter gamma='four' is not a valid int"):
+        decoder_specs(["ar", "spd"], {"gamma": "four"})
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        decoder_specs(["spd"], {"gamma": "0"})
+    assert decoder_specs(["spd"], {"gamma": "0"}, "vllm") == (DecoderSpec.of("spd", gamma="0"),)
+    specs = decoder_specs(["ar", "spd", "specinfer"], {"gamma": "1,2", "branching": "4,2"},
+                          variants=True)
+    assert specs == (DecoderSpec("ar"), DecoderSpec.of("spd", gamma="1"),
+                     DecoderSpec.of("spd", gamma="2"), DecoderSpec.of("specinfer", branching="4,2"))
+    res = runner.invoke(app, ["profile", "--decoder", "spd", "--set", "gamma=four", "--target",
+                              str(tmp_path / "no-such-model"), "--meter", "none", "--output",
+                              str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 2 and "gamma='four'" in json.loads(res.output)["error"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_ranges_and_sizes():

@@ -28,10 +28,8 @@ one that runs out of memory: a sweep to B = 128 never ends in an out-of-memory c
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +39,7 @@ import torch
 from mtad_energy.bench.budget import Budget
 from mtad_energy.bench.phase_windows import FLAG_COMPILED_IN_WINDOW, measure_generation
 from mtad_energy.config import DecoderSpec, compile_arg, compile_identity, compile_label
+from mtad_energy.decoding.registry import expand_variants
 from mtad_energy.decoding.runtime.stats import Generation
 from mtad_energy.engines import Engine, WarmUp, open_hf
 from mtad_energy.engines.base import EngineDecoder, known_sum, with_perplexity
@@ -56,26 +55,6 @@ class DecodeBatchReport:
     rows: list[dict[str, Any]]  # every row the sweep asked for (stored before or now)
     ran: int  # measured by this call
     skipped: int  # already stored (earlier, or by another worker meanwhile)
-
-
-def expand_variants(specs: Sequence[DecoderSpec]) -> list[DecoderSpec]:
-    """One decoder per value of a comma list given to a scalar parameter (``--set gamma=1,2,3,5``:
-    spd(gamma=1), ..., spd(gamma=5); several such parameters: their grid). A tuple-valued
-    parameter (specinfer's ``branching=4,2,2``) keeps its comma list as one value."""
-    from mtad_energy.decoding.registry import DECODERS
-
-    out: list[DecoderSpec] = []
-    for spec in specs:
-        hints = typing.get_type_hints(DECODERS[spec.name].Params) if spec.name in DECODERS else {}
-        axes = []
-        for key, value in spec.params:
-            scalar = typing.get_origin(hints.get(key)) is not tuple and hints.get(key) is not tuple
-            if isinstance(value, str) and "," in value and scalar:
-                axes.append([(key, v.strip()) for v in value.split(",") if v.strip()])
-            else:
-                axes.append([(key, value)])
-        out += [DecoderSpec.of(spec.name, **dict(combo)) for combo in itertools.product(*axes)]
-    return list(dict.fromkeys(out))
 
 
 def decode_batch_sweep(
@@ -101,7 +80,9 @@ def decode_batch_sweep(
     compile_backend: str | None = None,
     compile_dynamic: bool = False,
 ) -> DecodeBatchReport:
-    """Run every decoder (variants expanded, `expand_variants`) at every batch size, the
+    """Run every decoder (variants expanded, `decoding.registry.expand_variants`: the command
+    line's specs arrive expanded by `cli.options.decoder_specs`, a library caller may give comma
+    lists) at every batch size, the
     decoders interleaved within each repeat (so drift and load hit them alike); rows the
     store holds already are not rerun, and a row another worker stores meanwhile (into the same
     store) counts as skipped, as in `Runner`. ``progress(row, ran)`` is called once per row
@@ -169,8 +150,8 @@ def decode_batch_sweep(
                         if fresh:
                             warm[spec] = engine.warm_up(spec, rows, max_new_tokens, seed)
                         row = _measure(EngineDecoder(engine, spec), pair, rows, max_new_tokens,
-                                       seed + rep, meter, key,
-                                       warm[spec].generations if fresh else (), probe)
+                                       seed=seed + rep, meter=meter, key=key, probe=probe,
+                                       warm=warm[spec].generations if fresh else ())
                     except torch.OutOfMemoryError as error:
                         skipped.add(spec)
                         if on_skip is not None:
@@ -229,13 +210,13 @@ def known_max(values: Sequence[Any]) -> Any:
 
 
 def _measure(decoder: EngineDecoder, pair: ModelPair, rows: list[list[int]],
-             max_new_tokens: int, seed: int, meter: EnergyMeter, key: str,
+             max_new_tokens: int, *, seed: int, meter: EnergyMeter, key: str,
              warm: Sequence[Generation] = (),
              probe: ContentionProbe | None = None) -> dict[str, Any]:
     """One row of the sweep: the batch measured (`measure_generation`), its perplexities scored
     under the HF target outside the window, and the batch's figures."""
     measured = measure_generation(decoder.engine, decoder.spec, rows, max_new_tokens, seed, meter,
-                                  key, probe, warm)
+                                  key=key, probe=probe, warm=warm)
     gens = [with_perplexity(g, pair, r) for g, r in zip(measured.generations, rows, strict=True)]
     m = measured.windows.measurements["decode"]
     flags = set(m.flag_codes) | ({FLAG_COMPILED_IN_WINDOW} if measured.compiled_in_window

@@ -200,7 +200,7 @@ class Runner:
 
         batch_key = keys[0] if len(keys) == 1 else stable_key({"batch": keys})
         measured = measure_generation(self.engine, spec, prompts, c.max_new_tokens, seed,
-                                      self.meter, batch_key, self.probe, warm)
+                                      self.meter, key=batch_key, probe=self.probe, warm=warm)
         gens = measured.generations
         energy = energy_columns(measured.windows.measurements)
         if measured.compiled_in_window:  # a shape the warm-up did not cover
@@ -235,12 +235,12 @@ class Runner:
         for unit, key, ids, gen in zip(units, keys, prompts, gens, strict=False):  # not the fill
             share = 1.0 if len(gens) == 1 else (
                 gen.stats.tokens_emitted / total_tokens if total_tokens else 1.0 / len(gens))
-            rows.append(self._store_row(unit, key, ids, gen, seed,
-                                        {**energy, **measured_columns, **host},
-                                        mitigation, share, len(gens)))
+            rows.append(self._store_row(unit, key, ids, gen, seed=seed,
+                                        energy={**energy, **measured_columns, **host},
+                                        mitigation=mitigation, share=share, batch_size=len(gens)))
         return rows
 
-    def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, seed: int,
+    def _store_row(self, unit: WorkUnit, key: str, ids: list[int], gen: Generation, *, seed: int,
                    energy: dict[str, Any], mitigation: dict[str, Any], share: float,
                    batch_size: int) -> dict[str, Any]:
         c = self.config

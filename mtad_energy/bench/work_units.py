@@ -109,15 +109,16 @@ def check_pair_drafts(config: RunConfig) -> None:
     """Refuse, before any model loads, a configuration whose decoders (the project's: engine hf)
     draft with a model or head its pair will not have (`missing_drafts`): every such decoder
     named at once, so no row is measured before a later decoder stops the run."""
-    from mtad_energy.engines import pair_roles
+    from mtad_energy.engines.hf import project_decoders
     from mtad_energy.models import resolve_device, resolve_pair_spec
 
-    if pair_roles(config.engine, config.decoders) == (False, ()):
+    built = project_decoders(config.engine, config.decoders)
+    if not any(d.needs_draft or d.head is not None for d in built):
         return  # nothing to draft with (another engine drafts with its own model)
 
     m = config.model
     spec = resolve_pair_spec(m.alias, resolve_device(m.device), target=m.target, draft=m.draft)
-    if missing := missing_drafts([d.build() for d in config.decoders], spec):
+    if missing := missing_drafts(built, spec):
         raise ValueError(missing)
 
 

@@ -5,6 +5,7 @@ with what it cannot honour refused before any model loads (`mtad_energy.engines`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
@@ -60,18 +61,54 @@ def engine_options(items: list[str] | None, engines: str) -> dict[str, dict[str,
     return out
 
 
+def lacking_decoders(decoders: Sequence[str], engines: str) -> dict[str, list[str]]:
+    """Engine of ``engines`` -> the decoders of ``decoders`` it has no method for (hf runs every
+    one; an engine lacking none is left out)."""
+    from mtad_energy.engines import HF, engine_kind, parse_engines
+
+    out = {}
+    for name in parse_engines(engines):
+        if name != HF and (ds := [d for d in dict.fromkeys(decoders)
+                                  if d not in engine_kind(name).methods]):
+            out[name] = ds
+    return out
+
+
+def refuse_lacking_decoders(decoders: Sequence[str], engines: str, command: str,
+                            option: str) -> None:
+    """The rule of the commands that measure one decoder list on every engine of ``engines``
+    (`profile`, `sweep batch-size --decoder`; `compare` skips instead, `skipped_decoders`): a
+    decoder an engine lacks is refused before anything loads, naming every such engine, what it
+    runs and the fix (``command`` by name, ``option``: where the decoders were given). One
+    engine: its own refusal
+    (`EngineKind.method`)."""
+    from mtad_energy.engines import UnsupportedError, engine_kind, parse_engines
+
+    lacks = lacking_decoders(decoders, engines)
+    if not lacks:
+        return
+    names = parse_engines(engines)
+    if len(names) == 1:
+        engine_kind(names[0]).method(lacks[names[0]][0])  # raises, naming what the engine runs
+    which = "; ".join(f"engine {n!r} has no decoder {', '.join(map(repr, ds))} (it runs "
+                      f"{', '.join(engine_kind(n).methods)})" for n, ds in lacks.items())
+    missing = ", ".join(dict.fromkeys(d for ds in lacks.values() for d in ds))
+    raise UnsupportedError(f"{which}: {command} runs every decoder on every engine of --engine "
+                           f"{engines}; drop {missing} from {option}, or {', '.join(lacks)} from --engine "
+                           "(compare runs each engine's own decoders and skips the others)")
+
+
 def skipped_decoders(config: RunConfig, engines: str) -> dict[str, list[str]]:
     """compare's rule for engines side by side: each engine of ``engines`` runs the decoders of
-    ``config`` it has and skips the others. Returns engine -> the decoders it skips (engines
-    skipping none left out). A decoder no engine of the list has is refused by name, before any
-    model loads (one engine: its own refusal, `EngineKind.method`)."""
-    from mtad_energy.engines import HF, UnsupportedError, engine_kind, parse_engines
+    ``config`` it has and skips the others (`lacking_decoders`). Returns engine -> the decoders
+    it skips (engines skipping none left out). A decoder no engine of the list has is refused by
+    name, before any model loads (one engine: its own refusal, `EngineKind.method`)."""
+    from mtad_energy.engines import UnsupportedError, engine_kind, parse_engines
 
     names = parse_engines(engines)
-    lacks = {n: [d.name for d in config.decoders
-                 if n != HF and d.name not in engine_kind(n).methods] for n in names}
+    lacks = lacking_decoders([d.name for d in config.decoders], engines)
     nobody = [d for d in dict.fromkeys(d.name for d in config.decoders)
-              if all(d in lacks[n] for n in names)]
+              if all(d in lacks.get(n, ()) for n in names)]
     if nobody and len(names) == 1:
         engine_kind(names[0]).method(nobody[0])  # raises, naming what the engine runs
     if nobody:
@@ -79,7 +116,7 @@ def skipped_decoders(config: RunConfig, engines: str) -> dict[str, list[str]]:
         raise UnsupportedError(f"no engine of --engine {engines} has decoder "
                                f"{', '.join(nobody)} ({runs}); drop it from --decoders, or add "
                                "hf (the project's decoders) to --engine")
-    return {n: ds for n, ds in lacks.items() if ds}
+    return lacks
 
 
 def skipped_notes(skipped: dict[str, list[str]] | None) -> list[str]:
@@ -124,6 +161,7 @@ def sweep_engines(engines: str, specs, sizes: list[int], compile: bool) -> list[
     from mtad_energy.engines import check_engine_options, parse_engines
 
     names = parse_engines(engines)
+    refuse_lacking_decoders([s.name for s in specs], engines, "sweep batch-size", "--decoder")
     for name in names:
         check_engine_options(name, [s.name for s in specs], max(sizes), compile,
                              {s.name: s.param_dict for s in specs}, batch_option="--sizes")

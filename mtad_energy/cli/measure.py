@@ -16,10 +16,10 @@ from mtad_energy.cli.engines import (
     EngineOptions,
     engine_configs,
     engine_options,
+    refuse_lacking_decoders,
     skipped_decoders,
 )
 from mtad_energy.cli.options import (
-    ALL_DECODERS,
     AllowExec,
     Baseline,
     BatchSize,
@@ -47,10 +47,11 @@ from mtad_energy.cli.options import (
     Sets,
     Target,
     Workers,
+    all_decoders,
     build_config,
     check_columns,
     decoder_specs,
-    pair_head_kinds,
+    pair_alias,
     parse_sets,
     resolve_compile,
     split_list,
@@ -84,26 +85,32 @@ def profile(
 
     try:
         specs = decoder_specs(with_baseline(split_list(decoder), baseline), parse_sets(set_), engine)
-        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
-                              seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "profile", require_energy,
-                              resolve_compile(compile, eager, device, engine), batch_size,
-                              compile_backend, dynamic_shapes)
+        config = build_config(
+            specs, sweep="profile", model=model, target=target, draft=draft, dataset=dataset,
+            n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed, repeats=repeats,
+            meter=meter, mitigate=mitigate, device=device, dtype=dtype, chat=chat, ops=ops,
+            allow_code_execution=allow_code_execution, require_energy=require_energy,
+            compile=resolve_compile(compile, eager, device, engine), batch_size=batch_size,
+            compile_backend=compile_backend, dynamic_shapes=dynamic_shapes)
         check_columns(columns)
-        configs = engine_configs(config, engine, options=engine_options(engine_option, engine))
+        options = engine_options(engine_option, engine)
+        refuse_lacking_decoders([s.name for s in specs], engine, "profile",
+                                "--decoder (or --baseline)")
+        configs = engine_configs(config, engine, options=options)
     except ValueError as error:
         fail(error)
-    run_config(configs, output or Path("results/profile"), as_json, "profile", workers, cluster, columns,
-               baseline, budget_s)
+    run_config(configs, output or Path("results/profile"), as_json, "profile", workers=workers,
+               cluster=cluster, columns=columns, baseline=baseline, budget_s=budget_s)
 
 
 @json_command
 def compare(
     ctx: typer.Context,
     model: Model = "smollm2", target: Target = None, draft: Draft = None,
-    decoders: Annotated[str, typer.Option("--decoders", "--decoder",
-                                          help="comma list (default: all; eagle and medusa where "
-                                               "the pair has their heads)")] = ",".join(ALL_DECODERS),
+    decoders: Annotated[str | None, typer.Option(
+        "--decoders", "--decoder", show_default=False,
+        help="comma list [default: every registered decoder (`mtad-energy decoders`); eagle and "
+             "medusa where the pair has their heads]")] = None,
     dataset: Dataset = "humaneval,mtbench", n_prompts: NPrompts = 2, max_new_tokens: MaxNew = 32,
     set_: Sets = None, seed: Seed = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
     meter: Meter = "auto", mitigate: Mitigate = "auto", device: str = "auto",
@@ -139,15 +146,15 @@ def compare(
             allow_exec=allow_code_execution, columns=columns, budget_s=budget_s, as_json=as_json)
     out = output or Path("results/compare")
     try:
-        names = split_list(decoders)
-        if decoders == ",".join(ALL_DECODERS):  # the default: every decoder the pair can run
-            names += pair_head_kinds(model, target, draft, device)
+        names = compare_decoders(decoders, model, target, draft, device)
         specs = decoder_specs(names, parse_sets(set_), engine)
-        config = build_config(specs, model, target, draft, dataset, n_prompts, max_new_tokens,
-                              seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                              allow_code_execution, "compare", require_energy,
-                              resolve_compile(compile, eager, device, engine), batch_size,
-                              compile_backend, dynamic_shapes)
+        config = build_config(
+            specs, model=model, target=target, draft=draft, dataset=dataset, n_prompts=n_prompts,
+            max_new_tokens=max_new_tokens, seed=seed, repeats=repeats, sweep="compare",
+            meter=meter, mitigate=mitigate, device=device, dtype=dtype, chat=chat, ops=ops,
+            allow_code_execution=allow_code_execution, require_energy=require_energy,
+            compile=resolve_compile(compile, eager, device, engine), batch_size=batch_size,
+            compile_backend=compile_backend, dynamic_shapes=dynamic_shapes)
         check_columns(columns)
         skipped = skipped_decoders(config, engine)  # each engine runs the decoders it has
         configs = engine_configs(config, engine, skipped,
@@ -155,9 +162,30 @@ def compare(
         path = markdown_path(markdown, out)  # before measuring: a name that cannot be written
     except ValueError as error:
         fail(error)
-    run_config(configs, out, as_json, "compare", workers, cluster, columns, budget_s=budget_s,
+    run_config(configs, out, as_json, "compare", workers=workers, cluster=cluster,
+               columns=columns, budget_s=budget_s,
                side_files=lambda summary, notes: write_main_table(summary, notes, path),
                decoders_skipped=skipped)
+
+
+def pair_head_kinds(model: str, target: str | None, draft: str | None, device: str) -> list[str]:
+    """The registered head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
+    KIND:DIR`` or the alias's): `compare`'s default runs them beside the others. Loads nothing."""
+    from mtad_energy.decoding.registry import DECODERS
+    from mtad_energy.models import resolve_device, resolve_pair_spec
+
+    spec = resolve_pair_spec(pair_alias(model, target), resolve_device(device), target=target,
+                             draft=draft)
+    return [name for name, cls in DECODERS.items() if cls.head is not None and spec.head(cls.head)]
+
+
+def compare_decoders(decoders: str | None, model: str, target: str | None, draft: str | None,
+                     device: str) -> list[str]:
+    """The decoders `compare` runs: ``--decoders`` as listed, else (the default) every registered
+    decoder the pair can run (`all_decoders` and `pair_head_kinds`)."""
+    if decoders is not None:
+        return split_list(decoders)
+    return [*all_decoders(), *pair_head_kinds(model, target, draft, device)]
 
 
 def markdown_path(markdown: Path | None, out: Path) -> Path:

@@ -72,18 +72,21 @@ def random_weight_notes(target: str | None, draft: str | None = None) -> list[st
     return [RANDOM_NOTE] if any(random_weights(m) for m in (target, draft)) else []
 
 
-ALL_DECODERS = ("ar", "beam", "mtjd", "spd", "mtad", "mmtad", "specinfer", "mcss", "spectr", "bild",
-                "typical", "pld")
+def all_decoders() -> tuple[str, ...]:
+    """`compare`'s default decoders, read from the registry (`decoding.registry.DECODERS`, in its
+    order): every registered decoder that drafts with no head; the head decoders join where the
+    pair has their heads (`pair_head_kinds`)."""
+    from mtad_energy.decoding.registry import DECODERS
+
+    return tuple(name for name, cls in DECODERS.items() if cls.head is None)
 
 
-def pair_head_kinds(model: str, target: str | None, draft: str | None, device: str) -> list[str]:
-    """The head decoders (``medusa``, ``eagle``) whose heads the pair names (``--draft
-    KIND:DIR`` or the alias's): `compare`'s default runs them beside the others. Loads nothing."""
-    from mtad_energy.models import resolve_device, resolve_pair_spec
-
-    spec = resolve_pair_spec(pair_alias(model, target), resolve_device(device), target=target,
-                             draft=draft)
-    return [kind for kind in ("medusa", "eagle") if spec.head(kind)]
+def __getattr__(name: str) -> Any:
+    """``ALL_DECODERS`` (`all_decoders`), read from the registry when first asked for: importing
+    this module loads no decoder (nor torch)."""
+    if name == "ALL_DECODERS":
+        return all_decoders()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UsageError(ValueError):
@@ -95,18 +98,22 @@ def split_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
-                  ) -> tuple[DecoderSpec, ...]:
-    """Decoders with their --set overrides. ``key=v`` goes to every listed decoder that has the
-    parameter; ``decoder.key=v`` to that decoder only. A key no listed decoder has is an error.
-    A parameter only an engine of ``engines`` (``--engine``) has for the decoder (vLLM's
-    ``per_batch_size``) is taken here; an engine without it refuses it by name
-    (`mtad_energy.engines.check_engine_options`)."""
-    from mtad_energy.decoding.registry import DECODERS
+def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf",
+                  variants: bool = False) -> tuple[DecoderSpec, ...]:
+    """The one parse of ``--set`` into validated decoder specs, which the commands pass down.
+    ``key=v`` goes to every listed decoder that has the parameter; ``decoder.key=v`` to that
+    decoder only. A key no listed decoder has is an error. A parameter only an engine of
+    ``engines`` (``--engine``) has for the decoder (vLLM's ``per_batch_size``) is taken here; an
+    engine without it refuses it by name (`mtad_energy.engines.check_engine_options`).
+    ``variants`` (`sweep batch-size`): a comma list given to a scalar parameter is one decoder
+    per value (`registry.expand_variants`). Where hf runs them (``engines`` holds hf), each
+    spec's own parameters are checked against the decoder's types and rules now
+    (`registry.build_decoder`), before anything loads; another engine's values (vLLM's
+    gamma=0) are that engine's to check."""
+    from mtad_energy.decoding.registry import DECODERS, build_decoder, expand_variants, param_types
 
     def has(decoder: str, name: str) -> bool:
-        return name in typing.get_type_hints(DECODERS[decoder].Params) or \
-            name in engine_params(engines, decoder)
+        return name in param_types(decoder) or name in engine_params(engines, decoder)
 
     unknown = [n for n in names if n not in DECODERS]
     if unknown:
@@ -129,7 +136,13 @@ def decoder_specs(names: list[str], sets: dict[str, str], engines: str = "hf"
                              f"{name!r}; `mtad-energy decoders` lists them")
         for n in hit:
             params[n][name] = value
-    return tuple(DecoderSpec.of(n, **params[n]) for n in names)
+    specs = tuple(DecoderSpec.of(n, **params[n]) for n in names)
+    specs = tuple(expand_variants(specs)) if variants else specs
+    if "hf" in split_list(engines) or not engines.strip():
+        for spec in specs:  # the parameters hf's decoders have; an engine's own: `engines`'s
+            own = param_types(spec.name)
+            build_decoder(DecoderSpec.of(spec.name, **{k: v for k, v in spec.params if k in own}))
+    return specs
 
 
 def engine_params(engines: str, decoder: str) -> frozenset[str]:
@@ -190,11 +203,12 @@ def check_columns(columns: str) -> str:
     return columns
 
 
-def build_config(decoders: tuple[DecoderSpec, ...], model, target, draft, dataset, n_prompts,
-                 max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat, ops,
-                 allow_code_execution, sweep, require_energy=False, compile=False, batch_size=1,
-                 compile_backend=None, dynamic_shapes=False):
-    """The `RunConfig` of a measuring command's options (validated by its constructor)."""
+def build_config(decoders: tuple[DecoderSpec, ...], *, sweep: str, model, target, draft, dataset,
+                 n_prompts, max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat,
+                 ops=False, allow_code_execution=False, require_energy=False, compile=False,
+                 batch_size=1, compile_backend=None, dynamic_shapes=False):
+    """The `RunConfig` of a measuring command's options (validated by its constructor); every
+    option by name (a command passes twenty: none by position)."""
     return RunConfig(
         decoders=decoders, model=ModelSpec(pair_alias(model, target), target, draft, device, dtype),
         datasets=tuple(split_list(dataset)), n_prompts=n_prompts, max_new_tokens=max_new_tokens,

@@ -77,7 +77,7 @@ SideFiles = Callable[[typing.Any, list[str]], dict[str, Path]]
 View = Callable[[typing.Any, typing.Any], tuple[str, list[dict] | dict, typing.Any]]
 
 
-def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str,
+def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, title: str, *,
                workers: int = 1, cluster: str = "local", columns: str = "speed",
                baseline: str = "ar", budget_s: float | None = None,
                side_files: SideFiles | None = None, view: View | None = None,
@@ -125,8 +125,9 @@ def run_config(config: RunConfig | list[RunConfig], out: Path, as_json: bool, ti
         title = f"{title} · {model_label(config)}" + (
             f" ({config.batch_size} prompts decoded together)" if config.batch_size > 1 else "")
     if workers > 1:
-        return run_distributed(config, out, as_json, title, workers, cluster, columns, baseline,
-                               side_files, decoders_skipped)
+        return run_distributed(config, out, as_json, title, workers=workers, cluster=cluster,
+                               columns=columns, baseline=baseline, side_files=side_files,
+                               decoders_skipped=decoders_skipped)
     import pandas as pd
 
     from mtad_energy.bench.quality import pass_at_1_notes
@@ -233,14 +234,16 @@ def _run_one(config: RunConfig, out: Path, as_json: bool, prompts, budget=None):
 def config_draft_notes(config: RunConfig) -> list[str]:
     """`ignored_draft_notes` for a configuration's decoders and pair (the project's decoders
     only: an engine's parameter values, such as vLLM's gamma=0, are not theirs to check)."""
+    from mtad_energy.engines.hf import project_decoders
+
     m = config.model
-    built = [d.build() for d in config.decoders] if config.engine == "hf" else []
+    built = project_decoders(config.engine, config.decoders)
     return ignored_draft_notes(built, m.alias, m.target, m.draft, m.device) + random_weight_notes(
         m.target, m.draft)
 
 
-def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, workers: int, cluster: str,
-                    columns: str = "speed", baseline: str = "ar",
+def run_distributed(config: RunConfig, out: Path, as_json: bool, title: str, *, workers: int,
+                    cluster: str, columns: str = "speed", baseline: str = "ar",
                     side_files: SideFiles | None = None,
                     decoders_skipped: dict[str, list[str]] | None = None):
     """Run ``config`` as ``workers`` submitit jobs writing into ``out``, then summarise the store

@@ -117,16 +117,19 @@ def sweep_param(
                  for combo in itertools.product(*axes.values())]
         if baseline != "none":
             specs = list(decoder_specs([baseline], {})) + specs
-        config = build_config(tuple(specs), model, target, draft, dataset, n_prompts,
-                              max_new_tokens, seed, repeats, meter, mitigate, device, dtype, chat,
-                              ops, False, f"param-{decoder}", require_energy,
-                              resolve_compile(compile, eager, device), batch_size,
-                              compile_backend, dynamic_shapes)
+        config = build_config(
+            tuple(specs), sweep=f"param-{decoder}", model=model, target=target, draft=draft,
+            dataset=dataset, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
+            repeats=repeats, meter=meter, mitigate=mitigate, device=device, dtype=dtype,
+            chat=chat, ops=ops, require_energy=require_energy,
+            compile=resolve_compile(compile, eager, device), batch_size=batch_size,
+            compile_backend=compile_backend, dynamic_shapes=dynamic_shapes)
         check_columns(columns)
     except ValueError as error:
         fail(error)
-    run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep", workers,
-               cluster, columns, baseline, budget_s)
+    run_config(config, output or Path(f"results/sweep-{decoder}"), as_json, f"{decoder} sweep",
+               workers=workers, cluster=cluster, columns=columns, baseline=baseline,
+               budget_s=budget_s)
 
 
 @json_command
@@ -191,11 +194,14 @@ def sweep_batch_size(
             compile = resolve_compile(compile, eager, device, engine)
         except ValueError as error:
             fail(error)
-        decode_batch_sweep_command(decoder, model, target, draft, sizes, dataset, n_prompts,
-                            max_new_tokens, repeats, set_, meter, device, dtype, seed,
-                            output or Path("results/batch-size-decode"), require_energy, as_json,
-                            compile, engine, budget, compile_backend, dynamic_shapes,
-                            engine_option)
+        decode_batch_sweep_command(
+            decoders=decoder, model=model, target=target, draft=draft, sizes=sizes,
+            dataset=dataset, n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats,
+            sets=set_, meter=meter, device=device, dtype=dtype, seed=seed,
+            out=output or Path("results/batch-size-decode"), require_energy=require_energy,
+            as_json=as_json, compile=compile, engine=engine, budget=budget,
+            compile_backend=compile_backend, dynamic_shapes=dynamic_shapes,
+            engine_option=engine_option)
         return
     out = output or Path("results/batch-size")
     try:

@@ -35,18 +35,20 @@ def spent(out: Path, meter: str, budget, as_json: bool, load: dict | None) -> No
         console.print(f"[yellow]note:[/] {esc(budget.note())}")
 
 
-def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n_prompts,
+def decode_batch_sweep_command(*, decoders, model, target, draft, sizes, dataset, n_prompts,
                                max_new_tokens, repeats, sets, meter, device, dtype, seed,
                                out: Path, require_energy, as_json, compile: bool = False,
                                engine: str = "hf", budget=None,
                                compile_backend: str | None = None, dynamic_shapes: bool = False,
                                engine_option: list[str] | None = None) -> None:
-    """`sweep batch-size --decoder`: decode, store, and print or emit the crossover."""
-    from mtad_energy.bench.decode_batch import decode_batch_sweep, expand_variants
+    """`sweep batch-size --decoder`: decode, store, and print or emit the crossover (every
+    option by name)."""
+    from mtad_energy.bench.decode_batch import decode_batch_sweep
     from mtad_energy.bench.prompts import load_prompts
     from mtad_energy.bench.work_units import fewer_prompts_note
     from mtad_energy.decoding.registry import head_kinds
     from mtad_energy.decoding.runtime.generate import encode_prompt
+    from mtad_energy.engines.hf import project_decoders
     from mtad_energy.measure import meter_for, snapshot
     from mtad_energy.models import load_pair
     from mtad_energy.results import ResultStore
@@ -65,7 +67,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         names = split_list(decoders)
         if "ar" not in names:
             names = ["ar", *names]  # the baseline of every speed-up
-        specs = expand_variants(decoder_specs(names, parse_sets(sets), engine))  # --set gamma=1,2,3,5
+        specs = decoder_specs(names, parse_sets(sets), engine, variants=True)  # gamma=1,2,3,5
         size_list = parse_sizes(sizes)
         compile_arg(compile, compile_backend, dynamic_shapes)  # refused without --compile
         m, why = meter_for(meter)
@@ -82,7 +84,7 @@ def decode_batch_sweep_command(decoders, model, target, draft, sizes, dataset, n
         png = beside_store(out, f"-crossover{'-' + setting if setting else ''}.png")
         # the project's decoders, built (their parameters checked) only where hf runs them: an
         # engine's parameter values (vLLM's gamma=0, per_batch_size) are the engine's to check
-        built = [s.build() for s in specs] if "hf" in engines else []
+        built = project_decoders(engines, specs)
         model_spec = ModelSpec(pair_alias(model, target), target, draft, device, dtype)
         check_before_loading(model_spec, built)
         if budget.skip(len(specs) * len(size_list) * repeats * len(engines)):  # nothing loads

@@ -160,10 +160,12 @@ def sweep_draft(
     try:
         names = split_list(decoders)
         specs = decoder_specs(with_baseline(names, baseline), parse_sets(set_))
-        base = build_config(specs, model, target, None, dataset, n_prompts, max_new_tokens, seed,
-                            repeats, meter, mitigate, device, dtype, chat, False, False,
-                            "draft-sweep", require_energy, resolve_compile(compile, eager, device),
-                            batch_size)
+        base = build_config(
+            specs, sweep="draft-sweep", model=model, target=target, draft=None, dataset=dataset,
+            n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed, repeats=repeats,
+            meter=meter, mitigate=mitigate, device=device, dtype=dtype, chat=chat,
+            require_energy=require_energy, compile=resolve_compile(compile, eager, device),
+            batch_size=batch_size)
         configs = draft_configs(list(draft or []), specs, base)
         check_columns(columns)
         check_drafts(configs)

@@ -20,26 +20,8 @@ from typing import Annotated, Any
 
 import typer
 
+from mtad_energy.cli import options as opt  # the option types every measuring command shares
 from mtad_energy.cli.options import (
-    BatchSize,
-    BudgetS,
-    Chat,
-    Columns,
-    Compile,
-    Dataset,
-    Draft,
-    Dtype,
-    Eager,
-    Json,
-    MaxNew,
-    Meter,
-    Mitigate,
-    Model,
-    Output,
-    RequireEnergy,
-    Seed,
-    Sets,
-    Target,
     UsageError,
     build_config,
     check_columns,
@@ -238,13 +220,14 @@ def tune(
     split_seed: Annotated[int, typer.Option(min=0, help="seed of the validation/held-out split")] = 0,
     resamples: Annotated[int, typer.Option(min=1, help="bootstrap resamples of the validation "
                                                        "prompts")] = 1000,
-    model: Model = "smollm2", target: Target = None, draft: Draft = None,
-    dataset: Dataset = "mtbench", max_new_tokens: MaxNew = 32, set_: Sets = None, seed: Seed = 0,
-    repeats: Annotated[int, typer.Option(min=1)] = 1, meter: Meter = "auto",
-    mitigate: Mitigate = "auto", device: str = "auto", dtype: Dtype = None, chat: Chat = None,
-    output: Output = None, require_energy: RequireEnergy = False, compile: Compile = False,
-    eager: Eager = False, batch_size: BatchSize = 1, columns: Columns = "speed",
-    budget_s: BudgetS = None, as_json: Json = False,
+    model: opt.Model = "smollm2", target: opt.Target = None, draft: opt.Draft = None,
+    dataset: opt.Dataset = "mtbench", max_new_tokens: opt.MaxNew = 32, set_: opt.Sets = None,
+    seed: opt.Seed = 0, repeats: Annotated[int, typer.Option(min=1)] = 1,
+    meter: opt.Meter = "auto", mitigate: opt.Mitigate = "auto", device: str = "auto",
+    dtype: opt.Dtype = None, chat: opt.Chat = None, output: opt.Output = None,
+    require_energy: opt.RequireEnergy = False, compile: opt.Compile = False,
+    eager: opt.Eager = False, batch_size: opt.BatchSize = 1, columns: opt.Columns = "speed",
+    budget_s: opt.BudgetS = None, as_json: opt.Json = False,
 ):
     """Each decoder's best setting on a validation split: its grid measured, chosen by
     perplexity (the paper's), speed or energy within a perplexity budget, with how often the
@@ -267,10 +250,13 @@ def tune(
         axes = {n: list({**TUNING_GRIDS[n], **overrides[n]}) for n in names}
         datasets = split_list(dataset)
         split = load_split(datasets, val_prompts, split_seed)
-        config = build_config(tuple(s for ss in specs.values() for s in ss), model, target, draft,
-                              dataset, val_prompts, max_new_tokens, seed, repeats, meter, mitigate,
-                              device, dtype, chat, False, False, "tune", require_energy,
-                              resolve_compile(compile, eager, device), batch_size)
+        config = build_config(
+            tuple(s for ss in specs.values() for s in ss), sweep="tune", model=model,
+            target=target, draft=draft, dataset=dataset, n_prompts=val_prompts,
+            max_new_tokens=max_new_tokens, seed=seed, repeats=repeats, meter=meter,
+            mitigate=mitigate, device=device, dtype=dtype, chat=chat,
+            require_energy=require_energy, compile=resolve_compile(compile, eager, device),
+            batch_size=batch_size)
         check_columns(columns)
         path = beside_store(out, RECORD_TAIL)
     except (ValueError, OSError, RuntimeError) as error:

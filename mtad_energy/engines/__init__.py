@@ -89,14 +89,12 @@ def check_engine_options(name: str, decoders: list[str] | tuple = (), batch_size
 def _check_project_params(params: Mapping[str, Mapping[str, Any]]) -> None:
     """hf runs the project's decoders: a parameter only an engine has (``--set per_batch_size``
     beside ``--engine hf,vllm``) is refused by name, not passed to a decoder that lacks it."""
-    import typing
-
-    from mtad_energy.decoding.registry import DECODERS
+    from mtad_energy.decoding.registry import DECODERS, param_types
 
     for decoder, given in params.items():
         if decoder not in DECODERS:
             continue  # unknown decoders are refused where the specs are parsed
-        own = typing.get_type_hints(DECODERS[decoder].Params)
+        own = param_types(decoder)
         extra = [k for k in given if k not in own]
         if extra:
             others = [e for e, k in ENGINES.items() if e != HF and set(extra) <= k.param_names(decoder)]

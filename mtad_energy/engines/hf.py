@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mtad_energy.decoding.registry import check_batched, head_kinds
+from mtad_energy.decoding.registry import build_decoder, check_batched, head_kinds
 from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.decoding.runtime.decoder import Decoder
 from mtad_energy.decoding.runtime.generate import (
@@ -95,7 +95,7 @@ class HfEngine(Engine):
     def decoder(self, spec: DecoderSpec) -> Decoder:
         """``spec``'s decoder, built once (its parameters validated then)."""
         if spec not in self._decoders:
-            self._decoders[spec] = spec.build()
+            self._decoders[spec] = build_decoder(spec)
         return self._decoders[spec]
 
     def check(self, specs: Sequence[DecoderSpec]) -> list[Decoder]:
@@ -191,14 +191,20 @@ class HfEngine(Engine):
         return prof, out[0]
 
 
+def project_decoders(engines: str | Sequence[str], specs: Sequence[DecoderSpec]) -> list[Decoder]:
+    """The project's decoders of ``specs``, built (`registry.build_decoder`: a bad parameter is
+    refused here, before any weight loads), where the engine hf runs them (``engines``: a name
+    or a list, hf among them); none otherwise: another engine's values (vLLM's gamma=0) are its
+    own to check, never hf's."""
+    names = [engines] if isinstance(engines, str) else list(engines)
+    return [build_decoder(spec) for spec in specs] if HF in names else []
+
+
 def pair_roles(engine: str, specs: Sequence[DecoderSpec]) -> tuple[bool, tuple[str, ...]]:
     """What the pair must load for ``engine`` to decode ``specs``: (a draft model, the kinds of
-    draft head). hf: what its decoders draft with (each built: a bad parameter is refused here,
-    before any weight loads); another engine: neither (its own model drafts; the pair gives
-    prompt ids and perplexity)."""
-    if engine != HF:
-        return False, ()
-    built = [spec.build() for spec in specs]
+    draft head). hf: what its decoders draft with (`project_decoders`); another engine: neither
+    (its own model drafts; the pair gives prompt ids and perplexity)."""
+    built = project_decoders(engine, specs)
     return any(d.needs_draft for d in built), head_kinds(built)
 
 

@@ -89,6 +89,28 @@ def test_the_cli_refuses_before_loading_and_keeps_json_one_document(tmp_path):
     assert not (tmp_path / "s").exists()  # nothing loaded, nothing written
 
 
+def test_profile_and_the_decoding_sweep_refuse_a_decoder_an_engine_of_the_list_lacks(tmp_path):
+    """profile and sweep batch-size --decoder measure one decoder list on every engine of
+    --engine (compare skips instead: `skipped_decoders`): a decoder one engine lacks is refused
+    before anything loads, naming every engine that lacks it, what each runs, and the fix."""
+    from typer.testing import CliRunner
+
+    from mtad_energy.cli import app
+
+    for command, option in ((["profile", "--decoder", "mtad"], "--decoder (or --baseline)"),
+                            (["sweep", "batch-size", "--decoder", "ar,mtad"], "--decoder")):
+        out = CliRunner().invoke(app, [*command, "--engine", "hf,vllm,llamacpp", "--meter", "none",
+                                       "--output", str(tmp_path / "s"), "--json"])
+        assert out.exit_code == 2, out.output
+        error = json.loads(out.stdout)["error"]
+        assert error.startswith("engine 'vllm' has no decoder 'mtad' (it runs ar, pld, spd, eagle, "
+                                "medusa); engine 'llamacpp' has no decoder 'mtad' (it runs ar, "
+                                f"pld, spd): {' '.join(command[:-2])} runs every decoder on every "
+                                "engine of --engine hf,vllm,llamacpp; drop mtad from "
+                                f"{option}, or vllm, llamacpp from --engine"), error
+        assert not (tmp_path / "s").exists()
+
+
 def test_a_generation_from_engine_counts_obeys_the_statistics_contract():
     its = [Iteration(emitted=1), Iteration(emitted=3, proposed=4, accepted=2, draft_depth=4),
            Iteration(emitted=1, proposed=4, accepted=0, draft_depth=4)]
@@ -371,6 +393,20 @@ def test_an_engine_sweep_takes_parameter_values_only_the_engine_has(tmp_path, mo
     assert (tmp_path / "s-crossover-vllm.png").is_file()
     with pytest.raises(ValueError, match="gamma must be >= 1"):  # hf's own rule, where hf runs
         DecoderSpec.of("spd", gamma="0").build()
+
+
+def test_the_project_decoders_are_built_where_hf_runs_them_only():
+    """`engines.hf.project_decoders`, the one place a command builds the project's decoders of
+    its specs: where hf is among the engines (a name or a list), never for another engine's
+    values (vLLM's gamma=0, which hf refuses)."""
+    from mtad_energy.engines.hf import project_decoders
+
+    zero = [DecoderSpec("ar"), DecoderSpec.of("spd", gamma="0")]
+    assert project_decoders("vllm", zero) == [] and project_decoders(["vllm", "llamacpp"], zero) == []
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        project_decoders(["vllm", "hf"], zero)
+    built = project_decoders("hf", [DecoderSpec.of("spd", gamma="3")])
+    assert [(d.name, d.params.gamma) for d in built] == [("spd", 3)]
 
 
 def test_notes_of_an_engine_run_never_build_the_project_decoders_from_engine_values():

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from mtad_energy.bench.decode_batch import expand_variants
 from mtad_energy.cli import app
 from mtad_energy.config import DecoderSpec
+from mtad_energy.decoding.registry import expand_variants
 from mtad_energy.results import ResultStore, stable_key
 from mtad_energy.results.schedule import (
     DRAFT_AT_ZERO_NOTE,
