@@ -37,7 +37,7 @@ def kit(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
 
 def test_the_runbook_calls_only_the_tools_commands():
     """Every stage is `mtad-energy` commands, `pytest -m gpu` or the tables script: no library
-    code in experiments/gpu (DESIGN: experiments keeps scripts that reproduce tables)."""
+    code in experiments/gpu (docs/design.md: experiments keeps scripts that reproduce tables)."""
     text = (ROOT / "experiments/gpu/run.sh").read_text()
     runs = re.findall(r'"\$PY" ([^\n]*)', text)
     assert runs and all(r.startswith(("-m mtad_energy", '"${args[@]}"', "experiments/gpu/tables.py",
