@@ -1,7 +1,7 @@
 """Host work per decode iteration of every decoder, eager and compiled, at B = 1 and 8.
 
 On a GPU the host decides a compiled loop's speed: each aten op dispatched outside a compiled
-graph costs ~6-8 us (H200, DESIGN.md section 7). This benchmark counts, with the tool's own
+graph costs ~6-8 us (H200, docs/design.md section 7). This benchmark counts, with the tool's own
 counter (`mtad_energy.measure.host_work`, through `engines.hf.counted_generation`), per
 decode iteration: aten ops outside compiled graphs, compiled-graph calls, the clones of their
 outputs (among the ops) and host reads of device values, for each (decoder, B, mode), after a

@@ -160,7 +160,7 @@ def test_host_work_on_cuda_is_what_the_cpu_counts(model_dirs, name):
     from mtad_energy.engines.hf import counted_generation
     from mtad_energy.measure.host_work import HostWorkSites
     from tests.decoding.host_reads import site_at_read_back
-    from tests.decoding.test_host_syncs import OPS_BUDGET
+    from tests.decoding.runtime.test_host_syncs import OPS_BUDGET
 
     pair = load_pair(target=model_dirs["llama"], draft=model_dirs["llama-draft"], device=DEVICE,
                      dtype="fp32")

@@ -111,6 +111,23 @@ def test_the_paper_is_cited_by_title_authors_venue_and_code(page: str):
         assert part in text, f"{page} cites the paper without {part!r}"
 
 
+def test_the_code_cites_the_design_notes_by_their_path():
+    """A docstring or comment cites the design notes as "docs/design.md section N" (the file a
+    reader can open; the site links it to the section), never by an old name ("DESIGN.md",
+    "DESIGN section N"), and every cited section exists."""
+    sections = set(re.findall(r"^## (\d+)\. ", (DOCS / "design.md").read_text(encoding="utf-8"), re.M))
+    code = [*sorted((ROOT / "mtad_energy").rglob("*.py")), *sorted((ROOT / "experiments").rglob("*.py"))]
+    old, missing = [], []
+    for path in code:
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{i}"
+            old += [where] if re.search(r"\bDESIGN\b", line) else []
+            missing += [f"{where} section {n}" for n in
+                        re.findall(r"docs/design\.md,? (?:section |§ ?)(\d+)", line) if n not in sections]
+    assert not old, f'cite the design notes by their path, "docs/design.md section N": {old}'
+    assert not missing, f"docs/design.md has no such section: {missing}"
+
+
 def test_no_page_quotes_a_test_count():
     count = re.compile(r"\b\d[\d,]* (?:passed|failed)\b")
     hits = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in _prose_files()

@@ -37,7 +37,7 @@ def kit(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
 
 def test_the_runbook_calls_only_the_tools_commands():
     """Every stage is `mtad-energy` commands, `pytest -m gpu` or the tables script: no library
-    code in experiments/gpu (DESIGN: experiments keeps scripts that reproduce tables)."""
+    code in experiments/gpu (docs/design.md: experiments keeps scripts that reproduce tables)."""
     text = (ROOT / "experiments/gpu/run.sh").read_text()
     runs = re.findall(r'"\$PY" ([^\n]*)', text)
     assert runs and all(r.startswith(("-m mtad_energy", '"${args[@]}"', "experiments/gpu/tables.py",
@@ -141,7 +141,7 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     batched = pd.read_csv(out / "batched.csv")
     assert set(zip(batched.decoder, batched["mode"], batched.batch_size, strict=True)) == {
         (d, m, b) for d in ("ar", "spd", "typical") for m in ("eager", "compiled-eager")
-        for b in (1, 2, 4)}
+        for b in (1, 2)}
     assert (batched[batched.decoder == "ar"].projected_speedup_vs_ar == 1.0).all()
     assert (batched.cost_per_iter_ms > 0).all() and (batched.peak_memory_gb > 0).all()
     assert (batched.host_overhead >= 1.0).all()  # an iteration costs at least its forwards
@@ -159,9 +159,11 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     kit("batch", "--smoke", "--out", str(out))
     assert len(ResultStore(out / "batch-opt").load("batch")) == 3
     assert len(ResultStore(out / "batch-llama").load("batch")) == 5
-    # and `batched` keeps its rows, reruns none, and starts no new one once out of budget
+    # and `batched` keeps its rows, reruns none, and starts no new one once out of budget (the
+    # eager sweep: the compiled one passes the same --budget-s to the same command)
     raw = ResultStore(out / "batched").load("decode_batch").sort_values("row_key", ignore_index=True)
-    kit("batched", "--smoke", "--out", str(out), "--sizes", "1,2,4,8", "--budget-s", "0")
+    kit("batched", "--smoke", "--out", str(out), "--sizes", "1,2,4", "--budget-s", "0",
+        "--modes", "eager")
     assert "--budget-s 0 s spent" in " ".join(
         json.loads((out / "batched-eager.json").read_text())["notes"])
     now = ResultStore(out / "batched").load("decode_batch").sort_values("row_key", ignore_index=True)
@@ -173,9 +175,10 @@ def test_all_stages_smoke_on_cpu(tmp_path):
     assert set(now.row_key) > set(raw.row_key)
     assert set(now[~now.row_key.isin(raw.row_key)].model) == {
         "random:tiny-llama+compile-aot_eager-dynamic"}
-    # `decoders` too: nothing measured again, the kept rows summarised as before
+    # `decoders` too: nothing measured again, the kept rows (compiled ones included) summarised
+    # as before (the eager compare; the compiled profile passes the same --budget-s)
     runs = ResultStore(out / "decoders").load("runs")
-    kit("decoders", "tables", "--smoke", "--out", str(out), "--budget-s", "0")
+    kit("decoders", "tables", "--smoke", "--out", str(out), "--budget-s", "0", "--modes", "eager")
     assert set(ResultStore(out / "decoders").load("runs").run_key) == set(runs.run_key)
     cols = ["decoder", "mode", "cost_per_iter_ms", "j_per_iter", "projected_tokens_per_s"]
     assert pd.read_csv(out / "decoders.csv")[cols].equals(decoders[cols])

@@ -8,12 +8,17 @@ time, not only what a module imports when it loads.
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "mtad_energy"
+TESTS = ROOT.parent / "tests"
+# the tests of the project as a whole sit at the top of tests/; the others in the room they test
+PROJECT_WIDE = {"test_layout.py", "test_docs.py", "test_readme_commands.py", "test_experiments.py",
+                "test_gpu_kit.py", "test_new_user.py", "test_new_user_inputs.py", "test_cuda.py"}
 
 
 def _modules() -> dict[str, Path]:
@@ -33,9 +38,11 @@ def _type_only(tree: ast.AST) -> set[int]:
     return skip
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the project's modules it imports (``from pkg import module`` counts as the
-    module; ``from module import name`` as the module)."""
+    module; ``from module import name`` as the module). Read once per test session (the source
+    does not change during one); callers never change it."""
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
@@ -152,6 +159,20 @@ def test_decoding_layers_go_one_way(layer, never):
                if m == prefix or m.startswith(prefix + ".") for t in targets}
     bad = sorted(t for t in reached if t in banned or t.startswith(tuple(b + "." for b in banned)))
     assert bad == [], f"{layer} imports {bad}"
+
+
+def misplaced_tests(tests: Path, package: Path) -> list[str]:
+    """Test files out of the package's mirror: a folder of ``tests/`` that names no folder of the
+    package (``tests/decoding/decoders/`` mirrors ``mtad_energy/decoding/decoders/``), or a test
+    at the top of ``tests/`` that is not one of the project-wide ones."""
+    files = sorted(tests.rglob("test_*.py"))
+    return [str(p.relative_to(tests)) for p in files
+            if (p.parent == tests and p.name not in PROJECT_WIDE)
+            or (p.parent != tests and not (package / p.parent.relative_to(tests)).is_dir())]
+
+
+def test_tests_mirror_the_package():
+    assert misplaced_tests(TESTS, ROOT) == [], "put a test in the tests/ folder of the room it tests"
 
 
 def test_command_line_modules_stay_short():

@@ -1,10 +1,11 @@
 """mkdocs hook: the code's citations of the design notes resolve, or the build fails.
 
-Docstrings (rendered on the API reference pages) and pages cite the design notes as
-"DESIGN.md section N" (also "DESIGN.md N", "DESIGN section N", "DESIGN N"). Each citation becomes
-a link to ``design.md#section-N``; a section the design page does not have is a build warning, so
-``mkdocs build --strict`` fails on a citation that does not resolve. Citations of a docs page
-as ``docs/PATH.md`` link to that page the same way, and fail the same way when it is missing.
+Docstrings (rendered on the API reference pages) and pages cite the design notes by their path,
+"docs/design.md section N". Each citation becomes a link to ``design.md#section-N``; a section the
+design page does not have is a build warning, so ``mkdocs build --strict`` fails on a citation
+that does not resolve. Citations of any other docs page as ``docs/PATH.md`` (the design notes
+without a section included) link to that page the same way, and fail the same way when it is
+missing.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import posixpath
 import re
 
 log = logging.getLogger("mkdocs.hooks.references")
-CITE = re.compile(r"DESIGN(?:\.md)?,? (?:section |§ ?)?(\d+)\b")
-DOCS = re.compile(r"\bdocs/([\w/.-]+\.md)\b")
+CITE = re.compile(r"\bdocs/design\.md,? (?:section |§ ?)(\d+)\b")
+# a page cited by its path, unless CITE already links it to a section
+DOCS = re.compile(r"\bdocs/([\w/.-]+\.md)\b(?!,? (?:section |§ ?)\d)")
 SECTION = re.compile(r"^## (\d+)\. .*\{#section-\1\}\s*$", re.M)
 _sections: set[str] = set()
 
@@ -24,7 +26,7 @@ def on_files(files, config):
     _sections.clear()
     design = files.get_file_from_path("design.md")
     if design is None:
-        log.warning("docs/design.md is missing: DESIGN.md citations cannot resolve")
+        log.warning("docs/design.md is missing: its citations cannot resolve")
         return files
     with open(design.abs_src_path, encoding="utf-8") as f:
         _sections.update(SECTION.findall(f.read()))
@@ -34,7 +36,7 @@ def on_files(files, config):
 def _link(match: re.Match, page, files) -> str:
     section = match.group(1)
     if section not in _sections:
-        log.warning("%s cites DESIGN.md section %s, which docs/design.md does not have",
+        log.warning("%s cites docs/design.md section %s, which it does not have",
                     page.file.src_uri, section)
         return match.group(0)
     design = files.get_file_from_path("design.md")
@@ -69,7 +71,7 @@ def on_page_content(html: str, page, config, files) -> str:
             elif part.startswith("</a"):
                 in_link = max(0, in_link - 1)
             continue
-        if not in_link and "DESIGN" in part:
+        if not in_link and "docs/design.md" in part:
             parts[i] = part = CITE.sub(lambda m: _link(m, page, files), part)
         if not in_link and "docs/" in part:
             parts[i] = DOCS.sub(lambda m: _doc_link(m, page, files), part)

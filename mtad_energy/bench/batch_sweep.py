@@ -12,7 +12,7 @@ Definitions (the paper's table "effect of batch size": OPT-13b on an L40):
   generator (seed, i), so batch B's rows are the first B rows of batch 16's.
 * an **input** is one row of one run: inputs = runs x batch size.
 
-The identifying design (DESIGN.md section 8) adds two axes beside the batch sizes, so that FLOPs
+The identifying design (docs/design.md section 8) adds two axes beside the batch sizes, so that FLOPs
 and bytes vary apart and the energy roofline can be fitted (`energy.fit`):
 
 * **context** (``contexts``): decode runs at batch size 1 over ``c`` cached tokens: KV bytes grow

@@ -1,10 +1,10 @@
 """The memory-bandwidth floor of a decode forward, and how close eager and compiled forwards get.
 
 At batch 1 a decode forward reads every weight once (of an untied embedding table only the row
-it gathers: kilobytes, left out), so it cannot run faster than ``bytes read / copy bandwidth`` (DESIGN.md 7;
-`decode_read_bytes`, the counting rule's weight bytes). `decode_forward_time` times consecutive
-one-token forwards of a model over a cached context, each fed the argmax of the previous one on
-the device (no host sync inside the timed loop), in two ways:
+it gathers: kilobytes, left out), so it cannot run faster than ``bytes read / copy bandwidth``
+(docs/design.md section 7; `decode_read_bytes`, the counting rule's weight bytes).
+`decode_forward_time` times consecutive one-token forwards of a model over a cached context, each
+fed the argmax of the previous one on the device (no host sync inside the timed loop), in two ways:
 
 * ``eager``: a `DynamicCache` and the plain Hugging Face forward (what the decoders run today);
 * ``compiled``: a transformers `StaticCache` and ``torch.compile`` of the forward; on CUDA with

@@ -1,7 +1,7 @@
 """The energy model: how a decoder's joules are counted, fitted and split.
 
 E = pi0 * T + eps_flop * W + eps_byte * Q (the energy roofline, Choi et al. 2013) beside the
-paper's E = P_static * T + PW_flop * T_flop + PW_mem * T_mem (DESIGN.md section 8):
+paper's E = P_static * T + PW_flop * T_flop + PW_mem * T_mem (docs/design.md section 8):
 
 - `work`: the work W (FLOPs) and Q (bytes) of one forward, counted from the model's dimensions
   and the forward's shape (`Forward` is what a runner records per forward; `forward_work`).

@@ -1,6 +1,6 @@
 """FLOPs and bytes of one forward of a dense decoder-only transformer, counted from its config.
 
-The counting rule (DESIGN.md section 8), for one forward of ``rows`` rows of ``new`` tokens each
+The counting rule (docs/design.md section 8), for one forward of ``rows`` rows of ``new`` tokens each
 over a KV cache that the forward's attention spans ``kv_columns`` columns of (the ``cached``
 columns before it plus the ``new`` ones; a token tree of N nodes is ``new = N``; padding rows,
 padded widths and invalid cache columns are real work and count):

@@ -1,6 +1,6 @@
 """Engines under the same instrument: what generates, behind one seam.
 
-The contract (DESIGN.md section 10):
+The contract (docs/design.md section 10):
 
 - **An engine** is a name (``hf``, ``llamacpp``, ``vllm``), a version and its full
   configuration (a JSON-able dict: model file, quantisation, threads, wait policy, ...). Its

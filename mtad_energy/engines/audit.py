@@ -1,4 +1,4 @@
-"""Auditing an engine's speculative decoding against acceptance theory (DESIGN.md section 10).
+"""Auditing an engine's speculative decoding against acceptance theory (docs/design.md section 10).
 
 The engine's own outputs are teacher-forced through the Hugging Face target p and draft q under the
 engine's warping (`sampling.warp_probs`); a draft token is accepted with probability

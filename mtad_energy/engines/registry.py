@@ -12,7 +12,7 @@ from typing import Any
 
 HF = "hf"
 SERVER = "http"  # the kind of every `--engine http://HOST:PORT`
-WARP = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}  # the project's default warp (DESIGN 3)
+WARP = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}  # the default warp (docs/design.md section 3)
 
 
 class UnsupportedError(ValueError):

@@ -1,4 +1,4 @@
-"""vLLM as an engine under the instrument (DESIGN.md section 10; issue 26 item 2).
+"""vLLM as an engine under the instrument (docs/design.md section 10; issue 26 item 2).
 
 Decoders: ``ar`` (no speculation), ``pld`` (vLLM ``ngram``: ``prompt_lookup_min/max`` =
 ``min_ngram``/``max_ngram``), ``spd`` (``draft_model``: the pair's draft, or the target itself

@@ -1,7 +1,7 @@
 """Host work per decode iteration, counted: a device-independent figure of what the host does.
 
 On a GPU the host is the bottleneck of a compiled decode loop: every aten op dispatched outside a
-compiled graph costs ~6-8 us of host time (H200, DESIGN.md section 7), whether or not the device
+compiled graph costs ~6-8 us of host time (H200, docs/design.md section 7), whether or not the device
 is busy. A share of decode time measured on the CPU cannot see that (CPU forwards are ~10x
 slower); a count can. `HostWorkCounter` counts, between the generate loop's "decode" and "end"
 hooks (so no prefill, no warm-up of other shapes):

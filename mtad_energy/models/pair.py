@@ -52,7 +52,7 @@ class PairSpec:
 
 
 # The default pair's draft on a GPU. `self:int8` (torch dynamic quantisation) runs on CPU only.
-# Self-drafts of SmolLM2-135M measured on CPU (DESIGN.md section 5), greedy agreement with the
+# Self-drafts of SmolLM2-135M measured on CPU (docs/design.md section 5), greedy agreement with the
 # target / cost per token relative to the target: int8 0.60 / 0.55x; first 25 of 30 layers
 # 0.45 / 0.87x; first 15 layers 0.10 / 0.59x; skip every 4th layer 0.24 / 0.83x. On a GPU at
 # batch 1 a 135 M model is launch-bound, so a layer-subset draft costs about kept/30 of the target

@@ -3,7 +3,7 @@
 The arithmetic and memory traffic of a forward pass do not depend on the weight values, so a
 randomly initialised Llama-3.1-8B costs what the real one costs per forward; its outputs are
 noise, so acceptance rates, block efficiencies and quality measured on it mean nothing. Combine
-per-iteration costs measured here with block efficiencies measured on real pairs (DESIGN.md 7).
+per-iteration costs measured here with block efficiencies measured on real pairs (docs/design.md section 7).
 
 Shapes are written out (no hub access needed); ``tiny-*`` shapes serve CPU smoke runs. A model
 spec ``random:SHAPE`` (``--target random:llama3.1-8b --draft random:llama3.2-1b``) loads one

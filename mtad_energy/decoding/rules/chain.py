@@ -118,7 +118,7 @@ def spectr_rho(p: torch.Tensor, q: torch.Tensor, k: int | torch.Tensor, iters: i
 def spectr_residual(p: torch.Tensor, q: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     """Distribution to sample when all k drafts are rejected: ``[..., V]``.
 
-    DESIGN's [p - min(q, p/rho) * (1-(1-beta)^k)/beta] / (1-beta)^k. At the root
+    docs/design.md section 3's [p - min(q, p/rho) * (1-(1-beta)^k)/beta] / (1-beta)^k. At the root
     (1-(1-beta)^k)/beta = rho, so the numerator is max(0, p - rho*q) and the denominator its mass;
     we normalise that form, which stays a valid distribution at any bisection tolerance.
     """

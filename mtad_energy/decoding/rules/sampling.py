@@ -1,6 +1,6 @@
 """Warping and sampling as small pure tensor functions.
 
-Warping follows the paper (and DESIGN.md section 3): temperature, then keep the top-k tokens and
+Warping follows the paper (and docs/design.md section 3): temperature, then keep the top-k tokens and
 renormalise, then top-p where a token is dropped when the probability mass *strictly before it*
 already exceeds p (so the most likely token is always kept). The same warp is applied to p and q.
 

@@ -2,7 +2,7 @@
 
 A decoder's step is forwards (the runners') and, between them, pure tensor functions: warping and
 sampling, an acceptance rule, a beam step. Eagerly each of those is tens of aten ops the host
-dispatches one by one (~6-8 us each on a GPU: DESIGN.md section 7); compiled, one graph call.
+dispatches one by one (~6-8 us each on a GPU: docs/design.md section 7); compiled, one graph call.
 ``s.kernels(fn, *args)`` (`DecodeState.kernels`) calls ``fn(*args)`` through the generation's
 `Kernels`: this class calls it as it is (the eager path), `compiled.CompiledKernels` compiles it
 (one graph per input shape). The functions are the same on both paths, so are the rules.

@@ -1,7 +1,7 @@
 """What one compiled call of the static-cache path runs: a forward on a `SlotCache`
 (`slot_forward`), and the fused calls that keep a decoder's step on the device between forwards.
 
-On a GPU the host decides a compiled loop's speed (DESIGN.md section 7): every graph call costs a
+On a GPU the host decides a compiled loop's speed (docs/design.md section 7): every graph call costs a
 launch, its input copies and the host's own bookkeeping. So the compiled path fuses what a step
 runs back to back into one graph:
 

@@ -20,7 +20,7 @@ class PhaseTimer:
 
     ``PhaseTimer(device)`` (or ``PhaseTimer.for_device(device)``) picks the implementation:
     `CpuPhaseTimer` (``perf_counter``, no synchronisation) or, on CUDA, `CudaPhaseTimer`, which
-    records CUDA events around each block instead of synchronising (DESIGN.md section 7) and reads
+    records CUDA events around each block instead of synchronising (docs/design.md section 7) and reads
     them in `flush` - call that right after a host read-back, when the events are complete.
     """
 

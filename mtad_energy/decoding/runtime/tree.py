@@ -29,7 +29,7 @@ from mtad_energy.decoding.runtime.params import DecoderParams, require
 from mtad_energy.decoding.runtime.runner import ModelRunner
 
 # model_type values whose HF implementation takes a custom 4-D additive mask plus position_ids
-# (tested in tests/decoding/test_tree.py); others may silently ignore or rebuild the mask.
+# (tested in tests/decoding/runtime/test_tree.py); others may silently ignore or rebuild the mask.
 TREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "opt"})
 TREE_ATTN = frozenset({"eager", "sdpa"})
 

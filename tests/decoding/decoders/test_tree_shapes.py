@@ -22,7 +22,6 @@ from mtad_energy.decoding.decoders import medusa as medusa_mod
 from mtad_energy.decoding.decoders.medusa import candidate_tokens
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.tree import rooted_tree
-from tests.decoding.test_head_decoders import small3_pair  # noqa: F401 - a fixture
 
 
 def cartesian(tops: list[list[int]]) -> list[tuple[int, ...]]:

@@ -32,7 +32,7 @@ from mtad_energy.results.store import (
 )
 from tests.limits import hang_limit_s
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # a worker as the runner writes: steps first (overwritten on a redo), then the run row, the commit
 # mark, refused if the key is stored; prints the keys it stored

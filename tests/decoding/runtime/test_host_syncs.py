@@ -1,4 +1,4 @@
-"""Host work per decode iteration is behaviour, held to budgets (DESIGN.md section 7).
+"""Host work per decode iteration is behaviour, held to budgets (docs/design.md section 7).
 
 On a GPU every host read of a device value (``.item()``, ``int(t)``, ``if t:``, a 0-d tensor as an
 index, ``nonzero``, a boolean mask, ``.tolist()``) stalls the host until the device is done, and

@@ -1,4 +1,4 @@
-"""Tests that fail when one rule of DESIGN.md section 3 is broken (issue 10, section B).
+"""Tests that fail when one rule of docs/design.md section 3 is broken (issue 10, section B).
 
 Each test below was checked against a one-line break of the library (see the issue's note):
 - top-p boundary: exact masses, so ``>`` vs ``>=`` and "mass before" vs "mass including" differ;

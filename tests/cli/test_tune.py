@@ -19,10 +19,9 @@ from mtad_energy.decoding.grids import TUNING_GRIDS, grid_settings
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from mtad_energy.results import load_results
 from mtad_energy.results.tuning import NoSettingError, bootstrap_indices, choose
-from tests.test_bad_input import no_loading  # noqa: F401  (the fixture: no model may load)
 
 runner = CliRunner()
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "decoders"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "decoders"
 
 
 def strict(text: str):

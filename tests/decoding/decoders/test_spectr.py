@@ -60,7 +60,7 @@ def test_k_sequential_selection_outputs_exactly_p(k):
     accepted = torch.minimum(q, p / rho[:, None]) * (1 - (1 - beta) ** k) / beta
     torch.testing.assert_close(accepted + (1 - beta) ** k * spectr_residual(p, q, rho), p,
                                atol=1e-5, rtol=0)
-    # and the normalised residual is DESIGN's formula
+    # and the normalised residual is docs/design.md section 3's formula
     design = (p - accepted) / (1 - beta) ** k
     torch.testing.assert_close(spectr_residual(p, q, rho), design, atol=1e-4, rtol=1e-3)
 

@@ -237,7 +237,7 @@ def test_the_kits_csvs_count_the_contended_rows(tmp_path):
 
     import pandas as pd
 
-    path = Path(__file__).resolve().parents[1] / "experiments/gpu/tables.py"
+    path = Path(__file__).resolve().parents[2] / "experiments/gpu/tables.py"
     spec = importlib.util.spec_from_file_location("gpu_kit_tables_41", path)
     kit = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = kit

@@ -30,19 +30,6 @@ def pair_args(model_dirs):
             "--max-new-tokens", "3"]
 
 
-@pytest.fixture()
-def no_loading(monkeypatch):
-    """Fails the test if a command loads a model."""
-    import mtad_energy.bench.runner as runner_mod
-    import mtad_energy.models as models_mod
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the input was checked")
-
-    monkeypatch.setattr(runner_mod, "load_pair", refuse)
-    monkeypatch.setattr(models_mod, "load_pair", refuse)
-
-
 def profile(model_dirs, dataset, out, *extra):
     return runner.invoke(app, ["profile", "--decoder", "ar", *pair_args(model_dirs), "--dataset",
                                str(dataset), "--n-prompts", "3", "--output", str(out), *extra])

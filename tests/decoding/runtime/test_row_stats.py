@@ -1,5 +1,5 @@
 """Per-row statistics of every batched drafting decoder (docs/concepts/statistics.md,
-DESIGN section 6): in a batch of B = 3 rows of different lengths, whose drafts
+docs/design.md section 6): in a batch of B = 3 rows of different lengths, whose drafts
 differ in length (a row's depth capped by what it can still emit; pld's lookups of their own
 lengths; BiLD's own fallback points; EAGLE-2's chosen depths), each row's every iteration
 emits its kept draft tokens plus the token from p: ``emitted == accepted + 1``, with

@@ -3,7 +3,7 @@ checkpoints in their public layouts (tests/tiny.py). Greedy-exactness, losslessn
 a broken variant rejected), the acceptance rules on hand-made trees, per-row batching and the
 compiled path where drafts are kept, and the statistics contract.
 
-The registry-wide tests (test_batch.py, test_compile*.py, test_host_syncs.py) run both on the
+The registry-wide tests (runtime/test_batch.py, test_compile*.py, test_host_syncs.py) run both on the
 tiny Llama (64 tokens: the random heads' proposals are rarely kept); here a 5-token target makes
 them kept often, so rollback, per-row acceptance and tree keeping are exercised."""
 
@@ -40,16 +40,6 @@ def small_pair(tmp_path_factory):
     return load_pair(target=path, device="cpu",
                      draft=f"medusa:{tiny.save_medusa(target, root / 'medusa')},"
                            f"eagle:{tiny.save_eagle(target, root / 'eagle', version=1)}")
-
-
-@pytest.fixture(scope="module")
-def small3_pair(tmp_path_factory):
-    """A 5-token, 3-layer target with an EAGLE-3 head over a 4-token draft vocabulary."""
-    root = tmp_path_factory.mktemp("small3")
-    target = tiny.llama(5, 0, layers=3, hidden=16, init=0.25)
-    path = tiny.save(target, tiny.word_tokenizer(5, eos=False), root / "target")
-    head = tiny.save_eagle(target, root / "eagle", version=3, draft_vocab=4, safetensors=True)
-    return load_pair(target=path, draft=f"eagle:{head}", device="cpu")
 
 
 CASES = [("medusa", {"acceptance": "typical"}), ("medusa", {"acceptance": "speculative"}),
