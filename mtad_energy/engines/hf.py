@@ -12,7 +12,7 @@ generates. What only the project's decoders have lives here, behind the contract
 * the warm-up is full length when compiled (every shape compiles there, not inside a window) and
   its host work per iteration is counted (`counted_generation`), for the rows measured after it;
 * shapes: compiled rows share graphs by row bucket and slot bucket (`shape_key`), and a compiled
-  warm-up at a new row bucket first frees the static caches of the others (`release_engines`);
+  warm-up at a new row bucket first frees the static caches of the others (`release_graphs`);
 * memory: a batch whose caches and logits would not fit is said before it runs (`does_not_fit`);
 * FLOP/byte accounting of the project's forwards (`profile_ops`);
 * rows keep the keys hf rows always had (`key_columns` adds nothing) and the model label none.
@@ -137,7 +137,7 @@ class HfEngine(Engine):
         (prompts of similar length share graphs)."""
         if not self.compile:
             return (len(prompts),)
-        from mtad_energy.decoding.runtime.static_engine import row_bucket, slot_bucket
+        from mtad_energy.decoding.runtime.static_graphs import row_bucket, slot_bucket
 
         slots = slots_needed(self.decoder(spec), [len(p) for p in prompts], max_new_tokens)
         return row_bucket(len(prompts)), slot_bucket(slots)
@@ -168,11 +168,11 @@ class HfEngine(Engine):
         """One unmeasured generation, full length when compiled, its host work counted; a
         compiled warm-up at a new row bucket first frees the static caches of the others."""
         if self.compile:
-            from mtad_energy.decoding.runtime.static_engine import release_engines, row_bucket
+            from mtad_energy.decoding.runtime.static_graphs import release_graphs, row_bucket
 
             bucket = row_bucket(len(prompts))
             if self._row_bucket != bucket:  # the caches of other buckets (and engines) freed
-                release_engines()
+                release_graphs()
             self._row_bucket = bucket
         gens, work = counted_generation(self.decoder(spec), self.pair, prompts,
                                         warm_up_tokens(max_new_tokens, self.compile), seed,

@@ -15,7 +15,7 @@ import torch
 
 from mtad_energy.decoding.rules.beam import beam_rows, best_at, closest_beam
 from mtad_energy.decoding.rules.sampling import Warp, take
-from mtad_energy.decoding.runtime.kernels import Kernels
+from mtad_energy.decoding.runtime.calls import EagerCalls
 from mtad_energy.decoding.runtime.runner import ModelRunner
 
 
@@ -101,7 +101,7 @@ def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width:
 def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width: int,
                      warp: Warp, generator: torch.Generator, stochastic: bool = True,
                      eos_token_id: int | None = None, counts: list[int] | None = None,
-                     kernels: Kernels | None = None,
+                     kernels: EagerCalls | None = None,
                      finish: Callable[..., tuple] | None = None, finish_args: tuple[Any, ...] = ()
                      ) -> BeamDraft:
     """Run ``depth`` beam steps of ``runner``'s model for B sequences after feeding ``first_ids
@@ -116,7 +116,7 @@ def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, w
     b*W + w holds sequence b's prefix plus the first depth-1 tokens of its final beam w (the last
     token is not fed). Beams that emitted ``eos_token_id`` are frozen: they repeat EOS at no cost.
     """
-    out = runner.beam_search(kernels or Kernels(), first_ids, counts, depth, width,
+    out = runner.beam_search(kernels or EagerCalls(), first_ids, counts, depth, width,
                              (*warp.args, stochastic), generator, eos_token_id, finish,
                              *finish_args)
     if finish is not None:

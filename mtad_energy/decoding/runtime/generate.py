@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtad_energy.decoding.runtime.calls import EagerCalls
 from mtad_energy.decoding.runtime.decoder import Decoder
-from mtad_energy.decoding.runtime.kernels import Kernels
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.state import DecodeState, ids_width, to_device
 from mtad_energy.decoding.runtime.stats import (
@@ -185,13 +185,13 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     return runners[0], (runners[1] if len(runners) > 1 else None)
 
 
-def _kernels(compile: bool | CompileOptions) -> Kernels:
+def _kernels(compile: bool | CompileOptions) -> EagerCalls:
     """Where the decoder's pure tensor functions run: compiled under ``compile``, else eagerly."""
     if not compile:
-        return Kernels()
-    from mtad_energy.decoding.runtime.compiled import CompiledKernels  # the compiler stack
+        return EagerCalls()
+    from mtad_energy.decoding.runtime.compiled import CompiledCalls  # the compiler stack
 
-    return CompiledKernels(None if isinstance(compile, bool) else compile)
+    return CompiledCalls(None if isinstance(compile, bool) else compile)
 
 
 def _graphs_compiled(compile: bool | CompileOptions) -> int:
@@ -216,7 +216,7 @@ class _Run:
     state: DecodeState
     target: ModelRunner
     draft: ModelRunner | None
-    kernels: Kernels
+    kernels: EagerCalls
     graphs_before: int  # dynamo's count of graphs compiled before this call
 
     @property

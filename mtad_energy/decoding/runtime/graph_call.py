@@ -12,11 +12,15 @@ the fewer outputs a call returns, the less host work). Where graphs are recorded
 clones are made here, and a counter sees them as the ops they are; elsewhere (the CPU, which
 records no graphs) a counter still counts them, as the ops a GPU host makes
 (`graph_outputs`), so a count on the CPU says what the GPU host does.
+
+What a generation meets for the first time runs uncompiled there and compiles after it
+(`Pending`, `CompilesAfter.compile_pending`): never inside a measured window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -67,3 +71,46 @@ class GraphFunction:
             return self.fn(*args, **kwargs)
         with getattr(counter, how)():
             return self.fn(*args, **kwargs)
+
+
+def sync(device: torch.device | None) -> None:
+    """Wait for ``device``'s queued work (a CUDA device; nothing elsewhere): a compile's seconds
+    end when its warm-up ran, not when it was queued."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Pending:
+    """What a generation met for the first time and ran uncompiled: key -> the call that compiles
+    it (on the inputs the generation met it with), made after the generation, outside every
+    window (`compile`). A key added twice keeps its last call; ``device``: synchronised after."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device
+        self._todo: dict[Hashable, Callable[[], Any]] = {}
+
+    def add(self, key: Hashable, compile: Callable[[], Any]) -> None:
+        self._todo[key] = compile
+
+    def compile(self) -> float:
+        """Run every pending compile, then forget them; returns the seconds it took."""
+        if not self._todo:
+            return 0.0
+        t0 = time.perf_counter()
+        for compile in self._todo.values():
+            compile()
+        sync(self.device)
+        self._todo.clear()
+        return time.perf_counter() - t0
+
+
+class CompilesAfter:
+    """What may compile what a generation met first, after it: a runner, the generation's
+    `calls.EagerCalls`. ``_pending`` None: nothing ever pending (the eager path)."""
+
+    _pending: Pending | None = None
+
+    def compile_pending(self) -> float:
+        """Compile what this generation met for the first time, after it (the generate loop
+        calls it after its "end" hook); returns the seconds it took."""
+        return 0.0 if self._pending is None else self._pending.compile()

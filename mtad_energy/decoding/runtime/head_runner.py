@@ -10,7 +10,6 @@ deepest accepted node of the tree, whose hidden state the verify forward returne
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -18,14 +17,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mtad_energy.decoding.runtime.graph_call import GraphFunction
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.state import DecodeState
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
 
-# head -> {(backend, mode): ({function: the head, or the head then it, compiled}, signatures run
-# so far)}: kept across generations, like the engines
+# head -> {(backend, mode): its compiled calls (`compiled.CompiledFunctions`: the head, or the
+# head then a function) with the signatures run so far}: kept across generations, like the static
+# graphs
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -65,17 +64,20 @@ class HeadRunner(ModelRunner):
         self.compiled = bool(compile)
         self.compile_s = 0.0
         if self.compiled:
-            from mtad_energy.decoding.runtime.compiled import CompileOptions
+            from mtad_energy.decoding.runtime.compiled import (
+                CompiledFunctions,
+                CompileOptions,
+                resolved_mode,
+            )
 
             opts = options or CompileOptions()
-            device = next(head.parameters()).device
-            mode = opts.mode or ("reduce-overhead" if device.type == "cuda"
-                                 and opts.backend == "inductor" else None)
-            self._key = (opts.backend, mode)
-            self._calls, self._warmed = _COMPILED.setdefault(head, {}).setdefault(
-                self._key, ({}, set()))
-            self._graphs = mode == "reduce-overhead"
-            self._device = device
+            self._device = next(head.parameters()).device
+            per_head = _COMPILED.setdefault(head, {})
+            key = (opts.backend, resolved_mode(opts, self._device))
+            self._calls = per_head.get(key)
+            if self._calls is None:  # one graph per input signature: never dynamic
+                self._calls = per_head[key] = CompiledFunctions.for_forwards(
+                    opts, self._device, dynamic=False)
             self.prewarm_s = self._prewarm(warm)  # before any window opens: not in compile_s
 
     def __call__(self, features: torch.Tensor, counts: list[int] | None = None,
@@ -100,10 +102,9 @@ class HeadRunner(ModelRunner):
             with self._timer(self._phase):
                 return self.model(features).float()
         features = features.contiguous()
-        call = self._compiled(fn)
         self.compile_s += self._compile(fn, features, args)  # a new signature, untimed
         with self._timer(self._phase):  # (a CUDA graph's outputs cloned: `graph_outputs`)
-            out = call(features, *args)
+            out = self._calls.compiled(fn, self._target(fn))(features, *args)
             return out if fn is not None else out.float()
 
     def _compile(self, fn: Callable[..., Any] | None, features: torch.Tensor,
@@ -113,17 +114,11 @@ class HeadRunner(ModelRunner):
         from mtad_energy.decoding.runtime.compiled import signature
 
         shape = (fn, tuple(features.shape), features.dtype, signature(args))
-        if shape in self._warmed:
+        if shape in self._calls.warmed:
             return 0.0
-        sync = torch.cuda.synchronize if self._device.type == "cuda" else (lambda: None)
-        call = self._compiled(fn)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(3 if self._graphs else 1):
-            call(features, *args)
-        sync()
-        self._warmed.add(shape)
-        return time.perf_counter() - t0
+        seconds = self._calls.warm(fn, (features, *args), target=self._target(fn))
+        self._calls.warmed.add(shape)
+        return seconds
 
     def _prewarm(self, calls: tuple[HeadCall, ...]) -> float:
         """Compile ``calls`` (`Decoder.warm_forwards`) on zero features of their width, one row
@@ -133,19 +128,9 @@ class HeadRunner(ModelRunner):
                                                    device=self._device), c.args)
                    for c in calls)
 
-    def _compiled(self, fn: Callable[..., Any] | None) -> GraphFunction:
-        """The head (``fn`` None) or the head then ``fn``, compiled for this runner's options."""
-        call = self._calls.get(fn)
-        if call is None:
-            from mtad_energy.decoding.runtime.compiled import uses_cuda_graphs
-
-            backend, mode = self._key
-            head = self.model
-            target = head if fn is None else partial(_head_then, head, fn)
-            call = self._calls[fn] = GraphFunction(torch.compile(
-                target, backend=backend, mode=mode, dynamic=False, fullgraph=True),
-                graph=uses_cuda_graphs(mode), clone=self._graphs)
-        return call
+    def _target(self, fn: Callable[..., Any] | None) -> Callable[..., Any]:
+        """What compiles for ``fn``: the head (``fn`` None) or the head then ``fn``."""
+        return self.model if fn is None else partial(_head_then, self.model, fn)
 
     def __len__(self) -> int:
         return 0

@@ -26,7 +26,7 @@ def memory_needed_bytes(pair: ModelPair, decoder: Decoder, rows: int, slots: int
     KV cache (compiled: rows padded to their bucket, times the rows a sequence expands to, over
     the slot bucket; eager: twice, as a dynamic cache is copied when it grows) and the float32
     logits of the widest forward with their warps."""
-    from mtad_energy.decoding.runtime.static_engine import row_bucket, slot_bucket
+    from mtad_energy.decoding.runtime.static_graphs import row_bucket, slot_bucket
 
     total = 0
     # a chain verifies its effective draft (`Decoder.lookahead_for`) plus one; a tree its nodes

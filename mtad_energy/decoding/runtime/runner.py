@@ -15,6 +15,7 @@ import torch
 from mtad_energy.decoding.rules.beam import first_scores, first_select, step_scores, step_select
 from mtad_energy.decoding.rules.sampling import uniforms
 from mtad_energy.decoding.runtime import cache as kv
+from mtad_energy.decoding.runtime.graph_call import CompilesAfter
 from mtad_energy.decoding.runtime.masks import additive_mask, tree_inputs
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
@@ -41,7 +42,7 @@ def pick_hidden(out, hidden: tuple[int, ...]) -> torch.Tensor | None:
     return torch.cat([out.hidden_states[i] for i in hidden], -1)
 
 
-class ModelRunner:
+class ModelRunner(CompilesAfter):
     """One model with its KV cache; counts and times forwards.
 
     ``hidden``: indices into transformers' ``hidden_states`` (0 the embeddings, i the input of
@@ -169,11 +170,6 @@ class ModelRunner:
             tokens.append(tok), parents.append(parent), cums.append(cum)
         out = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), seqs, paths)
         return out if finish is None else kernels(finish, *out, *finish_args)
-
-    def compile_pending(self) -> float:
-        """Compile what this generation met for the first time, after it (nothing here; the
-        compiled runner's fused calls); returns the seconds it took."""
-        return 0.0
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:

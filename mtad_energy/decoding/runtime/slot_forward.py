@@ -99,7 +99,7 @@ def forward_then(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Te
                  forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
     """`slot_forward` of ``input_ids [R, W]`` (rows and width padded), then ``fn(logits[:rows,
     :k], *args)``: what ``fn`` returns (a verify's block, a sampled token). ``forward``: the
-    forward to run (compiled on its own while the fused call is not, `StaticEngine.unfused`)."""
+    forward to run (compiled on its own while the fused call is not, `StaticGraphs.uncompiled`)."""
     return fn(forward(model, cache, input_ids, new)[:rows, :k], *args)
 
 
@@ -267,7 +267,7 @@ def rows_of(t: torch.Tensor, rows: int, r: int, dims: int) -> torch.Tensor:
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``: a program's pure functions inside a fused call (`Kernels` outside one)."""
+    """``fn(*args)``: a program's pure functions inside a fused call (`EagerCalls` outside one)."""
     return fn(*args)
 
 
@@ -320,7 +320,7 @@ def select_slot_rows(model, cache: SlotCache, rows: torch.Tensor,
     and of the validity become the cache's first r rows, over every slot (no host count of the
     columns in use enters the graph; a column past them is written before any forward reads
     it): `StaticRunner.select_rows` in one graph call, which returns nothing (nothing cloned).
-    ``model``: unused (an engine call's first argument)."""
+    ``model``: unused (the first argument of every `StaticGraphs` call)."""
     rows = torch.cat([rows, *pad]) if pad else rows
     r = rows.shape[0]
     cache.kv[:, :r] = cache.kv.index_select(1, rows)  # [2 * layers, r, H, L, D]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from mtad_energy.decoding.rules.sampling import uniforms
-from mtad_energy.decoding.runtime.kernels import Kernels
+from mtad_energy.decoding.runtime.calls import EagerCalls
 from mtad_energy.decoding.runtime.runner import ModelRunner
 
 
@@ -46,7 +46,7 @@ class DecodeState:
     # features); decoders are reused across generations, so it lives here, not on them
     carry: dict[str, Any] = field(default_factory=dict)
     # where the step's pure tensor functions run: eagerly, or compiled (`kernels`)
-    kernels: Kernels = field(default_factory=Kernels)
+    kernels: EagerCalls = field(default_factory=EagerCalls)
     # tokens per row `recent` holds: what a draft's catch-up and a verify's first token take
     recent_width: int = 1
 

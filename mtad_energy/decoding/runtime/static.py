@@ -19,9 +19,9 @@ the rows, a per-row validity mask, compaction). Differences from the eager runne
   a token tree: r's valid columns before the tree plus the node's ancestors) and writes which
   of its columns are real into ``valid``; transformers returns a 4-D mask as-is, so the model
   code never asks the cache for its length and the graph has no data-dependent shapes;
-* ``torch.compile(dynamic=False)`` specialises on the input shape: one graph per (rows, k, L)
-  the loop uses (``CompileOptions(dynamic=None)``: one symbolic graph reused across them). A
-  chain forward of k > 2 tokens runs at the decoder's widest chain width
+* ``torch.compile`` with ``dynamic=False`` specialises on the input shape: one graph per
+  (rows, k, L) the loop uses (``CompileOptions(dynamic=None)``: one symbolic graph reused
+  across them). A chain forward of k > 2 tokens runs at the decoder's widest chain width
   (``ForwardShape.max_chain``: its verify of gamma + 1) and a tree at the widest tree of the
   same decoder and shape seen so far, the extra tokens invalid; so a generation's shorter
   last verifies never need a new graph, and each decoder pads only to its own widths;
@@ -30,7 +30,7 @@ the rows, a per-row validity mask, compaction). Differences from the eager runne
   clock skips them, and `Generation.stats.compile_s` reports them;
 * dead columns are reclaimed by compaction when the next forward would not fit.
 
-The compiled forward and its cache live in a `static_engine.StaticEngine` per (model, role)
+The compiled forward and its cache live in a `static_graphs.StaticGraphs` per (model, role)
 that outlives a generation, so later generations reuse the graphs (and the cache, when they need
 the same rows and slots). The prefill runs the same function uncompiled (its length differs per
 prompt).
@@ -38,7 +38,6 @@ prompt).
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -56,7 +55,7 @@ from mtad_energy.decoding.runtime.compiled import (
     reset_dynamo,
     signature,
 )
-from mtad_energy.decoding.runtime.graph_call import GraphFunction
+from mtad_energy.decoding.runtime.graph_call import Pending
 from mtad_energy.decoding.runtime.head_runner import release_heads
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.slot_forward import (
@@ -68,15 +67,15 @@ from mtad_energy.decoding.runtime.slot_forward import (
     slot_forward,
 )
 from mtad_energy.decoding.runtime.state import to_device
-from mtad_energy.decoding.runtime.static_engine import (
+from mtad_energy.decoding.runtime.static_fused import FusedCalls
+from mtad_energy.decoding.runtime.static_graphs import (
     check_static_support,
     eager_reason,
-    engine_for,
+    graphs_for,
     install_capture_hooks,
-    release_engines,
+    release_graphs,
     row_bucket,
 )
-from mtad_energy.decoding.runtime.static_fused import FusedCalls
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
 
@@ -134,13 +133,13 @@ def make_runner(model, timer: PhaseTimer, phase: str, rows: int, slots: int,
 
 def reset_compiled() -> None:
     """Forget every graph and every record of one, as a fresh process starts: dynamo's graphs
-    and the kernels' signatures (`compiled.reset_dynamo`), the static engines' caches with the
-    shapes they compiled (`static_engine.release_engines`: the next generation makes new caches
+    and the pure functions' signatures (`compiled.reset_dynamo`), the static graphs' caches with
+    the shapes they compiled (`static_graphs.release_graphs`: the next generation makes new caches
     and compiles its shapes before its windows again) and the heads' compiled calls
     (`head_runner.release_heads`). A record left behind would claim a graph dynamo forgot, and
     its forward would compile inside its timed window."""
     reset_dynamo()
-    release_engines()
+    release_graphs()
     release_heads()
 
 
@@ -154,15 +153,10 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
         memory_format=torch.contiguous_format)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class StaticRunner(FusedCalls, RowLayout, ModelRunner):
-    """`ModelRunner` over a `StaticEngine`: same interface, static cache, compiled forwards, for
-    ``seqs`` sequences padded to their bucket (see the module docstring); its multi-step calls
-    fused into one graph call each (`static_fused.FusedCalls`)."""
+    """`ModelRunner` over a model's `StaticGraphs`: same interface, static cache, compiled
+    forwards, for ``seqs`` sequences padded to their bucket (see the module docstring); its
+    multi-step calls fused into one graph call each (`static_fused.FusedCalls`)."""
 
     compiled = True
 
@@ -184,13 +178,13 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         if self.hidden_layers:  # transformers installs them lazily, under a lock dynamo refuses
             install_capture_hooks(model)
         self.device = next(model.parameters()).device
-        self.engine = engine_for(model, phase, self.device, options)
+        self.graphs = graphs_for(model, phase, self.device, options)
         bucket = row_bucket(seqs)
         self._init_layout(seqs, pad=bucket - seqs)
-        self.cache = self.engine.cache_for(bucket * self.shape.rows_per_seq, slots)
+        self.cache = self.graphs.cache_for(bucket * self.shape.rows_per_seq, slots)
         self.n = 0  # columns in use (host side: set by forwards, cuts and compaction)
         self._ones: dict[tuple, torch.Tensor] = {}  # constants, made once per shape (`_constant`)
-        self._pending: dict[tuple, tuple] = {}  # fused calls to compile after the generation
+        self._pending = Pending(self.device)  # fused calls to compile after the generation
         self.prewarm_s = self._prewarm()  # before any window opens: not the generation's
         self.compile_s -= self.prewarm_s
 
@@ -232,7 +226,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         """The width to run a forward of k tokens at (see the module docstring)."""
         if m is None:
             return k if k <= 2 else max(k, self.shape.max_chain)
-        seen = self.engine.tree_widths.setdefault((self.shape.key, rows, m), set())
+        seen = self.graphs.tree_widths.setdefault((self.shape.key, rows, m), set())
         wider = [w for w in seen if w >= k]
         if wider:
             return min(wider)
@@ -245,7 +239,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
             return
         self.compact()
         if self.n + width > self.cache.slots:
-            self.cache = self.engine.grow(self.cache, self.n + width)
+            self.cache = self.graphs.grow(self.cache, self.n + width)
             self._prewarm()
 
     def _run(self, input_ids: torch.Tensor, new: torch.Tensor | None,
@@ -286,16 +280,16 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         if compiled and key not in self.cache.warmed:  # the forward's own shape: compiled now
             self._warm(args, kwargs)
             self.cache.warmed.add(key)
-        forward = partial(self.engine.forward, compiled=compiled)
+        forward = partial(self.graphs.forward, compiled=compiled)
         if fused is not None:
             args += fused.args
             fused_key = key + fused.key()
             if fused_key in self.cache.warmed:
-                forward = partial(self.engine.forward, call=fused.call)
+                forward = partial(self.graphs.forward, call=fused.call)
             else:  # met first: its forwards' graphs now, the fused graph after the generation
                 self._warm_later(later, fused.width)
-                self._pending[fused_key] = (args, kwargs, fused.call, m or 0)
-                forward = partial(self.engine.unfused, call=fused.call)
+                self._compile_later(fused_key, args, kwargs, fused.call, m or 0)
+                forward = partial(self.graphs.uncompiled, call=fused.call)
         self.forwards += 1 + len(later)
         self.forward_shapes.append(Forward(total, width, self.cache.slots,
                                            0 if features is None else features.shape[-1]))
@@ -348,7 +342,7 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
                 self._warm_widths((self._width(rows, f.columns, None),), f.rows_per_seq,
                                   f.features)
             else:  # the width the loop's trees pad to (`_width`), then that tree
-                self.engine.tree_widths.setdefault((self.shape.key, rows, f.m), set()).add(
+                self.graphs.tree_widths.setdefault((self.shape.key, rows, f.m), set()).add(
                     f.columns)
                 self._warm_tree(f.columns, f.m, f.features, f.per_seq and rows > 1, rows)
         return self.compile_s - before
@@ -414,32 +408,24 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         if at != self.n:  # the warm wrote past the columns in use (after M earlier nodes):
             self.cache.start.fill_(self.n)  # the fused call that follows starts at them
 
-    def compile_pending(self) -> float:
-        """Compile the fused calls this generation met for the first time (they ran with their
-        forwards compiled, the functions between them eagerly), on the inputs it met them with,
-        at the cache's first slots: after the generation, whose cache they overwrite (the next
-        generation empties it; a token tree after M earlier nodes at slot M, past them). Returns
-        the seconds it took."""
-        if not self._pending:
-            return 0.0
-        t0 = time.perf_counter()
-        for key, (args, kwargs, call, start) in self._pending.items():
+    def _compile_later(self, key: tuple, args: tuple, kwargs: dict, call: Callable[..., Any],
+                       start: int) -> None:
+        """Compile ``call`` (a fused call, a row move) met for the first time after the
+        generation (`compile_pending`), on the inputs it met it with, at the cache's first
+        slots: the generation's cache it overwrites is emptied by the next one (a token tree
+        after M earlier nodes at slot M, past them)."""
+        def compile_now() -> None:
             if key not in self.cache.warmed:
                 self.cache.start.fill_(start)
-                self.engine.warm(self.cache, args, kwargs, call)
+                self.graphs.warm(self.cache, args, kwargs, call)
                 self.cache.warmed.add(key)
-        _sync(self.device)
-        self._pending.clear()
-        return time.perf_counter() - t0
+
+        self._pending.add(key, compile_now)
 
     def _warm(self, args: tuple, kwargs: dict, call=slot_forward) -> None:
         """Run a new shape untimed (compiling it): the calls are idempotent (the same KV and
         validity written at the same slots), their seconds go to ``compile_s``."""
-        _sync(self.device)
-        t0 = time.perf_counter()
-        self.engine.warm(self.cache, args, kwargs, call)
-        _sync(self.device)
-        self.compile_s += time.perf_counter() - t0
+        self.compile_s += self.graphs.warm(self.cache, args, kwargs, call)
 
     def _new(self, k: int, counts: list[int] | None) -> torch.Tensor | None:
         """``[B, k]``: which tokens of a ragged input are real (row b's last counts[b]), made once
@@ -502,10 +488,10 @@ class StaticRunner(FusedCalls, RowLayout, ModelRunner):
         a window: `compile_pending`)."""
         key = (call.__name__, signature(args))
         if key in self.cache.warmed:
-            self.engine.forward(self.cache, args, call=call)
+            self.graphs.forward(self.cache, args, call=call)
             return
-        self._pending[key] = (args, {}, call, self.n)
-        GraphFunction(call, graph=self.engine.options.cuda_graphs)(self.model, self.cache, *args)
+        self._compile_later(key, args, {}, call, self.n)
+        self.graphs.uncompiled(self.cache, args, call=call, fused=False)
 
     def _constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A read-only device tensor made once per ``key`` (row indices, masks)."""

@@ -185,7 +185,7 @@ class FusedCalls:
         at these rows after M (a smaller one, a generation's last iterations, runs as two
         calls, as `then` does a shorter verify)."""
         k = input_ids.shape[1]
-        seen = self.engine.tree_widths.get((self.shape.key, self._rows, anc_rows.shape[-1] - k),
+        seen = self.graphs.tree_widths.get((self.shape.key, self._rows, anc_rows.shape[-1] - k),
                                            set())
         return self.width == 1 and k >= max(seen, default=k)
 

@@ -12,10 +12,10 @@ from mtad_energy.decoding.decoders.bild import draft_until_unsure, rollback_log_
 from mtad_energy.decoding.registry import get_decoder
 from mtad_energy.decoding.rules.chain import rollback_length
 from mtad_energy.decoding.rules.sampling import Warp
-from mtad_energy.decoding.runtime.kernels import Kernels
+from mtad_energy.decoding.runtime.calls import EagerCalls
 
 PROMPT = [5, 9, 12, 3]
-KERNELS = Kernels()  # the eager path: the kernels called as they are
+KERNELS = EagerCalls()  # the eager path: the kernels called as they are
 
 
 

@@ -17,12 +17,12 @@ from torch._dynamo.utils import counters
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.runtime import static, static_engine
+from mtad_energy.decoding.runtime import static, static_graphs
 from mtad_energy.decoding.runtime.compiled import CompileOptions
 from mtad_energy.decoding.runtime.generate import generate_ids
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner
-from mtad_energy.decoding.runtime.static_engine import check_static_support
+from mtad_energy.decoding.runtime.static_graphs import check_static_support
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.decoding.runtime.tree import ancestors, keep_path, level_parents, tree_forward
 from tests.tiny import compile_test_decoder, skip_without_head
@@ -104,7 +104,7 @@ def test_static_runner_matches_the_eager_runner_op_by_op(llama_pair, opt_pair):
 
 
 def test_static_cache_grows_mid_generation_and_keeps_its_contents(llama_pair, monkeypatch):
-    monkeypatch.setattr(static_engine, "MIN_SLOTS", 4)
+    monkeypatch.setattr(static_graphs, "MIN_SLOTS", 4)
     decoder = get_decoder("spd", temperature=0)
     eager = generate_ids(decoder, llama_pair, PROMPT, 20, compute_perplexity=False)
     runner_cls = static.StaticRunner
@@ -195,8 +195,8 @@ def test_fused_calls_return_and_leave_what_the_separate_calls_do(llama_pair):
     (after the generation that met them, `compile_pending`): the same tokens, probabilities,
     cache columns, validity and KV as the separate calls, for 3 rows in a bucket of 4 with a
     ragged first input, after the call ran twice (its untimed warm-up)."""
+    from mtad_energy.decoding.runtime.calls import EagerCalls
     from mtad_energy.decoding.runtime.decoder import draft_next, next_token
-    from mtad_energy.decoding.runtime.kernels import Kernels
 
     g = torch.Generator().manual_seed(0)
     u, u_next = torch.rand(4, 3, 1, generator=g), torch.rand(3, 1, generator=g)
@@ -210,11 +210,11 @@ def test_fused_calls_return_and_leave_what_the_separate_calls_do(llama_pair):
         separate, fused = runners
         for r in runners:
             r.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
-        a = ModelRunner.chain(separate, Kernels(), pending, [2, 1, 2], draft_next, u, *warp)
-        b = fused.chain(Kernels(), pending, [2, 1, 2], draft_next, u, *warp)
+        a = ModelRunner.chain(separate, EagerCalls(), pending, [2, 1, 2], draft_next, u, *warp)
+        b = fused.chain(EagerCalls(), pending, [2, 1, 2], draft_next, u, *warp)
         last = a[0][:, -1:]
-        a += (ModelRunner.then(separate, Kernels(), last, next_token, u_next, *warp),)
-        b += (fused.then(Kernels(), last, next_token, u_next, *warp),)
+        a += (ModelRunner.then(separate, EagerCalls(), last, next_token, u_next, *warp),)
+        b += (fused.then(EagerCalls(), last, next_token, u_next, *warp),)
         return runners, a, b
 
     first, _, _ = run("fused")  # met first: run separately, compiled after the generation
@@ -247,7 +247,7 @@ def test_a_fused_beam_search_returns_and_leaves_what_its_steps_do(llama_pair, st
     fused graph draws its uniforms up front for the whole vocabulary, so it compares with its
     own first run (met first: its forwards compiled, its steps eager, the same uniforms)."""
     from mtad_energy.decoding.rules.beam import best_at
-    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.calls import EagerCalls
 
     def whole(tokens, parents, log_q, seqs, paths, depth):  # the search's finish: all of it
         return (tokens, parents, log_q, seqs, paths, *best_at(tokens, parents, log_q, depth))
@@ -261,7 +261,7 @@ def test_a_fused_beam_search_returns_and_leaves_what_its_steps_do(llama_pair, st
                               seqs=3, shape=ForwardShape(rows_per_seq=3, max_chain=5))
         runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2])
         search = runner.beam_search if fused else partial(ModelRunner.beam_search, runner)
-        out = search(Kernels(), pending, counts, 4, 3, warp, torch.Generator().manual_seed(0),
+        out = search(EagerCalls(), pending, counts, 4, 3, warp, torch.Generator().manual_seed(0),
                      None, whole, depth)
         return runner, out
 
@@ -288,7 +288,7 @@ def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama
     """`StaticRunner.tree_then` (a token tree's forward and the rule reading its logits) in one
     graph call, once compiled: the same result, cache columns, validity and KV as the tree
     forward and the kernel apart (`ModelRunner.tree_then`), for 3 rows in a bucket of 4."""
-    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.calls import EagerCalls
     from mtad_energy.decoding.runtime.tree import ancestors, depths
 
     anc = ancestors(torch.tensor([-1, 0, 0, 1, 2]))  # [5, 5]: a root, two children, two more
@@ -299,7 +299,7 @@ def test_a_fused_tree_verify_returns_and_leaves_what_the_separate_calls_do(llama
     def run(role: str, fused: bool):
         runner = _three_rows(llama_pair.target, role, ForwardShape(key="tree"))
         call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
-        return runner, call(Kernels(), TREE_IDS, anc, depths(anc), rule, 2.0)
+        return runner, call(EagerCalls(), TREE_IDS, anc, depths(anc), rule, 2.0)
 
     out, ref = _fused_against_separate(run)
     torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)
@@ -316,7 +316,7 @@ def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, trunc
     valid columns hold, in order, the KV that the tree forward, the rule, `keep_tree` and the
     crop leave apart, for 3 rows in a bucket of 4, also when a row takes less than its block
     (EOS: the crop does the rest)."""
-    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.calls import EagerCalls
     from mtad_energy.decoding.runtime.tree import ancestors, depths
 
     anc = ancestors(torch.tensor([-1, 0, 0, 1, 2]))  # [5, 5]: root -> 1 -> 3, root -> 2 -> 4
@@ -330,7 +330,7 @@ def test_a_fused_tree_verify_rolls_the_tree_back_on_the_device(llama_pair, trunc
     def run(role: str, fused: bool):
         runner = _three_rows(llama_pair.target, role, ForwardShape(key="verify"))
         call = runner.verify_tree if fused else partial(ModelRunner.verify_tree, runner)
-        out = call(Kernels(), TREE_IDS, anc, depths(anc), rule, paths, length)
+        out = call(EagerCalls(), TREE_IDS, anc, depths(anc), rule, paths, length)
         return _crop_taken(runner, takes, length), out
 
     first, _ = run("fused", True)
@@ -361,7 +361,7 @@ def test_a_fused_chain_verify_rolls_back_on_the_device(llama_pair, truncated):
     more); the loop's crop then has nothing left to do on the device. It leaves the columns,
     validity and KV of the verify and the crop apart, for 3 rows in a bucket of 4, also when a
     row takes less than its block (EOS: the crop does the rest)."""
-    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.calls import EagerCalls
 
     length = torch.tensor([1, 4, 2])  # the last token only; every draft; one draft
 
@@ -371,7 +371,7 @@ def test_a_fused_chain_verify_rolls_back_on_the_device(llama_pair, truncated):
     def run(role: str, fused: bool):
         runner = _three_rows(llama_pair.target, role, ForwardShape(max_chain=4))
         call = runner.verify if fused else partial(ModelRunner.verify, runner)
-        out = call(Kernels(), TREE_IDS[:, :4], rule, length)
+        out = call(EagerCalls(), TREE_IDS[:, :4], rule, length)
         return _crop_taken(runner, [1, 2, 2] if truncated else [1, 4, 2], length), out  # EOS
 
     _rolled_back(run, "forward_verify", [5, 5, 4] if truncated else [5, 7, 4])
@@ -405,7 +405,7 @@ def test_a_fused_draft_tree_returns_and_leaves_what_its_levels_do(llama_pair,
     q, cache columns, validity and KV as the levels one by one (`ModelRunner.tree_levels`), for
     3 rows in a bucket of 4 with a ragged first input, branching (2, 2, 2)."""
     from mtad_energy.decoding.decoders.specinfer import draw_level
-    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.calls import EagerCalls
     from mtad_energy.decoding.runtime.tree import tree_structure
 
     branching = (2, 2, 2)
@@ -418,7 +418,7 @@ def test_a_fused_draft_tree_returns_and_leaves_what_its_levels_do(llama_pair,
     def run(role: str, fused: bool):
         runner = _three_rows(llama_pair.draft, role, ForwardShape(max_chain=4))
         call = runner.tree_levels if fused else partial(ModelRunner.tree_levels, runner)
-        return runner, call(Kernels(), pending, counts, branching, anc, draw_level, u,
+        return runner, call(EagerCalls(), pending, counts, branching, anc, draw_level, u,
                             without_replacement, 1.0, 0, 1.0)
 
     out, ref = _fused_against_separate(run, "forward_tree_levels")
@@ -438,7 +438,7 @@ def test_a_fused_head_tree_returns_and_leaves_what_its_expansions_do(llama_pair)
     ancestors, depth), cache columns, validity and KV as the catch-up and the expansions one by
     one (`ModelRunner.grow_tree`), for 3 rows in a bucket of 4 with a ragged catch-up."""
     from mtad_energy.decoding.decoders.eagle import _feature_width, eagle_dynamic
-    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.calls import EagerCalls
 
     head = llama_pair.heads["eagle"]
     k, steps, n = 2, 2, 6  # expand 2, 2 expansions, 6 verified nodes
@@ -455,7 +455,7 @@ def test_a_fused_head_tree_returns_and_leaves_what_its_expansions_do(llama_pair)
         runner.prefill(torch.tensor([[5, 9, 11, 3], [0, 7, 21, 2], [0, 0, 4, 8]]), [4, 3, 2],
                        features=prompt)
         call = runner.grow_tree if fused else partial(ModelRunner.grow_tree, runner)
-        return runner, call(Kernels(), pending, counts, feats, (k,) * steps, eagle_dynamic,
+        return runner, call(EagerCalls(), pending, counts, feats, (k,) * steps, eagle_dynamic,
                             head.d2t_map, k, steps, caps, n)
 
     out, ref = _fused_against_separate(run, "forward_grow")
@@ -504,7 +504,7 @@ def test_a_fused_tree_after_earlier_nodes_hands_the_kernel_the_hidden_states_it_
     of the same trees, the forward's hidden states handed to the kernel after the logits, in one
     graph call once compiled: what the forward and the kernel apart return and leave (columns,
     validity, KV), for 3 rows in a bucket of 4."""
-    from mtad_energy.decoding.runtime.kernels import Kernels
+    from mtad_energy.decoding.runtime.calls import EagerCalls
     from mtad_energy.decoding.runtime.tree import ancestors, depths
 
     anc = ancestors(torch.tensor([-1, 0, 0, 1, 2]))  # [5, 5]: nodes 0-1 fed first, 2-4 after
@@ -521,7 +521,7 @@ def test_a_fused_tree_after_earlier_nodes_hands_the_kernel_the_hidden_states_it_
         ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [3, 3, 2, 2, 1]])
         runner.forward_tree(ids[:, :2], anc[:2, :2], deep[:2])
         call = runner.tree_then if fused else partial(ModelRunner.tree_then, runner)
-        return runner, call(Kernels(), ids[:, 2:], anc[2:], deep[2:], expand, 2.0)
+        return runner, call(EagerCalls(), ids[:, 2:], anc[2:], deep[2:], expand, 2.0)
 
     out, ref = _fused_against_separate(run)
     torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=0)

@@ -20,7 +20,7 @@ import pytest
 
 from mtad_energy.bench.phase_windows import compile_columns
 from mtad_energy.decoding.registry import DECODERS, get_decoder
-from mtad_energy.decoding.runtime.compiled import CompiledKernels, CompileOptions, graphs_compiled
+from mtad_energy.decoding.runtime.compiled import CompiledCalls, CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.generate import generate_rows
 from mtad_energy.decoding.runtime.static import StaticRunner, reset_compiled
 from mtad_energy.results.analysis import compile_cost
@@ -128,7 +128,7 @@ def test_a_calls_compile_s_is_every_second_it_spent_compiling(model_dirs):
     pair = load_pair(target=model_dirs["llama"], draft="self:layers=0-0", device="cpu")
     spent = {"warm": 0.0, "prewarm": 0.0, "pending": 0.0}
     warm, prewarm = StaticRunner._warm, StaticRunner._prewarm
-    pending, kernels_pending = StaticRunner.compile_pending, CompiledKernels.compile_pending
+    pending, kernels_pending = StaticRunner.compile_pending, CompiledCalls.compile_pending
 
     def counted(key, fn):
         def run(self, *args, **kwargs):
@@ -141,7 +141,7 @@ def test_a_calls_compile_s_is_every_second_it_spent_compiling(model_dirs):
     with (mock.patch.object(StaticRunner, "_warm", counted("warm", warm)),
           mock.patch.object(StaticRunner, "_prewarm", counted("prewarm", prewarm)),
           mock.patch.object(StaticRunner, "compile_pending", counted("pending", pending)),
-          mock.patch.object(CompiledKernels, "compile_pending",
+          mock.patch.object(CompiledCalls, "compile_pending",
                             counted("pending", kernels_pending))):
         rows = generate_rows(get_decoder("spd", temperature=0), pair, PROMPTS, 8,
                              compute_perplexity=False, compile=TRACE)

@@ -15,7 +15,7 @@ import torch
 from mtad_energy.decoding.registry import DECODERS, get_decoder
 from mtad_energy.decoding.rules import chain
 from mtad_energy.decoding.rules import tree as tree_rules
-from mtad_energy.decoding.runtime import batch, static, static_engine
+from mtad_energy.decoding.runtime import batch, static, static_graphs
 from mtad_energy.decoding.runtime.batch import RowsRunner
 from mtad_energy.decoding.runtime.compiled import CompileOptions, graphs_compiled
 from mtad_energy.decoding.runtime.generate import generate_ids, generate_rows
@@ -194,14 +194,14 @@ def test_each_decoder_pads_only_to_its_own_widths(llama_pair):
     generate_ids(get_decoder("specinfer", temperature=0), llama_pair, PROMPTS[0], 12,
                  compile=TRACE)
     seen: list[tuple[int, int]] = []
-    real = static_engine.StaticEngine.forward
+    real = static_graphs.StaticGraphs.forward
 
-    def spy(self, cache, args, compiled=True, kwargs=None, call=static_engine.slot_forward):
+    def spy(self, cache, args, compiled=True, kwargs=None, call=static_graphs.slot_forward):
         if compiled:
             seen.append(tuple(args[0].shape))
         return real(self, cache, args, compiled, kwargs, call)
 
-    with mock.patch.object(static_engine.StaticEngine, "forward", spy):
+    with mock.patch.object(static_graphs.StaticGraphs, "forward", spy):
         generate_ids(get_decoder("spd", temperature=0), llama_pair, PROMPTS[0], 12,
                      compile=TRACE)
     assert {k for _, k in seen} <= {1, 2, 5}, seen
@@ -243,7 +243,7 @@ def test_compiled_caches_compact_instead_of_growing(self_pair, monkeypatch, name
     columns are compacted away before a forward would overflow it, so it never grows, and
     the tokens are the eager ones. SpecInfer's verify moves the kept path to the tree's first
     columns (`slot_forward.forward_tree_verify`): its tree leaves nothing to compact."""
-    monkeypatch.setattr(static_engine, "MIN_SLOTS", 1)
+    monkeypatch.setattr(static_graphs, "MIN_SLOTS", 1)
 
     class Tight(StaticRunner):
         def __init__(self, model, timer, phase, slots, options=None, seqs=1, shape=None):
@@ -254,7 +254,7 @@ def test_compiled_caches_compact_instead_of_growing(self_pair, monkeypatch, name
     compacted = []
     monkeypatch.setattr(Tight, "compact", lambda self: (compacted.append(len(self)),
                                                         StaticRunner.compact(self)))
-    grown = mock.patch.object(static_engine.StaticEngine, "grow", side_effect=AssertionError("grew"))
+    grown = mock.patch.object(static_graphs.StaticGraphs, "grow", side_effect=AssertionError("grew"))
     decoder = get_decoder(name, temperature=0)
     with grown:
         rows = generate_rows(decoder, self_pair, PROMPTS, 40, compute_perplexity=False,

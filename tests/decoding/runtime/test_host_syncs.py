@@ -31,7 +31,7 @@ PROMPT = [5, 6, 7, 8, 9]
 # compiled, per iteration, at B = 1 and 8 (this tiny pair; experiments/host_work.py has every
 # decoder at the 32 / 16 layers of the 8B / 1B pair: docs/findings/host-time.md): aten ops outside
 # compiled graphs, the clones among them, and compiled calls. Every decoder keeps its warp,
-# sampling and rule in kernels (`decoding.runtime.kernels`) and its cache moves in one op for every
+# sampling and rule in kernels (`decoding.runtime.calls`) and its cache moves in one op for every
 # layer; a forward and the kernel reading it are one call (`ModelRunner.then`, `tree_then`), and so
 # are a draft chain (`chain`), a beam search with what reads its tree (`beam_search`), a draft tree
 # level by level (`tree_levels`), EAGLE's catch-up with the tree it grows (`grow_tree`) and Medusa's
@@ -248,7 +248,7 @@ def test_a_kernel_that_cannot_compile_runs_eagerly_with_a_warning():
     ops counted outside graphs as they are."""
     import torch
 
-    from mtad_energy.decoding.runtime.compiled import CompiledKernels
+    from mtad_energy.decoding.runtime.compiled import CompiledCalls
     from mtad_energy.measure.host_work import HostWorkCounter
 
     def reads_the_host(x: torch.Tensor) -> torch.Tensor:  # a graph break: fullgraph refuses
@@ -256,7 +256,7 @@ def test_a_kernel_that_cannot_compile_runs_eagerly_with_a_warning():
         torch._dynamo.graph_break()
         return y
 
-    kernels = CompiledKernels(TRACE)
+    kernels = CompiledCalls(TRACE)
     x = torch.ones(3)
     assert kernels(reads_the_host, x).tolist() == [3.0] * 3  # first meeting: eager
     with pytest.warns(UserWarning, match="reads_the_host failed to compile.*runs eagerly"):

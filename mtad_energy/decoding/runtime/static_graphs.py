@@ -1,8 +1,8 @@
-"""A model's compiled forward and its static caches (`StaticEngine`), kept per (model, role)
-across generations (`engine_for`), the buckets their shapes round to (`slot_bucket`,
+"""A model's compiled forwards and its static caches (`StaticGraphs`), kept per (model, role)
+across generations (`graphs_for`), the buckets their shapes round to (`slot_bucket`,
 `row_bucket`), and what a model needs to compile (`check_static_support`, `eager_reason`,
 `install_capture_hooks`): what `static.StaticRunner` runs on. Later generations reuse the
-graphs and, when they need the same rows and slots, the cache; `release_engines` frees them.
+graphs and, when they need the same rows and slots, the cache; `release_graphs` frees them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-from mtad_energy.decoding.runtime.compiled import CompileOptions, configure_dynamo
+from mtad_energy.decoding.runtime.compiled import (
+    CompiledFunctions,
+    CompileOptions,
+    configure_dynamo,
+)
 from mtad_energy.decoding.runtime.graph_call import GraphFunction
 from mtad_energy.decoding.runtime.slot_cache import SlotCache
 from mtad_energy.decoding.runtime.slot_forward import forward_then, slot_forward
@@ -68,31 +72,24 @@ def install_capture_hooks(model) -> None:
         maybe_install_capturing_hooks(model.get_decoder())
 
 
-class StaticEngine:
-    """A model's compiled forward and its `SlotCache`, shared by the generations that use it."""
+class StaticGraphs:
+    """A model's compiled forwards (`compiled.CompiledFunctions`: `slot_forward` and the fused
+    calls) and its `SlotCache`s, shared by the generations that use them."""
 
     def __init__(self, model, device: torch.device, options: CompileOptions):
         self.model = model
         self.device = device
         self.options = options
-        mode = options.mode
-        if mode is None and device.type == "cuda" and options.backend == "inductor":
-            mode = "reduce-overhead"
-        self.mode = mode
         configure_dynamo(options)
         # function (`slot_forward` or a fused call) -> its compiled form, made on first use
-        self._compiled: dict = {}
+        self.functions = CompiledFunctions.for_forwards(options, device)
+        self.mode = self.functions.mode
         # (rows, slots) -> cache: decoders that expand to other row counts (beams, drafts) keep
         # their own buffers, so alternating between them neither reallocates nor, on CUDA,
         # re-records graphs; `release` frees them
         self.caches: dict[tuple[int, int], SlotCache] = {}
         # (decoder key, rows, earlier tree nodes) -> tree widths run so far
         self.tree_widths: dict[tuple[str, int, int], set[int]] = {}
-
-    @property
-    def warm_calls(self) -> int:
-        """Untimed calls of a new shape: compile (CUDA graphs: warm up, record, replay once)."""
-        return 3 if self.mode == "reduce-overhead" else 1
 
     def cache_for(self, rows: int, slots: int) -> SlotCache:
         """A cache of exactly ``rows`` rows and ``slot_bucket(slots)`` slots, emptied (its graphs'
@@ -123,33 +120,24 @@ class StaticEngine:
 
     def compiled(self, call):
         """``call`` (`slot_forward`, `forward_then`, `forward_chain`) compiled for this model."""
-        fn = self._compiled.get(call)
-        if fn is None:
-            # fullgraph: a graph break would split every layer into its own graphs (and
-            # recompile them per layer index), slower than eager; better an error naming it
-            fn = self._compiled[call] = GraphFunction(torch.compile(
-                call, backend=self.options.backend, mode=self.mode,
-                dynamic=self.options.dynamic, fullgraph=True), graph=self.options.cuda_graphs,
-                clone=self.mode == "reduce-overhead")  # a CUDA graph's outputs are overwritten
-            # by its next replay: cloned (`graph_call.graph_outputs`)
-        return fn
+        return self.functions.compiled(call)
 
-    def unfused(self, cache: SlotCache, args: tuple, kwargs: dict | None = None,
-                call=forward_then) -> Any:
-        """A fused ``call`` not compiled yet: its Python function with its forwards compiled
-        (graphs of their own, `forward`) and the functions between them eager, counted by a
-        host-work counter as the one graph call it will be."""
+    def uncompiled(self, cache: SlotCache, args: tuple, kwargs: dict | None = None,
+                   call=forward_then, fused: bool = True) -> Any:
+        """``call`` not compiled yet (it compiles after the generation): its Python function,
+        counted by a host-work counter as the one graph call it will be; a ``fused`` call's
+        forwards compiled (graphs of their own, `forward`), the functions between them eager."""
         def forward(model, cache_, *args_, **kwargs_):  # ids, validity (a tree: ancestors,
             return self.forward(cache_, args_, kwargs=kwargs_)  # depths); features, hidden
 
+        more = {"forward": forward} if fused else {}
         return GraphFunction(call, graph=self.options.cuda_graphs)(  # its outputs' clones counted
-            self.model, cache, *args, **(kwargs or {}), forward=forward)
+            self.model, cache, *args, **(kwargs or {}), **more)
 
-    def warm(self, cache: SlotCache, args: tuple, kwargs: dict, call=slot_forward) -> None:
-        """The untimed calls of a new shape (compiling; on CUDA warming up, recording and
-        replaying its graph), uncounted by a host-work counter: not the loop's work."""
-        for _ in range(self.warm_calls):
-            self.compiled(call).uncounted(self.model, cache, *args, **kwargs)
+    def warm(self, cache: SlotCache, args: tuple, kwargs: dict, call=slot_forward) -> float:
+        """The untimed calls of a new shape of ``call`` on ``cache`` (`CompiledFunctions.warm`);
+        returns their seconds."""
+        return self.functions.warm(call, (self.model, cache, *args), kwargs)
 
     def forward(self, cache: SlotCache, args: tuple, compiled: bool = True,
                 kwargs: dict | None = None, call=slot_forward):
@@ -159,24 +147,25 @@ class StaticEngine:
         return fn(self.model, cache, *args, **(kwargs or {}))
 
 
-# (model, role) -> engine; weak on the model, so an engine goes with its model
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (model, role) -> its static graphs; weak on the model, so they go with their model
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def engine_for(model, role: str, device: torch.device,
-               options: CompileOptions | None = None) -> StaticEngine:
-    """The engine of ``model`` in ``role`` ("target" / "draft": a model that is both gets two
-    caches), created on first use."""
+def graphs_for(model, role: str, device: torch.device,
+               options: CompileOptions | None = None) -> StaticGraphs:
+    """The static graphs of ``model`` in ``role`` ("target" / "draft": a model that is both gets
+    two caches), created on first use."""
     options = options or CompileOptions()
-    per_model = _ENGINES.setdefault(model, {})
-    eng = per_model.get(role)
-    if eng is None or eng.options != options:
-        eng = per_model[role] = StaticEngine(model, device, options)
-    return eng
+    per_model = _GRAPHS.setdefault(model, {})
+    graphs = per_model.get(role)
+    if graphs is None or graphs.options != options:
+        graphs = per_model[role] = StaticGraphs(model, device, options)
+    return graphs
 
 
-def release_engines() -> None:
-    """Free the static caches of every engine (between the batch sizes of a sweep, say)."""
-    for per_model in list(_ENGINES.values()):
-        for eng in per_model.values():
-            eng.release()
+def release_graphs() -> None:
+    """Free the static caches of every model's graphs (between the batch sizes of a sweep,
+    say)."""
+    for per_model in list(_GRAPHS.values()):
+        for graphs in per_model.values():
+            graphs.release()
