@@ -162,7 +162,12 @@ def _sync(device: torch.device) -> None:
 class StaticRunner(FusedCalls, RowLayout, ModelRunner):
     """`ModelRunner` over a `StaticEngine`: same interface, static cache, compiled forwards, for
     ``seqs`` sequences padded to their bucket (see the module docstring); its multi-step calls
-    fused into one graph call each (`static_fused.FusedCalls`)."""
+    fused into one graph call each (`static_fused.FusedCalls`).
+
+    Each part declares what it needs of the others: `FusedCalls` the names it annotates (this
+    class's forwards, shape and engine, the layout's mirror), its unfused calls `ModelRunner`'s
+    by name; `batch.RowLayout` its storage operations, defined here (`_valid`, `_set_valid`,
+    `_cut`, `_gather_columns`)."""
 
     compiled = True
 
