@@ -237,8 +237,8 @@ class RowsRunner(RowLayout, ModelRunner):
         allowed[:, :, t:] &= causal
         allowed[:, :, t:] |= torch.eye(k, dtype=torch.bool, device=dev)  # padding sees itself
         dtype = getattr(self.model, "dtype", torch.float32)
-        logits = super().__call__(input_ids, attention_mask=additive_mask(allowed, dtype),
-                                  position_ids=pos, features=features)
+        logits = ModelRunner.__call__(self, input_ids, attention_mask=additive_mask(allowed, dtype),
+                                      position_ids=pos, features=features)
         self.valid = valid
         self._append_cols(t, k, counts)
         return logits

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from mtad_energy.decoding.rules.beam import first_scores, first_select, step_scores, step_select
 from mtad_energy.decoding.rules.sampling import uniforms
 from mtad_energy.decoding.runtime import cache as kv
+from mtad_energy.decoding.runtime import programs
 from mtad_energy.decoding.runtime.graph_call import CompilesAfter
 from mtad_energy.decoding.runtime.masks import additive_mask, tree_inputs
 from mtad_energy.decoding.runtime.timer import PhaseTimer
@@ -102,74 +102,38 @@ class ModelRunner(CompilesAfter):
 
     def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
               fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-        """A draft's autoregressive loop of S = ``u.shape[0]`` forwards: the first of
-        ``input_ids [B, k]`` (``counts``: as in `__call__`), each next of the token ``fn``
-        drew after the one before: ``fn(logits [B, k, V], u[i] [B, 1], *args) -> (token [B,
-        1], *extras)``. Returns ``(tokens [B, S], *extras stacked on dim 1: [B, S, ...])``.
-        The compiled runner runs the loop in one graph call (`static_fused.FusedCalls.chain`)."""
-        us = u.unbind(0)
-        outs = [kernels(fn, self(input_ids, counts), us[0], *args)]
-        for i in range(1, len(us)):
-            outs.append(kernels(fn, self(outs[-1][0]), us[i], *args))
-        return (torch.cat([o[0] for o in outs], 1),
-                *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
+        """A draft's autoregressive loop of S = ``u.shape[0]`` forwards (`programs.chain`), the
+        first of ``input_ids [B, k]`` (``counts``: as in `__call__`), each next of the token
+        ``fn(logits [B, k, V], u[i] [B, 1], *args) -> (token [B, 1], *extras)`` drew. Returns
+        ``(tokens [B, S], *extras stacked on dim 1: [B, S, ...])``. The compiled runner runs
+        the same program in one graph call (`static_fused.FusedCalls.chain`)."""
+        return programs.chain(RunnerSteps(self, kernels, input_ids, counts), fn, u, *args)
 
     def tree_levels(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
                     branching: tuple[int, ...], anc: torch.Tensor, fn: Callable[..., Any],
                     u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-        """A draft token tree grown level by level (SpecInfer's): the forward of ``input_ids
-        [B, k]`` (``counts``: as in `__call__`), then per level ``fn(logits [B, C, V], u_l [B,
-        C, n], b, *args) -> (children [B, C*b], *extras [B, C, ...])`` at the level's C nodes
-        (the root: the input's last position) and, but after the leaves, a tree forward of the
-        children (`forward_tree`; ``anc [N, N]``: the whole tree's ancestors, levels in index
-        order). ``u [B, P, n]``: each node's uniforms, P = the root and the internal nodes.
-        Returns ``(tokens [B, N], *extras concatenated on dim 1: [B, P, ...])``; the cache ends
-        as prefix + the internal nodes. The compiled runner runs a full-depth tree in one graph
-        call (`static_fused.FusedCalls.tree_levels`)."""
-        logits = self(input_ids, counts)[:, -1:]  # [B, 1, V] at the root
-        outs, fed, at = [], 0, 0  # at: the level's first node's row of uniforms
-        for level, b in enumerate(branching):
-            outs.append(kernels(fn, logits, u[:, at:at + logits.shape[1]], b, *args))
-            at += logits.shape[1]
-            if level + 1 < len(branching):
-                end = fed + outs[-1][0].shape[1]
-                rows = anc[fed:end, :end]  # [K, M + K]: the level after the M nodes fed
-                logits = self.forward_tree(outs[-1][0], rows, rows.sum(-1))
-                fed = end
-        return tuple(torch.cat([o[j] for o in outs], 1) for j in range(len(outs[0])))
+        """A draft token tree grown level by level (`programs.tree_levels`) from the forward of
+        ``input_ids [B, k]`` (``counts``: as in `__call__`), each level a tree forward
+        (`forward_tree`). The compiled runner runs a full-depth tree in one graph call
+        (`static_fused.FusedCalls.tree_levels`)."""
+        return programs.tree_levels(RunnerSteps(self, kernels, input_ids, counts), branching,
+                                    anc, fn, u, *args)
 
     def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
                     depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
                     eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
                     *finish_args: Any) -> tuple[torch.Tensor, ...]:
-        """``depth`` steps of stochastic beam sampling (`rules.beam`) of W = ``width`` beams per
-        sequence after feeding ``first_ids [B, k]`` (``counts``: as in `__call__`): the first
-        forward, W first tokens, the rows expanded to W per sequence (`repeat_rows`), then per
-        step a forward of the W beams' last tokens ``[B*W, 1]``, W (beam, token) pairs and the
-        rows reordered to their beams (`select_rows`). ``warp_args``: ``(*Warp.args,
-        stochastic)``; the draws' uniforms come from ``generator``, drawn per step for the
-        scores it ranks. Returns ``(tokens, parents, log_q [B, D, W], seqs, path_log_q [B, W,
-        D])`` (`beams.BeamDraft`'s fields), or with ``finish`` only ``finish(tokens, parents,
-        log_q, seqs, path_log_q, *finish_args)``: what the caller reads of the search (a CUDA
-        graph hands back, and its host clones, only that). The compiled runner runs a
-        full-length search in one graph call (`static_fused.FusedCalls.beam_search`)."""
-        def draws(scores: torch.Tensor) -> torch.Tensor | None:
+        """``depth`` steps of stochastic beam sampling of W = ``width`` beams per sequence
+        (`programs.beam_search`) after feeding ``first_ids [B, k]`` (``counts``: as in
+        `__call__`), the rows expanded (`repeat_rows`) and reordered (`select_rows`) by this
+        runner; the draws' uniforms come from ``generator``, drawn per step for the scores it
+        ranks. The compiled runner runs a full-length search in one graph call
+        (`static_fused.FusedCalls.beam_search`)."""
+        def draws(scores: torch.Tensor, at: int, n: int) -> torch.Tensor | None:
             return uniforms(scores.shape, generator, scores.device) if warp_args[-1] else None
 
-        cand, log_q = kernels(first_scores, self(first_ids, counts), width, *warp_args)  # [B, C]
-        tok, parent, cum, seqs, paths = kernels(first_select, cand, log_q, draws(log_q), width)
-        tokens, parents, cums = [tok], [parent], [cum]
-        if depth > 1:
-            self.repeat_rows(width)
-        for _ in range(1, depth):
-            logits = self(tok.reshape(-1, 1))  # [B*W, 1, V]
-            cand, joint = kernels(step_scores, logits, cum, tok, *warp_args, eos_token_id)
-            tok, parent, cum, seqs, paths, rows = kernels(step_select, cand, joint, draws(joint),
-                                                          seqs, paths)
-            self.select_rows(rows)
-            tokens.append(tok), parents.append(parent), cums.append(cum)
-        out = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), seqs, paths)
-        return out if finish is None else kernels(finish, *out, *finish_args)
+        return programs.beam_search(RunnerSteps(self, kernels, first_ids, counts), depth, width,
+                                    warp_args, draws, eos_token_id, finish, *finish_args)
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,22 +167,14 @@ class ModelRunner(CompilesAfter):
     def grow_tree(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
                   features: torch.Tensor, nodes: tuple[int, ...], fn: Callable[..., Any],
                   *args: Any) -> Any:
-        """A draft head's token tree (EAGLE's): the forward of ``input_ids [B, k]`` with the
-        head's ``features [B, k, F]`` (``counts``: as in `__call__`), then the decoder's program
-        ``fn(tree_then, kernels, logits [B, k, V], hidden [B, k, H], *args)``, which grows the
-        tree in ``len(nodes)`` tree forwards of ``nodes[i]`` nodes each (after the ones before),
-        each ``tree_then(tokens [B, K], anc [(B,) K, M + K], depths [(B,) K], features [B, K,
-        H], f, *f_args)`` (`tree_then`: ``f(logits, hidden, *f_args)``), and calls its pure
-        functions through ``kernels``. Returns what ``fn`` returns. The compiled runner runs a
+        """A draft head's token tree (`programs.grow_tree`): the forward of ``input_ids [B, k]``
+        with the head's ``features [B, k, F]`` (``counts``: as in `__call__`), then the
+        decoder's program ``fn(tree_then, kernels, logits, hidden, *args)``, whose ``len(nodes)``
+        tree forwards of ``nodes[i]`` nodes each run as `tree_then`. The compiled runner runs a
         tree of any depth up to the decoder's in one graph call
         (`static_fused.FusedCalls.grow_tree`)."""
-        logits = self(input_ids, counts, features=features)
-
-        def tree_then(tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor,
-                      feats: torch.Tensor, f: Callable[..., Any], *f_args: Any) -> Any:
-            return self.tree_then(kernels, tokens, anc, depths, f, *f_args, features=feats)
-
-        return fn(tree_then, kernels, logits, self.hidden, *args)
+        return programs.grow_tree(RunnerSteps(self, kernels, input_ids, counts, features), fn,
+                                  *args)
 
     def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                     depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
@@ -267,3 +223,41 @@ class ModelRunner(CompilesAfter):
         kept path), dropping the rest."""
         keep = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
         kv.keep_positions(self.cache, keep)
+
+
+class RunnerSteps:
+    """`programs.Steps` over a runner's own calls: each forward a call of ``runner`` (its
+    ``__call__``, `ModelRunner.forward_tree`, `ModelRunner.tree_then`: a compiled runner's may
+    fuse), each pure function through ``kernels`` (`Kernels`), the rows moved by the runner. The
+    first forward is of ``input_ids [B, k]`` (``counts``: as in `ModelRunner.__call__`; a
+    head's ``features [B, k, F]``)."""
+
+    def __init__(self, runner: ModelRunner, kernels, input_ids: torch.Tensor,
+                 counts: list[int] | None, features: torch.Tensor | None = None):
+        self.runner = runner
+        self.call = kernels
+        self._first = (input_ids, counts)
+        self._features = features
+
+    def first(self) -> torch.Tensor:
+        return self.runner(*self._first)
+
+    def first_hidden(self) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.runner(*self._first, features=self._features)
+        return logits, self.runner.hidden
+
+    def next(self, tokens: torch.Tensor, i: int) -> torch.Tensor:
+        return self.runner(tokens)
+
+    def level(self, children: torch.Tensor, anc: torch.Tensor, fed: int) -> torch.Tensor:
+        return self.runner.forward_tree(children, anc, anc.sum(-1))
+
+    def tree_then(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor,
+                  feats: torch.Tensor, f: Callable[..., Any], *f_args: Any) -> Any:
+        return self.runner.tree_then(self.call, tokens, anc, depths, f, *f_args, features=feats)
+
+    def repeat_rows(self, n: int) -> None:
+        self.runner.repeat_rows(n)
+
+    def select_rows(self, rows: torch.Tensor, i: int) -> None:
+        self.runner.select_rows(rows)

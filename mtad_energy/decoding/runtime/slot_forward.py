@@ -25,8 +25,10 @@ runs back to back into one graph:
   its chosen beam, a step-by-step beam search) over every slot: one call returning nothing,
   instead of an op per buffer and index.
 
-The functions are the decoders' own (`kernels`), the same on the eager path; only where they run
-changes. The fused calls leave the cache exactly as the separate calls would (the same KV and
+The functions are the decoders' own (`kernels`), the same on the eager path, and so are the
+programs: `forward_chain`, `forward_tree_levels`, `forward_beams` and `forward_grow` run the
+`programs` the eager runner runs, over `SlotSteps` instead of `runner.RunnerSteps`; only where
+they run changes. The fused calls leave the cache exactly as the separate calls would (the same KV and
 validity at the same slots), but a tree verify's, which moves the kept path to the tree's first
 columns (the same tokens at the same positions, in fewer columns). A fused call met for the
 first time runs as the separate calls (its forwards compiled, the functions eager) and compiles
@@ -44,7 +46,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mtad_energy.decoding.rules.beam import first_scores, first_select, step_scores, step_select
+from mtad_energy.decoding.runtime import programs
 from mtad_energy.decoding.runtime.compiled import signature
 from mtad_energy.decoding.runtime.masks import additive_mask
 from mtad_energy.decoding.runtime.runner import model_kwargs, pick_hidden
@@ -179,24 +181,13 @@ def forward_chain(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.T
                   real: torch.Tensor, fn: Callable[..., Any], rows: int, k: int,
                   u: torch.Tensor, *args: Any,
                   forward: Callable[..., torch.Tensor] = slot_forward) -> tuple[torch.Tensor, ...]:
-    """S = ``u.shape[0]`` forwards, the first of ``input_ids [R, W]`` (``new [R, W]``; the first
-    k tokens are the input, the rest padding), each next of the token ``fn`` drew from the last
-    position of the one before (``real [R, 1]``: which rows are real): ``fn(logits [rows, k,
-    V], u[i] [rows, 1], *args) -> (token [rows, 1], *extras)``, as a chain of separate forwards
-    (`ModelRunner.chain`). Returns ``(tokens [rows, S], *extras stacked on dim 1)``.
-    ``forward``: as in `forward_then`."""
-    start = cache.start.clone()  # [] the first forward's slot (the runner sets it per call)
-    pad = input_ids.shape[0] - rows
-    logits = forward(model, cache, input_ids, new)
-    outs = [fn(logits[:rows, :k], u[0], *args)]
-    at = k  # the next forward writes after the input's k columns (its padding stays invalid)
-    for i in range(1, u.shape[0]):
-        cache.start.copy_(start + at)
-        logits = forward(model, cache, F.pad(outs[-1][0], (0, 0, 0, pad)), real)
-        outs.append(fn(logits[:rows], u[i], *args))
-        at += 1
-    return (torch.cat([o[0] for o in outs], 1),
-            *(torch.stack([o[j] for o in outs], 1) for j in range(1, len(outs[0]))))
+    """`programs.chain` of S = ``u.shape[0]`` forwards on the cache (`SlotSteps`), the first of
+    ``input_ids [R, W]`` (``new [R, W]``; the first k tokens are the input, the rest padding),
+    each next of the token ``fn`` drew (``real [R, 1]``: which rows are real): ``fn(logits
+    [rows, k, V], u[i] [rows, 1], *args) -> (token [rows, 1], *extras)``, as
+    `ModelRunner.chain`. ``forward``: as in `forward_then`."""
+    steps = SlotSteps(model, cache, input_ids, new, real, rows, k, forward)
+    return programs.chain(steps, fn, u, *args)
 
 
 def forward_tree_levels(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
@@ -204,56 +195,27 @@ def forward_tree_levels(model, cache: SlotCache, input_ids: torch.Tensor, new: t
                         branching: tuple[int, ...], anc: torch.Tensor, u: torch.Tensor,
                         *args: Any, forward: Callable[..., torch.Tensor] = slot_forward
                         ) -> tuple[torch.Tensor, ...]:
-    """`ModelRunner.tree_levels`: the first forward of ``input_ids [R, W]`` (``new [R, W]``;
-    the first k tokens the input), then per level ``fn`` at the level's nodes and, but after the
-    leaves, a tree forward of the children ``[R, K]`` after the M nodes fed before them (``real
-    [R, 1]``: which rows are real; ``anc [N, N]``: the tree's ancestors). Returns what
-    `ModelRunner.tree_levels` returns. ``forward``: as in `forward_then`."""
-    start = cache.start.clone()  # [] the first forward's slot
-    r = input_ids.shape[0]
-    logits = forward(model, cache, input_ids, new)[:rows, k - 1:k]  # [rows, 1, V] at the root
-    outs, fed, at = [], 0, 0
-    for level, b in enumerate(branching):
-        outs.append(fn(logits, u[:, at:at + logits.shape[1]], b, *args))
-        at += logits.shape[1]
-        if level + 1 < len(branching):
-            children = outs[-1][0]  # [rows, K]
-            end = fed + children.shape[1]
-            tree = anc[fed:end, :end].contiguous()  # [K, M + K] (dense: a graph's input)
-            cache.start.copy_(start + k + fed)
-            logits = forward(model, cache, F.pad(children, (0, 0, 0, r - rows)),
-                             real.expand(r, children.shape[1]).contiguous(), tree[None],
-                             tree.sum(-1)[None])[:rows]
-            fed = end
-    return tuple(torch.cat([o[j] for o in outs], 1) for j in range(len(outs[0])))
+    """`programs.tree_levels` on the cache (`SlotSteps`), as `ModelRunner.tree_levels`: the
+    first forward of ``input_ids [R, W]`` (``new [R, W]``; the first k tokens the input), each
+    level's tree forward of the children ``[R, K]`` after the M nodes fed before them (``real
+    [R, 1]``: which rows are real; ``anc [N, N]``: the tree's ancestors). ``forward``: as in
+    `forward_then`."""
+    steps = SlotSteps(model, cache, input_ids, new, real, rows, k, forward)
+    return programs.tree_levels(steps, branching, anc, fn, u, *args)
 
 
 def forward_grow(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
                  real: torch.Tensor, fn: Callable[..., Any], rows: int, k: int, *args: Any,
                  features: torch.Tensor | None = None, hidden: tuple[int, ...] = (),
                  forward: Callable[..., torch.Tensor] = slot_forward) -> Any:
-    """`ModelRunner.grow_tree`: the first forward of ``input_ids [R, W]`` (``new [R, W]``; the
-    first k tokens the input; ``features``: a head's), then the decoder's program ``fn(tree_then,
-    call, logits [rows, k, V], hidden [rows, k, H], *args)``, whose tree forwards run here:
-    ``tree_then(tokens [rows, K], anc [(rows,) K, M + K], depths [(rows,) K], features [rows, K,
-    H], f, *f_args) -> f(logits, hidden, *f_args)``, K nodes after the M it fed before (``real
-    [R, 1]``: which rows are real; a padding row takes the first row's tree), and ``call(f,
-    *f_args)`` its pure functions. Returns what ``fn`` returns. ``forward``: as in
-    `forward_then`."""
-    start = cache.start.clone()  # [] the first forward's slot
-    r = input_ids.shape[0]
-    logits, states = forward(model, cache, input_ids, new, features=features, hidden=hidden)
-
-    def tree_then(tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor,
-                  feats: torch.Tensor, f: Callable[..., Any], *f_args: Any) -> Any:
-        n = tokens.shape[1]
-        cache.start.copy_(start + k + anc.shape[-1] - n)  # after the M nodes fed before
-        out = forward(model, cache, rows_of(tokens, rows, r, 2), real.expand(r, n).contiguous(),
-                      rows_of(anc, rows, r, 3), rows_of(depths, rows, r, 2),
-                      features=rows_of(feats, rows, r, 3), hidden=hidden)
-        return f(out[0][:rows], out[1][:rows], *f_args)
-
-    return fn(tree_then, _call, logits[:rows, :k], states[:rows, :k], *args)
+    """`programs.grow_tree` on the cache (`SlotSteps`), as `ModelRunner.grow_tree`: the first
+    forward of ``input_ids [R, W]`` (``new [R, W]``; the first k tokens the input;
+    ``features``: a head's), then the decoder's program ``fn(tree_then, call, logits [rows, k,
+    V], hidden [rows, k, H], *args)``, whose tree forwards run here (`SlotSteps.tree_then`; a
+    padding row takes the first row's tree) and ``call(f, *f_args)`` its pure functions.
+    ``forward``: as in `forward_then`."""
+    steps = SlotSteps(model, cache, input_ids, new, real, rows, k, forward, features, hidden)
+    return programs.grow_tree(steps, fn, *args)
 
 
 def rows_of(t: torch.Tensor, rows: int, r: int, dims: int) -> torch.Tensor:
@@ -277,41 +239,23 @@ def forward_beams(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.T
                   stochastic: bool, eos_token_id: int | None, finish: Callable[..., tuple] | None,
                   *finish_args: Any, forward: Callable[..., torch.Tensor] = slot_forward
                   ) -> tuple[torch.Tensor, ...]:
-    """`ModelRunner.beam_search` of ``depth`` >= 2 steps and W = ``width`` beams: the first
-    forward of ``input_ids [R, C]`` (R cache rows at one per sequence, the first ``rows`` real;
-    ``new [R, C]``; the first k tokens the input), the cache's R rows expanded to R*W (every
-    slot: no host count of the columns in use enters the graph), then D-1 forwards of the beams'
-    last tokens (``real [R*W, 1]``: which rows are real), each followed by the step's draw and
-    the beams' columns reordered. Only the columns this search wrote differ between a sequence's
-    beams, so a reorder moves those (their validity is the same in every beam). ``u [rows, V +
-    (D-1) W V]`` (None: beam search, no draws): the uniforms of the first draw, then of each
-    step's, for the whole vocabulary; each draw takes the first of its share. Returns what
-    `ModelRunner.beam_search` returns. ``forward``: as in `forward_then`."""
-    start = cache.start.clone()  # [] the first forward's slot
-    seqs = input_ids.shape[0]
-    warp = (temperature, top_k, top_p, stochastic)
-    logits = forward(model, cache, input_ids, new)
-    cand, log_q = first_scores(logits[:rows, :k], width, *warp)  # [rows, C]
-    vocab = logits.shape[-1]
-    tok, parent, cum, beams, paths = first_select(cand, log_q, _share(u, 0, vocab), width)
-    tokens, parents, cums = [tok], [parent], [cum]
-    kv, valid = cache.kv, cache.valid  # kv [2 * layers, rows, H, L, D]
-    kv[:, :seqs * width] = kv[:, :seqs].repeat_interleave(width, 1)
-    valid[:seqs * width] = valid[:seqs].repeat_interleave(width, 0)
-    fixed = torch.arange(rows * width, seqs * width, device=kv.device)  # padding rows stay
-    for i in range(1, depth):
-        cache.start.copy_(start + k + i - 1)
-        ids = F.pad(tok.reshape(-1, 1), (0, 0, 0, (seqs - rows) * width))  # [R*W, 1]
-        logits = forward(model, cache, ids, real)[:rows * width]  # [rows*W, 1, V]
-        cand, joint = step_scores(logits, cum, tok, *warp, eos_token_id)
-        tok, parent, cum, beams, paths, keep = step_select(
-            cand, joint, _share(u, 1 + (i - 1) * width, vocab, width), beams, paths)
-        cols = start + k + torch.arange(i, device=kv.device)  # [i]: the steps' columns
-        part = kv.index_select(3, cols).index_select(1, torch.cat([keep, fixed]))
-        kv.narrow(1, 0, seqs * width).index_copy_(3, cols, part)
-        tokens.append(tok), parents.append(parent), cums.append(cum)
-    out = (torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(cums, 1), beams, paths)
-    return out if finish is None else finish(*out, *finish_args)
+    """`programs.beam_search` of ``depth`` >= 2 steps and W = ``width`` beams on the cache
+    (`SlotSteps`), as `ModelRunner.beam_search`: the first forward of ``input_ids [R, C]`` (R
+    cache rows at one per sequence, the first ``rows`` real; ``new [R, C]``; the first k tokens
+    the input), the cache's R rows expanded to R*W (every slot: no host count of the columns in
+    use enters the graph), then D-1 forwards of the beams' last tokens (``real [R*W, 1]``:
+    which rows are real), each followed by the step's draw and the beams' columns reordered.
+    ``u [rows, V + (D-1) W V]`` (None: beam search, no draws): the uniforms of the first draw,
+    then of each step's, for the whole vocabulary; each draw takes the first of its share.
+    ``forward``: as in `forward_then`."""
+    vocab = 0 if u is None else u.shape[1] // (1 + (depth - 1) * width)
+
+    def draws(scores: torch.Tensor, at: int, n: int) -> torch.Tensor | None:
+        return _share(u, at, vocab, n)
+
+    steps = SlotSteps(model, cache, input_ids, new, real, rows, k, forward)
+    return programs.beam_search(steps, depth, width, (temperature, top_k, top_p, stochastic),
+                                draws, eos_token_id, finish, *finish_args)
 
 
 def select_slot_rows(model, cache: SlotCache, rows: torch.Tensor,
@@ -338,6 +282,71 @@ def repeat_slot_rows(model, cache: SlotCache, seqs: int, n: int) -> None:
 def _share(u: torch.Tensor | None, at: int, vocab: int, n: int = 1) -> torch.Tensor | None:
     """A draw's uniforms: ``n`` vocabularies' worth of ``u``'s columns from vocabulary ``at``."""
     return None if u is None else u[:, at * vocab:(at + n) * vocab]
+
+
+class SlotSteps:
+    """`programs.Steps` inside a fused call: each forward a ``forward`` (`slot_forward`) on
+    ``cache``, the first of ``input_ids [R, W]`` (``new [R, W]``; the first k tokens the input,
+    the first ``rows`` rows real; a head's ``features``, the ``hidden`` states it returns), each
+    later one written after the columns the ones before wrote (``real [R', 1]``: which of the
+    R' rows are real, R' = R times the beams); the pure functions called as they are; the rows
+    moved over every slot. Padding rows take the first row's tokens and trees and hold no valid
+    column."""
+
+    def __init__(self, model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Tensor,
+                 real: torch.Tensor, rows: int, k: int, forward: Callable[..., Any],
+                 features: torch.Tensor | None = None, hidden: tuple[int, ...] = ()):
+        self.model, self.cache, self.forward = model, cache, forward
+        self.input_ids, self.new, self.real = input_ids, new, real
+        self.rows, self.k = rows, k
+        self.features, self.hidden = features, hidden
+        self.start = cache.start.clone()  # [] the first forward's slot (the runner sets it)
+        self.call = _call
+
+    def first(self) -> torch.Tensor:
+        logits = self.forward(self.model, self.cache, self.input_ids, self.new)
+        return logits[:self.rows, :self.k]
+
+    def first_hidden(self) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, states = self.forward(self.model, self.cache, self.input_ids, self.new,
+                                      features=self.features, hidden=self.hidden)
+        return logits[:self.rows, :self.k], states[:self.rows, :self.k]
+
+    def next(self, tokens: torch.Tensor, i: int) -> torch.Tensor:
+        r = tokens.shape[0]  # after the input's k columns (its padding stays invalid)
+        self.cache.start.copy_(self.start + self.k + i - 1)
+        ids = F.pad(tokens, (0, 0, 0, self.real.shape[0] - r))  # [R', 1]
+        return self.forward(self.model, self.cache, ids, self.real)[:r]
+
+    def level(self, children: torch.Tensor, anc: torch.Tensor, fed: int) -> torch.Tensor:
+        r, n = self.input_ids.shape[0], children.shape[1]
+        tree = anc.contiguous()  # [K, M + K] (dense: a graph's input)
+        self.cache.start.copy_(self.start + self.k + fed)
+        return self.forward(self.model, self.cache, F.pad(children, (0, 0, 0, r - self.rows)),
+                            self.real.expand(r, n).contiguous(), tree[None],
+                            tree.sum(-1)[None])[:self.rows]
+
+    def tree_then(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor,
+                  feats: torch.Tensor, f: Callable[..., Any], *f_args: Any) -> Any:
+        r, rows, n = self.input_ids.shape[0], self.rows, tokens.shape[1]
+        self.cache.start.copy_(self.start + self.k + anc.shape[-1] - n)  # after the M fed
+        out = self.forward(self.model, self.cache, rows_of(tokens, rows, r, 2),
+                           self.real.expand(r, n).contiguous(), rows_of(anc, rows, r, 3),
+                           rows_of(depths, rows, r, 2), features=rows_of(feats, rows, r, 3),
+                           hidden=self.hidden)
+        return f(out[0][:rows], out[1][:rows], *f_args)
+
+    def repeat_rows(self, n: int) -> None:
+        repeat_slot_rows(self.model, self.cache, self.input_ids.shape[0], n)
+
+    def select_rows(self, rows: torch.Tensor, i: int) -> None:
+        """Only the columns this search wrote differ between a sequence's beams, so a reorder
+        moves those (their validity is the same in every beam); padding rows stay."""
+        kv = self.cache.kv  # [2 * layers, R', H, L, D]
+        fixed = torch.arange(rows.shape[0], self.real.shape[0], device=kv.device)
+        cols = self.start + self.k + torch.arange(i, device=kv.device)  # [i]: the steps'
+        part = kv.index_select(3, cols).index_select(1, torch.cat([rows, fixed]))
+        kv.narrow(1, 0, self.real.shape[0]).index_copy_(3, cols, part)
 
 
 class Later(NamedTuple):

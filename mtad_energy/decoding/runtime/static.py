@@ -156,7 +156,12 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 class StaticRunner(FusedCalls, RowLayout, ModelRunner):
     """`ModelRunner` over a model's `StaticGraphs`: same interface, static cache, compiled
     forwards, for ``seqs`` sequences padded to their bucket (see the module docstring); its
-    multi-step calls fused into one graph call each (`static_fused.FusedCalls`)."""
+    multi-step calls fused into one graph call each (`static_fused.FusedCalls`).
+
+    Each part declares what it needs of the others: `FusedCalls` the names it annotates (this
+    class's forwards, shape and graphs, the layout's mirror), its unfused calls `ModelRunner`'s
+    by name; `batch.RowLayout` its storage operations, defined here (`_valid`, `_set_valid`,
+    `_cut`, `_gather_columns`)."""
 
     compiled = True
 

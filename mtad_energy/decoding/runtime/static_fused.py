@@ -5,18 +5,22 @@ runs as the separate calls `ModelRunner` makes, each forward compiled on its own
 
 `FusedCalls` is the part of `StaticRunner` that chooses, per step, the fused function and the
 forwards it runs after its first (`slot_forward.Later`): the runner's `_run` compiles and times
-the call, and the host mirror learns its columns here (`_append_later`).
+the call, and the host mirror learns its columns here (`_append_later`). What it needs of the
+runner it is part of is declared on the class (`FusedCalls`' annotations: its contract), and a
+step it does not fuse runs `ModelRunner`'s, named: the same program (`programs`) over the
+runner's separate calls, not a parent class's method found through the class's method order.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mtad_energy.decoding.rules.sampling import uniforms
+from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.slot_forward import (
     Fused,
     Later,
@@ -31,10 +35,36 @@ from mtad_energy.decoding.runtime.slot_forward import (
 )
 from mtad_energy.models.shapes import output_size
 
+if TYPE_CHECKING:
+    from mtad_energy.decoding.runtime.static import ForwardShape
+    from mtad_energy.decoding.runtime.static_graphs import StaticGraphs
+
 
 class FusedCalls:
     """`ModelRunner`'s multi-step calls fused into one graph call each (see the module
-    docstring); mixed into `static.StaticRunner`, whose layout and `_run` they use."""
+    docstring), the first part of `static.StaticRunner`.
+
+    Its contract: the names annotated below, which the runner's other parts define and
+    FusedCalls only reads or calls (annotations without values: nothing here shadows them).
+    A call it does not fuse runs `ModelRunner`'s method of that name on ``self``, explicitly;
+    ``self`` is a `ModelRunner` whose forwards are the runner's compiled ones."""
+
+    # the static runner's (`static.StaticRunner`)
+    model: Any
+    device: torch.device
+    graphs: StaticGraphs  # its `tree_widths`: the tree widths run so far
+    shape: ForwardShape  # what the decoder declared up front (`max_chain`, `key`)
+    hidden_layers: tuple[int, ...]
+    n: int  # columns in use (host side)
+    _rows: int  # cache rows in use: the bucket's sequences times `width`
+    _run: Callable[..., Any]  # one forward or fused call: compiled, timed, counted
+    _new: Callable[[int, list[int] | None], torch.Tensor | None]  # a ragged input's real tokens
+    _real_rows: Callable[..., torch.Tensor]  # ``[R * width, 1]``: which cache rows are real
+    # the layout's (`batch.RowLayout`)
+    width: int  # cache rows per sequence
+    row_lengths: list[int]  # per sequence: the columns it holds
+    _held: list[int] | None  # after a verify rolled back on the device: columns before it
+    _append_cols: Callable[[int, int, list[int] | None], None]  # the host mirror's new columns
 
     def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any,
              counts: list[int] | None = None) -> Any:
@@ -43,7 +73,7 @@ class FusedCalls:
         generation's last, or a shorter draft) runs as two calls, the forward and the kernel:
         a fused graph per draft length would compile a target forward per length."""
         if not self._fuses_chain(input_ids):
-            return super().then(kernels, input_ids, fn, *args, counts=counts)
+            return ModelRunner.then(self, kernels, input_ids, fn, *args, counts=counts)
         return self._fused_chain(forward_then, input_ids, fn, args, counts)
 
     def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
@@ -51,7 +81,7 @@ class FusedCalls:
         rule and the rollback to each row's block on the device, which the loop's `crop_rows`
         then finds done (its ``kept``: the blocks' lengths read back)."""
         if not self._fuses_chain(input_ids):
-            return super().verify(kernels, input_ids, fn, *args)
+            return ModelRunner.verify(self, kernels, input_ids, fn, *args)
         prefix = self.row_lengths  # per sequence: its columns before the verify
         out = self._fused_chain(forward_verify, input_ids, fn, args)
         self._held = prefix  # the device holds prefix + the block's length, no more
@@ -76,7 +106,7 @@ class FusedCalls:
         decoder's full length (``max_chain - 1`` draws); a shorter one (a generation's last
         iterations) runs forward by forward, as `then` does a shorter verify."""
         if self.hidden_layers or self.width != 1 or u.shape[0] != self.shape.max_chain - 1:
-            return super().chain(kernels, input_ids, counts, fn, u, *args)
+            return ModelRunner.chain(self, kernels, input_ids, counts, fn, u, *args)
         rows, k = input_ids.shape
         fused = Fused(forward_chain, (self._real_rows(rows), fn, rows, k, u, *args),
                       (Later(1),) * (u.shape[0] - 1))
@@ -91,7 +121,8 @@ class FusedCalls:
         the decoder's full depth (``max_chain - 1`` levels); a shallower one (a generation's
         last iterations) runs forward by forward, as `chain` does a shorter chain."""
         if self.hidden_layers or self.width != 1 or len(branching) != self.shape.max_chain - 1:
-            return super().tree_levels(kernels, input_ids, counts, branching, anc, fn, u, *args)
+            return ModelRunner.tree_levels(self, kernels, input_ids, counts, branching, anc, fn,
+                                           u, *args)
         rows, k = input_ids.shape
         sizes = [math.prod(branching[:i + 1]) for i in range(len(branching) - 1)]  # fed levels
         later = tuple(Later(c, sum(sizes[:i])) for i, c in enumerate(sizes))
@@ -110,7 +141,8 @@ class FusedCalls:
         per depth (a head's tree forwards are small; their shapes are the full tree's first
         ones), so no expansion's outputs come back to the host between the forwards."""
         if not self.hidden_layers or self.width != 1 or len(nodes) > self.shape.max_chain - 2:
-            return super().grow_tree(kernels, input_ids, counts, features, nodes, fn, *args)
+            return ModelRunner.grow_tree(self, kernels, input_ids, counts, features, nodes, fn,
+                                         *args)
         rows, k = input_ids.shape
         width = self.model.config.hidden_size * len(self.hidden_layers)  # what a node feeds on
         later = tuple(Later(c, sum(nodes[:i]), width) for i, c in enumerate(nodes))
@@ -128,8 +160,9 @@ class FusedCalls:
         generation's last iterations) runs step by step. The uniforms are drawn up front for the
         whole vocabulary (what a compiled step ranks)."""
         if self.hidden_layers or self.width != 1 or not 2 <= depth == self.shape.max_chain - 1:
-            return super().beam_search(kernels, first_ids, counts, depth, width, warp_args,
-                                       generator, eos_token_id, finish, *finish_args)
+            return ModelRunner.beam_search(self, kernels, first_ids, counts, depth, width,
+                                           warp_args, generator, eos_token_id, finish,
+                                           *finish_args)
         (rows, k), vocab = first_ids.shape, output_size(self.model)
         u = uniforms((rows, vocab * (1 + (depth - 1) * width)), generator, self.device) \
             if warp_args[-1] else None
@@ -159,8 +192,8 @@ class FusedCalls:
         one (a generation's last iterations) runs as two calls, as `then` does a shorter
         verify."""
         if not self._fuses_tree(input_ids, anc_rows):
-            return super().tree_then(kernels, input_ids, anc_rows, depths, fn, *args,
-                                     features=features)
+            return ModelRunner.tree_then(self, kernels, input_ids, anc_rows, depths, fn, *args,
+                                         features=features)
         return self._fused_tree(forward_tree_then, input_ids, anc_rows, depths, fn, args,
                                 features)
 
@@ -172,8 +205,8 @@ class FusedCalls:
         first columns as a chain verify leaves its block, which the loop's `crop_rows` then
         finds done (its ``kept``: the blocks' lengths read back) and cuts after."""
         if not self._fuses_tree(input_ids, anc_rows):
-            return super().verify_tree(kernels, input_ids, anc_rows, depths, fn, *args,
-                                       features=features)
+            return ModelRunner.verify_tree(self, kernels, input_ids, anc_rows, depths, fn,
+                                           *args, features=features)
         prefix = self.row_lengths  # per sequence: its columns before the tree
         out = self._fused_tree(forward_tree_verify, input_ids, anc_rows, depths, fn, args,
                                features)
