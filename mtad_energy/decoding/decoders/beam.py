@@ -32,7 +32,7 @@ class Beam(Decoder):
     def step(self, s: DecodeState) -> StepResult:
         p = self.params
         beams = beam_sample_rows(s.target, s.last_token, s.remaining, p.beam_width, p.warp,
-                                 s.generator, p.stochastic, s.eos_token_id, kernels=s.kernels)
+                                 s.generator, p.stochastic, s.eos_token_id, calls=s.calls)
         beams.keep(s.target, beams.best)
         # each row's most likely beam over its own remaining length (a batch searches to the
         # longest row's; a search is sequential, so a shorter row's beams are those at its end)

@@ -63,13 +63,13 @@ def bild_draw(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return sample_u(q, u)[:, None]
 
 
-def draft_until_unsure(draft: ModelRunner, kernels, pending: torch.Tensor, caps: list[int],
+def draft_until_unsure(draft: ModelRunner, calls, pending: torch.Tensor, caps: list[int],
                        fallback: float, warp: Warp, generator: torch.Generator | None,
                        counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """BiLD's fallback policy per sequence: sample from ~q while max ~q >= fallback, at most
     caps[b] tokens for row b (0: a row that drafts nothing, e.g. one that is done), after
     feeding ``pending [B, k]`` (row b's last counts[b] tokens real); the warp and the draws are
-    kernels (``kernels``), each draft forward fused with its warp (`ModelRunner.then`), a
+    kernels (``calls``), each draft forward fused with its warp (`ModelRunner.then`), a
     token's uniforms drawn from ``generator`` after the read that says some row drafts it.
 
     Returns ``(tokens [B, M], lengths)``: row b's draft is ``tokens[b, :lengths[b]]``,
@@ -81,16 +81,16 @@ def draft_until_unsure(draft: ModelRunner, kernels, pending: torch.Tensor, caps:
     lengths = [0] * rows
     sure = [c > 0 for c in caps]
     # [B, V], [B]: the catch-up's warped q and whether each row is sure of it
-    q, confident = draft.then(kernels, pending, bild_q, fallback, *warp.args, counts=counts)
+    q, confident = draft.then(calls, pending, bild_q, fallback, *warp.args, counts=counts)
     for i in range(max(caps, default=0)):
         if i:
-            q, confident = draft.then(kernels, tokens[-1], bild_q, fallback, *warp.args)
+            q, confident = draft.then(calls, tokens[-1], bild_q, fallback, *warp.args)
         # the fallback decision is data-dependent control flow: one host read per draft token
         sure = [a and c and i < cap
                 for a, c, cap in zip(sure, confident.tolist(), caps, strict=True)]
         if not any(sure):  # every draft is unsure here (or at its cap): the target decides
             break
-        tokens.append(kernels(bild_draw, q, uniforms((rows, 1), generator, q.device)))
+        tokens.append(calls(bild_draw, q, uniforms((rows, 1), generator, q.device)))
         lengths = [n + s for n, s in zip(lengths, sure, strict=True)]
     if not tokens:
         return pending.new_empty(rows, 0), lengths
@@ -136,12 +136,12 @@ class Bild(Decoder):
         prm = self.params
         warp = prm.warp
         pending, counts = s.draft_feed()
-        draft, lengths = draft_until_unsure(s.draft, s.kernels, pending, self.draft_lens(s),
+        draft, lengths = draft_until_unsure(s.draft, s.calls, pending, self.draft_lens(s),
                                             prm.fallback, warp, s.generator, counts)  # [B, M]
         # logits [B, M+1, V] -> the block (compiled at full width: the verify, its rule and the
         # rollback one graph call)
         recent, read = s.target.verify(
-            s.kernels, torch.cat([s.last_token, draft], 1), bild_verify, draft,
+            s.calls, torch.cat([s.last_token, draft], 1), bild_verify, draft,
             s.on_device(lengths), s.uniform(s.batch, 1), s.recent, prm.rollback, *warp.args)
         return StepResult.from_read(read, recent, ("accepted", "length"), proposed=lengths,
                                     depth=lengths)

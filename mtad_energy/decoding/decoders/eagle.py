@@ -335,7 +335,7 @@ class Eagle(Decoder):
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]
         # the verify's forward (returning every node's features) and its rule: one graph call
         feat, recent, read = tree_verify(
-            s.target, s.kernels, full, anc, eagle_verify, full, parents, anc, caps, levels,
+            s.target, s.calls, full, anc, eagle_verify, full, parents, anc, caps, levels,
             s.uniforms((full.numel(), 1), (s.batch, 1)), s.recent, dynamic, *warp.args)
         s.carry["feat"] = feat  # the root's and the accepted nodes', right-aligned: next catch-up
         s.draft.crop_rows([n - 1 for n in s.lengths])  # the head keeps its pairs, not the tree
@@ -367,7 +367,7 @@ class Eagle(Decoder):
         steps = min(prm.depth, max(lens) - 1)  # expansions a row can still use
         n = min(prm.total_tokens - 1, k + steps * k * k)
         tokens, tree_anc, parents = s.draft.grow_tree(
-            s.kernels, ids, counts, feats, (k,) * steps, eagle_dynamic, s.draft.model.d2t_map,
+            s.calls, ids, counts, feats, (k,) * steps, eagle_dynamic, s.draft.model.d2t_map,
             k, steps, caps, n)
         live = [k + (cap - 1) * k * k if cap else 0 for cap in lens]  # candidates within depth
         return tokens, tree_anc, parents, [min(n, c) for c in live]
@@ -379,7 +379,7 @@ class Eagle(Decoder):
         branching = self.params.branching[:max(lens)]
         parents, anc = rooted_tree(branching, s.device)
         nodes = tuple(math.prod(branching[:i + 1]) for i in range(len(branching) - 1))
-        tokens = s.draft.grow_tree(s.kernels, ids, counts, feats, nodes, eagle_static,
+        tokens = s.draft.grow_tree(s.calls, ids, counts, feats, nodes, eagle_static,
                                    branching, anc, s.draft.model.d2t_map)
         proposed = [tree_nodes(branching[:n]) for n in lens]
         return tokens, parents, anc, proposed

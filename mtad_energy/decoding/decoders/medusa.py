@@ -117,14 +117,14 @@ class Medusa(Decoder):
             out = target_step(s, warp)
             s.carry["hidden"] = s.target.hidden[:, -1]
             return out
-        tokens = s.draft.then(s.kernels, s.carry["hidden"], candidate_tokens, branching)  # [B, N]
+        tokens = s.draft.then(s.calls, s.carry["hidden"], candidate_tokens, branching)  # [B, N]
         parents, anc = rooted_tree(branching, s.device)
         full = torch.cat([s.last_token, tokens], 1)  # [B, 1 + N]: the root first
         speculative = prm.acceptance == "speculative"
         # the verify's forward (returning every node's features) and its rule: one graph call
         draws = ((full.numel(), 1),) if speculative else ()  # the rule's, then the next token's
         feat, recent, read = tree_verify(
-            s.target, s.kernels, full, anc, medusa_verify, full, parents, anc,
+            s.target, s.calls, full, anc, medusa_verify, full, parents, anc,
             s.on_device(lens), s.uniforms(*draws, (s.batch, 1)), s.recent, len(branching),
             speculative, prm.eps, prm.delta, *warp.args)
         s.carry["hidden"] = feat  # the deepest accepted node's: the heads' next input

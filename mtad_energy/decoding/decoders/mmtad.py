@@ -60,7 +60,7 @@ class Mmtad(Decoder):
             return target_step(s, warp)
         pending, counts = s.draft_feed()
         beams = beam_sample_rows(s.draft, pending, gamma, width, warp, s.generator,
-                                 counts=counts, kernels=s.kernels, finish=beam_tree,
+                                 counts=counts, calls=s.calls, finish=beam_tree,
                                  finish_args=(s.recent[:, -1:],))  # [B, 1]: fixed strides
         tree, anc, beam, log_q = beams.finished  # [B, N], [B, N, N], [B, 2 D W], [B, D, W]
         # the target scores the whole tree in one forward; each row over its own depth (its
@@ -68,7 +68,7 @@ class Mmtad(Decoder):
         # of its own takes its token from p
         # (compiled: the target's rollback to the kept path in the same graph call)
         row, recent, read = tree_verify(
-            s.target, s.kernels, tree, anc, mmtad_verify_packed, tree, beam, log_q,
+            s.target, s.calls, tree, anc, mmtad_verify_packed, tree, beam, log_q,
             s.on_device(lens), s.uniform(s.batch, 1), s.recent, prm.log_tau, *warp.args)
         # draft cache: the final beam sharing the longest token prefix with the chosen path; the
         # loop crops it to n + that prefix after the read-back (no host sync here)

@@ -66,12 +66,12 @@ class Mtad(Decoder):
         # nothing: its token is from p
         depth = s.on_device(lens)  # [B]
         beams = beam_sample_rows(s.draft, pending, gamma, prm.beam_width, warp, s.generator,
-                                 counts=counts, kernels=s.kernels, finish=mtad_finish,
+                                 counts=counts, calls=s.calls, finish=mtad_finish,
                                  finish_args=(depth,))
         y, cum_log_q, seqs = beams.finished  # [B, gamma], [B, gamma], [B, W, gamma]
         # logits [B, gamma+1, V] -> the block and the beam to keep (compiled: one graph call)
         row, recent, read = s.target.verify(
-            s.kernels, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth, seqs,
+            s.calls, torch.cat([s.last_token, y], 1), mtad_verify, y, cum_log_q, depth, seqs,
             s.uniform(s.batch, 1), s.recent, prm.log_tau, *warp.args)
         beams.keep_rows(s.draft, row)  # the draft cache holds y*_1..y*_kept
         return StepResult.from_read(read, recent, ("accepted", "length", "draft_kept"),

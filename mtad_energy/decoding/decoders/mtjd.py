@@ -41,7 +41,7 @@ class Mtjd(Decoder):
         # K=1 is multinomial sampling (the paper): one token drawn from ~p, no beam to pick from
         width = 1 if p.k == 1 else p.beam_width
         beams = beam_sample_rows(s.target, s.last_token, min(p.k, s.remaining), width, p.warp,
-                                 s.generator, p.stochastic, s.eos_token_id, kernels=s.kernels)
+                                 s.generator, p.stochastic, s.eos_token_id, calls=s.calls)
         beams.keep(s.target, beams.best)
         # a row with fewer tokens left decodes them jointly: its best beam at its own depth
         return StepResult(beams.best_at(s.row_depths(min(p.k, s.remaining)))[0])

@@ -92,7 +92,7 @@ class PromptLookup(Decoder):
                           s.device).view(s.batch, 1 + gamma)
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
         recent, read = s.target.verify(
-            s.kernels, chain, pld_verify, chain, s.on_device(lens),
+            s.calls, chain, pld_verify, chain, s.on_device(lens),
             s.uniforms((s.batch, gamma), (s.batch, 1)), s.recent, *prm.warp.args)
         return StepResult.from_read(read, recent, ("accepted", "length"), proposed=lens,
                                     depth=lens)

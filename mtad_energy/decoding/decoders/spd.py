@@ -57,7 +57,7 @@ class SpeculativeDecoding(Decoder):
         draft, q = draft_chain(s, pending, gamma, warp, counts)  # [B, gamma], [B, gamma, V]
         # logits [B, gamma+1, V] -> the block (compiled: the verify and its rule one graph call)
         recent, read = s.target.verify(
-            s.kernels, torch.cat([s.last_token, draft], 1), spd_verify, q, draft,
+            s.calls, torch.cat([s.last_token, draft], 1), spd_verify, q, draft,
             s.uniforms(draft.shape, (s.batch, 1)), s.recent, *warp.args)
         return StepResult.from_read(read, recent, ("accepted", "length"), proposed=lens,
                                     depth=lens)

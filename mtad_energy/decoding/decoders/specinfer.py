@@ -132,10 +132,10 @@ class SpecInfer(Decoder):
         pending, counts = s.draft_feed()
         u = level_uniforms(s, branching, output_size(s.draft.model), self.without_replacement)
         # the tree grown level by level (compiled: one graph call), [B, N], [B, 1 + N_int, V]
-        tokens, q = s.draft.tree_levels(s.kernels, pending, counts, branching, anc_d, draw_level,
+        tokens, q = s.draft.tree_levels(s.calls, pending, counts, branching, anc_d, draw_level,
                                         u, self.without_replacement, *warp.args)
         recent, read = tree_verify(
-            s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, specinfer_verify,
+            s.target, s.calls, torch.cat([s.last_token, tokens], 1), anc_t, specinfer_verify,
             q, tokens, s.uniforms(tokens.shape, (s.batch, 1)), s.recent, branching,
             self.without_replacement, *warp.args)
         # the target keeps the chosen node of every level inside the verify (the loop crops it

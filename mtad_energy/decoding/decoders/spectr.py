@@ -101,12 +101,12 @@ class Spectr(Decoder):
         pending, counts = s.draft_feed()
         # the k drafts grown level by level (compiled: one graph call): tokens [B, k gamma] in
         # level order, q [B, 1 + k (gamma - 1), V] at the root and the internal nodes
-        tokens, q = s.draft.tree_levels(s.kernels, pending, counts, branching, anc_d,
+        tokens, q = s.draft.tree_levels(s.calls, pending, counts, branching, anc_d,
                                         draw_drafts, s.uniform(s.batch, 1 + k * (gamma - 1), k),
                                         *warp.args)
         # q has <= top_k nonzeros (up to ties at the cut): rho only needs those tokens
         recent, read = tree_verify(
-            s.target, s.kernels, torch.cat([s.last_token, tokens], 1), anc_t, spectr_verify, q,
+            s.target, s.calls, torch.cat([s.last_token, tokens], 1), anc_t, spectr_verify, q,
             tokens, s.uniforms((s.batch, k, gamma), (s.batch, 1)), s.recent, k,
             2 * self.params.top_k, *warp.args)
         # the target keeps the selected draft inside the verify (the loop crops it to the

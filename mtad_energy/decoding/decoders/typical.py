@@ -58,7 +58,7 @@ class Typical(Decoder):
         draft, = draft_chain(s, pending, gamma, warp, counts, q=False)  # [B, gamma]
         # logits [B, gamma+1, V] -> the block (compiled: one graph call)
         recent, read = s.target.verify(
-            s.kernels, torch.cat([s.last_token, draft], 1), typical_verify, draft,
+            s.calls, torch.cat([s.last_token, draft], 1), typical_verify, draft,
             s.on_device(lens), s.uniform(s.batch, 1), s.recent, prm.eps, prm.delta, *warp.args)
         return StepResult.from_read(read, recent, ("accepted", "length"), proposed=lens,
                                     depth=lens)

@@ -1,4 +1,4 @@
-"""The steps of stochastic beam sampling, pure tensor functions (kernels: `runtime.kernels`) that
+"""The steps of stochastic beam sampling, pure tensor functions (kernels: `runtime.calls`) that
 a runner's beam search (`runtime.runner.ModelRunner.beam_search`) runs between its forwards:
 `first_scores` / `first_select` after the first forward, `step_scores` / `step_select` after each
 later one, and what is read off the finished tree (`best_at`, `closest_beam`, `beam_rows`).

@@ -6,7 +6,7 @@ already exceeds p (so the most likely token is always kept). The same warp is ap
 
 Randomness is explicit: each sampler has a form that takes its uniforms (``sample_u``,
 ``gumbel_topk_u``), pure and free of host reads, so the compiled path can run it inside a graph
-(`DecodeState.kernels`) with the uniforms drawn from the generation's generator outside; the
+(`DecodeState.calls`) with the uniforms drawn from the generation's generator outside; the
 generator forms draw the same uniforms in the same order and call it.
 """
 

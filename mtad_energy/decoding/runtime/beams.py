@@ -101,12 +101,12 @@ def beam_sample(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width:
 def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, width: int,
                      warp: Warp, generator: torch.Generator, stochastic: bool = True,
                      eos_token_id: int | None = None, counts: list[int] | None = None,
-                     kernels: EagerCalls | None = None,
+                     calls: EagerCalls | None = None,
                      finish: Callable[..., tuple] | None = None, finish_args: tuple[Any, ...] = ()
                      ) -> BeamDraft:
     """Run ``depth`` beam steps of ``runner``'s model for B sequences after feeding ``first_ids
     [B, k]`` (row b's last counts[b] tokens real, see `DecodeState.draft_feed`); the steps'
-    arithmetic runs as ``kernels`` (`DecodeState.kernels`; default eager), their uniforms drawn
+    arithmetic runs as ``calls`` (`DecodeState.calls`; default eager), their uniforms drawn
     from ``generator``. ``finish(tokens, parents, log_q, seqs, path_log_q, *finish_args)``: a
     kernel reading the finished tree (MTAD's `mtad.mtad_finish`), run with the search (in its
     graph, compiled); its outputs are `BeamDraft.finished`, and the search hands back nothing
@@ -116,7 +116,7 @@ def beam_sample_rows(runner: ModelRunner, first_ids: torch.Tensor, depth: int, w
     b*W + w holds sequence b's prefix plus the first depth-1 tokens of its final beam w (the last
     token is not fed). Beams that emitted ``eos_token_id`` are frozen: they repeat EOS at no cost.
     """
-    out = runner.beam_search(kernels or EagerCalls(), first_ids, counts, depth, width,
+    out = runner.beam_search(calls or EagerCalls(), first_ids, counts, depth, width,
                              (*warp.args, stochastic), generator, eos_token_id, finish,
                              *finish_args)
     if finish is not None:

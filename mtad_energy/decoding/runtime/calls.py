@@ -3,7 +3,7 @@
 A decoder's step is forwards (the runners') and, between them, pure tensor functions: warping and
 sampling, an acceptance rule, a beam step. Eagerly each of those is tens of aten ops the host
 dispatches one by one (~6-8 us each on a GPU: docs/design.md section 7); compiled, one graph
-call. ``s.kernels(fn, *args)`` (`DecodeState.kernels`) calls ``fn(*args)`` through the
+call. ``s.calls(fn, *args)`` (`DecodeState.calls`) calls ``fn(*args)`` through the
 generation's `EagerCalls`: this class calls it as it is (the eager path),
 `compiled.CompiledCalls` compiles it (one graph per input signature). The functions are the same
 on both paths, so are the rules.

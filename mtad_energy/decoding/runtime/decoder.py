@@ -57,7 +57,7 @@ def draft_chain(s: DecodeState, pending: torch.Tensor, gamma: int, warp: Warp,
     ``(draft,)`` without ``q`` (a rule that does not read it: the chain hands back, and a GPU
     host clones, one tensor). The chain's uniforms are drawn at once; compiled, the chain is one
     graph call (`ModelRunner.chain`)."""
-    return s.draft.chain(s.kernels, pending, counts, draft_next if q else draft_token,
+    return s.draft.chain(s.calls, pending, counts, draft_next if q else draft_token,
                          s.uniform(gamma, s.batch, 1), *warp.args)
 
 
@@ -68,7 +68,7 @@ def target_step(s: DecodeState, warp: Warp) -> StepResult:
     # T = 1: the token is the rows' last token (and the same tensor as `last_token` after
     # it, which a compiled call must not get twice: dynamo would recompile for the alias)
     recent = s.recent if s.recent_width > 1 else None
-    out = s.target.then(s.kernels, s.last_token, next_token_after, s.uniform(s.batch, 1),
+    out = s.target.then(s.calls, s.last_token, next_token_after, s.uniform(s.batch, 1),
                         recent, *warp.args)  # (token [B, 1], recent [B, T]) or (token,)
     return StepResult(out[0], recent=out[-1])
 

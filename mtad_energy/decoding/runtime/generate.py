@@ -185,7 +185,7 @@ def _runners(decoder: Decoder, pair: ModelPair, timer: PhaseTimer, rows: int, sl
     return runners[0], (runners[1] if len(runners) > 1 else None)
 
 
-def _kernels(compile: bool | CompileOptions) -> EagerCalls:
+def _calls_for(compile: bool | CompileOptions) -> EagerCalls:
     """Where the decoder's pure tensor functions run: compiled under ``compile``, else eagerly."""
     if not compile:
         return EagerCalls()
@@ -216,7 +216,7 @@ class _Run:
     state: DecodeState
     target: ModelRunner
     draft: ModelRunner | None
-    kernels: EagerCalls
+    calls: EagerCalls
     graphs_before: int  # dynamo's count of graphs compiled before this call
 
     @property
@@ -226,7 +226,7 @@ class _Run:
     @property
     def runners(self) -> list[Any]:
         """What may compile: the runners and the kernels."""
-        return [r for r in (self.target, self.draft, self.kernels) if r is not None]
+        return [r for r in (self.target, self.draft, self.calls) if r is not None]
 
     def clock(self) -> float:
         """Wall time less the first forwards of new shapes (compiling)."""
@@ -296,11 +296,11 @@ def _set_up(decoder: Decoder, pair: ModelPair, prompts: list[list[int]], max_new
     graphs_before = _graphs_compiled(compile)
     target, draft = _runners(decoder, pair, timer, rows,
                              slots_needed(decoder, prompt_lens, max_new_tokens), compile)
-    kernels = _kernels(compile)
+    calls = _calls_for(compile)
     state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
                         generator, pair.eos_token_id, tokens=[list(p) for p in prompts],
-                        kernels=kernels, recent_width=decoder.lookahead + 1)
-    return _Run(decoder, pair, prompt_lens, compile, hook, timer, state, target, draft, kernels,
+                        calls=calls, recent_width=decoder.lookahead + 1)
+    return _Run(decoder, pair, prompt_lens, compile, hook, timer, state, target, draft, calls,
                 graphs_before)
 
 

@@ -84,12 +84,12 @@ class HeadRunner(ModelRunner):
                  **kwargs) -> torch.Tensor:
         return self._run(None, features)
 
-    def then(self, kernels, features: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+    def then(self, calls, features: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """`ModelRunner.then` for the head: its forward of ``features [B, F]``, then ``fn(logits
-        [B, K, V], *args)`` through ``kernels`` (Medusa's candidate tree); compiled, the two are
+        [B, K, V], *args)`` through ``calls`` (Medusa's candidate tree); compiled, the two are
         one graph call."""
         if not self.compiled:
-            return kernels(fn, self(features), *args)
+            return calls(fn, self(features), *args)
         return self._run(fn, features, *args)
 
     def _run(self, fn: Callable[..., Any] | None, features: torch.Tensor, *args: Any) -> Any:

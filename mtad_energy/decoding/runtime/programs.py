@@ -7,7 +7,7 @@ through a `Steps`, which says where they run:
 
 * `runner.RunnerSteps`: each forward a call of a runner (`ModelRunner` and its batched and
   compiled kinds: ``runner(ids)``, ``runner.forward_tree``), each function through the
-  generation's `Kernels` (eager, or compiled one graph per function). The eager path, and the
+  generation's `calls.EagerCalls` (eager, or compiled one graph per function). The eager path, and the
   compiled runner's separate calls (a generation's shorter last chains and trees);
 * `slot_forward.SlotSteps`: each forward a `slot_forward` on the static cache, the functions
   called as they are, inside one fused graph call (`slot_forward.forward_chain` and its kin).

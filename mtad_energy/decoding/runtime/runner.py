@@ -83,43 +83,43 @@ class ModelRunner(CompilesAfter):
             self.hidden = pick_hidden(out, self.hidden_layers)
         return out.logits.float()
 
-    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any,
+    def then(self, calls, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any,
              counts: list[int] | None = None) -> Any:
         """A forward of ``input_ids [B, k]`` (``counts``: as in `__call__`), then ``fn(logits
-        [B, k, V], *args)`` through ``kernels`` (`DecodeState.kernels`): a verify's rule, a
+        [B, k, V], *args)`` through ``calls`` (`DecodeState.calls`): a verify's rule, a
         token drawn from p. The compiled runner runs both in one graph call
         (`static_fused.FusedCalls.then`)."""
-        return kernels(fn, self(input_ids, counts), *args)
+        return calls(fn, self(input_ids, counts), *args)
 
-    def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+    def verify(self, calls, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """`then` of a chain verify whose rule returns ``(block, accepted, length [B],
         *handed)``: ``handed``, what the host needs (the read-back packed, the rows' last
         tokens: the rest stays on the device, so a CUDA graph hands back, and its host clones,
         only these). The loop crops the cache to each row's block after the read-back. The
         compiled runner rolls the rejected columns back inside the verify's graph call
         (`static_fused.FusedCalls.verify`), where the crop then finds it done."""
-        return self.then(kernels, input_ids, fn, *args)[3:]
+        return self.then(calls, input_ids, fn, *args)[3:]
 
-    def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+    def chain(self, calls, input_ids: torch.Tensor, counts: list[int] | None,
               fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         """A draft's autoregressive loop of S = ``u.shape[0]`` forwards (`programs.chain`), the
         first of ``input_ids [B, k]`` (``counts``: as in `__call__`), each next of the token
         ``fn(logits [B, k, V], u[i] [B, 1], *args) -> (token [B, 1], *extras)`` drew. Returns
         ``(tokens [B, S], *extras stacked on dim 1: [B, S, ...])``. The compiled runner runs
         the same program in one graph call (`static_fused.FusedCalls.chain`)."""
-        return programs.chain(RunnerSteps(self, kernels, input_ids, counts), fn, u, *args)
+        return programs.chain(RunnerSteps(self, calls, input_ids, counts), fn, u, *args)
 
-    def tree_levels(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+    def tree_levels(self, calls, input_ids: torch.Tensor, counts: list[int] | None,
                     branching: tuple[int, ...], anc: torch.Tensor, fn: Callable[..., Any],
                     u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         """A draft token tree grown level by level (`programs.tree_levels`) from the forward of
         ``input_ids [B, k]`` (``counts``: as in `__call__`), each level a tree forward
         (`forward_tree`). The compiled runner runs a full-depth tree in one graph call
         (`static_fused.FusedCalls.tree_levels`)."""
-        return programs.tree_levels(RunnerSteps(self, kernels, input_ids, counts), branching,
+        return programs.tree_levels(RunnerSteps(self, calls, input_ids, counts), branching,
                                     anc, fn, u, *args)
 
-    def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
+    def beam_search(self, calls, first_ids: torch.Tensor, counts: list[int] | None,
                     depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
                     eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
                     *finish_args: Any) -> tuple[torch.Tensor, ...]:
@@ -132,7 +132,7 @@ class ModelRunner(CompilesAfter):
         def draws(scores: torch.Tensor, at: int, n: int) -> torch.Tensor | None:
             return uniforms(scores.shape, generator, scores.device) if warp_args[-1] else None
 
-        return programs.beam_search(RunnerSteps(self, kernels, first_ids, counts), depth, width,
+        return programs.beam_search(RunnerSteps(self, calls, first_ids, counts), depth, width,
                                     warp_args, draws, eos_token_id, finish, *finish_args)
 
     def prefill(self, input_ids: torch.Tensor, counts: list[int] | None = None,
@@ -152,19 +152,19 @@ class ModelRunner(CompilesAfter):
         return self(input_ids, attention_mask=additive_mask(allowed, dtype), position_ids=pos,
                     features=features)
 
-    def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+    def tree_then(self, calls, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                   depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
                   features: torch.Tensor | None = None) -> Any:
         """`forward_tree` (``features``: a head's input), then ``fn(logits [B, K, V], *args)``
-        through ``kernels`` (a runner returning hidden states: ``fn(logits, hidden [B, K, H],
+        through ``calls`` (a runner returning hidden states: ``fn(logits, hidden [B, K, H],
         *args)``): a tree verify's rule, a head's expansion of its tree (`then` for a token
         tree). The compiled runner runs both in one graph call (`static_fused.FusedCalls.tree_then`).
         """
         logits = self.forward_tree(input_ids, anc_rows, depths, features)
         outs = (logits, self.hidden) if self.hidden_layers else (logits,)
-        return kernels(fn, *outs, *args)
+        return calls(fn, *outs, *args)
 
-    def grow_tree(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+    def grow_tree(self, calls, input_ids: torch.Tensor, counts: list[int] | None,
                   features: torch.Tensor, nodes: tuple[int, ...], fn: Callable[..., Any],
                   *args: Any) -> Any:
         """A draft head's token tree (`programs.grow_tree`): the forward of ``input_ids [B, k]``
@@ -173,10 +173,10 @@ class ModelRunner(CompilesAfter):
         tree forwards of ``nodes[i]`` nodes each run as `tree_then`. The compiled runner runs a
         tree of any depth up to the decoder's in one graph call
         (`static_fused.FusedCalls.grow_tree`)."""
-        return programs.grow_tree(RunnerSteps(self, kernels, input_ids, counts, features), fn,
+        return programs.grow_tree(RunnerSteps(self, calls, input_ids, counts, features), fn,
                                   *args)
 
-    def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+    def verify_tree(self, calls, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                     depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
                     features: torch.Tensor | None = None) -> Any:
         """`tree_then` of a tree verify whose rule returns ``(block, accepted, length [B], path
@@ -184,7 +184,7 @@ class ModelRunner(CompilesAfter):
         tree (`keep_tree`), which the loop crops to the block's length after the read-back.
         Returns ``handed`` (as `verify`). The compiled runner keeps exactly the first length[b]
         nodes inside the verify's graph call (`static_fused.FusedCalls.verify_tree`)."""
-        out = self.tree_then(kernels, input_ids, anc_rows, depths, fn, *args, features=features)
+        out = self.tree_then(calls, input_ids, anc_rows, depths, fn, *args, features=features)
         self.keep_tree(input_ids.shape[1], out[3])
         return out[4:]
 
@@ -228,14 +228,14 @@ class ModelRunner(CompilesAfter):
 class RunnerSteps:
     """`programs.Steps` over a runner's own calls: each forward a call of ``runner`` (its
     ``__call__``, `ModelRunner.forward_tree`, `ModelRunner.tree_then`: a compiled runner's may
-    fuse), each pure function through ``kernels`` (`Kernels`), the rows moved by the runner. The
+    fuse), each pure function through ``calls`` (`calls.EagerCalls`), the rows moved by the runner. The
     first forward is of ``input_ids [B, k]`` (``counts``: as in `ModelRunner.__call__`; a
     head's ``features [B, k, F]``)."""
 
-    def __init__(self, runner: ModelRunner, kernels, input_ids: torch.Tensor,
+    def __init__(self, runner: ModelRunner, calls, input_ids: torch.Tensor,
                  counts: list[int] | None, features: torch.Tensor | None = None):
         self.runner = runner
-        self.call = kernels
+        self.call = calls
         self._first = (input_ids, counts)
         self._features = features
 

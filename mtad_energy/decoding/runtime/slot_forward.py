@@ -25,7 +25,7 @@ runs back to back into one graph:
   its chosen beam, a step-by-step beam search) over every slot: one call returning nothing,
   instead of an op per buffer and index.
 
-The functions are the decoders' own (`kernels`), the same on the eager path, and so are the
+The functions are the decoders' own (`calls`), the same on the eager path, and so are the
 programs: `forward_chain`, `forward_tree_levels`, `forward_beams` and `forward_grow` run the
 `programs` the eager runner runs, over `SlotSteps` instead of `runner.RunnerSteps`; only where
 they run changes. The fused calls leave the cache exactly as the separate calls would (the same KV and

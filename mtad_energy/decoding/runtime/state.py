@@ -45,8 +45,8 @@ class DecodeState:
     # what a decoder keeps from one iteration to the next of this generation (a head's input
     # features); decoders are reused across generations, so it lives here, not on them
     carry: dict[str, Any] = field(default_factory=dict)
-    # where the step's pure tensor functions run: eagerly, or compiled (`kernels`)
-    kernels: EagerCalls = field(default_factory=EagerCalls)
+    # where the step's pure tensor functions run: eagerly, or compiled (`calls`)
+    calls: EagerCalls = field(default_factory=EagerCalls)
     # tokens per row `recent` holds: what a draft's catch-up and a verify's first token take
     recent_width: int = 1
 
@@ -87,7 +87,7 @@ class DecodeState:
 
     def uniform(self, *shape: int) -> torch.Tensor:
         """Uniforms in [0, 1) of ``shape`` on the model device, from the generation's generator:
-        a kernel's draws (`kernels`)."""
+        a kernel's draws (`calls`)."""
         return uniforms(shape, self.generator, self.device)
 
     def uniforms(self, *shapes: tuple[int, ...]) -> torch.Tensor:

@@ -66,22 +66,22 @@ class FusedCalls:
     _held: list[int] | None  # after a verify rolled back on the device: columns before it
     _append_cols: Callable[[int, int, list[int] | None], None]  # the host mirror's new columns
 
-    def then(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any,
+    def then(self, calls, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any,
              counts: list[int] | None = None) -> Any:
         """`ModelRunner.then` in one graph call (`forward_then`) for a one-token step or a
         verify at the decoder's full width (`ForwardShape.max_chain`); a shorter verify (a
         generation's last, or a shorter draft) runs as two calls, the forward and the kernel:
         a fused graph per draft length would compile a target forward per length."""
         if not self._fuses_chain(input_ids):
-            return ModelRunner.then(self, kernels, input_ids, fn, *args, counts=counts)
+            return ModelRunner.then(self, calls, input_ids, fn, *args, counts=counts)
         return self._fused_chain(forward_then, input_ids, fn, args, counts)
 
-    def verify(self, kernels, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
+    def verify(self, calls, input_ids: torch.Tensor, fn: Callable[..., Any], *args: Any) -> Any:
         """`ModelRunner.verify` in one graph call (`forward_verify`) where `then` fuses: the
         rule and the rollback to each row's block on the device, which the loop's `crop_rows`
         then finds done (its ``kept``: the blocks' lengths read back)."""
         if not self._fuses_chain(input_ids):
-            return ModelRunner.verify(self, kernels, input_ids, fn, *args)
+            return ModelRunner.verify(self, calls, input_ids, fn, *args)
         prefix = self.row_lengths  # per sequence: its columns before the verify
         out = self._fused_chain(forward_verify, input_ids, fn, args)
         self._held = prefix  # the device holds prefix + the block's length, no more
@@ -100,13 +100,13 @@ class FusedCalls:
         self._append_cols(self.n - k, k, counts)
         return out
 
-    def chain(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+    def chain(self, calls, input_ids: torch.Tensor, counts: list[int] | None,
               fn: Callable[..., Any], u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         """`ModelRunner.chain` in one graph call (`forward_chain`) for a chain of the
         decoder's full length (``max_chain - 1`` draws); a shorter one (a generation's last
         iterations) runs forward by forward, as `then` does a shorter verify."""
         if self.hidden_layers or self.width != 1 or u.shape[0] != self.shape.max_chain - 1:
-            return ModelRunner.chain(self, kernels, input_ids, counts, fn, u, *args)
+            return ModelRunner.chain(self, calls, input_ids, counts, fn, u, *args)
         rows, k = input_ids.shape
         fused = Fused(forward_chain, (self._real_rows(rows), fn, rows, k, u, *args),
                       (Later(1),) * (u.shape[0] - 1))
@@ -114,14 +114,14 @@ class FusedCalls:
         self._append_later(k, fused, counts)
         return out
 
-    def tree_levels(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+    def tree_levels(self, calls, input_ids: torch.Tensor, counts: list[int] | None,
                     branching: tuple[int, ...], anc: torch.Tensor, fn: Callable[..., Any],
                     u: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         """`ModelRunner.tree_levels` in one graph call (`forward_tree_levels`) for a tree of
         the decoder's full depth (``max_chain - 1`` levels); a shallower one (a generation's
         last iterations) runs forward by forward, as `chain` does a shorter chain."""
         if self.hidden_layers or self.width != 1 or len(branching) != self.shape.max_chain - 1:
-            return ModelRunner.tree_levels(self, kernels, input_ids, counts, branching, anc, fn,
+            return ModelRunner.tree_levels(self, calls, input_ids, counts, branching, anc, fn,
                                            u, *args)
         rows, k = input_ids.shape
         sizes = [math.prod(branching[:i + 1]) for i in range(len(branching) - 1)]  # fed levels
@@ -132,7 +132,7 @@ class FusedCalls:
         self._append_later(k, fused, counts)
         return out
 
-    def grow_tree(self, kernels, input_ids: torch.Tensor, counts: list[int] | None,
+    def grow_tree(self, calls, input_ids: torch.Tensor, counts: list[int] | None,
                   features: torch.Tensor, nodes: tuple[int, ...], fn: Callable[..., Any],
                   *args: Any) -> Any:
         """`ModelRunner.grow_tree` in one graph call (`forward_grow`) for a tree of up to the
@@ -141,7 +141,7 @@ class FusedCalls:
         per depth (a head's tree forwards are small; their shapes are the full tree's first
         ones), so no expansion's outputs come back to the host between the forwards."""
         if not self.hidden_layers or self.width != 1 or len(nodes) > self.shape.max_chain - 2:
-            return ModelRunner.grow_tree(self, kernels, input_ids, counts, features, nodes, fn,
+            return ModelRunner.grow_tree(self, calls, input_ids, counts, features, nodes, fn,
                                          *args)
         rows, k = input_ids.shape
         width = self.model.config.hidden_size * len(self.hidden_layers)  # what a node feeds on
@@ -151,7 +151,7 @@ class FusedCalls:
         self._append_later(k, fused, counts)
         return out
 
-    def beam_search(self, kernels, first_ids: torch.Tensor, counts: list[int] | None,
+    def beam_search(self, calls, first_ids: torch.Tensor, counts: list[int] | None,
                     depth: int, width: int, warp_args: tuple, generator: torch.Generator | None,
                     eos_token_id: int | None = None, finish: Callable[..., tuple] | None = None,
                     *finish_args: Any) -> tuple[torch.Tensor, ...]:
@@ -160,7 +160,7 @@ class FusedCalls:
         generation's last iterations) runs step by step. The uniforms are drawn up front for the
         whole vocabulary (what a compiled step ranks)."""
         if self.hidden_layers or self.width != 1 or not 2 <= depth == self.shape.max_chain - 1:
-            return ModelRunner.beam_search(self, kernels, first_ids, counts, depth, width,
+            return ModelRunner.beam_search(self, calls, first_ids, counts, depth, width,
                                            warp_args, generator, eos_token_id, finish,
                                            *finish_args)
         (rows, k), vocab = first_ids.shape, output_size(self.model)
@@ -184,7 +184,7 @@ class FusedCalls:
             self._append_cols(t, f.columns, None)
             t += f.columns
 
-    def tree_then(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+    def tree_then(self, calls, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                   depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
                   features: torch.Tensor | None = None) -> Any:
         """`ModelRunner.tree_then` in one graph call (`forward_tree_then`) for K nodes after M
@@ -192,12 +192,12 @@ class FusedCalls:
         one (a generation's last iterations) runs as two calls, as `then` does a shorter
         verify."""
         if not self._fuses_tree(input_ids, anc_rows):
-            return ModelRunner.tree_then(self, kernels, input_ids, anc_rows, depths, fn, *args,
+            return ModelRunner.tree_then(self, calls, input_ids, anc_rows, depths, fn, *args,
                                          features=features)
         return self._fused_tree(forward_tree_then, input_ids, anc_rows, depths, fn, args,
                                 features)
 
-    def verify_tree(self, kernels, input_ids: torch.Tensor, anc_rows: torch.Tensor,
+    def verify_tree(self, calls, input_ids: torch.Tensor, anc_rows: torch.Tensor,
                     depths: torch.Tensor, fn: Callable[..., Any], *args: Any,
                     features: torch.Tensor | None = None) -> Any:
         """`ModelRunner.verify_tree` in one graph call (`forward_tree_verify`) where `tree_then`
@@ -205,7 +205,7 @@ class FusedCalls:
         first columns as a chain verify leaves its block, which the loop's `crop_rows` then
         finds done (its ``kept``: the blocks' lengths read back) and cuts after."""
         if not self._fuses_tree(input_ids, anc_rows):
-            return ModelRunner.verify_tree(self, kernels, input_ids, anc_rows, depths, fn,
+            return ModelRunner.verify_tree(self, calls, input_ids, anc_rows, depths, fn,
                                            *args, features=features)
         prefix = self.row_lengths  # per sequence: its columns before the tree
         out = self._fused_tree(forward_tree_verify, input_ids, anc_rows, depths, fn, args,

@@ -103,15 +103,15 @@ def tree_forward(runner: ModelRunner, tokens: torch.Tensor, anc: torch.Tensor,
     return logits if tokens.dim() == 2 else logits[0]
 
 
-def tree_verify(runner: ModelRunner, kernels, tokens: torch.Tensor, anc: torch.Tensor,
+def tree_verify(runner: ModelRunner, calls, tokens: torch.Tensor, anc: torch.Tensor,
                 fn: Callable[..., Any], *args: Any) -> Any:
     """`tree_forward` of B sequences' trees fed at once (``tokens [B, K]``, ``anc [(B,) K, K]``),
-    then ``fn(logits [B, K, V], *args)`` through ``kernels`` (a verify's rule), which returns
+    then ``fn(logits [B, K, V], *args)`` through ``calls`` (a verify's rule), which returns
     ``(block, accepted, length [B], path [B, m], *rest)``, and the tree rolled back to the path
     (root first; the loop crops it to the block's length): one graph call on the compiled path,
     the rollback included (`ModelRunner.verify_tree`). Returns ``rest``: what the host needs."""
     check_tree_support(runner.model)
-    return runner.verify_tree(kernels, tokens, anc, depths(anc), fn, *args)
+    return runner.verify_tree(calls, tokens, anc, depths(anc), fn, *args)
 
 
 def keep_path(runner: ModelRunner, prefix_len: int, nodes: torch.Tensor) -> None:

@@ -40,8 +40,8 @@ class TableRunner:
         self.forwards += 1
         return out
 
-    def then(self, kernels, input_ids: torch.Tensor, fn, *args, counts=None):
-        return kernels(fn, self(input_ids, counts), *args)
+    def then(self, calls, input_ids: torch.Tensor, fn, *args, counts=None):
+        return calls(fn, self(input_ids, counts), *args)
 
 
 SURE, UNSURE = [0.95, 0.05, 0.0], [0.5, 0.3, 0.2]

@@ -87,9 +87,9 @@ def test_medusa_verifies_the_cartesian_tree_of_its_heads(llama_pair, monkeypatch
         seen_logits.append(out.clone())
         return out
 
-    def tree_spy(runner, kernels, tokens, anc, *args):
+    def tree_spy(runner, calls, tokens, anc, *args):
         seen_trees.append((tokens.clone(), anc.clone()))
-        return real_tree(runner, kernels, tokens, anc, *args)
+        return real_tree(runner, calls, tokens, anc, *args)
 
     monkeypatch.setattr(heads, "forward", heads_spy)
     monkeypatch.setattr(medusa_mod, "tree_verify", tree_spy)
@@ -132,13 +132,13 @@ def _record_draft_trees(monkeypatch) -> tuple[list, list, list]:
     real_grow, real_tree = ModelRunner.grow_tree, eagle_mod.tree_verify
     real_forward_tree = ModelRunner.forward_tree
 
-    def grow_tree(self, kernels, input_ids, counts, features, nodes, fn, *args):
+    def grow_tree(self, calls, input_ids, counts, features, nodes, fn, *args):
         def program(tree_then, call, logits, *rest):  # the catch-up's output at the root
             roots.append(logits[:, -1].clone())
             draft_calls.append([])
             return fn(tree_then, call, logits, *rest)
 
-        return real_grow(self, kernels, input_ids, counts, features, nodes, program, *args)
+        return real_grow(self, calls, input_ids, counts, features, nodes, program, *args)
 
     def forward_tree(self, input_ids, anc_rows, depths, features=None):
         out = real_forward_tree(self, input_ids, anc_rows, depths, features)
@@ -146,9 +146,9 @@ def _record_draft_trees(monkeypatch) -> tuple[list, list, list]:
             draft_calls[-1].append((input_ids.clone(), out.clone()))
         return out
 
-    def tree(runner, kernels, tokens, anc, *args):
+    def tree(runner, calls, tokens, anc, *args):
         verified.append((tokens.clone(), anc.clone()))
-        return real_tree(runner, kernels, tokens, anc, *args)
+        return real_tree(runner, calls, tokens, anc, *args)
 
     monkeypatch.setattr(ModelRunner, "grow_tree", grow_tree)
     monkeypatch.setattr(ModelRunner, "forward_tree", forward_tree)

@@ -256,14 +256,14 @@ def test_a_kernel_that_cannot_compile_runs_eagerly_with_a_warning():
         torch._dynamo.graph_break()
         return y
 
-    kernels = CompiledCalls(TRACE)
+    calls = CompiledCalls(TRACE)
     x = torch.ones(3)
-    assert kernels(reads_the_host, x).tolist() == [3.0] * 3  # first meeting: eager
+    assert calls(reads_the_host, x).tolist() == [3.0] * 3  # first meeting: eager
     with pytest.warns(UserWarning, match="reads_the_host failed to compile.*runs eagerly"):
-        kernels.compile_pending()
+        calls.compile_pending()
     counter = HostWorkCounter()
     with counter.counting():
-        assert kernels(reads_the_host, x).tolist() == [3.0] * 3
+        assert calls(reads_the_host, x).tolist() == [3.0] * 3
     assert counter.graph_calls == 0 and counter.ops == 1  # eager: its one op counted
 
 

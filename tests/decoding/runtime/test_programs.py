@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mtad_energy.decoding.runtime import programs, static_fused
+from mtad_energy.decoding.runtime.calls import EagerCalls
 from mtad_energy.decoding.runtime.compiled import CompileOptions
-from mtad_energy.decoding.runtime.kernels import Kernels
 from mtad_energy.decoding.runtime.runner import ModelRunner
 from mtad_energy.decoding.runtime.static import ForwardShape, StaticRunner
 from mtad_energy.decoding.runtime.static_fused import FusedCalls
@@ -85,8 +85,8 @@ def test_eager_and_fused_chains_and_beam_searches_run_the_one_program(llama_pair
     outs = []
     for runner in (eager, fused):
         runner.prefill(torch.tensor([[5, 9, 11, 3]]))
-        tokens = runner.chain(Kernels(), pending, None, draft_next, u, *warp)[0]
-        beams = runner.beam_search(Kernels(), tokens[:, -1:], None, 4, 3, (*warp, False), None)
+        tokens = runner.chain(EagerCalls(), pending, None, draft_next, u, *warp)[0]
+        beams = runner.beam_search(EagerCalls(), tokens[:, -1:], None, 4, 3, (*warp, False), None)
         outs.append((tokens, beams[0]))
     assert program_calls == ["chain", "beam_search"] * 2
     assert fused._pending  # the fused calls ran as such (to compile after the generation)
