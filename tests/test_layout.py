@@ -232,3 +232,31 @@ def test_a_decoder_imports_another_only_when_it_is_its_variant():
                for m, targets in import_graph().items() if m.startswith(prefix)
                for t in targets if t.startswith(prefix)}
     assert reached <= {("mcss", "specinfer"), ("mmtad", "mtad")}, sorted(reached)
+
+
+# The runners' calls whose positional tail is a rule's own arguments, handed on as ``fn(*args)``
+# to the pure function they run after the forward (`programs`, `slot_forward`): their count is the
+# rule's arity, not a call's parameters to be swapped.
+FORWARDS_A_RULES_ARGUMENTS = ("verify", "tree_verify", "grow_tree", "tree_then", "beam_search",
+                              "forward_tree_then")
+
+
+def long_positional_calls(root: Path, most: int = 8) -> list[str]:
+    """Calls in the package passing more than ``most`` arguments by position (starred ones not
+    counted), but the runners' calls handing a rule its arguments."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func).rsplit(".", 1)[-1]
+            n = sum(1 for a in node.args if not isinstance(a, ast.Starred))
+            if n > most and name not in FORWARDS_A_RULES_ARGUMENTS:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {name} ({n})")
+    return found
+
+
+def test_no_call_passes_many_arguments_by_position():
+    """issue 54: past the eighth, a call names its arguments (a 23-argument positional call was
+    a silent swap waiting to happen), in the whole package."""
+    assert long_positional_calls(ROOT) == []

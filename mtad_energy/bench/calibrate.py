@@ -356,13 +356,18 @@ def calibrate_meters(probe: Probe, workloads: Sequence[Workload], plan: Calibrat
     idle = {r["meter"]: r["power_w"] for r in rows if r["workload"] == "idle"}
     idle_w = idle.get(trusted) if trusted else None
     minimum = shortest_window_s(sweep, plan.tolerance) if sweep else None
-    return MeterCalibration(tuple(rows), period, updates, idle_w, tuple(sweep), trusted, why, minimum,
-                            plan.tolerance, _verdict(rows, trusted, why, minimum, period, updates,
-                                                     idle_w, plan.tolerance, swept.name, probe))
+    found = MeterCalibration(
+        rows=tuple(rows), counter_update_period_s=period, counter_updates=updates,
+        idle_power_w=idle_w, sweep=tuple(sweep), trusted=trusted, trust_reason=why,
+        min_window_s=minimum, tolerance=plan.tolerance, verdict=())
+    return dataclasses.replace(found, verdict=_verdict(found, swept.name, probe))
 
 
-def _verdict(rows, trusted, why, minimum, period, updates, idle_w, tolerance, swept, probe
-             ) -> tuple[str, ...]:
+def _verdict(found: MeterCalibration, swept: str, probe) -> tuple[str, ...]:
+    rows, trusted, why, minimum = found.rows, found.trusted, found.trust_reason, found.min_window_s
+    period, updates, idle_w = (found.counter_update_period_s, found.counter_updates,
+                               found.idle_power_w)
+    tolerance = found.tolerance
     lines = [f"trust {trusted}: {why}" if trusted else f"no meter to trust: {why}"]
     if trusted and minimum is not None:
         lines.append(f"shortest window worth measuring with {trusted}: {minimum:.3g} s (every "
@@ -541,9 +546,12 @@ def run_calibration(cfg: CalibrateConfig, log: Callable[[str], object] = lambda 
     record = path = None
     if meters is not None and probe is not None and meters.trusted is not None:
         record = CalibrationRecord(
-            probe.device_id, probe.device_name, time.time(), probe.simulated, meters.trusted,
-            meters.min_window_s, meters.tolerance, meters.counter_update_period_s,
-            meters.idle_power_w, bandwidth, tuple(floor), meters.rows, meters.sweep, meters.verdict)
+            device_id=probe.device_id, device_name=probe.device_name, created_unix_s=time.time(),
+            simulated=probe.simulated, trusted_meter=meters.trusted,
+            min_window_s=meters.min_window_s, tolerance=meters.tolerance,
+            counter_update_period_s=meters.counter_update_period_s,
+            idle_power_w=meters.idle_power_w, copy_bandwidth_bytes_per_s=bandwidth,
+            floor=tuple(floor), meters=meters.rows, sweep=meters.sweep, verdict=meters.verdict)
         if cfg.save:
             path = save_record(record, cfg.record_dir)
     verdict = list(meters.verdict) if meters else [

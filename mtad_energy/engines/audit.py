@@ -364,10 +364,12 @@ def audit_row(config: str, chains: Sequence[Chain], measured: Measured, k: int,
     flag = test.flag(level) if test is not None else (
         "under-accepts" if p_counters < level and not refused else None)
     rate = measured.accepted_tokens / measured.draft_tokens if measured.draft_tokens else 0.0
-    return AuditRow(config, k, len(firsts), alpha1, measured, succ / n if n else 0.0,
-                    wilson_interval(succ, n), rate,
-                    wilson_interval(measured.accepted_tokens, measured.draft_tokens), p_counters,
-                    flag, test, refused)
+    return AuditRow(
+        config=config, k=k, chains=len(firsts), theory_alpha1=alpha1, measured=measured,
+        first_pos_rate=succ / n if n else 0.0, first_pos_ci=wilson_interval(succ, n),
+        accept_rate=rate,
+        accept_rate_ci=wilson_interval(measured.accepted_tokens, measured.draft_tokens),
+        pvalue_counters=p_counters, flag=flag, test=test, refused=refused)
 
 
 # --------------------------------------------------------------------------- lossless check

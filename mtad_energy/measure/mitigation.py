@@ -224,17 +224,17 @@ def _summarise(
     per_rep = [g.energy_per_rep_j for g in groups]
     if any(e is None for e in per_rep):
         return MitigatedEnergy(
-            meter,
-            cfg,
-            tuple(groups),
-            kept,
-            time_per_rep_s,
-            None,
-            None,
-            None,
-            idle_power_w,
-            None,
-            tuple(flags),
+            meter=meter,
+            config=cfg,
+            groups=tuple(groups),
+            repetitions_kept=kept,
+            time_per_rep_s=time_per_rep_s,
+            energy_per_rep_j=None,
+            ci_low_j=None,
+            ci_high_j=None,
+            idle_power_w=idle_power_w,
+            dynamic_energy_per_rep_j=None,
+            flags=tuple(flags),
             reason=f"meter {meter} gave no energy for at least one group",
         )
     values = [float(e) for e in per_rep if e is not None]
@@ -245,15 +245,15 @@ def _summarise(
     half = t_quantile(0.5 + cfg.confidence / 2, n - 1) * sd / math.sqrt(n)
     dynamic = None if idle_power_w is None else mean - idle_power_w * time_per_rep_s
     return MitigatedEnergy(
-        meter,
-        cfg,
-        tuple(groups),
-        kept,
-        time_per_rep_s,
-        mean,
-        mean - half,
-        mean + half,
-        idle_power_w,
-        dynamic,
-        tuple(flags),
+        meter=meter,
+        config=cfg,
+        groups=tuple(groups),
+        repetitions_kept=kept,
+        time_per_rep_s=time_per_rep_s,
+        energy_per_rep_j=mean,
+        ci_low_j=mean - half,
+        ci_high_j=mean + half,
+        idle_power_w=idle_power_w,
+        dynamic_energy_per_rep_j=dynamic,
+        flags=tuple(flags),
     )

@@ -108,22 +108,3 @@ def test_generate_with_a_head_loads_it_from_the_draft_spec_and_drafts_with_it(mo
     assert bad.exit_code != 0
     err = json.loads(bad.output)
     assert "drafts with a medusa head" in err["error"] and "--draft medusa:DIR" in err["error"]
-
-
-def test_no_call_on_the_path_from_the_command_line_to_a_row_passes_many_arguments_by_position():
-    """issue 54: the command line's path to a stored row (cli/, the runner, the decoding batch
-    sweep, the engines' seam and hf, the decoder registry) names its arguments past the eighth:
-    a 23-argument positional call is a silent swap waiting to happen."""
-    import ast
-    from pathlib import Path
-
-    import mtad_energy
-
-    root = Path(mtad_energy.__file__).parent
-    files = [*sorted((root / "cli").glob("*.py")), root / "bench" / "runner.py",
-             root / "bench" / "decode_batch.py", root / "engines" / "__init__.py",
-             root / "engines" / "hf.py", root / "decoding" / "registry.py"]
-    long = [f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node.func)} ({len(node.args)})"
-            for path in files for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Call) and len(node.args) > 8]
-    assert long == []

@@ -300,8 +300,9 @@ def _set_up(decoder: Decoder, pair: ModelPair, prompts: list[list[int]], max_new
     state = DecodeState(ids, list(prompt_lens), prompt_lens, max_new_tokens, target, draft,
                         generator, pair.eos_token_id, tokens=[list(p) for p in prompts],
                         calls=calls, recent_width=decoder.lookahead + 1)
-    return _Run(decoder, pair, prompt_lens, compile, hook, timer, state, target, draft, calls,
-                graphs_before)
+    return _Run(decoder=decoder, pair=pair, prompt_lens=prompt_lens, compile=compile, hook=hook,
+                timer=timer, state=state, target=target, draft=draft, calls=calls,
+                graphs_before=graphs_before)
 
 
 def _prefill(run: _Run) -> Trace:

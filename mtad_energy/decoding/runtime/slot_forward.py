@@ -214,7 +214,8 @@ def forward_grow(model, cache: SlotCache, input_ids: torch.Tensor, new: torch.Te
     V], hidden [rows, k, H], *args)``, whose tree forwards run here (`SlotSteps.tree_then`; a
     padding row takes the first row's tree) and ``call(f, *f_args)`` its pure functions.
     ``forward``: as in `forward_then`."""
-    steps = SlotSteps(model, cache, input_ids, new, real, rows, k, forward, features, hidden)
+    steps = SlotSteps(model, cache, input_ids, new, real, rows, k, forward,
+                      features=features, hidden=hidden)
     return programs.grow_tree(steps, fn, *args)
 
 
