@@ -222,21 +222,12 @@ def _summarise(
     kept = sum(g.repetitions_kept for g in groups)
     time_per_rep_s = sum(g.time_s for g in groups) / kept
     per_rep = [g.energy_per_rep_j for g in groups]
+    shared = dict(meter=meter, config=cfg, groups=tuple(groups), repetitions_kept=kept,
+                  time_per_rep_s=time_per_rep_s, idle_power_w=idle_power_w, flags=tuple(flags))
     if any(e is None for e in per_rep):
-        return MitigatedEnergy(
-            meter=meter,
-            config=cfg,
-            groups=tuple(groups),
-            repetitions_kept=kept,
-            time_per_rep_s=time_per_rep_s,
-            energy_per_rep_j=None,
-            ci_low_j=None,
-            ci_high_j=None,
-            idle_power_w=idle_power_w,
-            dynamic_energy_per_rep_j=None,
-            flags=tuple(flags),
-            reason=f"meter {meter} gave no energy for at least one group",
-        )
+        return MitigatedEnergy(**shared, energy_per_rep_j=None, ci_low_j=None, ci_high_j=None,
+                               dynamic_energy_per_rep_j=None,
+                               reason=f"meter {meter} gave no energy for at least one group")
     values = [float(e) for e in per_rep if e is not None]
     mean = sum(g.energy_j or 0.0 for g in groups) / kept
     n = len(values)
@@ -244,16 +235,5 @@ def _summarise(
     sd = math.sqrt(sum((v - avg) ** 2 for v in values) / (n - 1))
     half = t_quantile(0.5 + cfg.confidence / 2, n - 1) * sd / math.sqrt(n)
     dynamic = None if idle_power_w is None else mean - idle_power_w * time_per_rep_s
-    return MitigatedEnergy(
-        meter=meter,
-        config=cfg,
-        groups=tuple(groups),
-        repetitions_kept=kept,
-        time_per_rep_s=time_per_rep_s,
-        energy_per_rep_j=mean,
-        ci_low_j=mean - half,
-        ci_high_j=mean + half,
-        idle_power_w=idle_power_w,
-        dynamic_energy_per_rep_j=dynamic,
-        flags=tuple(flags),
-    )
+    return MitigatedEnergy(**shared, energy_per_rep_j=mean, ci_low_j=mean - half,
+                           ci_high_j=mean + half, dynamic_energy_per_rep_j=dynamic)

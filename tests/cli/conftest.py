@@ -1,4 +1,4 @@
-"""Fixtures shared by the command-line tests (test_bad_input.py, test_tune.py)."""
+"""Fixtures shared by the command-line tests (test_bad_input.py, test_tune.py, test_sweep_draft.py)."""
 
 from __future__ import annotations
 

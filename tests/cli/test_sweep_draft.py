@@ -28,19 +28,6 @@ def prompts_file(tmp_path):
     return str(path)
 
 
-@pytest.fixture()
-def no_loading(monkeypatch):
-    """Fails the test if a command loads a model."""
-    import mtad_energy.bench.runner as runner_mod
-    import mtad_energy.models as models_mod
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the drafts were checked")
-
-    monkeypatch.setattr(runner_mod, "load_pair", refuse)
-    monkeypatch.setattr(models_mod, "load_pair", refuse)
-
-
 def sweep(model_dirs, prompts_file, out, *drafts, decoders="spd,mtad", extra=()):
     args = ["sweep", "draft", "--target", model_dirs["llama"], "--decoders", decoders,
             *[a for d in drafts for a in ("--draft", d)], "--meter", "none", "--dataset",
