@@ -32,6 +32,7 @@ from mtad_energy.bench.phase_windows import PhaseWindows
 from mtad_energy.bench.prompts import load_prompts
 from mtad_energy.bench.runner import Runner, WorkUnit
 from mtad_energy.config import DecoderSpec, MeasureConfig, ModelSpec, RunConfig
+from mtad_energy.decoding.registry import build_decoder
 from mtad_energy.decoding.runtime.generate import encode_prompt, generate_ids
 from mtad_energy.measure import NoneMeter
 from mtad_energy.models import load_pair
@@ -51,11 +52,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     spec = DecoderSpec(args.decoder)
-    needs_draft = spec.build().needs_draft
+    needs_draft = build_decoder(spec).needs_draft
     pair = load_pair(args.model, with_draft=needs_draft)
     prompts = load_prompts("mtbench", args.n_prompts)
     meter = NoneMeter()
-    decoder = spec.build()
+    decoder = build_decoder(spec)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):

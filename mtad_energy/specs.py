@@ -2,8 +2,8 @@
 (`ModelSpec`), and whether a model spec holds random weights (`random_weights`, `RANDOM_NOTE`).
 
 Plain values, importable from anywhere (the engines and the results read them; the run
-configuration in `mtad_energy.config` holds them). Nothing here loads or builds anything but
-`DecoderSpec.build`, which asks the decoder registry.
+configuration in `mtad_energy.config` holds them). Nothing here loads or builds anything: a
+decoder is built from its spec by `decoding.registry.build_decoder`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ class DecoderSpec:
         if not self.params:
             return self.name
         return f"{self.name}(" + ",".join(f"{k}={v}" for k, v in self.params) + ")"
-
-    def build(self):
-        from mtad_energy.decoding.registry import build_decoder
-
-        return build_decoder(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "params": self.param_dict}

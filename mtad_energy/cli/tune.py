@@ -76,6 +76,7 @@ def grid_specs(names: list[str], fixed: dict[str, str], overrides: dict[str, dic
     baseline) first with one; each built once, so a grid value a decoder refuses is a UsageError
     naming the decoder, the setting and the fix before any model loads."""
     from mtad_energy.decoding.grids import TUNING_GRIDS, grid_settings
+    from mtad_energy.decoding.registry import build_decoder
 
     bases = dict(zip([BASELINE, *names], decoder_specs([BASELINE, *names], fixed), strict=True))
     out: dict[str, list[DecoderSpec]] = {BASELINE: [bases[BASELINE]]}
@@ -88,7 +89,7 @@ def grid_specs(names: list[str], fixed: dict[str, str], overrides: dict[str, dic
         for setting in grid_settings(name, overrides[name]):
             spec = DecoderSpec.of(name, **{**bases[name].param_dict, **setting})
             try:
-                spec.build()
+                build_decoder(spec)
             except ValueError as error:
                 raise UsageError(f"{name} refuses the grid setting {spec.label}: {error}; give "
                                  f"--grid values it takes (`mtad-energy decoders`)") from None
@@ -168,9 +169,10 @@ def _params(rows) -> dict[str, Any] | None:
 def stored_params_json(spec: DecoderSpec) -> str:
     """The ``params_json`` the hf engine stores for ``spec``'s rows (`engines.hf`: every
     parameter, defaults included), known without loading a model."""
+    from mtad_energy.decoding.registry import build_decoder
     from mtad_energy.results.schema import params_json
 
-    return params_json({k: v for k, v in spec.build().config().items() if k != "decoder"})
+    return params_json({k: v for k, v in build_decoder(spec).config().items() if k != "decoder"})
 
 
 def _write_record(path: Path, doc: dict[str, Any]) -> None:

@@ -114,8 +114,8 @@ def get_decoder(name: str, **params: Any) -> Decoder:
 
 
 def build_decoder(spec: DecoderSpec) -> Decoder:
-    """The one construction of a decoder from its spec (`DecoderSpec.build` and every engine,
-    command and check that needs the decoder itself call it): a bad name, parameter or value is a
+    """The one construction of a decoder from its spec (every engine, command and check that
+    needs the decoder itself calls it): a bad name, parameter or value is a
     ValueError naming it."""
     return get_decoder(spec.name, **spec.param_dict)
 

@@ -10,6 +10,7 @@ import pytest
 
 from mtad_energy.bench.phase_windows import measure_generation
 from mtad_energy.config import DecoderSpec
+from mtad_energy.decoding.registry import build_decoder
 from mtad_energy.decoding.runtime.generate import generate_rows
 from mtad_energy.energy.tap import RooflineDevice
 from mtad_energy.engines.hf import HfEngine
@@ -53,7 +54,7 @@ def test_each_window_is_charged_the_work_its_phase_does(llama_pair):
     device = RooflineDevice()  # an independent tap of the same generation, phase by phase
     marks: list[tuple[str, int, int]] = []
     with device.tap(llama_pair.target, llama_pair.draft):
-        generate_rows(spec.build(), llama_pair, [list(p) for p in PROMPTS], 6, seed=1,
+        generate_rows(build_decoder(spec), llama_pair, [list(p) for p in PROMPTS], 6, seed=1,
                       compute_perplexity=False,
                       on_phase=lambda phase: marks.append((phase, device.flops, device.bytes)))
     marks.append(("end", device.flops, device.bytes))

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from mtad_energy.config import DecoderSpec, ModelSpec, RunConfig
+from mtad_energy.decoding.registry import build_decoder
 from mtad_energy.engines import (
     Engine,
     EngineNotInstalledError,
@@ -392,7 +393,7 @@ def test_an_engine_sweep_takes_parameter_values_only_the_engine_has(tmp_path, mo
     assert json.loads(out.stdout)["plot"] == str(tmp_path / "s-crossover-vllm.png")
     assert (tmp_path / "s-crossover-vllm.png").is_file()
     with pytest.raises(ValueError, match="gamma must be >= 1"):  # hf's own rule, where hf runs
-        DecoderSpec.of("spd", gamma="0").build()
+        build_decoder(DecoderSpec.of("spd", gamma="0"))
 
 
 def test_the_project_decoders_are_built_where_hf_runs_them_only():

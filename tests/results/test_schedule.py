@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from mtad_energy.cli import app
 from mtad_energy.config import DecoderSpec
-from mtad_energy.decoding.registry import expand_variants
+from mtad_energy.decoding.registry import build_decoder, expand_variants
 from mtad_energy.results import ResultStore, stable_key
 from mtad_energy.results.schedule import (
     DRAFT_AT_ZERO_NOTE,
@@ -509,5 +509,5 @@ def test_comma_lists_of_a_scalar_parameter_become_variants():
     assert len(grid) == 4 and DecoderSpec.of("mtad", gamma="4", tau="0.3") in grid
     tree = expand_variants([DecoderSpec.of("specinfer", branching="4,2,2")])
     assert tree == [DecoderSpec.of("specinfer", branching="4,2,2")]  # a tuple: one value
-    assert tree[0].build().params.branching == (4, 2, 2)
-    assert pd.Series([s.build().params.gamma for s in specs[1:]]).tolist() == [1, 2, 3, 5]
+    assert build_decoder(tree[0]).params.branching == (4, 2, 2)
+    assert pd.Series([build_decoder(s).params.gamma for s in specs[1:]]).tolist() == [1, 2, 3, 5]

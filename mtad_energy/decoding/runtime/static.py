@@ -41,9 +41,8 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +66,11 @@ from mtad_energy.decoding.runtime.slot_forward import (
     slot_forward,
 )
 from mtad_energy.decoding.runtime.state import to_device
-from mtad_energy.decoding.runtime.static_fused import FusedCalls
+from mtad_energy.decoding.runtime.static_fused import (  # noqa: F401 (ForwardShape, WarmForward: static.*)
+    ForwardShape,
+    FusedCalls,
+    WarmForward,
+)
 from mtad_energy.decoding.runtime.static_graphs import (
     check_static_support,
     eager_reason,
@@ -78,39 +81,6 @@ from mtad_energy.decoding.runtime.static_graphs import (
 )
 from mtad_energy.decoding.runtime.timer import PhaseTimer
 from mtad_energy.energy.work import Forward
-
-
-class WarmForward(NamedTuple):
-    """A forward to compile before the windows open (`Decoder.warm_forwards`): ``columns``
-    tokens after ``m`` earlier tree nodes (None: a chain, run at `StaticRunner._width`), with a
-    head's ``features`` of that width (None: none); ``per_seq``: a tree of its own per sequence
-    (at B > 1 rows: one per row, as `slot_forward.rows_of` pads it); ``rows_per_seq``: a chain
-    at that many cache rows per sequence (a beam search's steps over W beams)."""
-
-    columns: int
-    m: int | None = None
-    features: int | None = None
-    per_seq: bool = False
-    rows_per_seq: int = 1
-
-
-@dataclass(frozen=True)
-class ForwardShape:
-    """What a decoder tells the compiled runner of one of its models up front."""
-
-    key: str = ""  # the decoder (name and parameters): tree widths are remembered per key
-    rows_per_seq: int = 1  # cache rows a sequence expands to at most (beams)
-    max_chain: int = 1  # widest chain forward (a verify of gamma + 1 tokens)
-    # chain widths whose use depends on sampled values (a catch-up of 2 after a full accept, a
-    # verify of 2 or a target step of 1 in the last iterations): compiled when the runner is
-    # made, before the generation's windows open, so no warm-up has to be lucky to meet them
-    warm_widths: tuple[int, ...] = ()
-    hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
-    # forwards whose shapes the decoder knows up front but meets only inside the loop
-    # (`Decoder.warm_forwards`: a head's catch-up and tree levels with its features, a tree
-    # verify), compiled with `warm_widths`
-    warm_forwards: tuple[WarmForward, ...] = ()
-
 
 # models already warned about staying eager (Python's own once-per-location filter is reset by
 # every `warnings.catch_warnings` block, which torch and transformers enter often)

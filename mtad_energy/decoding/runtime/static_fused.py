@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -36,8 +37,39 @@ from mtad_energy.decoding.runtime.slot_forward import (
 from mtad_energy.models.shapes import output_size
 
 if TYPE_CHECKING:
-    from mtad_energy.decoding.runtime.static import ForwardShape
     from mtad_energy.decoding.runtime.static_graphs import StaticGraphs
+
+
+class WarmForward(NamedTuple):
+    """A forward to compile before the windows open (`Decoder.warm_forwards`): ``columns``
+    tokens after ``m`` earlier tree nodes (None: a chain, run at `StaticRunner._width`), with a
+    head's ``features`` of that width (None: none); ``per_seq``: a tree of its own per sequence
+    (at B > 1 rows: one per row, as `slot_forward.rows_of` pads it); ``rows_per_seq``: a chain
+    at that many cache rows per sequence (a beam search's steps over W beams)."""
+
+    columns: int
+    m: int | None = None
+    features: int | None = None
+    per_seq: bool = False
+    rows_per_seq: int = 1
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """What a decoder tells the compiled runner of one of its models up front."""
+
+    key: str = ""  # the decoder (name and parameters): tree widths are remembered per key
+    rows_per_seq: int = 1  # cache rows a sequence expands to at most (beams)
+    max_chain: int = 1  # widest chain forward (a verify of gamma + 1 tokens)
+    # chain widths whose use depends on sampled values (a catch-up of 2 after a full accept, a
+    # verify of 2 or a target step of 1 in the last iterations): compiled when the runner is
+    # made, before the generation's windows open, so no warm-up has to be lucky to meet them
+    warm_widths: tuple[int, ...] = ()
+    hidden: tuple[int, ...] = ()  # hidden states every forward returns (`ModelRunner`)
+    # forwards whose shapes the decoder knows up front but meets only inside the loop
+    # (`Decoder.warm_forwards`: a head's catch-up and tree levels with its features, a tree
+    # verify), compiled with `warm_widths`
+    warm_forwards: tuple[WarmForward, ...] = ()
 
 
 class FusedCalls:
